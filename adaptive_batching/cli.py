@@ -1,0 +1,100 @@
+"""The ``adaptive-batching`` console script: tiny offline assets, and listing/copying recipes and configs."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import shutil
+import sys
+from pathlib import Path
+from typing import Optional, Sequence
+
+from adaptive_batching.config import RECIPES, shipped_config_names, shipped_configs_dir
+
+
+def _recipe_file(name: str) -> Path:
+    spec = importlib.util.find_spec(name)
+    if spec is None or spec.origin is None:
+        raise FileNotFoundError(f"recipe module {name!r} is not installed")
+    return Path(spec.origin)
+
+
+def _configs_for(recipe: str) -> list[str]:
+    lora = recipe == "adaptive_lora_finetune"
+    return [n for n in shipped_config_names() if n.endswith("_lora") == lora]
+
+
+def cmd_tiny_assets(args: argparse.Namespace) -> int:
+    from adaptive_batching.tiny_assets import describe, write_tiny_assets
+
+    paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
+    print(describe(paths))
+    return 0
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    print(f"{'RECIPE':<28}CONFIG")
+    for recipe in RECIPES:
+        configs = _configs_for(recipe)
+        for i, name in enumerate(configs):
+            print(f"{recipe if i == 0 else '':<28}{name}")
+    return 0
+
+
+def cmd_cp(args: argparse.Namespace) -> int:
+    stem = args.name[: -len(".yaml")] if args.name.endswith(".yaml") else args.name
+    if args.name in RECIPES:
+        source = _recipe_file(args.name)
+    elif stem in shipped_config_names():
+        source = shipped_configs_dir() / f"{stem}.yaml"
+    else:
+        print(f"error: {args.name!r} is neither a recipe ({', '.join(RECIPES)}) nor a shipped config "
+              f"({', '.join(shipped_config_names())})", file=sys.stderr)
+        return 2
+    destination = Path(args.destination)
+    if destination.is_dir() or args.destination.endswith("/"):
+        destination = destination / source.name
+    if not destination.suffix:
+        destination = destination.with_suffix(source.suffix)
+    if destination.exists() and destination.resolve() == source.resolve():
+        print(f"error: {destination} is the shipped file itself", file=sys.stderr)
+        return 2
+    if destination.exists() and not args.force:
+        print(f"error: {destination} exists; pass --force to overwrite", file=sys.stderr)
+        return 2
+    destination.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(source, destination)
+    print(f"Copied {source.name} to {destination}")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from adaptive_batching.tiny_assets import DEFAULT_TINY_DIR
+
+    parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny-assets", help="write the offline tiny model, tokenizer and dataset")
+    tiny.add_argument("--output-dir", default=DEFAULT_TINY_DIR, help=f"default: {DEFAULT_TINY_DIR}")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--num-samples", type=int, default=3000)
+    tiny.set_defaults(func=cmd_tiny_assets)
+
+    ls = sub.add_parser("ls", help="list the shipped recipes and configs")
+    ls.set_defaults(func=cmd_ls)
+
+    cp = sub.add_parser("cp", help="copy a shipped recipe or config to edit it")
+    cp.add_argument("name", help="a recipe or config name, e.g. tiny_full or adaptive_full_finetune")
+    cp.add_argument("destination", help="a file or directory")
+    cp.add_argument("--force", action="store_true", help="overwrite an existing file")
+    cp.set_defaults(func=cmd_cp)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,57 @@
+"""Dataset, sampler and dataloader for the recipes, built from torchtune and torchdata components."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, Callable
+
+from omegaconf import DictConfig, ListConfig
+from torch.utils.data import ConcatDataset, Dataset
+from torchdata.stateful_dataloader import StatefulDataLoader
+from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
+from torchtune import config
+from torchtune.config._utils import _get_component_from_path
+from torchtune.data import padded_collate_packed
+
+from adaptive_batching.distributed import ParallelInfo
+
+DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
+
+
+def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple[Dataset, bool]:
+    """Instantiate the configured dataset (or several, concatenated); say whether it is packed."""
+    if isinstance(cfg_dataset, ListConfig):
+        parts = [config.instantiate(c, tokenizer) for c in cfg_dataset]
+        return ConcatDataset(parts), all(c.get("packed", False) for c in cfg_dataset)
+    return config.instantiate(cfg_dataset, tokenizer), bool(cfg_dataset.get("packed", False))
+
+
+def build_collate(collate_path: str, packed: bool, pad_id: int, ignore_index: int) -> Callable:
+    """The collate function: packed samples keep their block-causal mask, others are padded."""
+    if packed:
+        return padded_collate_packed
+    if "left_pad_sequence" in collate_path:
+        raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only")
+    return partial(_get_component_from_path(collate_path), padding_idx=pad_id, ignore_idx=ignore_index)
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    micro_batch: int,
+    collate_fn: Callable,
+    parallel: ParallelInfo,
+    shuffle: bool,
+    seed: int,
+) -> StatefulDataLoader:
+    """A resumable dataloader over this rank's shard, shuffled from ``seed`` and the epoch."""
+    sampler = StatefulDistributedSampler(
+        dataset, num_replicas=parallel.world_size, rank=parallel.rank, shuffle=shuffle, seed=seed
+    )
+    return StatefulDataLoader(
+        dataset=dataset,
+        batch_size=micro_batch,
+        sampler=sampler,
+        collate_fn=collate_fn,
+        drop_last=True,
+    )

@@ -1,0 +1,75 @@
+"""Process-group set-up that works on CPU (gloo) and CUDA (NCCL), single process or under torchrun."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ParallelInfo:
+    """Where this process sits: data-parallel size and rank."""
+
+    world_size: int = 1
+    rank: int = 0
+    local_rank: int = 0
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1 or dist.is_initialized()
+
+    @property
+    def is_rank_zero(self) -> bool:
+        return self.rank == 0
+
+
+def launched_by_torchrun() -> bool:
+    """True when torchrun (or another launcher) set the rendezvous environment."""
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def backend_for(device: torch.device) -> str:
+    """NCCL for CUDA, gloo for everything else (CPU included)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def device_for(device_type: str, local_rank: int) -> torch.device:
+    """The device this process trains on: ``cuda:<local_rank>`` under torchrun, else as configured."""
+    device_type = device_type or "cpu"
+    if device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("config key 'device' = 'cuda' but no CUDA device is available; use device=cpu")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device(device_type)
+
+
+def init_parallel(device_type: str) -> tuple[torch.device, ParallelInfo]:
+    """Pick the device and, under torchrun, join the process group."""
+    if not launched_by_torchrun():
+        return device_for(device_type, 0), ParallelInfo()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    device = device_for(device_type, local_rank)
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend_for(device))
+    return device, ParallelInfo(dist.get_world_size(), dist.get_rank(), local_rank)
+
+
+def all_reduce_sum(value: torch.Tensor, parallel: ParallelInfo) -> torch.Tensor:
+    """Sum over ranks in place (a no-op in a single process)."""
+    if parallel.is_distributed:
+        dist.all_reduce(value)
+    return value
+
+
+def barrier(parallel: ParallelInfo) -> None:
+    if parallel.is_distributed:
+        dist.barrier()
+
+
+def shutdown(parallel: ParallelInfo) -> None:
+    if parallel.is_distributed and dist.is_initialized():
+        dist.destroy_process_group()

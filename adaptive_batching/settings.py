@@ -1,0 +1,242 @@
+"""The adaptive config keys and the recipe keys they depend on, validated before any model loads.
+
+Top-level keys: ``use_maximum_batch_size``, ``batch_increase_function``, ``lr_scaling``.
+Knobs live under ``adaptive_batching:``; a misspelt knob is an error naming the known ones.
+A knob whose feature is not available in this version fails when set to a non-default value,
+so a config never silently asks for something that does not happen.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value is wrong; the message names the key and what is allowed."""
+
+
+LR_SCALING_RULES = ("linear", "sqrt", "none")
+ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
+_BYTES_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """``12GiB``, ``500MB``, ``1.5GiB`` or a plain number of bytes, as an int."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a memory size")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = _BYTES_PATTERN.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a memory size like '12GiB', '500MB' or 1073741824")
+        number = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
+    if not math.isfinite(number) or number < 1:
+        raise ValueError(f"{value!r} is not a positive, finite memory size")
+    return int(number)
+
+
+# A check returns None when the value is fine, else a description of what is allowed.
+Check = Callable[[Any], Optional[str]]
+
+
+def _bool(v: Any) -> Optional[str]:
+    return None if isinstance(v, bool) else "true or false"
+
+
+def _pos_int(v: Any) -> Optional[str]:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an integer >= 1"
+
+
+def _opt_pos_int(v: Any) -> Optional[str]:
+    return None if v is None else _pos_int(v) and "null or an integer >= 1"
+
+
+def _choice(*allowed: str) -> Check:
+    return lambda v: None if v in allowed else " | ".join(allowed)
+
+
+def _fraction(v: Any) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+    return None if ok else "a number in (0, 1]"
+
+
+def _margin(v: Any) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 0.5
+    return None if ok else "a number in [0, 0.5)"
+
+
+def _round_to(v: Any) -> Optional[str]:
+    ok = isinstance(v, str) and ROUND_TO_PATTERN.match(v)
+    return None if ok else "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
+
+
+def _memory(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    try:
+        parse_bytes(v)
+    except ValueError:
+        return "null or a memory size such as '12GiB', '500MB' or a number of bytes"
+    return None
+
+
+def _opt_str(v: Any) -> Optional[str]:
+    return None if v is None or isinstance(v, str) else "null or a path"
+
+
+def _opt_mapping(v: Any) -> Optional[str]:
+    return None if v is None or isinstance(v, Mapping) else "null or a mapping"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One key under ``adaptive_batching:``."""
+
+    default: Any
+    check: Check
+    available: bool
+    feature: str
+
+
+KNOBS: dict[str, Knob] = {
+    "memory_budget": Knob(None, _memory, False, "the start-up batch-size profiler"),
+    "memory_fraction": Knob(0.9, _fraction, False, "the start-up batch-size profiler"),
+    "safety_margin": Knob(0.05, _margin, False, "the start-up batch-size profiler"),
+    "round_to": Knob("none", _round_to, False, "the start-up batch-size profiler"),
+    "reprofile": Knob(False, _bool, False, "the start-up batch-size profiler"),
+    "cache_dir": Knob(None, _opt_str, False, "the start-up batch-size profiler"),
+    "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), False, "per-epoch batch growth"),
+    "max_tokens": Knob(None, _opt_pos_int, False, "token-budget batching"),
+    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), False,
+                          "token-budget batching"),
+    "min_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
+    "max_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
+    "elastic": Knob(None, _opt_mapping, False, "elastic global batch sizes"),
+    "oom_recovery": Knob(False, _bool, False, "recovery from an out-of-memory error"),
+}
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    """The validated adaptive configuration of one run."""
+
+    use_maximum_batch_size: bool = False
+    batch_increase_function: Optional[Any] = None
+    lr_scaling: Optional[str] = None
+    knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config key '{key}' = {value!r} is invalid: expected {allowed}")
+
+
+def _not_available(key: str, value: Any, feature: str) -> ConfigError:
+    return ConfigError(
+        f"config key '{key}' = {value!r} asks for {feature}, which this version of "
+        f"adaptive-batching does not provide yet; remove the key or set it to its default"
+    )
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _check_recipe_keys(cfg: DictConfig) -> None:
+    """The standard torchtune keys whose values the adaptive machinery relies on."""
+    checks: dict[str, tuple[Check, bool]] = {
+        "batch_size": (_pos_int, True),
+        "gradient_accumulation_steps": (_pos_int, False),
+        "epochs": (_pos_int, True),
+        "max_steps_per_epoch": (_opt_pos_int, False),
+        "log_every_n_steps": (_pos_int, False),
+        "compile": (_bool, False),
+        "enable_activation_checkpointing": (_bool, False),
+        "resume_from_checkpoint": (_bool, False),
+        "shuffle": (_bool, False),
+        "dtype": (_choice("fp32", "bf16"), False),
+    }
+    for key, (check, required) in checks.items():
+        if key not in cfg:
+            if required:
+                raise ConfigError(f"config key '{key}' is missing")
+            continue
+        value = _plain(cfg[key])
+        allowed = check(value)
+        if allowed:
+            raise _fail(key, value, allowed)
+    seed = _plain(cfg.get("seed", None))
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise _fail("seed", seed, "null or an integer >= 0")
+    clip = _plain(cfg.get("clip_grad_norm", None))
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise _fail("clip_grad_norm", clip, "null or a number > 0")
+    for key in ("model", "tokenizer", "dataset", "optimizer", "loss", "checkpointer"):
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"config key '{key}' is missing")
+
+
+def _check_increase_function(value: Any) -> Optional[Any]:
+    """A dotted path, a ``_component_`` node, or off (null, or a node whose component is null)."""
+    if value is None:
+        return None
+    if isinstance(value, Mapping):
+        if "_component_" not in value:
+            raise _fail("batch_increase_function", value, "a node with '_component_' (null to switch it off)")
+        component = value["_component_"]
+        if component is None:
+            return None
+        if not isinstance(component, str) or not component:
+            raise _fail("batch_increase_function._component_", component, "a dotted path to a callable")
+        return value
+    if isinstance(value, str) and value:
+        return None if value.lower() in ("none", "null") else value
+    raise _fail("batch_increase_function", value,
+                "null, a dotted path to a callable, or a node with '_component_'")
+
+
+def validate_config(cfg: DictConfig) -> AdaptiveSettings:
+    """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key."""
+    _check_recipe_keys(cfg)
+
+    use_max = _plain(cfg.get("use_maximum_batch_size", False))
+    if not isinstance(use_max, bool):
+        raise _fail("use_maximum_batch_size", use_max, "true or false")
+    if use_max:
+        raise _not_available("use_maximum_batch_size", use_max, "the start-up batch-size profiler")
+
+    increase = _check_increase_function(_plain(cfg.get("batch_increase_function", None)))
+    if increase is not None:
+        raise _not_available("batch_increase_function", increase, "per-epoch batch growth")
+
+    lr_scaling = _plain(cfg.get("lr_scaling", None))
+    if lr_scaling is not None and lr_scaling not in LR_SCALING_RULES:
+        raise _fail("lr_scaling", lr_scaling, " | ".join(LR_SCALING_RULES) + " (or null for the default)")
+
+    section = _plain(cfg.get("adaptive_batching", None))
+    section = {} if section is None else section
+    if not isinstance(section, Mapping):
+        raise _fail("adaptive_batching", section, f"a mapping with keys {', '.join(KNOBS)}")
+    unknown = sorted(str(k) for k in section if k not in KNOBS)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join('adaptive_batching.' + k for k in unknown)}; "
+            f"known keys under 'adaptive_batching': {', '.join(KNOBS)}"
+        )
+    knobs = {name: knob.default for name, knob in KNOBS.items()}
+    for name, value in section.items():
+        knob = KNOBS[name]
+        allowed = knob.check(value)
+        if allowed:
+            raise _fail(f"adaptive_batching.{name}", value, allowed)
+        if value != knob.default and not knob.available:
+            raise _not_available(f"adaptive_batching.{name}", value, knob.feature)
+        knobs[name] = value
+    return AdaptiveSettings(use_max, increase, lr_scaling, knobs)

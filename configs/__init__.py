@@ -1,0 +1,1 @@
+"""Configs shipped with adaptive-batching, found by name by the recipes."""

@@ -1,0 +1,139 @@
+"""The ``adaptive-batching`` console script: ls, cp and tiny-assets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from adaptive_batching.cli import main
+from adaptive_batching.config import RECIPES, shipped_config_names, shipped_configs_dir
+from adaptive_batching.tiny_assets import TinyAssetPaths
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def _in_tmp(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Run every command from an empty directory, so no local file can stand in for a shipped one."""
+    monkeypatch.chdir(tmp_path)
+
+
+def test_ls_lists_recipes_and_their_configs(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["ls"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["RECIPE", "CONFIG"]
+    listing: dict[str, list[str]] = {}
+    current = None
+    for line in lines[1:]:
+        fields = line.split()
+        if len(fields) == 2:
+            current = fields[0]
+            listing[current] = []
+        assert current is not None and 1 <= len(fields) <= 2, line
+        listing[current].append(fields[-1])
+    assert list(listing) == list(RECIPES)
+    assert "tiny_full" in listing["adaptive_full_finetune"]
+    assert "tiny_lora" in listing["adaptive_lora_finetune"]
+    listed = [name for names in listing.values() for name in names]
+    assert sorted(listed) == shipped_config_names()
+    for name in listing["adaptive_lora_finetune"]:
+        assert name.endswith("_lora")
+    for name in listing["adaptive_full_finetune"]:
+        assert not name.endswith("_lora")
+
+
+def test_cp_config_into_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    dest = tmp_path / "dest_dir"
+    assert main(["cp", "tiny_full", f"{dest}/"]) == 0
+    copied = dest / "tiny_full.yaml"
+    assert copied.read_bytes() == (REPO / "configs" / "tiny_full.yaml").read_bytes()
+    assert copied.read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
+    assert str(copied) in capsys.readouterr().out
+    assert sorted(p.name for p in dest.iterdir()) == ["tiny_full.yaml"]
+
+
+def test_cp_config_into_existing_directory_without_slash(tmp_path: Path) -> None:
+    dest = tmp_path / "existing"
+    dest.mkdir()
+    assert main(["cp", "tiny_lora.yaml", str(dest)]) == 0
+    assert (dest / "tiny_lora.yaml").read_bytes() == (REPO / "configs" / "tiny_lora.yaml").read_bytes()
+
+
+def test_cp_refuses_to_overwrite_without_force(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    target = tmp_path / "out.yaml"
+    shipped = (REPO / "configs" / "tiny_full.yaml").read_bytes()
+    assert main(["cp", "tiny_full", "out.yaml"]) == 0
+    assert target.read_bytes() == shipped
+    capsys.readouterr()
+
+    target.write_text("edited: true\n")
+    assert main(["cp", "tiny_full", "out.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "out.yaml" in err and "--force" in err
+    assert target.read_text() == "edited: true\n"
+
+    assert main(["cp", "tiny_full", "out.yaml", "--force"]) == 0
+    assert target.read_bytes() == shipped
+
+
+def test_cp_adds_suffix_to_bare_destination(tmp_path: Path) -> None:
+    assert main(["cp", "tiny_lora", "mine"]) == 0
+    assert (tmp_path / "mine.yaml").read_bytes() == (REPO / "configs" / "tiny_lora.yaml").read_bytes()
+    assert not (tmp_path / "mine").exists()
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_cp_recipe(recipe: str, tmp_path: Path) -> None:
+    assert main(["cp", recipe, "dest/"]) == 0
+    copied = tmp_path / "dest" / f"{recipe}.py"
+    assert copied.read_bytes() == (REPO / "recipes" / f"{recipe}.py").read_bytes()
+
+
+def test_cp_unknown_name(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cp", "no_such_thing", "out.yaml"]) == 2
+    err = capsys.readouterr().err
+    assert "'no_such_thing'" in err
+    for name in (*RECIPES, *shipped_config_names()):
+        assert name in err
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_unknown_command_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as info:
+        main(["frobnicate"])
+    assert info.value.code == 2
+    assert "tiny-assets" in capsys.readouterr().err
+
+
+def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "assets"
+    assert main(["tiny-assets", "--output-dir", str(out), "--num-samples", "50"]) == 0
+    paths = TinyAssetPaths.from_root(out)
+    files = [
+        paths.model_dir / "config.json",
+        paths.model_dir / "model.safetensors",
+        paths.tokenizer_path,
+        paths.special_tokens_path,
+        paths.dataset_path,
+    ]
+    for file in files:
+        assert file.is_file() and file.stat().st_size > 0, file
+    assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
+        str(f.relative_to(out)) for f in files
+    )
+    printed = capsys.readouterr().out
+    assert f"tiny assets in {out}" in printed
+    assert "samples: 50" in printed
+    for file in files:
+        assert f"{file.relative_to(out)}: {file.stat().st_size:,} bytes" in printed
+    assert "p50=" in printed and "p95=" in printed
+
+
+def test_cp_copies_the_shipped_config_even_when_a_local_file_has_its_name(tmp_path: Path) -> None:
+    local = tmp_path / "tiny_full.yaml"
+    local.write_text("batch_size: 99\n")
+    assert main(["cp", "tiny_full.yaml", str(tmp_path / "copy.yaml")]) == 0
+    assert (tmp_path / "copy.yaml").read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
+    assert main(["cp", "tiny_full.yaml", ".", "--force"]) == 0
+    assert local.read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()

@@ -1,0 +1,305 @@
+"""Validation of the adaptive config keys and the recipe keys they rely on (pure, in-process)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.settings import KNOBS, ConfigError, parse_bytes, validate_config
+
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
+DELETE = object()
+
+
+@pytest.fixture(scope="module")
+def base_cfg() -> DictConfig:
+    return OmegaConf.load(CONFIGS / "tiny_full.yaml")
+
+
+def modified(base: DictConfig, updates: dict[str, Any]) -> DictConfig:
+    """A copy of ``base`` with dotted keys set (or removed with DELETE); ``base`` is untouched."""
+    cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
+    for key, value in updates.items():
+        if value is DELETE:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            del node[leaf]
+        else:
+            OmegaConf.update(cfg, key, value, merge=False)
+    return cfg
+
+
+def config_error(cfg: DictConfig) -> str:
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    return str(info.value)
+
+
+# --------------------------------------------------------------------------- #
+# Shipped configs
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize("name", ["tiny_full", "tiny_lora"])
+def test_shipped_configs_validate_with_defaults(name: str) -> None:
+    settings = validate_config(OmegaConf.load(CONFIGS / f"{name}.yaml"))
+    assert settings.use_maximum_batch_size is False
+    assert settings.batch_increase_function is None
+    assert settings.lr_scaling is None
+    assert settings.knobs == {knob_name: knob.default for knob_name, knob in KNOBS.items()}
+    # The documented defaults.
+    assert settings.knobs["memory_budget"] is None
+    assert settings.knobs["memory_fraction"] == 0.9
+    assert settings.knobs["safety_margin"] == 0.05
+    assert settings.knobs["round_to"] == "none"
+    assert settings.knobs["reprofile"] is False
+    assert settings.knobs["picking_order"] == "dataloader"
+    assert settings.knobs["oom_recovery"] is False
+
+
+def test_validation_does_not_modify_config(base_cfg: DictConfig) -> None:
+    cfg = modified(base_cfg, {"adaptive_batching.memory_fraction": 0.9})
+    before = OmegaConf.to_container(cfg, resolve=False)
+    validate_config(cfg)
+    assert OmegaConf.to_container(cfg, resolve=False) == before
+
+
+def test_optional_recipe_keys_may_be_absent(base_cfg: DictConfig) -> None:
+    cfg = modified(
+        base_cfg,
+        {k: DELETE for k in ("gradient_accumulation_steps", "max_steps_per_epoch", "seed", "clip_grad_norm",
+                             "dtype", "compile", "shuffle", "use_maximum_batch_size",
+                             "batch_increase_function", "lr_scaling", "adaptive_batching")},
+    )
+    settings = validate_config(cfg)
+    assert settings.knobs == {name: knob.default for name, knob in KNOBS.items()}
+
+
+@pytest.mark.parametrize("rule", ["linear", "sqrt", "none"])
+def test_lr_scaling_rules_accepted(base_cfg: DictConfig, rule: str) -> None:
+    assert validate_config(modified(base_cfg, {"lr_scaling": rule})).lr_scaling == rule
+
+
+@pytest.mark.parametrize("value", ["power_of_two", "none", "multiple_of_8", "multiple_of_1"])
+def test_round_to_valid_values_pass_the_type_check(base_cfg: DictConfig, value: str) -> None:
+    """A well-formed round_to either validates or fails only because its feature is not available."""
+    cfg = modified(base_cfg, {"adaptive_batching.round_to": value})
+    if value == KNOBS["round_to"].default or KNOBS["round_to"].available:
+        assert validate_config(cfg).knobs["round_to"] == value
+    else:
+        message = config_error(cfg)
+        assert "is invalid" not in message
+        assert "does not provide" in message
+
+
+# --------------------------------------------------------------------------- #
+# Bad inputs: the message names the key, the value and what is allowed
+# --------------------------------------------------------------------------- #
+
+ALL_KNOBS = tuple(KNOBS)
+
+BAD_INPUTS = [
+    # (id, updates, key named in the message, the value's repr or None, fragments of what is allowed)
+    ("unknown_knob", {"adaptive_batching.bogus": 1}, "adaptive_batching.bogus", None, ALL_KNOBS),
+    ("misspelt_knob", {"adaptive_batching.memory_budgett": "12GiB"}, "adaptive_batching.memory_budgett", None,
+     ALL_KNOBS),
+    ("use_max_string", {"use_maximum_batch_size": "yes"}, "'use_maximum_batch_size'", "'yes'", ("true or false",)),
+    ("batch_size_zero", {"batch_size": 0}, "'batch_size'", "0", ("an integer >= 1",)),
+    ("batch_size_float", {"batch_size": 2.5}, "'batch_size'", "2.5", ("an integer >= 1",)),
+    ("grad_accum_negative", {"gradient_accumulation_steps": -1}, "'gradient_accumulation_steps'", "-1",
+     ("an integer >= 1",)),
+    ("epochs_bool", {"epochs": True}, "'epochs'", "True", ("an integer >= 1",)),
+    ("seed_negative", {"seed": -3}, "'seed'", "-3", ("null or an integer >= 0",)),
+    ("clip_zero", {"clip_grad_norm": 0}, "'clip_grad_norm'", "0", ("null or a number > 0",)),
+    ("dtype", {"dtype": "fp16x"}, "'dtype'", "'fp16x'", ("fp32 | bf16",)),
+    ("lr_scaling", {"lr_scaling": "cubic"}, "'lr_scaling'", "'cubic'", ("linear | sqrt | none",)),
+    ("round_to_zero", {"adaptive_batching.round_to": "multiple_of_0"}, "'adaptive_batching.round_to'",
+     "'multiple_of_0'", ("power_of_two", "multiple_of_N", "none")),
+    ("round_to_nearest", {"adaptive_batching.round_to": "nearest"}, "'adaptive_batching.round_to'", "'nearest'",
+     ("power_of_two", "multiple_of_N", "none")),
+    ("memory_budget", {"adaptive_batching.memory_budget": "12 gigs"}, "'adaptive_batching.memory_budget'",
+     "'12 gigs'", ("'12GiB'", "'500MB'")),
+    ("memory_fraction_big", {"adaptive_batching.memory_fraction": 1.5}, "'adaptive_batching.memory_fraction'",
+     "1.5", ("(0, 1]",)),
+    ("memory_fraction_zero", {"adaptive_batching.memory_fraction": 0}, "'adaptive_batching.memory_fraction'",
+     "0", ("(0, 1]",)),
+    ("section_not_mapping", {"adaptive_batching": [1, 2]}, "'adaptive_batching'", "[1, 2]",
+     ("a mapping",) + ALL_KNOBS),
+    ("missing_model", {"model": DELETE}, "'model'", None, ("missing",)),
+    ("missing_batch_size", {"batch_size": DELETE}, "'batch_size'", None, ("missing",)),
+    ("increase_fn_empty", {"batch_increase_function": ""}, "'batch_increase_function'", "''",
+     ("dotted path", "_component_")),
+    ("increase_fn_int", {"batch_increase_function": 5}, "'batch_increase_function'", "5",
+     ("dotted path", "_component_")),
+    ("increase_fn_bad_component", {"batch_increase_function": {"_component_": 5}},
+     "'batch_increase_function._component_'", "5", ("dotted path",)),
+    ("increase_fn_no_component", {"batch_increase_function": {"factor": 2}}, "'batch_increase_function'",
+     "{'factor': 2}", ("_component_",)),
+    ("memory_budget_inf", {"adaptive_batching.memory_budget": float("inf")}, "'adaptive_batching.memory_budget'",
+     "inf", ("'12GiB'",)),
+    ("memory_budget_huge", {"adaptive_batching.memory_budget": "9" * 400 + "GiB"},
+     "'adaptive_batching.memory_budget'", None, ("'12GiB'",)),
+    ("section_false", {"adaptive_batching": False}, "'adaptive_batching'", "False", ("a mapping",)),
+    ("section_empty_list", {"adaptive_batching": []}, "'adaptive_batching'", "[]", ("a mapping",)),
+]
+
+
+@pytest.mark.parametrize(
+    "updates, key, value_repr, allowed", [case[1:] for case in BAD_INPUTS], ids=[case[0] for case in BAD_INPUTS]
+)
+def test_bad_input_names_key_and_allowed_values(
+    base_cfg: DictConfig, updates: dict[str, Any], key: str, value_repr: str | None, allowed: tuple[str, ...]
+) -> None:
+    message = config_error(modified(base_cfg, updates))
+    assert key in message
+    if value_repr is not None:
+        assert f"= {value_repr} " in message
+    for fragment in allowed:
+        assert fragment in message, (fragment, message)
+
+
+def test_unknown_knobs_are_all_named(base_cfg: DictConfig) -> None:
+    message = config_error(modified(base_cfg, {"adaptive_batching.zzz": 1, "adaptive_batching.aaa": 2}))
+    assert "adaptive_batching.aaa" in message and "adaptive_batching.zzz" in message
+    assert "known keys under 'adaptive_batching'" in message
+
+
+def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig) -> None:
+    """A malformed value is reported as invalid, not as an unavailable feature."""
+    message = config_error(modified(base_cfg, {"adaptive_batching.max_tokens": 0}))
+    assert "'adaptive_batching.max_tokens' = 0 is invalid" in message
+    assert "null or an integer >= 1" in message
+
+
+# --------------------------------------------------------------------------- #
+# Features this version does not provide
+# --------------------------------------------------------------------------- #
+
+NOT_AVAILABLE = [
+    ({"use_maximum_batch_size": True}, "'use_maximum_batch_size'", "start-up batch-size profiler"),
+    ({"batch_increase_function": "some.path"}, "'batch_increase_function'", "per-epoch batch growth"),
+    ({"batch_increase_function": {"_component_": "some.path", "factor": 2}}, "'batch_increase_function'",
+     "per-epoch batch growth"),
+    ({"adaptive_batching.max_tokens": 4096}, "'adaptive_batching.max_tokens'", "token-budget batching"),
+]
+
+
+@pytest.mark.parametrize("updates, key, feature", NOT_AVAILABLE)
+def test_unavailable_features_fail_clearly(
+    base_cfg: DictConfig, updates: dict[str, Any], key: str, feature: str
+) -> None:
+    message = config_error(modified(base_cfg, updates))
+    assert key in message
+    assert feature in message
+    assert "does not provide" in message
+    assert "remove the key or set it to its default" in message
+
+
+NON_DEFAULT_VALID = {
+    "memory_budget": "12GiB",
+    "memory_fraction": 0.5,
+    "safety_margin": 0.1,
+    "round_to": "power_of_two",
+    "reprofile": True,
+    "cache_dir": "/tmp/profile-cache",
+    "grow_past_memory": "accumulate",
+    "max_tokens": 4096,
+    "picking_order": "seqlen",
+    "min_batch_size": 2,
+    "max_batch_size": 64,
+    "elastic": {"min_global_batch_size": 8},
+    "oom_recovery": True,
+}
+
+
+def test_non_default_samples_cover_every_knob() -> None:
+    assert set(NON_DEFAULT_VALID) == set(KNOBS)
+
+
+@pytest.mark.parametrize("name", sorted(NON_DEFAULT_VALID))
+def test_each_knob_non_default(base_cfg: DictConfig, name: str) -> None:
+    value = NON_DEFAULT_VALID[name]
+    assert value != KNOBS[name].default
+    cfg = modified(base_cfg, {f"adaptive_batching.{name}": value})
+    if KNOBS[name].available:
+        assert validate_config(cfg).knobs[name] == value
+    else:
+        message = config_error(cfg)
+        assert f"'adaptive_batching.{name}'" in message
+        assert KNOBS[name].feature in message and "does not provide" in message
+
+
+@pytest.mark.parametrize("name", sorted(KNOBS))
+def test_each_knob_at_its_default_passes(base_cfg: DictConfig, name: str) -> None:
+    default = KNOBS[name].default
+    settings = validate_config(modified(base_cfg, {f"adaptive_batching.{name}": default}))
+    assert settings.knobs[name] == default
+
+
+def test_all_knobs_explicitly_at_default_pass(base_cfg: DictConfig) -> None:
+    updates = {f"adaptive_batching.{name}": knob.default for name, knob in KNOBS.items()}
+    updates.update({"use_maximum_batch_size": False, "batch_increase_function": None, "lr_scaling": None})
+    settings = validate_config(modified(base_cfg, updates))
+    assert settings.use_maximum_batch_size is False
+    assert settings.batch_increase_function is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [None, {"_component_": None}, {"_component_": None, "factor": 2}, "None", "null"],
+    ids=["null", "component_null", "component_null_with_args", "str_None", "str_null"],
+)
+def test_batch_increase_function_off_forms(base_cfg: DictConfig, value: Any) -> None:
+    assert validate_config(modified(base_cfg, {"batch_increase_function": value})).batch_increase_function is None
+
+
+def test_interpolated_values_are_resolved(base_cfg: DictConfig) -> None:
+    """Values given by interpolation are validated after resolution."""
+    good = modified(base_cfg, {"micro": 4, "batch_size": "${micro}"})
+    validate_config(good)
+    bad = modified(base_cfg, {"micro": 0, "batch_size": "${micro}"})
+    assert "'batch_size' = 0 is invalid" in config_error(bad)
+
+
+# --------------------------------------------------------------------------- #
+# parse_bytes
+# --------------------------------------------------------------------------- #
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("12GiB", 12 * 2**30),
+        ("500MB", 500 * 10**6),
+        ("1.5GiB", 3 * 2**29),
+        ("12gib", 12 * 2**30),
+        (" 64 KiB ", 64 * 2**10),
+        ("2TB", 2 * 10**12),
+        ("100B", 100),
+        ("4096", 4096),
+        (1073741824, 2**30),
+        (1, 1),
+    ],
+)
+def test_parse_bytes(text: Any, expected: int) -> None:
+    result = parse_bytes(text)
+    assert result == expected
+    assert type(result) is int
+
+
+@pytest.mark.parametrize("value", ["abc", "-1GB", 0, -5, True, False, "", "12 gigs", "12G", "0GiB",
+                                   0.5, "0.5B", float("inf"), float("nan")])
+def test_parse_bytes_rejects(value: Any) -> None:
+    with pytest.raises(ValueError):
+        parse_bytes(value)
+
+
+def test_non_string_knob_key_is_an_unknown_key(base_cfg: DictConfig) -> None:
+    cfg = modified(base_cfg, {})
+    cfg.adaptive_batching = OmegaConf.create({1: 2, "bogus": 3})
+    message = config_error(cfg)
+    assert "adaptive_batching.1" in message and "adaptive_batching.bogus" in message
+    assert all(knob in message for knob in KNOBS)
