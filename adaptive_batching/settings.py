@@ -178,6 +178,16 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
     clip = _plain(cfg.get("clip_grad_norm", None))
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise _fail("clip_grad_norm", clip, "null or a number > 0")
+    unsupported = {  # key: (values that mean "off", why)
+        "optimizer_in_bwd": ((None, False), "it cannot accumulate gradients, which the adaptive batch relies on"),
+        "enable_activation_offloading": ((None, False), "use enable_activation_checkpointing"),
+        "tensor_parallel_dim": ((None, 1), "these recipes are data parallel (FSDP2) only"),
+        "profiler.enabled": ((None, False), "the torch profiler is not wired into these recipes"),
+    }
+    for key, (off, why) in unsupported.items():
+        value = _plain(OmegaConf.select(cfg, key, default=None))
+        if not any(value is v or (type(value) is type(v) and value == v) for v in off):
+            raise ConfigError(f"config key '{key}' = {value!r} is not supported: {why}; remove it or set it to false")
     for key in ("model", "tokenizer", "dataset", "optimizer", "loss", "checkpointer"):
         if key not in cfg or cfg[key] is None:
             raise ConfigError(f"config key '{key}' is missing")

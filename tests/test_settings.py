@@ -303,3 +303,26 @@ def test_non_string_knob_key_is_an_unknown_key(base_cfg: DictConfig) -> None:
     message = config_error(cfg)
     assert "adaptive_batching.1" in message and "adaptive_batching.bogus" in message
     assert all(knob in message for knob in KNOBS)
+
+
+@pytest.mark.parametrize("key, value", [("optimizer_in_bwd", True), ("enable_activation_offloading", True),
+                                        ("tensor_parallel_dim", 2), ("profiler.enabled", True)])
+def test_unsupported_torchtune_keys_fail_clearly(base_cfg: DictConfig, key: str, value: Any) -> None:
+    message = config_error(modified(base_cfg, {key: value}))
+    assert f"'{key}'" in message and "not supported" in message
+    validate_config(modified(base_cfg, {key: False if isinstance(value, bool) else 1}))
+
+
+@pytest.mark.parametrize("name", ["llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora"])
+def test_real_model_configs_validate_and_build_on_meta(name: str) -> None:
+    """The shipped GPU configs name real torchtune components (built on the meta device: no memory)."""
+    import torch
+    from torchtune import config as tune_config
+
+    cfg = OmegaConf.load(CONFIGS / f"{name}.yaml")
+    validate_config(cfg)
+    with torch.device("meta"):
+        model = tune_config.instantiate(cfg.model)
+    n_params = sum(p.numel() for p in model.parameters())
+    assert n_params > (7e9 if "8b" in name else 1e9)
+    assert ("lora" in name) == any("lora_a" in n for n, _ in model.named_parameters())

@@ -1,0 +1,115 @@
+"""The trainer's building blocks, in-process and without a training run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from torch.utils.data import Dataset
+from torchtune.models.llama3 import lora_llama3
+
+from adaptive_batching.batch import BatchShape
+from adaptive_batching.checkpointing import latest_epoch_dir, resume_config
+from adaptive_batching.config import optional_component
+from adaptive_batching.data import build_dataloader
+from adaptive_batching.distributed import ParallelInfo
+from adaptive_batching.memory import peak_memory_gb, release_memory
+from adaptive_batching.model import full_state_dict
+from adaptive_batching.tiny_assets import TINY_MODEL_ARGS
+
+
+class Numbers(Dataset):
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def epoch_order(seed: int, epoch: int, parallel: ParallelInfo = ParallelInfo(), micro_batch: int = 4) -> list[int]:
+    loader = build_dataloader(Numbers(64), micro_batch=micro_batch, collate_fn=lambda b: b, parallel=parallel,
+                              shuffle=True, seed=seed)
+    loader.sampler.set_epoch(epoch)
+    return [i for batch in loader for i in batch]
+
+
+def test_sampler_order_follows_the_seed_and_the_epoch() -> None:
+    assert epoch_order(1, 0) == epoch_order(1, 0)
+    assert epoch_order(1, 0) != epoch_order(2, 0)
+    assert epoch_order(1, 0) != epoch_order(1, 1)
+    assert sorted(epoch_order(1, 0)) == list(range(64))
+
+
+def test_two_ranks_split_the_epoch_without_overlap() -> None:
+    ranks = [epoch_order(7, 0, ParallelInfo(world_size=2, rank=r)) for r in (0, 1)]
+    assert len(ranks[0]) == len(ranks[1]) == 32
+    assert sorted(ranks[0] + ranks[1]) == list(range(64))
+
+
+def test_lora_checkpoint_entries_leave_the_live_model_untouched() -> None:
+    """Merging LoRA for a save must not write into the training weights (``.cpu()`` aliases on CPU)."""
+    from adaptive_lora_finetune import LoRAFinetune
+
+    cfg = OmegaConf.create(dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8))
+    model = lora_llama3(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8, **TINY_MODEL_ARGS)
+    for name, param in model.named_parameters():
+        if "lora_b" in name:
+            torch.nn.init.normal_(param)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    method = LoRAFinetune(cfg, save_adapter_weights_only=False)
+    method.configure(model)
+    entries = method.checkpoint_entries(full_state_dict(model, ParallelInfo(), torch.device("cpu")))
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)
+    merged = entries["model"]["layers.0.attn.q_proj.weight"]
+    assert not torch.equal(merged, before["layers.0.attn.q_proj.weight"])
+    assert set(entries["adapter"]) == {k for k in before if "lora" in k}
+
+
+def test_resume_points_a_full_finetune_at_the_newest_epoch(tmp_path: Path) -> None:
+    for n in (0, 1, 10, 2):
+        (tmp_path / f"epoch_{n}").mkdir()
+    (tmp_path / "epoch_10" / "model-00001-of-00002.safetensors").touch()
+    (tmp_path / "epoch_10" / "model-00002-of-00002.safetensors").touch()
+    (tmp_path / "epoch_10" / "config.json").touch()
+    (tmp_path / "recipe_state").mkdir()
+    (tmp_path / "recipe_state" / "recipe_state.pt").touch()
+    assert latest_epoch_dir(tmp_path) == tmp_path / "epoch_10"
+    cfg = OmegaConf.create(dict(output_dir=str(tmp_path), checkpoint_dir="/base", checkpoint_files=["model.safetensors"]))
+    resumed = resume_config(cfg)
+    assert list(resumed.checkpoint_files) == ["epoch_10/model-00001-of-00002.safetensors",
+                                              "epoch_10/model-00002-of-00002.safetensors"]
+    assert list(cfg.checkpoint_files) == ["model.safetensors"]
+    (tmp_path / "epoch_10" / "adapter_model.pt").touch()
+    assert list(resume_config(cfg).checkpoint_files) == ["model.safetensors"]
+
+
+def test_resume_without_a_saved_epoch_says_so(tmp_path: Path) -> None:
+    cfg = OmegaConf.create(dict(output_dir=str(tmp_path), checkpoint_files=["model.safetensors"]))
+    with pytest.raises(FileNotFoundError, match="resume_from_checkpoint=True"):
+        resume_config(cfg)
+
+
+def test_batch_shape() -> None:
+    shape = BatchShape(micro_batch=4, accumulation=3, data_parallel=2)
+    assert shape.global_batch == 24
+    assert "global batch 24" in shape.describe()
+    with pytest.raises(ValueError, match="micro_batch"):
+        BatchShape(micro_batch=0)
+
+
+def test_optional_component_treats_a_null_component_as_off() -> None:
+    assert optional_component(None) is None
+    assert optional_component(OmegaConf.create({"_component_": None, "num_warmup_steps": 3})) is None
+    node = OmegaConf.create({"_component_": "a.b", "x": 1})
+    assert optional_component(node) is node
+
+
+def test_memory_helpers_are_safe_on_cpu() -> None:
+    assert peak_memory_gb(torch.device("cpu")) is None
+    release_memory(torch.device("cpu"))
