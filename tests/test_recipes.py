@@ -31,12 +31,15 @@ FIXED_BATCH = ("dataset.split=train[:8]", "batch_size=8", "max_steps_per_epoch=1
                "lr_scheduler=null", "clip_grad_norm=null")
 
 
-@pytest.mark.parametrize("method,lr", [("full", "3e-3"), ("lora", "3e-2")])
-def test_loss_falls_when_overfitting_a_fixed_batch(method: str, lr: str, assets: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("method,lr,bar", [("full", "3e-3", 0.6), ("lora", "3e-2", 0.7)])
+def test_loss_falls_when_overfitting_a_fixed_batch(method: str, lr: str, bar: float, assets: Path,
+                                                   tmp_path: Path) -> None:
+    """LoRA (rank 8 on a width-64 model) has less capacity, so its bar is lower."""
     out = run(method, assets, tmp_path / "run", *FIXED_BATCH, "epochs=25", f"optimizer.lr={lr}")
     trace = losses(out / "logs")
     assert len(trace) == 25
-    assert trace[-1] < 0.6 * trace[0], trace
+    assert trace[-1] < bar * trace[0], trace
+    assert sum(trace[-5:]) < sum(trace[5:10]) < sum(trace[:5]), trace
 
 
 def test_lora_trains_only_the_adapter(assets: Path, tmp_path: Path) -> None:
@@ -115,3 +118,12 @@ def test_metrics_are_logged_with_their_names(assets: Path, tmp_path: Path) -> No
                 "tokens_per_second_per_gpu"} <= set(row)
         assert (row["micro_batch_size"], row["gradient_accumulation_steps"], row["global_batch_size"]) == (2, 3, 6)
         assert row["tokens_per_second_per_gpu"] > 0
+
+
+def test_compile_matches_eager(assets: Path, tmp_path: Path) -> None:
+    """Packed data keeps shapes fixed, so the compiled layers and loss compile once."""
+    common = ("dataset.packed=True", "tokenizer.max_seq_len=128", "batch_size=2", "epochs=1",
+              "max_steps_per_epoch=2")
+    eager = run("full", assets, tmp_path / "eager", *common)
+    compiled = run("full", assets, tmp_path / "compiled", *common, "compile=True")
+    assert losses(compiled / "logs") == pytest.approx(losses(eager / "logs"), rel=1e-4)

@@ -1,0 +1,27 @@
+# Two entry points, both from a fresh clone: `make demo` and `make test`.
+# Each makes its own virtualenv in $(VENV) and installs the project into it (not editable).
+# TORCH: the torch to install first; the default is the CPU build used here and in CI.
+# On a GPU machine pass the CUDA build you want, e.g. `make demo TORCH="torch==2.7.1"`.
+
+VENV ?= .venv
+TORCH ?= torch==2.13.0
+PYTHON ?= python3
+BIN := $(abspath $(VENV))/bin
+
+.PHONY: install demo test clean
+
+install:
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q ".[test]"
+
+demo: install
+	$(BIN)/adaptive-batching tiny-assets
+	cd /tmp && $(BIN)/tune run adaptive_full_finetune --config tiny_full
+
+test: install
+	$(BIN)/pytest -q -p no:cacheprovider
+
+clean:
+	rm -rf $(VENV) build *.egg-info
