@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence
 
-from adaptive_batching.config import RECIPES, shipped_config_names, shipped_configs_dir
+from adaptive_batching.config import RECIPES, load_config, shipped_config_names, shipped_configs_dir
 
 
 def _recipe_file(name: str) -> Path:
@@ -68,6 +69,52 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
+def method_for(cfg: Any) -> Any:
+    """The fine-tuning method a config asks for: LoRA when its model builder is a LoRA one."""
+    if "lora" in str(cfg.model.get("_component_", "")):
+        from adaptive_lora_finetune import LoRAFinetune
+
+        return LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
+    from adaptive_full_finetune import FullFinetune
+
+    return FullFinetune()
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from adaptive_batching.profile_report import format_table, write_json
+    from adaptive_batching.settings import ConfigError, validate_config
+    from adaptive_batching.trainer import Trainer
+
+    cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
+    try:
+        settings = validate_config(cfg)
+    except ConfigError as err:
+        print(f"config error: {err}", file=sys.stderr)
+        return 2
+    trainer = Trainer(cfg, settings, method_for(cfg))
+    trainer.setup()
+    result = trainer.profile()
+    if trainer.is_rank_zero:
+        print(format_table(result))
+        if args.json:
+            print(f"JSON report: {write_json(result, Path(args.json))}")
+    trainer.close()
+    return 0
+
+
+def cmd_estimate(args: argparse.Namespace) -> int:
+    from adaptive_batching.estimate import estimate_max_micro_batch
+    from adaptive_batching.settings import parse_bytes
+
+    cfg = load_config(args.config, args.overrides)
+    estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=parse_bytes(args.device_memory),
+                                        fraction=args.fraction, world_size=args.world_size)
+    print(estimate.describe())
+    if args.json:
+        Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2, sort_keys=True))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     from adaptive_batching.tiny_assets import DEFAULT_TINY_DIR
 
@@ -88,6 +135,21 @@ def build_parser() -> argparse.ArgumentParser:
     cp.add_argument("destination", help="a file or directory")
     cp.add_argument("--force", action="store_true", help="overwrite an existing file")
     cp.set_defaults(func=cmd_cp)
+
+    profile = sub.add_parser("profile", help="run the start-up profiler alone and print its report")
+    profile.add_argument("--config", required=True, help="a config path or shipped name")
+    profile.add_argument("--json", help="also write the JSON report here")
+    profile.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
+    profile.set_defaults(func=cmd_profile)
+
+    estimate = sub.add_parser("estimate", help="predict the largest micro batch for a device you do not have")
+    estimate.add_argument("--config", required=True, help="a config path or shipped name")
+    estimate.add_argument("--device-memory", required=True, help="e.g. 80GiB")
+    estimate.add_argument("--fraction", type=float, default=0.9, help="share of device memory to use (default 0.9)")
+    estimate.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP)")
+    estimate.add_argument("--json", help="also write the estimate as JSON here")
+    estimate.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
+    estimate.set_defaults(func=cmd_estimate)
     return parser
 
 

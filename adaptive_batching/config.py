@@ -60,6 +60,17 @@ def resolve_config_argument(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def load_config(name: str, overrides: Sequence[str] = ()) -> DictConfig:
+    """A config as the recipes see it: resolved by :func:`resolve_config`, with torchtune's overrides."""
+    from argparse import Namespace
+
+    from omegaconf import OmegaConf
+    from torchtune.config._utils import _merge_yaml_and_cli_args
+
+    yaml = OmegaConf.to_container(OmegaConf.load(resolve_config(name)), resolve=False)
+    return _merge_yaml_and_cli_args(Namespace(**yaml), list(overrides))
+
+
 def optional_component(node: Any) -> Optional[DictConfig]:
     """``node`` unless it is switched off: null, or a node whose ``_component_`` is null.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from functools import partial
 from typing import Any, Callable
 
+import torch
 from omegaconf import DictConfig, ListConfig
 from torch.utils.data import ConcatDataset, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
@@ -55,3 +56,23 @@ def build_dataloader(
         collate_fn=collate_fn,
         drop_last=True,
     )
+
+
+def worst_case_batch(collate_fn: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
+                     packed: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+    """A batch of ``micro_batch`` full-length samples (full packs when packed), built by the real collate.
+
+    Every token counts in the loss, so the step does the most work a real batch can ask for.
+    The tokens come from a private generator: the global RNG is not touched.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len), generator=generator)
+    if packed:
+        samples = [
+            {"tokens": row, "labels": row.clone(), "input_pos": torch.arange(seq_len),
+             "seq_lens": torch.tensor([seq_len])}
+            for row in tokens
+        ]
+    else:
+        samples = [{"tokens": row.tolist(), "labels": row.tolist()} for row in tokens]
+    return collate_fn(samples)

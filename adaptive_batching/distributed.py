@@ -73,3 +73,25 @@ def barrier(parallel: ParallelInfo) -> None:
 def shutdown(parallel: ParallelInfo) -> None:
     if parallel.is_distributed and dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree_on_trial(parallel: ParallelInfo, device: torch.device):
+    """A profiler ``Agree``: a trial is ok only if it was ok on every rank; values take their maximum."""
+
+    def agree(ok: bool, values: list[float]) -> tuple[bool, list[float]]:
+        if not parallel.is_distributed:
+            return ok, list(values)
+        packed = torch.tensor([0.0 if ok else 1.0, *values], dtype=torch.float64, device=device)
+        dist.all_reduce(packed, op=dist.ReduceOp.MAX)
+        return bool(packed[0].item() == 0.0), packed[1:].tolist()
+
+    return agree
+
+
+def minimum_over_ranks(value: int, parallel: ParallelInfo, device: torch.device) -> int:
+    """The smallest ``value`` over all ranks (the value itself in a single process)."""
+    if not parallel.is_distributed:
+        return value
+    tensor = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN)
+    return int(tensor.item())

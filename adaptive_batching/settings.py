@@ -107,12 +107,12 @@ class Knob:
 
 
 KNOBS: dict[str, Knob] = {
-    "memory_budget": Knob(None, _memory, False, "the start-up batch-size profiler"),
-    "memory_fraction": Knob(0.9, _fraction, False, "the start-up batch-size profiler"),
-    "safety_margin": Knob(0.05, _margin, False, "the start-up batch-size profiler"),
-    "round_to": Knob("none", _round_to, False, "the start-up batch-size profiler"),
-    "reprofile": Knob(False, _bool, False, "the start-up batch-size profiler"),
-    "cache_dir": Knob(None, _opt_str, False, "the start-up batch-size profiler"),
+    "memory_budget": Knob(None, _memory, True, "the start-up batch-size profiler"),
+    "memory_fraction": Knob(0.9, _fraction, True, "the start-up batch-size profiler"),
+    "safety_margin": Knob(0.05, _margin, True, "the start-up batch-size profiler"),
+    "round_to": Knob("none", _round_to, True, "the start-up batch-size profiler"),
+    "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
+    "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), False, "per-epoch batch growth"),
     "max_tokens": Knob(None, _opt_pos_int, False, "token-budget batching"),
     "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), False,
@@ -219,8 +219,6 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     use_max = _plain(cfg.get("use_maximum_batch_size", False))
     if not isinstance(use_max, bool):
         raise _fail("use_maximum_batch_size", use_max, "true or false")
-    if use_max:
-        raise _not_available("use_maximum_batch_size", use_max, "the start-up batch-size profiler")
 
     increase = _check_increase_function(_plain(cfg.get("batch_increase_function", None)))
     if increase is not None:

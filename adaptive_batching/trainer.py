@@ -22,7 +22,7 @@ from tqdm import tqdm
 from adaptive_batching import checkpointing, memory
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.config import optional_component
-from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset
+from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset, worst_case_batch
 from adaptive_batching.distributed import ParallelInfo, all_reduce_sum, barrier, init_parallel, shutdown
 from adaptive_batching.model import (
     FinetuneMethod,
@@ -32,6 +32,8 @@ from adaptive_batching.model import (
     full_state_dict,
     load_optimizer_state_dict,
 )
+from adaptive_batching.profile_run import run_profile
+from adaptive_batching.profiler import ProfileResult, StepMemory
 from adaptive_batching.settings import AdaptiveSettings
 
 log = utils.get_logger("INFO")
@@ -79,6 +81,7 @@ class Trainer:
         self.epochs_run = 0
         self.global_step = 0
         self.metric_logger: Any = None
+        self.profile_result: Optional[ProfileResult] = None
 
     @property
     def is_rank_zero(self) -> bool:
@@ -119,20 +122,72 @@ class Trainer:
         if self.loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
 
-        self.dataset, packed = build_dataset(cfg.dataset, self.tokenizer)
-        collate = build_collate(
-            cfg.get("collate_fn", DEFAULT_COLLATE), packed, self.tokenizer.pad_id, self.loss_fn.ignore_index
+        self.dataset, self.packed = build_dataset(cfg.dataset, self.tokenizer)
+        self.collate = build_collate(
+            cfg.get("collate_fn", DEFAULT_COLLATE), self.packed, self.tokenizer.pad_id, self.loss_fn.ignore_index
         )
+        self.apply_batch(self.batch)
+
+    def apply_batch(self, batch: BatchShape) -> None:
+        """Serve ``batch`` from now on: dataloader, steps per epoch and LR schedule follow it."""
+        self.batch = batch
         self.dataloader = build_dataloader(
-            self.dataset, micro_batch=self.batch.micro_batch, collate_fn=collate,
-            parallel=self.parallel, shuffle=cfg.get("shuffle", True), seed=self.seed,
+            self.dataset, micro_batch=batch.micro_batch, collate_fn=self.collate,
+            parallel=self.parallel, shuffle=self.cfg.get("shuffle", True), seed=self.seed,
         )
         self.steps_per_epoch = self._steps_per_epoch()
         self.lr_scheduler = self._build_lr_scheduler()
         self.info(
-            f"Batch: {self.batch.describe()}; {self.steps_per_epoch} optimizer steps per epoch, "
+            f"Batch: {batch.describe()}; {self.steps_per_epoch} optimizer steps per epoch, "
             f"{self.total_epochs} epoch(s)"
         )
+
+    # ------------------------------------------------------------------ profiling
+    def profile(self) -> Optional[ProfileResult]:
+        """With ``use_maximum_batch_size``, train at the largest micro batch that fits (see profiler)."""
+        if not self.settings.use_maximum_batch_size:
+            return None
+        result = run_profile(self)
+        self.profile_result = result
+        if result.micro_batch != self.batch.micro_batch:
+            self.info(f"Profiler: micro batch {self.batch.micro_batch} -> {result.micro_batch} "
+                      f"(largest that ran: {result.max_micro_batch})")
+            self.apply_batch(BatchShape(result.micro_batch, self.batch.accumulation, self.batch.data_parallel))
+        return result
+
+    @property
+    def seq_len(self) -> int:
+        """Tokens in a worst-case sample or pack."""
+        return int(self.cfg.tokenizer.get("max_seq_len", None) or self.model.max_seq_len)
+
+    def samples_per_rank(self) -> int:
+        return len(self.dataset) // self.parallel.world_size
+
+    def trial_step(self, micro_batch: int) -> StepMemory:
+        """One full training step on a worst-case batch, measured; the LR schedule does not move."""
+        meters = (self.model, self.optimizer)
+        try:
+            if self.batch.accumulation > 1:
+                # As in every micro batch after the first: the gradients already exist.
+                for param in self.model.parameters():
+                    if param.requires_grad:
+                        param.grad = torch.zeros_like(param)
+            with memory.PeakMeter(self.device, *meters) as forward_backward:
+                batch = worst_case_batch(self.collate, micro_batch=micro_batch, seq_len=self.seq_len,
+                                         vocab_size=self.tokenizer.vocab_size, packed=self.packed)
+                _, tokens = self._forward_backward(batch)
+                del batch
+            with memory.PeakMeter(self.device, *meters) as optimizer_step:
+                self._apply_gradients(tokens)
+            return StepMemory(
+                activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
+                forward_backward_peak=forward_backward.peak_bytes,
+                optimizer_peak=optimizer_step.peak_bytes,
+                steady_bytes=memory.current_bytes(self.device, *meters),
+            )
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            memory.release_memory(self.device)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from the recipe state of the last finished epoch."""
@@ -210,8 +265,17 @@ class Trainer:
             micro_loss, micro_tokens = self._forward_backward(batch)
             loss_sum += micro_loss
             tokens += micro_tokens
-        all_reduce_sum(tokens, self.parallel)
         all_reduce_sum(loss_sum, self.parallel)
+        grad_norm = self._apply_gradients(tokens)
+        if self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        n_tokens = int(tokens.item())
+        return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
+                         seconds=time.perf_counter() - start, grad_norm=grad_norm)
+
+    def _apply_gradients(self, tokens: torch.Tensor) -> Optional[float]:
+        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm."""
+        all_reduce_sum(tokens, self.parallel)
         # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
         training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
         grad_norm = None
@@ -220,11 +284,7 @@ class Trainer:
             grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
-        n_tokens = int(tokens.item())
-        return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=grad_norm)
+        return grad_norm
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro batch; returns its summed loss and token count."""
@@ -271,6 +331,7 @@ class Trainer:
             "micro_batch": self.batch.micro_batch,
             "accumulation": self.batch.accumulation,
             "data_parallel": self.batch.data_parallel,
+            "profile": self.profile_result.to_dict() if self.profile_result else None,
         }
 
     def save(self, epoch: int) -> None:

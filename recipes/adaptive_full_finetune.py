@@ -46,10 +46,11 @@ class FullFinetune:
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate, set up, train (saving every epoch), close."""
+    """Validate, set up, profile the largest micro batch (when asked), train (saving every epoch), close."""
     settings = validate_config(cfg)
     trainer = Trainer(cfg, settings, FullFinetune())
     trainer.setup()
+    trainer.profile()
     trainer.train()
     trainer.close()
 

@@ -88,11 +88,12 @@ class LoRAFinetune:
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate, set up, train (saving every epoch), close."""
+    """Validate, set up, profile the largest micro batch (when asked), train (saving every epoch), close."""
     settings = validate_config(cfg)
     method = LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
     trainer = Trainer(cfg, settings, method)
     trainer.setup()
+    trainer.profile()
     trainer.train()
     trainer.close()
 

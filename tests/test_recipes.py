@@ -21,8 +21,8 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(method: str, assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> Path:
     recipe, config = RECIPES[method]
-    check(tune_run(recipe, config, [f"assets_dir={assets}", f"output_dir={out}", *overrides],
-                   cwd=out.parent, nproc=nproc))
+    check(tune_run(recipe, config, [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",
+                                    *overrides], cwd=out.parent, nproc=nproc))
     return out
 
 
@@ -70,7 +70,8 @@ def test_two_processes_match_one_process_with_accumulation(method: str, assets: 
     common = ("batch_size=4", "epochs=1", "max_steps_per_epoch=4")
     two = tmp_path / "two"
     result = check(tune_run(RECIPES[method][0], RECIPES[method][1],
-                            [f"assets_dir={assets}", f"output_dir={two}", *common], cwd=tmp_path, nproc=2))
+                            [f"assets_dir={assets}", f"output_dir={two}", "use_maximum_batch_size=False", *common],
+                            cwd=tmp_path, nproc=2))
     one = run(method, assets, tmp_path / "one", *common, "gradient_accumulation_steps=2")
     two_rows, one_rows = read_metrics(two / "logs"), read_metrics(one / "logs")
     assert [r["global_batch_size"] for r in two_rows] == [8.0] * 4

@@ -1,0 +1,154 @@
+"""The profiler's orchestration on simulated steps, and its no-trace guarantee on a real model."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+import torch
+from torchtune.models.llama3 import llama3
+
+from adaptive_batching.budget import Budget
+from adaptive_batching.profiler import ProfileError, StepMemory, find_max_micro_batch, preserved_training_state
+from adaptive_batching.tiny_assets import TINY_MODEL_ARGS
+
+MIB = 2**20
+OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."
+
+
+def simulated_step(*, steady: int, fixed: int, per_sample: int, optimizer_peak: int, capacity: int,
+                   noise: float = 0.0, seed: int = 0):
+    """A step whose forward/backward peak is steady + fixed + per_sample x b; real OOM above ``capacity``."""
+    rng = random.Random(seed)
+    calls: list[int] = []
+
+    def step(b: int) -> StepMemory:
+        calls.append(b)
+        activation = int((fixed + per_sample * b) * (1 + rng.uniform(-noise, noise)))
+        if steady + activation > capacity:
+            raise RuntimeError(OOM)
+        return StepMemory(activation, steady + activation, optimizer_peak, steady)
+
+    return step, calls
+
+
+def true_max(steady: int, fixed: int, per_sample: int, limit: int) -> int:
+    return (limit - steady - fixed) // per_sample
+
+
+@pytest.mark.parametrize("capacity_share, max_steps", [(1.0, 4), (0.97, 6), (0.9, 8)])
+def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float, max_steps: int) -> None:
+    """The allocator may fail below the budget (fragmentation): the search still lands within 3%,
+    at about two more steps each time the estimate's error doubles."""
+    budget = Budget(4096 * MIB, "test")
+    capacity = int(budget.bytes * capacity_share)
+    step, calls = simulated_step(steady=300 * MIB, fixed=40 * MIB, per_sample=9 * MIB, optimizer_peak=500 * MIB,
+                                 capacity=capacity)
+    result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.05, round_to="none",
+                                  upper_limit=10_000)
+    best = true_max(300 * MIB, 40 * MIB, 9 * MIB, min(capacity, budget.bytes))
+    assert 0.97 * best <= result.max_micro_batch <= best
+    assert result.trial_steps == len(calls) == len(set(calls))
+    assert result.trial_steps <= max_steps
+    assert result.micro_batch == int(result.max_micro_batch * 0.95)
+    assert result.bytes_per_sample == pytest.approx(9 * MIB, rel=1e-6)
+
+
+def test_optimizer_peak_does_not_distort_the_slope() -> None:
+    """At small batches the optimizer step sets the peak; the fit uses the activation part only."""
+    budget = Budget(2048 * MIB, "test")
+    step, _ = simulated_step(steady=600 * MIB, fixed=10 * MIB, per_sample=5 * MIB, optimizer_peak=1200 * MIB,
+                             capacity=budget.bytes)
+    result = find_max_micro_batch(step, budget, seq_len=128, safety_margin=0.0, round_to="none", upper_limit=10_000)
+    best = true_max(600 * MIB, 10 * MIB, 5 * MIB, budget.bytes)
+    assert result.estimate == best
+    assert result.max_micro_batch == best
+    assert result.trial_steps <= 4
+
+
+def test_noisy_measurements_never_exceed_the_true_maximum() -> None:
+    budget = Budget(4096 * MIB, "test")
+    for seed in range(10):
+        step, _ = simulated_step(steady=200 * MIB, fixed=50 * MIB, per_sample=7 * MIB, optimizer_peak=300 * MIB,
+                                 capacity=budget.bytes, noise=0.01, seed=seed)
+        result = find_max_micro_batch(step, budget, seq_len=64, safety_margin=0.0, round_to="none",
+                                      upper_limit=10_000)
+        assert result.max_micro_batch <= true_max(200 * MIB, 50 * MIB, int(7 * MIB * 0.99), budget.bytes) + 1
+        assert result.max_micro_batch >= 0.95 * true_max(200 * MIB, 50 * MIB, 7 * MIB, budget.bytes)
+
+
+def test_the_upper_limit_caps_the_search() -> None:
+    budget = Budget(4096 * MIB, "test")
+    step, calls = simulated_step(steady=1, fixed=1, per_sample=MIB, optimizer_peak=1, capacity=budget.bytes)
+    result = find_max_micro_batch(step, budget, seq_len=8, safety_margin=0.0, round_to="power_of_two",
+                                  upper_limit=100)
+    assert max(calls) <= 100
+    assert result.max_micro_batch == 100 and result.micro_batch == 64
+
+
+def test_batch_one_not_fitting_is_a_clear_error() -> None:
+    budget = Budget(100 * MIB, "explicit adaptive_batching.memory_budget=100MiB")
+    step, _ = simulated_step(steady=90 * MIB, fixed=20 * MIB, per_sample=MIB, optimizer_peak=1, capacity=10**12)
+    with pytest.raises(ProfileError, match="micro batch 1 does not fit"):
+        find_max_micro_batch(step, budget, seq_len=4096, safety_margin=0.05, round_to="none", upper_limit=100)
+
+
+def test_other_errors_are_not_swallowed() -> None:
+    def step(b: int) -> StepMemory:
+        raise RuntimeError("mat1 and mat2 shapes cannot be multiplied")
+
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied"):
+        find_max_micro_batch(step, Budget(MIB, "t"), seq_len=1, safety_margin=0, round_to="none", upper_limit=9)
+
+
+def test_ranks_agree_on_the_smallest_outcome() -> None:
+    """An agreement that fails a trial on another rank (e.g. its OOM) makes this rank fail it too."""
+    budget = Budget(4096 * MIB, "test")
+    step, _ = simulated_step(steady=100 * MIB, fixed=10 * MIB, per_sample=4 * MIB, optimizer_peak=1,
+                             capacity=budget.bytes)
+    other_rank_max = 960  # this rank alone would reach (4096 - 110) // 4 = 996
+
+    def agree(ok: bool, values):
+        return ok and agree.sizes[-1] <= other_rank_max, list(values)
+
+    agree.sizes = []
+
+    def tracked_step(b: int) -> StepMemory:
+        agree.sizes.append(b)
+        return step(b)
+
+    result = find_max_micro_batch(tracked_step, budget, seq_len=64, safety_margin=0.0, round_to="none",
+                                  upper_limit=10_000, agree=agree)
+    assert 0.97 * other_rank_max <= result.max_micro_batch <= other_rank_max
+
+
+def test_profiling_leaves_no_trace_bitwise() -> None:
+    torch.manual_seed(0)
+    model = llama3(**TINY_MODEL_ARGS)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    x = torch.randint(0, 1280, (2, 16))
+    model(x).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opt_state = {k: {n: t.clone() for n, t in v.items()} for k, v in optimizer.state_dict()["state"].items()}
+    np.random.seed(3)
+    random.seed(3)
+    torch.manual_seed(3)
+    with preserved_training_state(model, optimizer):
+        for b in (1, 3, 5):
+            model(torch.randint(0, 1280, (b, 32))).mean().backward()
+            optimizer.step()
+        np.random.rand(4)
+        random.random()
+    after_rng = (torch.rand(3), np.random.rand(3), random.random())
+    np.random.seed(3)
+    random.seed(3)
+    torch.manual_seed(3)
+    assert torch.equal(after_rng[0], torch.rand(3))
+    assert np.array_equal(after_rng[1], np.random.rand(3)) and after_rng[2] == random.random()
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    state = optimizer.state_dict()["state"]
+    assert all(torch.equal(opt_state[k][n], state[k][n]) for k in opt_state for n in opt_state[k])
+    assert all(p.grad is None for p in model.parameters())
