@@ -9,7 +9,7 @@ verification step, so allocator overheads the real profiler would meet are not s
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
@@ -18,9 +18,10 @@ from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.memory import PeakMeter
-from adaptive_batching.memory_fit import MemoryPoint, fit_memory, max_micro_batch_under
+from adaptive_batching.memory import PeakMeter, current_bytes
+from adaptive_batching.memory_fit import max_micro_batch_under
 from adaptive_batching.model import FinetuneMethod
+from adaptive_batching.profiler import StepMemory, fit_probes, probe_until_slope
 
 CPU = torch.device("cpu")
 
@@ -56,8 +57,8 @@ class Estimate:
 
 
 def _fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, micro_batch: int,
-               seq_len: int, vocab_size: int) -> tuple[int, int, int, int]:
-    """(start, forward/backward peak, optimizer peak, end) bytes of one fake training step."""
+               seq_len: int, vocab_size: int) -> StepMemory:
+    """The memory one training step would use; the tensors are fake, nothing is allocated."""
     with PeakMeter(CPU, model, optimizer) as forward_backward:
         tokens = torch.randint(0, vocab_size, (micro_batch, seq_len))
         labels = F.pad(tokens[..., 1:], (0, 1), value=loss_fn.ignore_index)
@@ -70,14 +71,17 @@ def _fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     with PeakMeter(CPU, model, optimizer) as optimizer_step:
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-    with PeakMeter(CPU, model, optimizer) as end:
-        pass
-    return forward_backward.start_bytes, forward_backward.peak_bytes, optimizer_step.peak_bytes, end.start_bytes
+    return StepMemory(
+        activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
+        forward_backward_peak=forward_backward.peak_bytes,
+        optimizer_peak=optimizer_step.peak_bytes,
+        steady_bytes=current_bytes(CPU, model, optimizer),
+    )
 
 
 def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int,
                              fraction: float = 0.9, world_size: int = 1,
-                             probes: tuple[int, ...] = (1, 2, 4)) -> Estimate:
+                             max_probe: int = 1024) -> Estimate:
     """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``.
 
     With ``world_size`` > 1, weights, gradients and optimizer state are divided over the ranks
@@ -98,13 +102,16 @@ def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_
         optimizer = config.instantiate(DictConfig(optimizer_cfg), [p for p in model.parameters() if p.requires_grad])
         seq_len = int(cfg.tokenizer.get("max_seq_len", None) or model.max_seq_len)
         vocab_size = model.tok_embeddings.num_embeddings
-        _fake_step(model, optimizer, loss_fn, 1, seq_len, vocab_size)  # creates the optimizer state
-        measured = [(b, _fake_step(model, optimizer, loss_fn, b, seq_len, vocab_size)) for b in probes]
+        # The first probe also creates the optimizer state; activations do not depend on it.
+        probed = probe_until_slope(lambda b: _fake_step(model, optimizer, loss_fn, b, seq_len, vocab_size), max_probe)
 
-    model_state = measured[-1][1][3] // world_size
-    activation = {b: peak - start for b, (start, peak, _, _) in measured}
-    optimizer_peak = max(m[2] for _, m in measured) // world_size
-    fit = fit_memory([MemoryPoint(b, model_state + activation[b]) for b in probes])
+    fit = fit_probes(probed)
+    if fit is None:
+        raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
+    model_state = probed[max(probed)].steady_bytes // world_size
+    sharded = probed[max(probed)].steady_bytes - model_state
+    fit = replace(fit, fixed_bytes=fit.fixed_bytes - sharded, plateau_bytes=max(0.0, fit.plateau_bytes - sharded))
+    optimizer_peak = max(m.optimizer_peak for m in probed.values()) // world_size
     budget = int(device_memory_bytes * fraction)
     return Estimate(
         max_micro_batch=max_micro_batch_under(fit, budget) if optimizer_peak <= budget else 0,

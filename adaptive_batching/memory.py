@@ -40,18 +40,80 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def release_memory(device: torch.device) -> None:
-    """Free cached blocks after a large step so the next one starts clean."""
+    """Free cached blocks after a large step so the next one starts clean.
+
+    On CPU that means glibc's ``malloc_trim``: after an allocation failed under an address-space
+    limit, glibc grows its heap instead, and only a trim gives that space back.
+    """
     gc.collect()
     module = _accelerator(device)
     if module is not None and hasattr(module, "empty_cache"):
         module.empty_cache()
+    elif device.type == "cpu":
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def live_tensor_bytes(*tracked: Any) -> int:
+    """Bytes held by the parameters, buffers and gradients of modules and the state of optimizers."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and storage.device.type != "meta":
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for item in tracked:
+        if isinstance(item, torch.nn.Module):
+            for param in item.parameters():
+                add(param)
+                add(param.grad)
+            for buffer in item.buffers():
+                add(buffer)
+        elif isinstance(item, torch.optim.Optimizer):
+            for state in item.state.values():
+                for value in state.values():
+                    add(value)
+    return total
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _reset_resident_peak() -> bool:
+    """Reset the kernel's peak resident-set counter (VmHWM) of this process; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
 
 
 class PeakMeter:
     """Tensor memory at the start of a phase and its peak during it, on any device.
 
-    Accelerators use the allocator's own statistics; on CPU, where torch keeps none, torch's
-    ``MemTracker`` counts the tensors of the tracked modules and optimizers and all new ones.
+    Accelerators use the allocator's own statistics. On CPU, where torch keeps none, the peak is
+    the live tensors at the start plus the growth of the process's resident memory during the
+    phase (the kernel's high-water mark, reset for the phase): it counts every allocation the
+    step makes, as a real memory limit does, and holds no reference to any tensor. Where that
+    counter cannot be reset, and for fake tensors, torch's ``MemTracker`` counts tensors instead.
     """
 
     def __init__(self, device: torch.device, *tracked: Any) -> None:
@@ -60,32 +122,45 @@ class PeakMeter:
         self.start_bytes = 0
         self.peak_bytes = 0
         self._tracker: Any = None
+        self._resident_start: Optional[int] = None
 
     def __enter__(self) -> "PeakMeter":
         module = _accelerator(self.device)
         if module is not None:
             module.reset_peak_memory_stats(self.device)
             self.start_bytes = int(module.memory_allocated(self.device))
+        elif not _fake_mode_active() and _reset_resident_peak():
+            self.start_bytes = live_tensor_bytes(*self.tracked)
+            self._resident_start = _proc_status_bytes("VmRSS")
         else:
             from torch.distributed._tools.mem_tracker import MemTracker
 
             self._tracker = MemTracker()
             self._tracker.track_external(*self.tracked)
             self._tracker.__enter__()
-            self.start_bytes = self._cpu_total("current")
+            self.start_bytes = self._tracked_total("current")
         return self
 
     def __exit__(self, *exc: Any) -> None:
         module = _accelerator(self.device)
         if module is not None:
             self.peak_bytes = int(module.max_memory_allocated(self.device))
-            return
-        self._tracker.__exit__(*exc)
-        self.peak_bytes = self._cpu_total("peak")
+        elif self._resident_start is not None:
+            growth = _proc_status_bytes("VmHWM") - self._resident_start
+            self.peak_bytes = self.start_bytes + max(0, growth)
+        else:
+            self._tracker.__exit__(*exc)
+            self.peak_bytes = self._tracked_total("peak")
 
-    def _cpu_total(self, kind: str) -> int:
+    def _tracked_total(self, kind: str) -> int:
         snapshot = self._tracker.get_tracker_snapshot(kind)
         return int(sum(per_device.get("Total", 0) for per_device in snapshot.values()))
+
+
+def _fake_mode_active() -> bool:
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
 
 
 def current_bytes(device: torch.device, *tracked: Any) -> int:
@@ -93,3 +168,25 @@ def current_bytes(device: torch.device, *tracked: Any) -> int:
     with PeakMeter(device, *tracked) as meter:
         pass
     return meter.start_bytes
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+M_ARENA_MAX = -8
+
+
+def pin_cpu_allocator(threshold_bytes: int = 128 * 1024) -> bool:
+    """Make a CPU process's address space follow its tensors; True if it could (Linux glibc).
+
+    By default glibc raises its mmap threshold as blocks are freed, so later tensors come from
+    heaps that never shrink, and each new thread (a progress bar's monitor, say) reserves a
+    64 MiB arena: the address space only ratchets up, and a micro batch that fitted once no longer
+    fits later. A fixed threshold returns freed blocks at once and one arena serves all threads,
+    so the profiler's answer holds for the rest of the run.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):
+        return False

@@ -1,9 +1,12 @@
-"""The profiler's report: a table for the log, a JSON file and a PNG plot of memory against micro batch."""
+"""The profiler's report: a table for the log, a JSON file, and a PNG plot drawn by ``profile_plot``."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -11,6 +14,7 @@ from typing import Any
 from adaptive_batching.profiler import ProfileResult
 
 GIB = 2**30
+log = logging.getLogger(__name__)
 
 
 def format_table(result: ProfileResult) -> str:
@@ -45,41 +49,16 @@ def write_json(result: ProfileResult, path: Path) -> Path:
     return path
 
 
-def write_plot(result: ProfileResult, path: Path) -> Path:
-    """Measured peaks (ok and out-of-memory), the fitted line, the budget and the chosen micro batch."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    measured = [t for t in result.trials if t["peak_bytes"] is not None]
-    for ok, marker, label in ((True, "o", "ran"), (False, "x", "over budget")):
-        xs = [t["micro_batch"] for t in measured if t["ok"] == ok]
-        ys = [t["peak_bytes"] / GIB for t in measured if t["ok"] == ok]
-        if xs:
-            ax.scatter(xs, ys, marker=marker, label=label, zorder=3)
-    oom = [t["micro_batch"] for t in result.trials if t["peak_bytes"] is None]
-    if oom:
-        ax.scatter(oom, [result.budget_bytes / GIB] * len(oom), marker="v", color="red",
-                   label="out of memory", zorder=3)
-    right = max([t["micro_batch"] for t in result.trials] + [result.micro_batch, 1]) * 1.1
-    if result.bytes_per_sample is not None:
-        ax.plot([0, right], [result.fixed_bytes / GIB, (result.fixed_bytes + result.bytes_per_sample * right) / GIB],
-                "--", color="gray", label="fit")
-    ax.axhline(result.budget_bytes / GIB, color="red", linewidth=1, label="budget")
-    ax.axvline(result.micro_batch, color="green", linewidth=1, label=f"chosen micro batch {result.micro_batch}")
-    ax.set_xlabel("micro batch (samples per forward, one rank)")
-    ax.set_ylabel("peak tensor memory of a step (GiB)")
-    ax.set_title(f"Largest micro batch that ran: {result.max_micro_batch} ({result.seq_len}-token samples)")
-    ax.legend(loc="upper left", fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-    return path
-
-
 def write_report(result: ProfileResult, directory: Path) -> dict[str, Any]:
-    """``profile.json`` and ``profile.png`` in ``directory``; returns their paths."""
-    return {"json": write_json(result, directory / "profile.json"), "png": write_plot(result, directory / "profile.png")}
+    """``profile.json`` and ``profile.png`` in ``directory``; returns their paths.
+
+    The plot is drawn by a child process: importing matplotlib here would take tens of MiB of the
+    memory the profiler has just measured, and a CPU run under a memory limit would lose them.
+    """
+    json_path = write_json(result, directory / "profile.json")
+    png_path = directory / "profile.png"
+    done = subprocess.run([sys.executable, "-m", "adaptive_batching.profile_plot", str(json_path), str(png_path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        log.warning(f"Could not draw {png_path}: {done.stderr.strip()[-500:]}")
+    return {"json": json_path, "png": png_path}

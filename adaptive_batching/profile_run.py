@@ -82,6 +82,7 @@ def _measure(trainer: "Trainer") -> ProfileResult:
             trainer.trial_step, budget, seq_len=trainer.seq_len, safety_margin=knobs["safety_margin"],
             round_to=knobs["round_to"], upper_limit=max(1, trainer.samples_per_rank()),
             agree=agree_on_trial(trainer.parallel, trainer.device),
+            recover=lambda: memory.release_memory(trainer.device),
         )
     memory.release_memory(trainer.device)
     return result

@@ -2,7 +2,8 @@
 
 Two stages, both on the real training set-up with worst-case inputs:
 
-1. Estimate. Probe steps at micro batch 1, 2, 4, ... measure the forward/backward peak above
+1. Estimate. After a warm-up step at micro batch 1 (it pays one-time costs such as creating the
+   optimizer state), probe steps at micro batch 2, 4, ... measure the forward/backward peak above
    the memory the step starts from. That part grows with the micro batch (activations); the
    optimizer step's peak does not and is checked on its own, so batch-independent peaks never
    distort the slope. A linear fit predicts the largest micro batch under the budget.
@@ -27,7 +28,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from adaptive_batching.budget import Budget
-from adaptive_batching.memory_fit import MemoryPoint, fit_memory, max_micro_batch_under, needs_more_points
+from adaptive_batching.memory_fit import LinearFit, MemoryPoint, fit_memory, max_micro_batch_under, needs_more_points
 from adaptive_batching.oom import is_out_of_memory
 from adaptive_batching.search import Trial, choose_micro_batch, search_max_micro_batch
 
@@ -97,10 +98,15 @@ def find_max_micro_batch(
     round_to: str,
     upper_limit: int,
     agree: Agree = agree_locally,
+    recover: Callable[[], None] = lambda: None,
     tolerance: float = 0.03,
-    max_verify_steps: int = 6,
+    max_verify_steps: int = 12,
 ) -> ProfileResult:
-    """Probe, fit, verify, choose (see the module docstring)."""
+    """Probe, fit, verify, choose (see the module docstring).
+
+    ``recover`` frees memory after an out-of-memory error, once the error and the tensors its
+    traceback holds are gone.
+    """
     started = time.perf_counter()
     trials: list[Trial] = []
     ran: dict[int, Trial] = {}
@@ -116,6 +122,8 @@ def find_max_micro_batch(
         except Exception as error:  # noqa: BLE001 - only out-of-memory errors are expected
             if not is_out_of_memory(error):
                 raise
+        if used is None:
+            recover()
         ok = used is not None and used.peak_bytes <= budget.bytes
         values = [float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes)] if used else [0.0] * 3
         ok, values = agree(ok, values)
@@ -127,28 +135,20 @@ def find_max_micro_batch(
         ran[micro_batch] = trial
         return trial
 
-    # 1. Probes: 1, 2, 4, ... until the forward/backward peak shows a slope.
-    probe = 1
-    while True:
-        if not attempt(probe, "probe").ok:
-            break
-        steady = memory[probe].steady_bytes
-        points = [MemoryPoint(b, steady + memory[b].activation_bytes) for b in sorted(memory) if ran[b].ok]
-        if (len(points) >= 2 and not needs_more_points(points)) or probe * 2 > upper_limit:
-            break
-        probe *= 2
-    ok_probes = [b for b, t in ran.items() if t.ok]
-    if not ok_probes:
+    # 1. A warm-up step (one-time costs: optimizer state, lazy initialisation), probes, the estimate.
+    warm = attempt(1, "warmup").ok
+    probed = probe_until_slope(lambda b: memory.get(b) if attempt(b, "probe").ok else None, upper_limit,
+                               first=2) if warm else {}
+    if not warm:
         raise ProfileError(
             f"micro batch 1 does not fit the memory budget of {budget.bytes / 2**30:.2f} GiB ({budget.source}) "
             f"with {seq_len}-token samples: lower tokenizer.max_seq_len, enable activation checkpointing, "
             f"or raise adaptive_batching.memory_budget / memory_fraction"
         )
-    steady = memory[max(ok_probes)].steady_bytes
-    points = [MemoryPoint(b, steady + memory[b].activation_bytes) for b in sorted(ok_probes)]
-    fit = fit_memory(points) if len(points) >= 2 and not needs_more_points(points) else None
-    estimate = max_micro_batch_under(fit, budget.bytes) if fit is not None else max(ok_probes)
-    estimate = max(min(estimate, upper_limit), max(ok_probes))
+    fit = fit_probes(probed)
+    largest_probe = max(probed, default=1)
+    estimate = max_micro_batch_under(fit, budget.bytes) if fit is not None else largest_probe
+    estimate = max(min(estimate, upper_limit), largest_probe)
 
     # 2. Verify with real steps from the estimate.
     search = search_max_micro_batch(lambda b: attempt(b, "verify"), estimate, tolerance=tolerance,
@@ -170,6 +170,35 @@ def find_max_micro_batch(
         optimizer_peak_bytes=optimizer_peak,
         trials=[asdict(t) for t in trials],
     )
+
+
+def steady_points(probed: dict[int, StepMemory]) -> list[MemoryPoint]:
+    """Each probe's forward/backward peak as it is once the optimizer state exists."""
+    steady = probed[max(probed)].steady_bytes
+    return [MemoryPoint(b, steady + m.activation_bytes) for b, m in sorted(probed.items())]
+
+
+def probe_until_slope(run: Callable[[int], Optional[StepMemory]], upper_limit: int,
+                      first: int = 1) -> dict[int, StepMemory]:
+    """Run micro batches ``first``, 2 x ``first``, ... until the peaks grow linearly
+    (``run`` gives None when one does not fit)."""
+    probed: dict[int, StepMemory] = {}
+    micro_batch = first
+    while micro_batch <= upper_limit:
+        used = run(micro_batch)
+        if used is None:
+            break
+        probed[micro_batch] = used
+        if len(probed) >= 2 and not needs_more_points(steady_points(probed)):
+            break
+        micro_batch *= 2
+    return probed
+
+
+def fit_probes(probed: dict[int, StepMemory]) -> Optional[LinearFit]:
+    """The linear fit of the probes, or None while they show no slope."""
+    points = steady_points(probed) if probed else []
+    return fit_memory(points) if len(points) >= 2 and not needs_more_points(points) else None
 
 
 @contextmanager

@@ -147,6 +147,9 @@ class Trainer:
         """With ``use_maximum_batch_size``, train at the largest micro batch that fits (see profiler)."""
         if not self.settings.use_maximum_batch_size:
             return None
+        if self.device.type == "cpu" and memory.pin_cpu_allocator():
+            self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+                      "so the address space follows the tensors and the chosen micro batch keeps fitting")
         result = run_profile(self)
         self.profile_result = result
         if result.micro_batch != self.batch.micro_batch:
@@ -234,7 +237,7 @@ class Trainer:
             self.save(epoch)
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {self.global_step}, "
-                     f"last loss {last.loss:.6f}")
+                     f"micro batch {self.batch.micro_batch}, last loss {last.loss:.6f}")
 
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
         """Train one epoch; return the last step's statistics."""

@@ -158,7 +158,8 @@ def test_parse_applies_overrides_and_removals(monkeypatch: pytest.MonkeyPatch) -
     assert "max_steps_per_epoch" in shipped and shipped.batch_size != 3
     assert cfg.batch_size == 3
     assert "max_steps_per_epoch" not in cfg
-    assert cfg.adaptive_batching == {"reprofile": False}
+    assert cfg.adaptive_batching.reprofile is False
+    assert cfg.adaptive_batching.memory_budget == "512MiB"
     # torchtune turns `component=None` into a null `_component_` (how a scheduler is switched off).
     assert cfg.lr_scheduler._component_ is None
     assert cfg.epochs == shipped.epochs
@@ -250,9 +251,9 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path]]:
     for d in (full, full_yaml, custom):
         d.mkdir()
     text = (shipped_configs_dir() / "tiny_lora.yaml").read_text()
-    assert "adaptive_batching: {}\n" in text
+    assert "adaptive_batching:\n" in text
     (custom / "my_run.yaml").write_text(
-        text.replace("adaptive_batching: {}\n", "adaptive_batching:\n  memory_budgett: 12GiB\n")
+        text.replace("adaptive_batching:\n", "adaptive_batching:\n  memory_budgett: 12GiB\n")
     )
     common = ["checkpointer.checkpoint_dir=/nonexistent/ckpt"]
     return {

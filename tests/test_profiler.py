@@ -37,10 +37,10 @@ def true_max(steady: int, fixed: int, per_sample: int, limit: int) -> int:
     return (limit - steady - fixed) // per_sample
 
 
-@pytest.mark.parametrize("capacity_share, max_steps", [(1.0, 4), (0.97, 6), (0.9, 8)])
+@pytest.mark.parametrize("capacity_share, max_steps", [(1.0, 5), (0.97, 7), (0.9, 9)])
 def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float, max_steps: int) -> None:
     """The allocator may fail below the budget (fragmentation): the search still lands within 3%,
-    at about two more steps each time the estimate's error doubles."""
+    at about two more steps each time the estimate's error doubles. Steps: a warm-up, 2 probes, verification."""
     budget = Budget(4096 * MIB, "test")
     capacity = int(budget.bytes * capacity_share)
     step, calls = simulated_step(steady=300 * MIB, fixed=40 * MIB, per_sample=9 * MIB, optimizer_peak=500 * MIB,
@@ -64,7 +64,7 @@ def test_optimizer_peak_does_not_distort_the_slope() -> None:
     best = true_max(600 * MIB, 10 * MIB, 5 * MIB, budget.bytes)
     assert result.estimate == best
     assert result.max_micro_batch == best
-    assert result.trial_steps <= 4
+    assert result.trial_steps <= 5
 
 
 def test_noisy_measurements_never_exceed_the_true_maximum() -> None:

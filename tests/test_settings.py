@@ -44,20 +44,26 @@ def config_error(cfg: DictConfig) -> str:
 
 
 @pytest.mark.parametrize("name", ["tiny_full", "tiny_lora"])
-def test_shipped_configs_validate_with_defaults(name: str) -> None:
+def test_shipped_tiny_configs_profile_with_an_explicit_budget(name: str) -> None:
     settings = validate_config(OmegaConf.load(CONFIGS / f"{name}.yaml"))
-    assert settings.use_maximum_batch_size is False
+    assert settings.use_maximum_batch_size is True
     assert settings.batch_increase_function is None
     assert settings.lr_scaling is None
-    assert settings.knobs == {knob_name: knob.default for knob_name, knob in KNOBS.items()}
-    # The documented defaults.
-    assert settings.knobs["memory_budget"] is None
-    assert settings.knobs["memory_fraction"] == 0.9
-    assert settings.knobs["safety_margin"] == 0.05
-    assert settings.knobs["round_to"] == "none"
-    assert settings.knobs["reprofile"] is False
-    assert settings.knobs["picking_order"] == "dataloader"
-    assert settings.knobs["oom_recovery"] is False
+    assert settings.knobs["memory_budget"] == "512MiB"
+    assert settings.knobs["cache_dir"] == "/tmp/adaptive-batching/" + name + "/profile_cache"
+    untouched = {k for k in KNOBS if k not in ("memory_budget", "cache_dir")}
+    assert {k: settings.knobs[k] for k in untouched} == {k: KNOBS[k].default for k in untouched}
+
+
+def test_knob_defaults_are_the_documented_ones() -> None:
+    defaults = {name: knob.default for name, knob in KNOBS.items()}
+    assert defaults["memory_budget"] is None
+    assert defaults["memory_fraction"] == 0.9
+    assert defaults["safety_margin"] == 0.05
+    assert defaults["round_to"] == "none"
+    assert defaults["reprofile"] is False
+    assert defaults["picking_order"] == "dataloader"
+    assert defaults["oom_recovery"] is False
 
 
 def test_validation_does_not_modify_config(base_cfg: DictConfig) -> None:
@@ -179,7 +185,6 @@ def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig) -> Non
 # --------------------------------------------------------------------------- #
 
 NOT_AVAILABLE = [
-    ({"use_maximum_batch_size": True}, "'use_maximum_batch_size'", "start-up batch-size profiler"),
     ({"batch_increase_function": "some.path"}, "'batch_increase_function'", "per-epoch batch growth"),
     ({"batch_increase_function": {"_component_": "some.path", "factor": 2}}, "'batch_increase_function'",
      "per-epoch batch growth"),

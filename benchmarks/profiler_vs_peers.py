@@ -1,0 +1,649 @@
+#!/usr/bin/env python
+"""Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
+
+    python benchmarks/profiler_vs_peers.py [--room 1.5] [--seq-len 256] [--accelerate-start 1024] [--json out.json]
+
+Every method runs in its own fresh child process on the same set-up: the offline tiny Llama-3
+model (config ``tiny_full``), AdamW, worst-case batches (every sample ``seq_len`` tokens, every
+token in the loss). Each child does its imports and set-up first, then limits its own address
+space (``RLIMIT_AS``) to its current size + ``--room`` GiB, so every method gets the same room
+above its set-up; on CPU a real out-of-memory then raises ``DefaultCPUAllocator: can't allocate
+memory`` and the process carries on.
+
+Methods:
+
+* ours: ``Trainer.profile()`` (probe, fit, verify), then one full epoch at the micro batch it chose
+  over the real data set, under the same limit (stopped, and reported as such, after
+  ``--epoch-time-cap`` seconds; 0 = no cap).
+* Lightning: ``Tuner.scale_batch_size(mode="binsearch")`` with its documented defaults
+  (init_val=2, steps_per_trial=3, max_trials=25, margin=0.05), CPU, 1 device.
+* Accelerate: ``find_executable_batch_size(starting_batch_size=--accelerate-start)`` around one
+  training step (the start is the user's guess; it multiplies the size by 0.9 after each OOM).
+* exhaustive: the true maximum, by bisection over fresh children that each run 2 training steps
+  at one micro batch (the first creates the optimizer state).
+
+Peers and the exhaustive search run the same plain training step: the trainer's own
+``_forward_backward`` (forward, loss over all tokens, backward) and gradient application
+(normalise by tokens, AdamW step, zero grads). The libraries are called, not copied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, Optional
+
+GIB = 2**30
+BAR_PERCENT = 97.0
+BAR_STEPS = 6
+METHODS = ("ours", "lightning", "accelerate", "exhaustive")
+
+
+# --------------------------------------------------------------------------- arguments
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--room", type=float, default=1.5,
+                   help="GiB of address space each child may add above its own set-up (default 1.5)")
+    p.add_argument("--seq-len", type=int, default=256, help="tokens per worst-case sample (default 256)")
+    p.add_argument("--accelerate-start", type=int, default=1024,
+                   help="Accelerate's starting_batch_size: the user's guess (default 1024)")
+    p.add_argument("--exhaustive-start", type=int, default=128,
+                   help="first micro batch of the exhaustive doubling (default 128; it bisects below it if it fails)")
+    p.add_argument("--exhaustive-regimes", choices=("auto", "default", "both"), default="auto",
+                   help="true maximum under default glibc, and also under the malloc settings ours' profile() "
+                        "applies (auto: only when it applies them)")
+    p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
+    p.add_argument("--workdir", type=Path, default=None,
+                   help="assets, run outputs and child logs (default: a temporary directory, removed afterwards)")
+    p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    p.add_argument("--epoch-time-cap", type=float, default=150,
+                   help="stop ours' epoch check after this many seconds and report how far it got "
+                        "(default 150; 0 = always the full epoch)")
+    p.add_argument("--child-timeout", type=int, default=900, help="seconds before a child is killed (default 900)")
+    # Internal: one method in a child process.
+    p.add_argument("--child", choices=METHODS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--micro-batch", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.room <= 0 or args.seq_len < 1 or args.accelerate_start < 1 or args.exhaustive_start < 1:
+        p.error("--room, --seq-len, --accelerate-start and --exhaustive-start must be positive")
+    return args
+
+
+# --------------------------------------------------------------------------- child side
+def _vm_size_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmSize:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def limit_address_space(room_gib: float) -> dict[str, int]:
+    """RLIMIT_AS = the current virtual size + room: the same room above every method's own set-up."""
+    import resource
+
+    vm = _vm_size_bytes()
+    limit = vm + int(room_gib * GIB)
+    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+    return {"vm_size_at_limit": vm, "rlimit_as": limit}
+
+
+def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
+    from adaptive_batching.cli import method_for
+    from adaptive_batching.config import load_config
+    from adaptive_batching.settings import validate_config
+    from adaptive_batching.trainer import Trainer
+
+    work = args.workdir
+    overrides = [
+        f"assets_dir={work / 'assets'}",
+        f"output_dir={work / ('run_' + run_name)}",
+        f"tokenizer.max_seq_len={args.seq_len}",
+        "use_maximum_batch_size=True",
+        "adaptive_batching.memory_budget=null",
+        "adaptive_batching.memory_fraction=1.0",
+        "adaptive_batching.safety_margin=0.05",
+        "adaptive_batching.reprofile=True",
+        f"adaptive_batching.cache_dir={work / 'cache'}",
+        "clip_grad_norm=null",
+        "lr_scheduler=null",
+        "epochs=1",
+        "max_steps_per_epoch=null",
+    ]
+    cfg = load_config("tiny_full", overrides)
+    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
+    trainer.setup()
+    return trainer
+
+
+def plain_step(trainer: Any, micro_batch: int) -> None:
+    """One training step on a worst-case batch, as the trainer trains (no measuring); raises on OOM."""
+    from adaptive_batching.data import worst_case_batch
+
+    try:
+        batch = worst_case_batch(trainer.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
+                                 vocab_size=trainer.tokenizer.vocab_size, packed=trainer.packed)
+        _, tokens = trainer._forward_backward(batch)
+        del batch
+        trainer._apply_gradients(tokens)
+    finally:
+        trainer.optimizer.zero_grad(set_to_none=True)
+
+
+def _describe_error(error: BaseException) -> str:
+    text = " ".join(str(error).split())
+    return f"{type(error).__name__}: {text[:160]}"
+
+
+def _is_oom(error: BaseException) -> bool:
+    from adaptive_batching.oom import is_out_of_memory
+
+    return is_out_of_memory(error)
+
+
+class EpochTimeCap(Exception):
+    """The epoch check ran out of --epoch-time-cap (not a failure: no OOM happened until then)."""
+
+
+def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
+    raise EpochTimeCap()
+
+
+def child_ours(args: argparse.Namespace) -> dict[str, Any]:
+    from adaptive_batching import memory
+
+    trainer = build_trainer(args, "ours")
+    pinned: list[bool] = []
+    original_pin = getattr(memory, "pin_cpu_allocator", None)
+    if original_pin is not None:  # observe only: record whether profile() changes glibc's settings
+        def observed_pin(*a: Any, **k: Any) -> bool:
+            answer = original_pin(*a, **k)
+            pinned.append(bool(answer))
+            return answer
+
+        memory.pin_cpu_allocator = observed_pin
+    limits = limit_address_space(args.room)
+    out: dict[str, Any] = {"limits": limits, "pinned_allocator": pinned}
+    t0 = time.perf_counter()
+    try:
+        result = trainer.profile()
+    except Exception as error:  # report whatever happened
+        out.update(wall_s=time.perf_counter() - t0, error=_describe_error(error))
+        return out
+    t1 = time.perf_counter()
+    out.update(
+        wall_s=t1 - t0, found=result.max_micro_batch, chosen=result.micro_batch, trial_steps=result.trial_steps,
+        estimate=result.estimate, profiler_seconds=result.seconds, budget_bytes=result.budget_bytes,
+        budget_source=result.budget_source, bytes_per_sample=result.bytes_per_sample, fixed_bytes=result.fixed_bytes,
+        trials=[{"micro_batch": t["micro_batch"], "ok": t["ok"], "phase": t["phase"],
+                 "peak_bytes": t["peak_bytes"], "seconds": t["seconds"]} for t in result.trials],
+        vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
+    )
+    # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
+    epoch: dict[str, Any] = {"micro_batch": trainer.batch.micro_batch, "steps_planned": trainer.steps_per_epoch,
+                             "capped": False}
+    if args.epoch_time_cap > 0:
+        signal.signal(signal.SIGALRM, _epoch_time_cap_reached)
+        signal.setitimer(signal.ITIMER_REAL, args.epoch_time_cap)
+    t0 = time.perf_counter()
+    try:
+        trainer.train()
+        epoch.update(ok=True, steps=trainer.global_step)
+    except EpochTimeCap:
+        epoch.update(ok=True, capped=True, steps=trainer.global_step)
+    except Exception as error:
+        epoch.update(ok=False, steps=trainer.global_step, error=_describe_error(error), oom=_is_oom(error))
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+    epoch["seconds"] = time.perf_counter() - t0
+    out["epoch"] = epoch
+    return out
+
+
+def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
+    trainer = build_trainer(args, f"exhaustive_{args.micro_batch}")
+    limits = limit_address_space(args.room)
+    if args.pinned:  # the allocator settings ours applies at the start of profile(), same place
+        from adaptive_batching import memory
+
+        if not memory.pin_cpu_allocator():
+            raise RuntimeError("pin_cpu_allocator() failed in the exhaustive child")
+    t0 = time.perf_counter()
+    steps_done = 0
+    try:
+        for _ in range(2):  # the first step creates the optimizer state
+            plain_step(trainer, args.micro_batch)
+            steps_done += 1
+        outcome, error = "ok", None
+    except Exception as err:
+        outcome, error = ("OOM" if _is_oom(err) else "error"), _describe_error(err)
+    return {"limits": limits, "micro_batch": args.micro_batch, "outcome": outcome, "error": error,
+            "steps_done": steps_done, "wall_s": time.perf_counter() - t0}
+
+
+def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
+    from accelerate.utils import find_executable_batch_size
+    from accelerate.utils.memory import should_reduce_batch_size
+
+    trainer = build_trainer(args, "accelerate")
+    calls: list[dict[str, Any]] = []
+
+    @find_executable_batch_size(starting_batch_size=args.accelerate_start)
+    def search(batch_size: int) -> int:
+        call = {"micro_batch": batch_size, "ok": False}
+        calls.append(call)
+        try:
+            plain_step(trainer, batch_size)
+        except Exception as error:  # observe only: Accelerate decides what to do with it
+            call["error"] = _describe_error(error)
+            call["accelerate_recognises_oom"] = should_reduce_batch_size(error)
+            raise
+        call["ok"] = True
+        return batch_size
+
+    limits = limit_address_space(args.room)
+    out: dict[str, Any] = {"limits": limits, "start": args.accelerate_start, "trials": calls}
+    t0 = time.perf_counter()
+    try:
+        out["found"] = search()
+    except Exception as error:
+        out["error"] = _describe_error(error)
+    out.update(wall_s=time.perf_counter() - t0, trial_steps=len(calls))
+    failures = [c for c in calls if not c["ok"]]
+    out["oom_recognised"] = all(c.get("accelerate_recognises_oom", False) for c in failures) if failures else None
+    return out
+
+
+def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
+    import logging
+    import warnings
+
+    import lightning.pytorch as pl
+    import torch
+    from lightning.pytorch.tuner import Tuner
+    from lightning.pytorch.utilities.memory import is_oom_error
+    from torch.utils.data import DataLoader, Dataset
+    from torchtune import training
+
+    warnings.filterwarnings("ignore")
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    trainer = build_trainer(args, "lightning")
+    seq_len, vocab = trainer.seq_len, trainer.tokenizer.vocab_size
+
+    class WorstCaseSamples(Dataset):
+        """Full-length samples, labels = tokens (every token in the loss), as many as the real data set."""
+
+        def __len__(self) -> int:
+            return len(trainer.dataset)
+
+        def __getitem__(self, index: int) -> dict[str, list[int]]:
+            generator = torch.Generator().manual_seed(index)
+            row = torch.randint(0, vocab, (seq_len,), generator=generator).tolist()
+            return {"tokens": row, "labels": list(row)}
+
+    class TunedModule(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = trainer.model
+            self.batch_size = 2  # the tuner sets this attribute
+            self.automatic_optimization = False  # the trainer's own step; Lightning counts opt.step()
+            self.trials: list[dict[str, Any]] = []
+
+        def train_dataloader(self) -> DataLoader:
+            return DataLoader(WorstCaseSamples(), batch_size=self.batch_size, shuffle=False,
+                              collate_fn=trainer.collate, num_workers=0)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return trainer.optimizer
+
+        def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
+            step = {"micro_batch": int(batch["tokens"].shape[0]), "ok": False}
+            self.trials.append(step)
+            optimizer = self.optimizers()
+            try:
+                _, tokens = trainer._forward_backward(batch)
+                del batch
+                # What Trainer._apply_gradients does on one rank without clipping, with the
+                # optimizer step going through Lightning so that it counts the step.
+                training.scale_grads(self.net, 1 / tokens.clamp(min=1))
+                optimizer.step()
+            except Exception as error:  # observe only: Lightning decides what to do with it
+                step["error"] = _describe_error(error)
+                step["lightning_recognises_oom"] = is_oom_error(error)
+                raise
+            finally:
+                optimizer.zero_grad(set_to_none=True)
+            step["ok"] = True
+
+    module = TunedModule()
+    pl_trainer = pl.Trainer(
+        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+        default_root_dir=str(args.workdir / "run_lightning"),
+    )
+    tuner = Tuner(pl_trainer)
+    limits = limit_address_space(args.room)
+    out: dict[str, Any] = {"limits": limits}
+    t0 = time.perf_counter()
+    try:
+        out["returned"] = tuner.scale_batch_size(module, mode="binsearch")  # documented defaults otherwise
+    except Exception as error:
+        out["error"] = _describe_error(error)
+    out["wall_s"] = time.perf_counter() - t0
+    # A trial is steps_per_trial steps at one size; the answer before the margin is the largest
+    # size whose steps all ran, below every size that failed.
+    sizes: dict[int, bool] = {}
+    for step in module.trials:
+        sizes[step["micro_batch"]] = sizes.get(step["micro_batch"], True) and step["ok"]
+    smallest_failure = min((b for b, ok in sizes.items() if not ok), default=None)
+    out["found"] = max((b for b, ok in sizes.items() if ok and (smallest_failure is None or b < smallest_failure)),
+                       default=0)
+    out["trial_steps"] = len(module.trials)
+    out["trials"] = module.trials
+    out["sizes"] = [{"micro_batch": b, "ok": ok} for b, ok in sizes.items()]
+    failures = [s for s in module.trials if not s["ok"]]
+    out["oom_recognised"] = all(s.get("lightning_recognises_oom", False) for s in failures) if failures else None
+    return out
+
+
+def run_child(args: argparse.Namespace) -> int:
+    handler = {"ours": child_ours, "lightning": child_lightning, "accelerate": child_accelerate,
+               "exhaustive": child_exhaustive}[args.child]
+    result = handler(args)
+    args.result.write_text(json.dumps(result, indent=2, default=str))
+    return 0
+
+
+# --------------------------------------------------------------------------- parent side
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = None,
+          pinned: bool = False) -> dict[str, Any]:
+    """Run one method in a fresh child process; return its result (or how it died)."""
+    tag = method + ("_pinned" if pinned else "") + ("" if micro_batch is None else f"_{micro_batch}")
+    logs = args.workdir / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    result_path = args.workdir / "results" / f"{tag}.json"
+    result_path.parent.mkdir(parents=True, exist_ok=True)
+    result_path.unlink(missing_ok=True)
+    command = [sys.executable, os.path.abspath(__file__), "--child", method, "--workdir", str(args.workdir),
+               "--room", str(args.room), "--seq-len", str(args.seq_len),
+               "--accelerate-start", str(args.accelerate_start), "--epoch-time-cap", str(args.epoch_time_cap),
+               "--result", str(result_path)]
+    if micro_batch is not None:
+        command += ["--micro-batch", str(micro_batch)]
+    if pinned:
+        command.append("--pinned")
+    started = time.perf_counter()
+    with open(logs / f"{tag}.log", "w") as log_file:
+        try:
+            proc = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.child_timeout)
+            code: Optional[int] = proc.returncode
+        except subprocess.TimeoutExpired:
+            code = None
+    elapsed = time.perf_counter() - started
+    if code == 0 and result_path.exists():
+        result = json.loads(result_path.read_text())
+    else:
+        tail = (logs / f"{tag}.log").read_text().strip().splitlines()[-3:]
+        why = "timed out" if code is None else f"exit code {code}"
+        result = {"crashed": f"child {why}: {' | '.join(tail)[-300:]}"}
+    result["child_seconds"] = elapsed
+    return result
+
+
+def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[str, Any]:
+    """The largest micro batch whose 2 steps run in a fresh child: doubling, then bisection."""
+    children: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    label = "exhaustive (glibc as ours sets it)" if pinned else "exhaustive"
+
+    def fits(b: int, recheck: bool = False) -> bool:
+        r = spawn(args, "exhaustive", b, pinned)
+        outcome = r.get("outcome", "crashed")
+        error = r.get("error") or r.get("crashed")
+        children.append({"micro_batch": b, "outcome": outcome, "seconds": r["child_seconds"], "error": error,
+                         "steps_done": r.get("steps_done"), "recheck": recheck})
+        where = f" in step {r['steps_done'] + 1}" if outcome == "OOM" else ""
+        log(f"  {label}: micro batch {b}: {outcome}{where} ({r['child_seconds']:.1f} s)"
+            + (" [re-check]" if recheck else ""))
+        if outcome not in ("ok", "OOM"):
+            raise RuntimeError(f"exhaustive child at micro batch {b} failed: {error}")
+        return outcome == "ok"
+
+    lo, hi = 0, None  # largest that fits, smallest that does not
+    b = args.exhaustive_start
+    while hi is None:
+        if fits(b):
+            lo, b = b, b * 2
+        else:
+            hi = b
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    search_seconds = time.perf_counter() - started
+    # Outcomes at the boundary are noisy (address-space layout): run both sides once more and report it.
+    recheck = {"max_ok_again": fits(lo, recheck=True) if lo > 0 else None, "above_ok_again": fits(hi, recheck=True)}
+    return {"true_max": lo, "smallest_oom": hi, "pinned": pinned, "children": children, "seconds": search_seconds,
+            "recheck": recheck}
+
+
+def _pct(found: Optional[int], true_max: Optional[int]) -> Optional[float]:
+    return None if found is None or not true_max else 100.0 * found / true_max
+
+
+def _trial_list(trials: list[dict[str, Any]], limit: int = 20) -> str:
+    marks = [f"{t['micro_batch']}{'' if t['ok'] else '✗'}" for t in trials]
+    return " ".join(marks if len(marks) <= limit else marks[:limit] + [f"... (+{len(marks) - limit})"])
+
+
+def ours_pinned(ours: dict[str, Any]) -> bool:
+    return any(ours.get("pinned_allocator", []))
+
+
+def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
+    rows = []
+    ours = results["ours"]
+    ours_regime = "pinned" if ours_pinned(ours) and "pinned" in exhaustive else "default"
+    if "found" in ours:
+        note = (f"trains at {ours['chosen']} (5% margin); estimate {ours['estimate']}; "
+                f"trials: {_trial_list(ours['trials'])}")
+        if ours_pinned(ours):
+            note += "; profile() set glibc mallopt (true max measured the same way)"
+    else:
+        note = ours.get("error") or ours.get("crashed", "")
+    rows.append({"method": "ours (adaptive_batching profiler)", "found": ours.get("found"),
+                 "trial_steps": ours.get("trial_steps"), "wall_s": ours.get("wall_s"), "note": note,
+                 "regime": ours_regime})
+
+    light = results["lightning"]
+    if "crashed" in light:
+        note = light["crashed"]
+    else:
+        note = (f"returns {light.get('returned')} after its margin 0.05; 3 steps per size: "
+                f"{_trial_list(light.get('sizes', []))}")
+        if light.get("error"):
+            note = f"raised {light['error']}; " + note
+        if light.get("oom_recognised") is False:
+            note += "; did NOT recognise the CPU OOM"
+    rows.append({"method": "Lightning Tuner.scale_batch_size(binsearch)", "found": light.get("found"),
+                 "trial_steps": light.get("trial_steps"), "wall_s": light.get("wall_s"), "note": note,
+                 "regime": "default"})
+
+    acc = results["accelerate"]
+    if "crashed" in acc:
+        note = acc["crashed"]
+    else:
+        note = f"start {acc['start']} (the user's guess), x0.9 per OOM: {_trial_list(acc.get('trials', []))}"
+        if acc.get("error"):
+            note = f"raised {acc['error']}; " + note
+        if acc.get("oom_recognised") is False:
+            note += "; did NOT recognise the CPU OOM (would crash)"
+    rows.append({"method": "Accelerate find_executable_batch_size", "found": acc.get("found"),
+                 "trial_steps": acc.get("trial_steps"), "wall_s": acc.get("wall_s"), "note": note,
+                 "regime": "default"})
+    for row in rows:
+        row["true_max"] = exhaustive[row["regime"]]["true_max"]
+        row["percent"] = _pct(row["found"], row["true_max"])
+    return rows
+
+
+def _fmt(value: Any, spec: str = "") -> str:
+    if value is None:
+        return "-"
+    return format(value, spec) if spec else str(value)
+
+
+REGIME_NAMES = {"default": "exhaustive: true maximum, default glibc (not compared)",
+                "pinned": "exhaustive: true maximum, glibc as ours sets it (not compared)"}
+
+
+def _ok_word(ok: Optional[bool]) -> str:
+    return "-" if ok is None else ("ok" if ok else "OOM")
+
+
+def markdown_table(rows: list[dict[str, Any]], exhaustive: dict[str, dict[str, Any]]) -> str:
+    lines = ["| method | found micro batch | true maximum | found/true (%) | trial steps | wall seconds | notes |",
+             "|---|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['method']} | {_fmt(r['found'])} | {r['true_max']} | {_fmt(r['percent'], '.1f')} | "
+                     f"{_fmt(r['trial_steps'])} | {_fmt(r['wall_s'], '.1f')} | {r['note']} |")
+    for regime, ex in exhaustive.items():
+        search = [c for c in ex["children"] if not c["recheck"]]
+        sizes = _trial_list([{"micro_batch": c["micro_batch"], "ok": c["outcome"] == "ok"} for c in search])
+        again = ex["recheck"]
+        recheck = (f"re-check: {ex['true_max']} {_ok_word(again['max_ok_again'])}, "
+                   f"{ex['smallest_oom']} {_ok_word(again['above_ok_again'])}")
+        lines.append(f"| {REGIME_NAMES[regime]} | {ex['true_max']} | {ex['true_max']} | 100.0 | "
+                     f"{len(search)} children x 2 | {ex['seconds']:.1f} | fresh child per size: {sizes}; {recheck} |")
+    return "\n".join(lines)
+
+
+def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    ours, light, acc = rows
+    peer_times = [r["wall_s"] for r in (light, acc) if r["wall_s"] is not None]
+    checks = {
+        f"found >= {BAR_PERCENT:g}% of true max": ours["percent"] is not None and ours["percent"] >= BAR_PERCENT,
+        f"trial steps <= {BAR_STEPS}": ours["trial_steps"] is not None and ours["trial_steps"] <= BAR_STEPS,
+        "faster than both peers": (ours["wall_s"] is not None and len(peer_times) == 2
+                                   and all(ours["wall_s"] < t for t in peer_times)),
+    }
+    details = [f"{_fmt(ours['percent'], '.1f')}% ({_fmt(ours['found'])} of {ours['true_max']})",
+               f"{_fmt(ours['trial_steps'])} steps",
+               f"{_fmt(ours['wall_s'], '.1f')} s vs Lightning {_fmt(light['wall_s'], '.1f')} s, "
+               f"Accelerate {_fmt(acc['wall_s'], '.1f')} s"]
+    return {"checks": checks, "detail": dict(zip(checks, details)), "met": all(checks.values())}
+
+
+def epoch_summary(epoch: Optional[dict[str, Any]], cap: float) -> str:
+    if epoch is None:
+        return "epoch at chosen size: not run (the profiler did not finish)"
+    where = f"micro batch {epoch['micro_batch']}, real data, same limit"
+    if epoch["ok"] and epoch["capped"]:
+        return (f"epoch at chosen size: no OOM in {epoch['steps']} of {epoch['steps_planned']} steps, "
+                f"{epoch['seconds']:.1f} s ({where}); stopped by --epoch-time-cap {cap:g} s: NOT a full epoch")
+    if epoch["ok"]:
+        return f"epoch at chosen size: ok, {epoch['steps']} steps, {epoch['seconds']:.1f} s ({where})"
+    return (f"epoch at chosen size: FAILED after {epoch['steps']} of {epoch['steps_planned']} steps "
+            f"({'OOM' if epoch.get('oom') else 'error'}; {where}): {epoch['error']}")
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    if args.child is not None:
+        return run_child(args)
+
+    command = shlex.join([sys.executable, *sys.argv])
+    print(f"$ {command}", flush=True)
+    temporary = args.workdir is None
+    args.workdir = Path(tempfile.mkdtemp(prefix="profiler_vs_peers_")) if temporary else args.workdir.resolve()
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    try:
+        from adaptive_batching.tiny_assets import write_tiny_assets
+
+        write_tiny_assets(args.workdir / "assets")
+        log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
+        results: dict[str, Any] = {}
+        for method in ("ours", "lightning", "accelerate"):
+            log(f"running {method} ...")
+            results[method] = spawn(args, method)
+            r = results[method]
+            log(f"  {method}: found {r.get('found')} in {r.get('trial_steps')} trial steps, "
+                f"{_fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
+        ours = results["ours"]
+        regimes = ["default"]
+        if args.exhaustive_regimes == "both" or (args.exhaustive_regimes == "auto" and ours_pinned(ours)):
+            regimes.append("pinned")
+            log("ours' profile() changed glibc's malloc settings: the true maximum is searched both with default "
+                "glibc (the peers' setting) and with ours' settings, the two searches side by side "
+                "(their times are not compared)")
+        log("running the exhaustive search for the true maximum ...")
+        with ThreadPoolExecutor(max_workers=len(regimes)) as pool:
+            futures = {r: pool.submit(exhaustive_search, args, r == "pinned") for r in regimes}
+            exhaustive = {r: f.result() for r, f in futures.items()}
+
+        rows = build_rows(results, exhaustive)
+        bar = verdict(rows)
+        epoch = ours.get("epoch")
+
+        print()
+        print(f"Set-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
+              f"(all in the loss); each method in a fresh child with RLIMIT_AS = its VmSize after set-up "
+              f"+ {args.room:g} GiB. ✗ = that size did not fit (OOM; for ours also: over its budget).")
+        print()
+        print(markdown_table(rows, exhaustive))
+        print()
+        print(epoch_summary(epoch, args.epoch_time_cap))
+        if "found" in ours:
+            true_max = rows[0]["true_max"]
+            fit = ("" if ours.get("bytes_per_sample") is None else
+                   f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample")
+            print(f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "
+                  f"estimate {ours['estimate']} = {_fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
+                  f"maximum {true_max}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
+                  f"{ours['wall_s']:.1f} s in profile()")
+            if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
+                default_max = exhaustive["default"]["true_max"]
+                print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
+                      f"{_fmt(_pct(ours['found'], default_max), '.1f')}%")
+        print()
+        print(f"Bar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both peers): "
+              f"{'MET' if bar['met'] else 'NOT MET'}")
+        for name, ok in bar["checks"].items():
+            print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
+
+        if args.json is not None:
+            payload = {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
+                       "accelerate_start": args.accelerate_start, "epoch_time_cap": args.epoch_time_cap,
+                       "rows": rows, "exhaustive": exhaustive, "epoch": epoch, "bar": bar, "raw": results}
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(payload, indent=2, default=str))
+            print(f"\nJSON written to {args.json}")
+    finally:
+        if temporary and not args.keep:
+            shutil.rmtree(args.workdir, ignore_errors=True)
+        elif temporary:
+            log(f"kept {args.workdir}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""The start-up profiler inside the recipes: report, cache, no trace, real OOMs, ranks, and the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from adaptive_batching.tiny_assets import write_tiny_assets
+from recipe_runs import TUNE, check, losses, read_metrics, tune_run
+
+HERE = Path(__file__).parent
+CLI = str(Path(sys.executable).with_name("adaptive-batching"))
+SHORT = ("epochs=1", "max_steps_per_epoch=2")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
+
+
+def profiled(assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> tuple[str, dict]:
+    result = check(tune_run("adaptive_full_finetune", "tiny_full",
+                            [f"assets_dir={assets}", f"output_dir={out}", *overrides], cwd=out.parent, nproc=nproc))
+    return result.stdout + result.stderr, json.loads((out / "profile" / "profile.json").read_text())
+
+
+def test_profile_reports_and_trains_at_the_chosen_micro_batch(assets: Path, tmp_path: Path) -> None:
+    output, report = profiled(assets, tmp_path / "run", *SHORT)
+    for key in ("max_micro_batch", "micro_batch", "trial_steps", "seconds", "trials", "budget_bytes"):
+        assert key in report
+    assert report["micro_batch"] == int(report["max_micro_batch"] * 0.95)
+    assert report["trial_steps"] == len(report["trials"]) <= 6
+    assert not report["from_cache"]
+    # The largest micro batch that ran fits the 512MiB budget; one just above it did not.
+    ok = [t for t in report["trials"] if t["ok"]]
+    assert max(t["micro_batch"] for t in ok) == report["max_micro_batch"]
+    assert all(t["peak_bytes"] <= 512 * 2**20 for t in ok)
+    assert any(not t["ok"] and t["micro_batch"] <= report["max_micro_batch"] * 1.03 + 1 for t in report["trials"])
+    assert "phase   micro batch  peak GiB  fits  seconds" in output
+    assert (tmp_path / "run" / "profile" / "profile.png").stat().st_size > 10_000
+    rows = read_metrics(tmp_path / "run" / "logs")
+    assert [r["micro_batch_size"] for r in rows] == [report["micro_batch"]] * 2
+
+
+def test_cache_hit_reprofile_stale_and_corrupt(assets: Path, tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    _, first = profiled(assets, out, *SHORT)
+    output, hit = profiled(assets, out, *SHORT, "adaptive_batching.safety_margin=0.2")
+    assert hit["from_cache"] and "using the cached profile" in output
+    assert hit["max_micro_batch"] == first["max_micro_batch"]
+    assert hit["micro_batch"] == int(first["max_micro_batch"] * 0.8)  # the margin is applied anew
+    _, again = profiled(assets, out, *SHORT, "adaptive_batching.reprofile=True")
+    assert not again["from_cache"]
+    _, stale = profiled(assets, out, *SHORT, "tokenizer.max_seq_len=128")  # another fingerprint
+    assert not stale["from_cache"] and stale["seq_len"] == 128
+    for cached in (out / "profile_cache").glob("*.json"):
+        cached.write_text("{not json")
+    output, corrupt = profiled(assets, out, *SHORT)
+    assert not corrupt["from_cache"] and "corrupt" in output.lower()
+
+
+def test_profiling_leaves_no_trace(assets: Path, tmp_path: Path) -> None:
+    """A profiled run trains exactly like an unprofiled run at the same micro batch."""
+    _, report = profiled(assets, tmp_path / "profiled", "epochs=1", "max_steps_per_epoch=3")
+    plain = tmp_path / "plain"
+    check(tune_run("adaptive_full_finetune", "tiny_full",
+                   [f"assets_dir={assets}", f"output_dir={plain}", "use_maximum_batch_size=False",
+                    f"batch_size={report['micro_batch']}", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path))
+    assert losses(tmp_path / "profiled" / "logs") == losses(plain / "logs")
+
+
+@pytest.mark.parametrize("budget", ["null", "2GiB"])
+def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Path, tmp_path: Path) -> None:
+    """400 MiB of address space after set-up. With no budget the profiler reads the limit itself;
+    with a budget far above it, real ``DefaultCPUAllocator`` errors stop the trials. Either way the
+    micro batch it chooses then trains under the same limit."""
+    result = subprocess.run(
+        [sys.executable, str(HERE / "limited_run.py"), "400", "tiny_full", f"assets_dir={assets}",
+         f"output_dir={tmp_path / 'run'}", f"adaptive_batching.memory_budget={budget}",
+         "adaptive_batching.memory_fraction=1.0", "epochs=1", "max_steps_per_epoch=3"],
+        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
+    report = summary["profile"]
+    # About 5.4 MiB per 256-token sample: at most ~74 fit in 400 MiB.
+    assert 50 <= report["max_micro_batch"] <= 76
+    if budget == "null":
+        assert "address-space limit" in report["budget_source"]
+        # Warm-up, 2 probes, then verification from an estimate that runs ~5% high on CPU.
+        assert report["trial_steps"] <= 8
+    else:
+        assert any(t["peak_bytes"] is None for t in report["trials"]), "expected real OOMs"
+    assert summary["trained_steps"] == 3 and summary["micro_batch"] == report["micro_batch"]
+
+
+def test_two_ranks_agree_on_the_micro_batch(assets: Path, tmp_path: Path) -> None:
+    output, report = profiled(assets, tmp_path / "run", *SHORT, nproc=2)
+    finals = [line.split("micro batch ")[1].split(",")[0] for line in output.splitlines()
+              if "finished at optimizer step" in line]
+    assert finals == [str(report["micro_batch"])] * 2
+    assert "minimum over 2 ranks" in report["budget_source"]
+
+
+def test_profile_and_estimate_commands(assets: Path, tmp_path: Path) -> None:
+    """``estimate`` (fake tensors, no real memory) against ``profile`` (real steps), same 512MiB budget."""
+    common = [f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}"]
+    profile = subprocess.run([CLI, "profile", "--config", "tiny_full", "--json", str(tmp_path / "p.json"), *common],
+                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert profile.returncode == 0, profile.stderr[-3000:]
+    assert "largest micro batch that ran" in profile.stdout
+    real = json.loads((tmp_path / "p.json").read_text())["max_micro_batch"]
+    estimate = subprocess.run([CLI, "estimate", "--config", "tiny_full", "--device-memory", "512MiB",
+                               "--fraction", "1.0", "--json", str(tmp_path / "e.json"), *common],
+                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert estimate.returncode == 0, estimate.stderr[-3000:]
+    predicted = json.loads((tmp_path / "e.json").read_text())["max_micro_batch"]
+    assert abs(predicted - real) <= 0.05 * real, (predicted, real)
