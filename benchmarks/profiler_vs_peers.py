@@ -20,7 +20,11 @@ Methods:
 * Accelerate: ``find_executable_batch_size(starting_batch_size=--accelerate-start)`` around one
   training step (the start is the user's guess; it multiplies the size by 0.9 after each OOM).
 * exhaustive: the true maximum, by bisection over fresh children that each run 2 training steps
-  at one micro batch (the first creates the optimizer state).
+  at one micro batch (the first creates the optimizer state), then both sides of the boundary
+  run once more (outcomes there are noisy). When ours' ``profile()`` changes glibc's malloc
+  settings (``adaptive_batching.memory.pin_cpu_allocator``; observed, not forced), the true
+  maximum is also searched with those settings applied at the same point, and ours is compared
+  with that one; the peers always run, and are compared, under default glibc.
 
 Peers and the exhaustive search run the same plain training step: the trainer's own
 ``_forward_backward`` (forward, loss over all tokens, backward) and gradient application
