@@ -43,7 +43,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -597,12 +596,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.exhaustive_regimes == "both" or (args.exhaustive_regimes == "auto" and ours_pinned(ours)):
             regimes.append("pinned")
             log("ours' profile() changed glibc's malloc settings: the true maximum is searched both with default "
-                "glibc (the peers' setting) and with ours' settings, the two searches side by side "
-                "(their times are not compared)")
+                "glibc (the peers' setting) and with ours' settings")
         log("running the exhaustive search for the true maximum ...")
-        with ThreadPoolExecutor(max_workers=len(regimes)) as pool:
-            futures = {r: pool.submit(exhaustive_search, args, r == "pinned") for r in regimes}
-            exhaustive = {r: f.result() for r, f in futures.items()}
+        exhaustive = {r: exhaustive_search(args, pinned=(r == "pinned")) for r in regimes}
 
         rows = build_rows(results, exhaustive)
         bar = verdict(rows)
