@@ -13,11 +13,11 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import config, modules, training
 
+from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.memory import PeakMeter, current_bytes
 from adaptive_batching.memory_fit import max_micro_batch_under
 from adaptive_batching.model import FinetuneMethod
@@ -61,12 +61,7 @@ def _fake_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer, loss_fn
     """The memory one training step would use; the tensors are fake, nothing is allocated."""
     with PeakMeter(CPU, model, optimizer) as forward_backward:
         tokens = torch.randint(0, vocab_size, (micro_batch, seq_len))
-        labels = F.pad(tokens[..., 1:], (0, 1), value=loss_fn.ignore_index)
-        logits = model(tokens)
-        if not isinstance(logits, list):
-            logits, labels = logits.reshape(-1, logits.size(-1)), labels.reshape(-1)
-        loss = loss_fn(logits, labels)
-        del logits
+        loss, _ = summed_token_loss(model, loss_fn, {"tokens": tokens, "labels": tokens})
         loss.backward()
     with PeakMeter(CPU, model, optimizer) as optimizer_step:
         optimizer.step()

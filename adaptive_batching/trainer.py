@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Any, Iterable, Iterator, Optional
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch.distributed.tensor import DTensor
 from torchtune import config, training, utils
@@ -24,6 +23,7 @@ from adaptive_batching.batch import BatchShape
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset, worst_case_batch
 from adaptive_batching.distributed import ParallelInfo, all_reduce_sum, barrier, init_parallel, shutdown
+from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.model import (
     FinetuneMethod,
     ModelOptions,
@@ -292,16 +292,7 @@ class Trainer:
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro batch; returns its summed loss and token count."""
         utils.batch_to_device(batch, self.device)
-        labels = batch.pop("labels")
-        ignore = self.loss_fn.ignore_index
-        labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
-        tokens = (labels != ignore).sum()
-        logits = self.model(**batch)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-        loss = self.loss_fn(logits, labels) * tokens
-        del logits
+        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch)
         loss.backward()
         return loss.detach(), tokens
 

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from config_edits import modified
 import torch
 from omegaconf import DictConfig, OmegaConf
 
@@ -23,22 +24,10 @@ from adaptive_batching.profile_cache import (
     save_profile,
 )
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 KEY = "ab" * 32
 RESULT = {"micro_batch": 24, "peak_bytes": [1, 2, 3], "budget": {"bytes": 10, "source": "explicit"}}
 
 
-@pytest.fixture(scope="module")
-def base_cfg() -> DictConfig:
-    return OmegaConf.load(CONFIGS / "tiny_full.yaml")
-
-
-def modified(base: DictConfig, updates: dict[str, Any]) -> DictConfig:
-    """A copy of ``base`` with dotted keys set; ``base`` is untouched."""
-    cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
-    for key, value in updates.items():
-        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
-    return cfg
 
 
 def key_of(cfg: DictConfig, **overrides: Any) -> str:

@@ -6,30 +6,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from config_edits import CONFIGS, DELETE, modified
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.settings import KNOBS, ConfigError, parse_bytes, validate_config
 
-CONFIGS = Path(__file__).resolve().parents[1] / "configs"
-DELETE = object()
 
 
-@pytest.fixture(scope="module")
-def base_cfg() -> DictConfig:
-    return OmegaConf.load(CONFIGS / "tiny_full.yaml")
-
-
-def modified(base: DictConfig, updates: dict[str, Any]) -> DictConfig:
-    """A copy of ``base`` with dotted keys set (or removed with DELETE); ``base`` is untouched."""
-    cfg = OmegaConf.create(OmegaConf.to_container(base, resolve=False))
-    for key, value in updates.items():
-        if value is DELETE:
-            parent, _, leaf = key.rpartition(".")
-            node = OmegaConf.select(cfg, parent) if parent else cfg
-            del node[leaf]
-        else:
-            OmegaConf.update(cfg, key, value, merge=False)
-    return cfg
 
 
 def config_error(cfg: DictConfig) -> str:

@@ -1,0 +1,29 @@
+"""The loss of one micro batch, summed over its tokens, as every step of the recipes computes it."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Forward one micro batch; return its loss summed over the tokens that count, and their number.
+
+    Labels are shifted by one token (the last position predicts nothing). Summing, not averaging,
+    lets a step divide by the tokens of all its micro batches and ranks at once.
+    ``batch`` loses its ``labels``.
+    """
+    labels = batch.pop("labels")
+    ignore = loss_fn.ignore_index
+    labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
+    tokens = (labels != ignore).sum()
+    logits = model(**batch)
+    if not isinstance(logits, list):
+        labels = labels.reshape(-1)
+        logits = logits.reshape(-1, logits.size(-1))
+    loss = loss_fn(logits, labels) * tokens
+    del logits
+    return loss, tokens
