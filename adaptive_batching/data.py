@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
+import warnings
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, ListConfig
 from torch.utils.data import ConcatDataset, Dataset
 from torchdata.stateful_dataloader import StatefulDataLoader
-from torchdata.stateful_dataloader.sampler import StatefulDistributedSampler
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 
 from adaptive_batching.distributed import ParallelInfo
+from adaptive_batching.sampler import StepBatchSampler, collate_allowing_empty
 
 DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
+# torchdata 0.11 calls a deprecated torch function each time a loader is built: noise in every epoch's log.
+warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
 def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple[Dataset, bool]:
@@ -28,34 +31,41 @@ def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple
 
 
 def build_collate(collate_path: str, packed: bool, pad_id: int, ignore_index: int) -> Callable:
-    """The collate function: packed samples keep their block-causal mask, others are padded."""
+    """The collate function: packed samples keep their block-causal mask, others are padded.
+
+    An empty micro batch (a rank with no sample left in an epoch's last step) becomes one
+    token whose label is ignored, so every rank runs the same forwards.
+    """
     if packed:
-        return padded_collate_packed
-    if "left_pad_sequence" in collate_path:
+        collate = padded_collate_packed
+    elif "left_pad_sequence" in collate_path:
         raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only")
-    return partial(_get_component_from_path(collate_path), padding_idx=pad_id, ignore_idx=ignore_index)
+    else:
+        collate = partial(_get_component_from_path(collate_path), padding_idx=pad_id, ignore_idx=ignore_index)
+    return collate_allowing_empty(collate, pad_id=pad_id, ignore_index=ignore_index, packed=packed)
 
 
 def build_dataloader(
     dataset: Dataset,
     *,
     micro_batch: int,
+    accumulation: int,
     collate_fn: Callable,
     parallel: ParallelInfo,
     shuffle: bool,
     seed: int,
+    epoch: int,
+    max_steps: Optional[int],
 ) -> StatefulDataLoader:
-    """A resumable dataloader over this rank's shard, shuffled from ``seed`` and the epoch."""
-    sampler = StatefulDistributedSampler(
-        dataset, num_replicas=parallel.world_size, rank=parallel.rank, shuffle=shuffle, seed=seed
+    """A resumable dataloader of this rank's micro batches for one epoch, in optimizer steps.
+
+    Changing the batch builds a new one over the same dataset object: nothing is re-tokenised or re-packed.
+    """
+    sampler = StepBatchSampler(
+        len(dataset), micro_batch=micro_batch, accumulation=accumulation, rank=parallel.rank,
+        world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
     )
-    return StatefulDataLoader(
-        dataset=dataset,
-        batch_size=micro_batch,
-        sampler=sampler,
-        collate_fn=collate_fn,
-        drop_last=True,
-    )
+    return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 
 
 def worst_case_batch(collate_fn: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,

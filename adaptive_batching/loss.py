@@ -14,12 +14,16 @@ def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Ten
 
     Labels are shifted by one token (the last position predicts nothing). Summing, not averaging,
     lets a step divide by the tokens of all its micro batches and ranks at once.
+    A micro batch with no token that counts (a rank's padding at the end of an epoch) gives 0 and
+    zero gradients: one label is un-ignored so the mean inside ``loss_fn`` stays finite, then x 0.
     ``batch`` loses its ``labels``.
     """
     labels = batch.pop("labels")
     ignore = loss_fn.ignore_index
     labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
     tokens = (labels != ignore).sum()
+    first = labels.view(-1)[:1]
+    first.copy_(torch.where(tokens == 0, torch.zeros_like(first), first))
     logits = model(**batch)
     if not isinstance(logits, list):
         labels = labels.reshape(-1)

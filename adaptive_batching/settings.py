@@ -13,14 +13,14 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
 
+import torch
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.schedule import load_increase_function, plan_batches
 
-class ConfigError(ValueError):
-    """A config value is wrong; the message names the key and what is allowed."""
 
-
-LR_SCALING_RULES = ("linear", "sqrt", "none")
 ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
 _BYTES_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -113,7 +113,7 @@ KNOBS: dict[str, Knob] = {
     "round_to": Knob("none", _round_to, True, "the start-up batch-size profiler"),
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
-    "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), False, "per-epoch batch growth"),
+    "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
     "max_tokens": Knob(None, _opt_pos_int, False, "token-budget batching"),
     "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), False,
                           "token-budget batching"),
@@ -129,8 +129,8 @@ class AdaptiveSettings:
     """The validated adaptive configuration of one run."""
 
     use_maximum_batch_size: bool = False
-    batch_increase_function: Optional[Any] = None
-    lr_scaling: Optional[str] = None
+    batch_increase_function: Optional[Callable[[int, int], int]] = None
+    lr_scaling: str = "sqrt"
     knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
 
 
@@ -156,6 +156,7 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
         "gradient_accumulation_steps": (_pos_int, False),
         "epochs": (_pos_int, True),
         "max_steps_per_epoch": (_opt_pos_int, False),
+        "save_every_n_steps": (_opt_pos_int, False),
         "log_every_n_steps": (_pos_int, False),
         "compile": (_bool, False),
         "enable_activation_checkpointing": (_bool, False),
@@ -220,13 +221,15 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     if not isinstance(use_max, bool):
         raise _fail("use_maximum_batch_size", use_max, "true or false")
 
-    increase = _check_increase_function(_plain(cfg.get("batch_increase_function", None)))
-    if increase is not None:
-        raise _not_available("batch_increase_function", increase, "per-epoch batch growth")
+    spec = _check_increase_function(_plain(cfg.get("batch_increase_function", None)))
+    increase = None if spec is None else load_increase_function(spec)
 
     lr_scaling = _plain(cfg.get("lr_scaling", None))
     if lr_scaling is not None and lr_scaling not in LR_SCALING_RULES:
         raise _fail("lr_scaling", lr_scaling, " | ".join(LR_SCALING_RULES) + " (or null for the default)")
+    if lr_scaling is None:
+        lr_scaling = default_rule(str(cfg.optimizer.get("_component_", "")))
+    _check_lr_scheduler(cfg)
 
     section = _plain(cfg.get("adaptive_batching", None))
     section = {} if section is None else section
@@ -247,4 +250,31 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
         if value != knob.default and not knob.available:
             raise _not_available(f"adaptive_batching.{name}", value, knob.feature)
         knobs[name] = value
+    if increase is not None:
+        # Every epoch's call, made now: a bad return value stops the run before any model loads.
+        plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
+                     data_parallel=1, increase=increase, max_micro_batch=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
+
+
+def _check_lr_scheduler(cfg: DictConfig) -> None:
+    """The scheduler must be a LambdaLR (all of torchtune's are): it is driven by consumed samples."""
+    node = cfg.get("lr_scheduler", None)
+    if node is None or node.get("_component_", None) is None:
+        return
+    from torch.optim.lr_scheduler import LambdaLR
+    from torchtune import config
+
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        scheduler = config.instantiate(node, probe, num_training_steps=100)
+    except Exception as error:  # noqa: BLE001 - any failure is the config's
+        raise ConfigError(f"config key 'lr_scheduler' could not be built with (optimizer, num_training_steps=N): "
+                          f"{type(error).__name__}: {error}") from error
+    if not isinstance(scheduler, LambdaLR):
+        raise ConfigError(
+            f"config key 'lr_scheduler._component_' = {node._component_!r} gives a {type(scheduler).__name__}; "
+            f"expected a LambdaLR (every torchtune scheduler, e.g. "
+            f"torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup), which the recipes drive by "
+            f"consumed samples, or null"
+        )

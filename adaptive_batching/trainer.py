@@ -6,11 +6,9 @@ given by the recipe; how big a batch is comes from :class:`~adaptive_batching.ba
 
 from __future__ import annotations
 
-import itertools
-import logging
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, Optional
+from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -22,6 +20,7 @@ from adaptive_batching import checkpointing, memory
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset, worst_case_batch
+from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
 from adaptive_batching.distributed import ParallelInfo, all_reduce_sum, barrier, init_parallel, shutdown
 from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.model import (
@@ -34,6 +33,8 @@ from adaptive_batching.model import (
 )
 from adaptive_batching.profile_run import run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory
+from adaptive_batching.sampler import epoch_extent
+from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason, plan_batches
 from adaptive_batching.settings import AdaptiveSettings
 
 log = utils.get_logger("INFO")
@@ -49,13 +50,6 @@ class StepStats:
     grad_norm: Optional[float] = None
 
 
-def _chunks(items: Iterable[Any], size: int) -> Iterator[list[Any]]:
-    """Consecutive groups of ``size`` items; a shorter trailing group is dropped."""
-    iterator = iter(items)
-    while len(group := list(itertools.islice(iterator, size))) == size:
-        yield group
-
-
 class Trainer:
     """Fine-tunes a torchtune model; one instance per run."""
 
@@ -68,20 +62,26 @@ class Trainer:
         if self.dtype == torch.float16:
             raise ValueError("config key 'dtype' = 'fp16' is not supported; use bf16 or fp32")
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
-        self.batch = BatchShape(
+        # The batch as written in the config: the reference for LR scaling and the LR schedule.
+        self.reference = BatchShape(
             micro_batch=cfg.batch_size,
             accumulation=cfg.get("gradient_accumulation_steps", 1),
             data_parallel=self.parallel.world_size,
         )
+        self.batch = self.reference
         self.total_epochs: int = cfg.epochs
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
+        self.save_every_n_steps: Optional[int] = cfg.get("save_every_n_steps", None)
         self.clip_grad_norm: Optional[float] = cfg.get("clip_grad_norm", None)
         self.log_every_n_steps: int = cfg.get("log_every_n_steps", 1)
         self.resume: bool = cfg.get("resume_from_checkpoint", False)
         self.epochs_run = 0
+        self.step_in_epoch = 0
         self.global_step = 0
         self.metric_logger: Any = None
         self.profile_result: Optional[ProfileResult] = None
+        self.epoch_plan: list[EpochBatch] = []
+        self.resumed: dict[str, Any] = {}
 
     @property
     def is_rank_zero(self) -> bool:
@@ -92,7 +92,7 @@ class Trainer:
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
-        """Load the checkpoint and build model, tokenizer, optimizer, loss, data and LR schedule."""
+        """Load the checkpoint and build model, tokenizer, optimizer, loss and dataset."""
         cfg = self.cfg
         if self.is_rank_zero:
             self.metric_logger = config.instantiate(cfg.metric_logger)
@@ -114,6 +114,7 @@ class Trainer:
         self.optimizer = config.instantiate(
             cfg.optimizer, [p for p in self.model.parameters() if p.requires_grad]
         )
+        self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         if self.resume:
             self._restore(checkpoint)
         self.loss_fn = config.instantiate(cfg.loss)
@@ -126,37 +127,28 @@ class Trainer:
         self.collate = build_collate(
             cfg.get("collate_fn", DEFAULT_COLLATE), self.packed, self.tokenizer.pad_id, self.loss_fn.ignore_index
         )
-        self.apply_batch(self.batch)
-
-    def apply_batch(self, batch: BatchShape) -> None:
-        """Serve ``batch`` from now on: dataloader, steps per epoch and LR schedule follow it."""
-        self.batch = batch
-        self.dataloader = build_dataloader(
-            self.dataset, micro_batch=batch.micro_batch, collate_fn=self.collate,
-            parallel=self.parallel, shuffle=self.cfg.get("shuffle", True), seed=self.seed,
-        )
-        self.steps_per_epoch = self._steps_per_epoch()
-        self.lr_scheduler = self._build_lr_scheduler()
-        self.info(
-            f"Batch: {batch.describe()}; {self.steps_per_epoch} optimizer steps per epoch, "
-            f"{self.total_epochs} epoch(s)"
-        )
 
     # ------------------------------------------------------------------ profiling
+    @property
+    def needs_profile(self) -> bool:
+        """The profile gives the starting micro batch (``use_maximum_batch_size``) and the cap on growth."""
+        return self.settings.use_maximum_batch_size or self.settings.batch_increase_function is not None
+
     def profile(self) -> Optional[ProfileResult]:
-        """With ``use_maximum_batch_size``, train at the largest micro batch that fits (see profiler)."""
-        if not self.settings.use_maximum_batch_size:
+        """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint."""
+        if not self.needs_profile:
             return None
+        saved = self.resumed.get("profile")
+        if saved is not None:
+            self.profile_result = ProfileResult.from_dict(saved)
+            self.info(f"Profiler: using the profile saved in the checkpoint "
+                      f"(micro batch {self.profile_result.micro_batch})")
+            return self.profile_result
         if self.device.type == "cpu" and memory.pin_cpu_allocator():
             self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
                       "so the address space follows the tensors and the chosen micro batch keeps fitting")
-        result = run_profile(self)
-        self.profile_result = result
-        if result.micro_batch != self.batch.micro_batch:
-            self.info(f"Profiler: micro batch {self.batch.micro_batch} -> {result.micro_batch} "
-                      f"(largest that ran: {result.max_micro_batch})")
-            self.apply_batch(BatchShape(result.micro_batch, self.batch.accumulation, self.batch.data_parallel))
-        return result
+        self.profile_result = run_profile(self)
+        return self.profile_result
 
     @property
     def seq_len(self) -> int:
@@ -192,69 +184,123 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
             memory.release_memory(self.device)
 
+    # ------------------------------------------------------------------ planning
+    def make_plan(self) -> list[EpochBatch]:
+        """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
+        profile = self.profile_result
+        start = profile.micro_batch if profile is not None and self.settings.use_maximum_batch_size \
+            else self.reference.micro_batch
+        self.epoch_plan = plan_batches(
+            epochs=self.total_epochs, start=start, accumulation=self.reference.accumulation,
+            data_parallel=self.parallel.world_size, increase=self.settings.batch_increase_function,
+            max_micro_batch=profile.micro_batch if profile is not None else None,
+            grow_past_memory=self.settings.knobs["grow_past_memory"],
+        )
+        extents = [epoch_extent(len(self.dataset), entry.shape.global_batch, self.max_steps_per_epoch)
+                   for entry in self.epoch_plan]
+        total_samples = sum(samples for _, samples in extents)
+        scheduler_cfg = optional_component(self.cfg.get("lr_scheduler", None))
+        scheduler = None if scheduler_cfg is None else config.instantiate(
+            scheduler_cfg, self.optimizer,
+            num_training_steps=reference_steps(total_samples, self.reference.global_batch),
+        )
+        self.lr = SampleDrivenLR(self.optimizer, self.base_lrs, scheduler,
+                                 reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling)
+        if "lr" in self.resumed:
+            self.lr.load_state_dict(self.resumed["lr"])
+        header, *rows = describe_plan(self.epoch_plan)
+        rows = [f"{row} | {steps} steps, {samples} samples, LR x{self.lr_factor(entry.shape):.3f}"
+                for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
+        self.info(
+            "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
+            f"reference global batch {self.reference.global_batch} from the config; LR scaling '{self.lr.rule}'; "
+            f"LR schedule over {reference_steps(total_samples, self.reference.global_batch)} reference steps):\n"
+            + "\n".join([header, *rows])
+        )
+        return self.epoch_plan
+
+    def lr_factor(self, batch: BatchShape) -> float:
+        return lr_factor(batch.global_batch, self.reference.global_batch, self.settings.lr_scaling)
+
     def _restore(self, checkpoint: dict[str, Any]) -> None:
-        """Continue from the recipe state of the last finished epoch."""
+        """Continue from the saved recipe state: the end of an epoch, or a step inside one."""
         if checkpoint.get(training.SEED_KEY, self.seed) != self.seed:
             self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {self.seed}")
             self.seed = checkpoint[training.SEED_KEY]
+        self.resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
         self.epochs_run = checkpoint[training.EPOCHS_KEY]
-        self.global_step = checkpoint[checkpointing.ADAPTIVE_KEY]["global_step"]
+        self.global_step = self.resumed["global_step"]
+        self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
-        self.info(f"Resuming after epoch {self.epochs_run} (optimizer step {self.global_step})")
-
-    def _steps_per_epoch(self) -> int:
-        steps = len(self.dataloader) // self.batch.accumulation
-        if self.max_steps_per_epoch is not None:
-            steps = min(steps, self.max_steps_per_epoch)
-        if steps < 1:
-            raise ValueError(
-                f"The dataset gives {len(self.dataloader)} micro batches of {self.batch.micro_batch} per rank, "
-                f"fewer than one optimizer step of {self.batch.accumulation}; lower 'batch_size' "
-                f"or 'gradient_accumulation_steps'"
-            )
-        return steps
-
-    def _build_lr_scheduler(self) -> Any:
-        cfg_scheduler = optional_component(self.cfg.get("lr_scheduler", None))
-        if cfg_scheduler is None:
-            return None
-        return config.instantiate(
-            cfg_scheduler, self.optimizer,
-            num_training_steps=self.total_epochs * self.steps_per_epoch,
-            last_epoch=self.global_step - 1,
-        )
+        where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
+            else f"the end of epoch {self.epochs_run}"
+        self.info(f"Resuming at {where} (optimizer step {self.global_step})")
 
     # ------------------------------------------------------------------ training
     def train(self) -> None:
-        """Train the remaining epochs, saving a checkpoint at the end of each."""
+        """Train the remaining epochs at the planned batches, saving a checkpoint at the end of each."""
         memory.release_memory(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         last: Optional[StepStats] = None
-        for epoch in range(self.epochs_run, self.total_epochs):
+        first = self.epochs_run
+        for epoch in range(first, self.total_epochs):
+            self.start_epoch(epoch, switch=epoch > first)
             last = self.train_epoch(epoch) or last
-            self.epochs_run = epoch + 1
+            self.epochs_run, self.step_in_epoch = epoch + 1, 0
             self.save(epoch)
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {self.global_step}, "
                      f"micro batch {self.batch.micro_batch}, last loss {last.loss:.6f}")
 
+    def start_epoch(self, epoch: int, switch: bool) -> None:
+        """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
+        start = time.perf_counter()
+        entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
+        self.batch = entry.shape
+        self.dataloader = build_dataloader(
+            self.dataset, micro_batch=self.batch.micro_batch, accumulation=self.batch.accumulation,
+            collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
+            seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch,
+        )
+        if self.step_in_epoch:
+            self.dataloader.load_state_dict(self.resumed["dataloader"])
+        self.lr.set_global_batch(self.batch.global_batch)
+        took_ms = (time.perf_counter() - start) * 1e3
+        if not switch:
+            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {self.batch.describe()}, "
+                      f"LR {self.lr.lrs()[0]:.3e} (x{self.lr.factor:.3f} for the global batch)")
+            return
+        self.info(
+            f"Epoch switch {epoch} -> {epoch + 1}: micro batch {previous.micro_batch} -> {self.batch.micro_batch}, "
+            f"accumulation {previous.accumulation} -> {self.batch.accumulation}, global batch "
+            f"{previous.global_batch} -> {self.batch.global_batch}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
+            f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}) (took {took_ms:.1f} ms)"
+        )
+
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
-        """Train one epoch; return the last step's statistics."""
-        self.dataloader.sampler.set_epoch(epoch)
+        """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
         self.model.train()
-        progress = tqdm(total=self.steps_per_epoch, disable=not self.is_rank_zero, desc=f"epoch {epoch + 1}")
-        steps = itertools.islice(_chunks(self.dataloader, self.batch.accumulation), self.steps_per_epoch)
+        sampler = self.dataloader.batch_sampler
+        layout = sampler.step_layout()
+        progress = tqdm(total=len(layout), initial=self.step_in_epoch, disable=not self.is_rank_zero,
+                        desc=f"epoch {epoch + 1}/{self.total_epochs}")
+        batches = iter(self.dataloader)
         stats = None
-        for micro_batches in steps:
-            stats = self.train_step(micro_batches)
+        for index in range(self.step_in_epoch, len(layout)):
+            stats = self.train_step([next(batches) for _ in range(layout[index])])
+            self.lr.advance(sampler.samples_in_step(index))
             self.global_step += 1
+            self.step_in_epoch = index + 1
             progress.update(1)
             progress.set_postfix_str(
-                f"loss {stats.loss:.4f} global batch {self.batch.global_batch} lr {self.current_lr():.2e}"
+                f"global batch {self.batch.global_batch} lr {self.current_lr():.2e} loss {stats.loss:.4f}"
             )
             if self.global_step % self.log_every_n_steps == 0:
                 self.log_step(stats)
+            if self.save_every_n_steps and self.global_step % self.save_every_n_steps == 0 \
+                    and self.step_in_epoch < len(layout):
+                self.save(epoch)
         progress.close()
         return stats
 
@@ -270,8 +316,6 @@ class Trainer:
             tokens += micro_tokens
         all_reduce_sum(loss_sum, self.parallel)
         grad_norm = self._apply_gradients(tokens)
-        if self.lr_scheduler is not None:
-            self.lr_scheduler.step()
         n_tokens = int(tokens.item())
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
                          seconds=time.perf_counter() - start, grad_norm=grad_norm)
@@ -319,17 +363,24 @@ class Trainer:
 
     # ------------------------------------------------------------------ saving
     def adaptive_state(self) -> dict[str, Any]:
-        """The adaptive part of the recipe state."""
+        """The adaptive part of the recipe state: enough to continue exactly where the run stands."""
         return {
             "global_step": self.global_step,
+            "epoch": self.epochs_run,
+            "step_in_epoch": self.step_in_epoch,
             "micro_batch": self.batch.micro_batch,
             "accumulation": self.batch.accumulation,
             "data_parallel": self.batch.data_parallel,
+            "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
+            "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
         }
 
     def save(self, epoch: int) -> None:
-        """Write the weights and the full recipe state for the epoch just finished."""
+        """Write the weights and the full recipe state, at the end of an epoch or inside one.
+
+        Both go to ``epoch_{epoch}``: a save inside an epoch is overwritten by the one at its end.
+        """
         start = time.perf_counter()
         weights = full_state_dict(self.model, self.parallel, self.device, trainable_only=self.method.adapter_only)
         optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.parallel, self.device)
@@ -343,7 +394,9 @@ class Trainer:
             self.checkpointer.save_checkpoint(
                 state, epoch=epoch, intermediate_checkpoint=True, adapter_only=self.method.adapter_only
             )
-            self.info(f"Saved the epoch {epoch + 1} checkpoint in {time.perf_counter() - start:.1f} s")
+            what = f"step {self.step_in_epoch} of epoch {epoch + 1}" if self.step_in_epoch else f"epoch {epoch + 1}"
+            self.info(f"Saved the checkpoint of {what} (optimizer step {self.global_step}) "
+                      f"in {time.perf_counter() - start:.1f} s")
         barrier(self.parallel)
 
     def close(self) -> None:

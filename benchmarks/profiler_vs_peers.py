@@ -196,8 +196,11 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
     )
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
-    epoch: dict[str, Any] = {"micro_batch": trainer.batch.micro_batch, "steps_planned": trainer.steps_per_epoch,
-                             "capped": False}
+    from adaptive_batching.sampler import epoch_extent
+
+    first = trainer.make_plan()[0].shape
+    epoch: dict[str, Any] = {"micro_batch": first.micro_batch, "capped": False,
+                             "steps_planned": epoch_extent(len(trainer.dataset), first.global_batch, None)[0]}
     if args.epoch_time_cap > 0:
         signal.signal(signal.SIGALRM, _epoch_time_cap_reached)
         signal.setitimer(signal.ITIMER_REAL, args.epoch_time_cap)

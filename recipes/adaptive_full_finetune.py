@@ -46,11 +46,12 @@ class FullFinetune:
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate, set up, profile the largest micro batch (when asked), train (saving every epoch), close."""
+    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train; close."""
     settings = validate_config(cfg)
     trainer = Trainer(cfg, settings, FullFinetune())
     trainer.setup()
     trainer.profile()
+    trainer.make_plan()
     trainer.train()
     trainer.close()
 

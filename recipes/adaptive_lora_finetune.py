@@ -88,12 +88,13 @@ class LoRAFinetune:
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate, set up, profile the largest micro batch (when asked), train (saving every epoch), close."""
+    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train; close."""
     settings = validate_config(cfg)
     method = LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
     trainer = Trainer(cfg, settings, method)
     trainer.setup()
     trainer.profile()
+    trainer.make_plan()
     trainer.train()
     trainer.close()
 

@@ -34,6 +34,7 @@ def main() -> int:
     limit = virtual_size_bytes() + int(room_mib) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     result = trainer.profile()
+    trainer.make_plan()
     trainer.train()
     print(json.dumps({"profile": result.to_dict(), "trained_steps": trainer.global_step,
                       "micro_batch": trainer.batch.micro_batch}))

@@ -11,6 +11,8 @@ from typing import Optional, Sequence
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 _STEP = re.compile(r"^Step (\d+) \| (.*)$")
+# The batch as written, all epochs: no profiler, no growth.
+FIXED_BATCH_SIZE = ("use_maximum_batch_size=False", "batch_increase_function=null")
 
 
 def tune_run(recipe: str, config: str, overrides: Sequence[str], *, cwd: Path,

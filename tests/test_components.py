@@ -32,9 +32,8 @@ class Numbers(Dataset):
 
 
 def epoch_order(seed: int, epoch: int, parallel: ParallelInfo = ParallelInfo(), micro_batch: int = 4) -> list[int]:
-    loader = build_dataloader(Numbers(64), micro_batch=micro_batch, collate_fn=lambda b: b, parallel=parallel,
-                              shuffle=True, seed=seed)
-    loader.sampler.set_epoch(epoch)
+    loader = build_dataloader(Numbers(64), micro_batch=micro_batch, accumulation=1, collate_fn=lambda b: b,
+                              parallel=parallel, shuffle=True, seed=seed, epoch=epoch, max_steps=None)
     return [i for batch in loader for i in batch]
 
 

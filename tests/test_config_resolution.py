@@ -191,7 +191,7 @@ def test_parse_equals_form_and_section_removal(monkeypatch: pytest.MonkeyPatch) 
 
 
 def test_parse_local_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    text = (shipped_configs_dir() / "tiny_full.yaml").read_text().replace("batch_size: 8", "batch_size: 5")
+    text = (shipped_configs_dir() / "tiny_full.yaml").read_text().replace("batch_size: 16", "batch_size: 5")
     assert "batch_size: 5" in text
     (tmp_path / "tiny_full.yaml").write_text(text)
     monkeypatch.chdir(tmp_path)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_batching.tiny_assets import write_tiny_assets
-from recipe_runs import TUNE, check, losses, read_metrics, tune_run
+from recipe_runs import FIXED_BATCH_SIZE, TUNE, check, losses, read_metrics, tune_run
 
 HERE = Path(__file__).parent
 CLI = str(Path(sys.executable).with_name("adaptive-batching"))
@@ -65,11 +65,12 @@ def test_cache_hit_reprofile_stale_and_corrupt(assets: Path, tmp_path: Path) -> 
 
 
 def test_profiling_leaves_no_trace(assets: Path, tmp_path: Path) -> None:
-    """A profiled run trains exactly like an unprofiled run at the same micro batch."""
-    _, report = profiled(assets, tmp_path / "profiled", "epochs=1", "max_steps_per_epoch=3")
+    """A profiled run trains exactly like an unprofiled run at the same micro batch (same LR)."""
+    same_lr = ("lr_scaling=none", "lr_scheduler=null")
+    _, report = profiled(assets, tmp_path / "profiled", "epochs=1", "max_steps_per_epoch=3", *same_lr)
     plain = tmp_path / "plain"
     check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={plain}", "use_maximum_batch_size=False",
+                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *same_lr,
                     f"batch_size={report['micro_batch']}", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path))
     assert losses(tmp_path / "profiled" / "logs") == losses(plain / "logs")
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file
 
 from adaptive_batching.tiny_assets import write_tiny_assets
-from recipe_runs import check, losses, read_metrics, tune_run
+from recipe_runs import FIXED_BATCH_SIZE, check, losses, read_metrics, tune_run
 
 RECIPES = {"full": ("adaptive_full_finetune", "tiny_full"), "lora": ("adaptive_lora_finetune", "tiny_lora")}
 
@@ -21,7 +21,7 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def run(method: str, assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> Path:
     recipe, config = RECIPES[method]
-    check(tune_run(recipe, config, [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",
+    check(tune_run(recipe, config, [f"assets_dir={assets}", f"output_dir={out}", *FIXED_BATCH_SIZE,
                                     *overrides], cwd=out.parent, nproc=nproc))
     return out
 
@@ -70,7 +70,7 @@ def test_two_processes_match_one_process_with_accumulation(method: str, assets: 
     common = ("batch_size=4", "epochs=1", "max_steps_per_epoch=4")
     two = tmp_path / "two"
     result = check(tune_run(RECIPES[method][0], RECIPES[method][1],
-                            [f"assets_dir={assets}", f"output_dir={two}", "use_maximum_batch_size=False", *common],
+                            [f"assets_dir={assets}", f"output_dir={two}", *FIXED_BATCH_SIZE, *common],
                             cwd=tmp_path, nproc=2))
     one = run(method, assets, tmp_path / "one", *common, "gradient_accumulation_steps=2")
     two_rows, one_rows = read_metrics(two / "logs"), read_metrics(one / "logs")

@@ -27,14 +27,15 @@ def config_error(cfg: DictConfig) -> str:
 
 
 @pytest.mark.parametrize("name", ["tiny_full", "tiny_lora"])
-def test_shipped_tiny_configs_profile_with_an_explicit_budget(name: str) -> None:
+def test_shipped_tiny_configs_profile_then_grow(name: str) -> None:
     settings = validate_config(OmegaConf.load(CONFIGS / f"{name}.yaml"))
     assert settings.use_maximum_batch_size is True
-    assert settings.batch_increase_function is None
-    assert settings.lr_scaling is None
+    assert settings.batch_increase_function(1, 86) == 86  # geometric, factor 2
+    assert settings.lr_scaling == "sqrt"  # AdamW's default
     assert settings.knobs["memory_budget"] == "512MiB"
+    assert settings.knobs["grow_past_memory"] == "accumulate"
     assert settings.knobs["cache_dir"] == "/tmp/adaptive-batching/" + name + "/profile_cache"
-    untouched = {k for k in KNOBS if k not in ("memory_budget", "cache_dir")}
+    untouched = {k for k in KNOBS if k not in ("memory_budget", "cache_dir", "grow_past_memory")}
     assert {k: settings.knobs[k] for k in untouched} == {k: KNOBS[k].default for k in untouched}
 
 
@@ -168,9 +169,6 @@ def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig) -> Non
 # --------------------------------------------------------------------------- #
 
 NOT_AVAILABLE = [
-    ({"batch_increase_function": "some.path"}, "'batch_increase_function'", "per-epoch batch growth"),
-    ({"batch_increase_function": {"_component_": "some.path", "factor": 2}}, "'batch_increase_function'",
-     "per-epoch batch growth"),
     ({"adaptive_batching.max_tokens": 4096}, "'adaptive_batching.max_tokens'", "token-budget batching"),
 ]
 
@@ -314,3 +312,52 @@ def test_real_model_configs_validate_and_build_on_meta(name: str) -> None:
     n_params = sum(p.numel() for p in model.parameters())
     assert n_params > (7e9 if "8b" in name else 1e9)
     assert ("lora" in name) == any("lora_a" in n for n, _ in model.named_parameters())
+
+
+# --------------------------------------------------------------------------- #
+# Batch growth, LR scaling and the LR scheduler
+# --------------------------------------------------------------------------- #
+
+
+def shrink_to_zero(epoch: int, current_batch_size: int) -> int:
+    return -current_batch_size
+
+
+def test_growth_function_from_a_component_node(base_cfg: DictConfig) -> None:
+    node = {"_component_": "adaptive_batching.growth.step_increase", "at_epochs": [1], "increment": 4}
+    settings = validate_config(modified(base_cfg, {"batch_increase_function": node, "epochs": 2}))
+    assert [settings.batch_increase_function(e, 8) for e in (1, 2)] == [4, 0]
+
+
+@pytest.mark.parametrize("value, expected", [
+    ("no_such_module.grow", "could not be imported"),
+    ({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 2, "speed": 3}, "speed"),
+    ("adaptive_batching.growth", "callable"),
+    ("math.sqrt", "batch_increase_function"),
+    ("test_settings.shrink_to_zero", "epoch 1"),  # returns a batch of 0 at the second epoch
+])
+def test_growth_function_errors_name_the_key(base_cfg: DictConfig, value: Any, expected: str) -> None:
+    message = config_error(modified(base_cfg, {"batch_increase_function": value, "epochs": 2}))
+    assert "'batch_increase_function" in message and expected in message, message
+
+
+@pytest.mark.parametrize("component, rule", [("torch.optim.AdamW", "sqrt"), ("torch.optim.SGD", "linear")])
+def test_lr_scaling_default_follows_the_optimizer(base_cfg: DictConfig, component: str, rule: str) -> None:
+    cfg = modified(base_cfg, {"optimizer": {"_component_": component, "lr": 0.1}, "lr_scaling": None})
+    assert validate_config(cfg).lr_scaling == rule
+
+
+def test_lr_scheduler_must_be_lambda_based(base_cfg: DictConfig) -> None:
+    cfg = modified(base_cfg, {"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}})
+    message = config_error(cfg)
+    assert "'lr_scheduler" in message
+    step = modified(base_cfg, {"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.LambdaLR",
+                                                "lr_lambda": 3}})
+    assert "'lr_scheduler'" in config_error(step)
+    off = modified(base_cfg, {"lr_scheduler": {"_component_": None}})
+    validate_config(off)
+
+
+@pytest.mark.parametrize("value", [0, -1, "often", 2.5])
+def test_save_every_n_steps_is_checked(base_cfg: DictConfig, value: Any) -> None:
+    assert "'save_every_n_steps'" in config_error(modified(base_cfg, {"save_every_n_steps": value}))
