@@ -20,9 +20,9 @@ from adaptive_batching import checkpointing, memory
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset, worst_case_batch
-from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
-from adaptive_batching.distributed import ParallelInfo, all_reduce_sum, barrier, init_parallel, shutdown
+from adaptive_batching.distributed import all_reduce_sum, barrier, init_parallel, shutdown
 from adaptive_batching.loss import summed_token_loss
+from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
 from adaptive_batching.model import (
     FinetuneMethod,
     ModelOptions,
