@@ -59,7 +59,7 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
         spec = OmegaConf.to_container(spec, resolve=True)
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("none", "null")):
         return None
-    if isinstance(spec, str):
+    if isinstance(spec, str) and spec.strip():
         path, kwargs, key = spec, {}, KEY
     elif isinstance(spec, Mapping):
         if "_component_" not in spec:

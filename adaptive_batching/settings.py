@@ -15,6 +15,8 @@ from typing import Any, Callable, Mapping, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+from torchtune import config
 
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.lr_scaling import LR_SCALING_RULES, default_rule
@@ -194,25 +196,6 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"config key '{key}' is missing")
 
 
-def _check_increase_function(value: Any) -> Optional[Any]:
-    """A dotted path, a ``_component_`` node, or off (null, or a node whose component is null)."""
-    if value is None:
-        return None
-    if isinstance(value, Mapping):
-        if "_component_" not in value:
-            raise _fail("batch_increase_function", value, "a node with '_component_' (null to switch it off)")
-        component = value["_component_"]
-        if component is None:
-            return None
-        if not isinstance(component, str) or not component:
-            raise _fail("batch_increase_function._component_", component, "a dotted path to a callable")
-        return value
-    if isinstance(value, str) and value:
-        return None if value.lower() in ("none", "null") else value
-    raise _fail("batch_increase_function", value,
-                "null, a dotted path to a callable, or a node with '_component_'")
-
-
 def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key."""
     _check_recipe_keys(cfg)
@@ -221,8 +204,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     if not isinstance(use_max, bool):
         raise _fail("use_maximum_batch_size", use_max, "true or false")
 
-    spec = _check_increase_function(_plain(cfg.get("batch_increase_function", None)))
-    increase = None if spec is None else load_increase_function(spec)
+    increase = load_increase_function(_plain(cfg.get("batch_increase_function", None)))
 
     lr_scaling = _plain(cfg.get("lr_scaling", None))
     if lr_scaling is not None and lr_scaling not in LR_SCALING_RULES:
@@ -262,9 +244,6 @@ def _check_lr_scheduler(cfg: DictConfig) -> None:
     node = cfg.get("lr_scheduler", None)
     if node is None or node.get("_component_", None) is None:
         return
-    from torch.optim.lr_scheduler import LambdaLR
-    from torchtune import config
-
     probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
     try:
         scheduler = config.instantiate(node, probe, num_training_steps=100)

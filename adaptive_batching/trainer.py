@@ -198,29 +198,26 @@ class Trainer:
         )
         extents = [epoch_extent(len(self.dataset), entry.shape.global_batch, self.max_steps_per_epoch)
                    for entry in self.epoch_plan]
-        total_samples = sum(samples for _, samples in extents)
+        total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
         scheduler_cfg = optional_component(self.cfg.get("lr_scheduler", None))
         scheduler = None if scheduler_cfg is None else config.instantiate(
-            scheduler_cfg, self.optimizer,
-            num_training_steps=reference_steps(total_samples, self.reference.global_batch),
+            scheduler_cfg, self.optimizer, num_training_steps=total_steps,
         )
         self.lr = SampleDrivenLR(self.optimizer, self.base_lrs, scheduler,
                                  reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling)
         if "lr" in self.resumed:
             self.lr.load_state_dict(self.resumed["lr"])
         header, *rows = describe_plan(self.epoch_plan)
-        rows = [f"{row} | {steps} steps, {samples} samples, LR x{self.lr_factor(entry.shape):.3f}"
+        rows = [f"{row} | {steps} steps, {samples} samples, LR x"
+                f"{lr_factor(entry.shape.global_batch, self.reference.global_batch, self.lr.rule):.3f}"
                 for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
         self.info(
             "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
             f"reference global batch {self.reference.global_batch} from the config; LR scaling '{self.lr.rule}'; "
-            f"LR schedule over {reference_steps(total_samples, self.reference.global_batch)} reference steps):\n"
+            f"LR schedule over {total_steps} reference steps):\n"
             + "\n".join([header, *rows])
         )
         return self.epoch_plan
-
-    def lr_factor(self, batch: BatchShape) -> float:
-        return lr_factor(batch.global_batch, self.reference.global_batch, self.settings.lr_scaling)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from the saved recipe state: the end of an epoch, or a step inside one."""
