@@ -56,14 +56,18 @@ def build_dataloader(
     seed: int,
     epoch: int,
     max_steps: Optional[int],
+    split: int = 1,
+    start_step: int = 0,
 ) -> StatefulDataLoader:
     """A resumable dataloader of this rank's micro batches for one epoch, in optimizer steps.
 
     Changing the batch builds a new one over the same dataset object: nothing is re-tokenised or re-packed.
+    ``split`` and ``start_step`` serve the rest of an epoch in smaller pieces after an out-of-memory error.
     """
     sampler = StepBatchSampler(
         len(dataset), micro_batch=micro_batch, accumulation=accumulation, rank=parallel.rank,
         world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
+        split=split, start_step=start_step,
     )
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 

@@ -17,7 +17,7 @@ from torch.utils.data import Sampler
 
 Batch = dict[str, torch.Tensor]
 
-_CHECKED_KEYS = ("dataset_size", "micro_batch", "accumulation", "world_size", "seed", "shuffle")
+_CHECKED_KEYS = ("dataset_size", "micro_batch", "accumulation", "split", "world_size", "seed", "shuffle")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -41,6 +41,10 @@ class StepBatchSampler(Sampler[list[int]]):
     form one last step, shared as evenly as possible over the ranks, with the same number of micro
     batches on every rank; a rank with fewer samples gets trailing empty lists.
 
+    ``split`` cuts each of those micro batches into that many near-equal pieces (after an
+    out-of-memory error): the same samples in the same steps, in smaller forwards. ``start_step``
+    makes the first iteration begin at that optimizer step of the epoch.
+
     Stateful (torchdata's protocol), so a ``StatefulDataLoader`` resumes exactly mid-epoch.
     """
 
@@ -56,6 +60,8 @@ class StepBatchSampler(Sampler[list[int]]):
         seed: int,
         epoch: int = 0,
         max_steps: int | None = None,
+        split: int = 1,
+        start_step: int = 0,
     ) -> None:
         if dataset_size < 0:
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
@@ -71,6 +77,8 @@ class StepBatchSampler(Sampler[list[int]]):
             raise ValueError(f"epoch must be >= 0, got {epoch}")
         if max_steps is not None and max_steps < 1:
             raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+        if not 1 <= split <= micro_batch:
+            raise ValueError(f"split must be in [1, micro_batch={micro_batch}], got {split}")
         self.dataset_size = dataset_size
         self.micro_batch = micro_batch
         self.accumulation = accumulation
@@ -79,9 +87,21 @@ class StepBatchSampler(Sampler[list[int]]):
         self.shuffle = shuffle
         self.seed = seed
         self.max_steps = max_steps
+        self.split = split
         self.epoch = epoch
         self._yielded = 0
         self._resume = False
+        if start_step:
+            layout = self.step_layout()
+            if not 0 <= start_step <= len(layout):
+                raise ValueError(f"start_step must be in [0, {len(layout)}], got {start_step}")
+            self._yielded = sum(layout[:start_step])
+            self._resume = True
+
+    @property
+    def piece_size(self) -> int:
+        """The most samples one forward sees: a micro batch cut into ``split`` pieces."""
+        return _ceil_div(self.micro_batch, self.split)
 
     @property
     def global_batch(self) -> int:
@@ -94,11 +114,12 @@ class StepBatchSampler(Sampler[list[int]]):
         return len(self.step_layout())
 
     def step_layout(self) -> list[int]:
-        """Micro batches in each step of the current epoch; the same on every rank."""
+        """Forwards (micro batches, or their pieces) in each step of the current epoch; the same on every rank."""
         full, remainder = divmod(self.dataset_size, self.global_batch)
         layout = [self.accumulation] * full
         if remainder:
             layout.append(_ceil_div(_ceil_div(remainder, self.world_size), self.micro_batch))
+        layout = [count * self.split for count in layout]
         return layout if self.max_steps is None else layout[: self.max_steps]
 
     def samples_in_step(self, step: int) -> int:
@@ -151,8 +172,9 @@ class StepBatchSampler(Sampler[list[int]]):
         full = self.dataset_size // self.global_batch
         skip = start
         for step, count in enumerate(layout):
-            if skip >= count:
-                skip -= count
+            count //= self.split
+            if skip >= count * self.split:
+                skip -= count * self.split
                 continue
             begin = step * self.global_batch
             if step < full:
@@ -163,8 +185,9 @@ class StepBatchSampler(Sampler[list[int]]):
                 base, extra = divmod(remainder, self.world_size)
                 offset = begin + self.rank * base + min(self.rank, extra)
                 mine = order[offset: offset + base + (1 if self.rank < extra else 0)]
-            for i in range(skip, count):
-                yield mine[i * self.micro_batch: (i + 1) * self.micro_batch]
+            pieces = [piece for i in range(count)
+                      for piece in _pieces(mine[i * self.micro_batch: (i + 1) * self.micro_batch], self.split)]
+            yield from pieces[skip:]
             skip = 0
 
     def state_dict(self) -> dict[str, Any]:
@@ -175,6 +198,7 @@ class StepBatchSampler(Sampler[list[int]]):
             "dataset_size": self.dataset_size,
             "micro_batch": self.micro_batch,
             "accumulation": self.accumulation,
+            "split": self.split,
             "world_size": self.world_size,
             "seed": self.seed,
             "shuffle": self.shuffle,
@@ -187,6 +211,7 @@ class StepBatchSampler(Sampler[list[int]]):
         epoch. The saved layout must be this sampler's: the same position in a different layout
         names other samples, so some would be repeated and others skipped.
         """
+        state_dict = {"split": 1, **state_dict}
         missing = [key for key in ("epoch", "yielded", *_CHECKED_KEYS) if key not in state_dict]
         if missing:
             raise ValueError(f"StepBatchSampler state is missing {missing}")
@@ -209,6 +234,15 @@ class StepBatchSampler(Sampler[list[int]]):
             self.epoch, yielded = epoch + 1, 0
         self._yielded = yielded
         self._resume = True
+
+
+def _pieces(indices: list[int], split: int) -> list[list[int]]:
+    """``indices`` cut in order into ``split`` near-equal lists, the longer ones first (some may be empty)."""
+    base, extra = divmod(len(indices), split)
+    bounds = [0]
+    for i in range(split):
+        bounds.append(bounds[-1] + base + (1 if i < extra else 0))
+    return [indices[a:b] for a, b in zip(bounds, bounds[1:])]
 
 
 class EmptyTolerantCollate:

@@ -172,6 +172,7 @@ def test_max_steps_truncates_the_epoch() -> None:
     [
         {"dataset_size": -1}, {"micro_batch": 0}, {"accumulation": 0}, {"world_size": 0},
         {"rank": 2}, {"rank": -1}, {"epoch": -1}, {"max_steps": 0},
+        {"split": 0}, {"split": 3}, {"start_step": -1}, {"start_step": 6},
     ],
 )
 def test_invalid_arguments_raise(kwargs: dict) -> None:
@@ -180,6 +181,53 @@ def test_invalid_arguments_raise(kwargs: dict) -> None:
     size = args.pop("dataset_size")
     with pytest.raises(ValueError):
         StepBatchSampler(size, **args)
+
+
+# ---------------------------------------------------------------- split after an out-of-memory error
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("micro, acc, split", [(8, 1, 2), (7, 2, 3), (5, 3, 5), (87, 1, 2), (4, 2, 4)])
+def test_split_serves_the_same_samples_per_step_in_smaller_pieces(micro: int, acc: int, split: int,
+                                                                  world: int) -> None:
+    g = micro * acc * world
+    for n in (2 * g, 2 * g + 1, 3 * g - 1, 1):
+        for rank in range(world):
+            whole, cut = make(n, micro, acc, rank, world), make(n, micro, acc, rank, world, split=split)
+            assert cut.step_layout() == [count * split for count in whole.step_layout()]
+            assert cut.piece_size == -(-micro // split)
+            for step, pieces in zip(split_steps(list(whole), whole.step_layout()),
+                                    split_steps(list(cut), cut.step_layout())):
+                assert [i for piece in pieces for i in piece] == [i for batch in step for i in batch]
+                assert all(len(piece) <= cut.piece_size for piece in pieces)
+                sizes = [len(piece) for piece in pieces if piece]
+                assert max(sizes, default=0) - min(sizes, default=0) <= 1 or len(step) > 1
+        assert_covers_once([list(make(n, micro, acc, r, world, split=split)) for r in range(world)], n)
+
+
+def test_split_in_halves_equals_the_smaller_micro_batch_with_double_accumulation() -> None:
+    # The run an OOM falls back to is the run that used the smaller micro batch from the start.
+    for rank in range(2):
+        cut = make(64, 8, 2, rank, 2, split=2)
+        assert list(cut) == list(make(64, 4, 4, rank, 2))
+
+
+@pytest.mark.parametrize("start", [0, 1, 2, 3])
+def test_start_step_begins_the_first_iteration_at_that_step(start: int) -> None:
+    whole = make(27, 3, 2, 0, 2, split=2)
+    layout = whole.step_layout()
+    later = make(27, 3, 2, 0, 2, split=2, start_step=start)
+    assert list(later) == list(whole)[sum(layout[:start]):]
+    assert list(later) == list(whole)  # the next iteration is the whole epoch again
+
+
+def test_a_state_from_another_split_is_refused_and_an_old_state_means_split_1() -> None:
+    sampler = make(40, 4, 1, 0, 1, split=2)
+    iterator = iter(sampler)
+    next(iterator)
+    state = sampler.state_dict()
+    with pytest.raises(ValueError, match="split 2 \\(saved\\) != 1 \\(now\\)"):
+        make(40, 4, 1, 0, 1).load_state_dict(state)
+    old = {k: v for k, v in make(40, 4, 1, 0, 1).state_dict().items() if k != "split"}
+    make(40, 4, 1, 0, 1).load_state_dict(old)
 
 
 # ---------------------------------------------------------------- resume through torchdata
@@ -239,7 +287,7 @@ def test_sampler_state_round_trip_without_a_loader() -> None:
     iterator = iter(sampler)
     [next(iterator) for _ in range(3)]
     state = pickle.loads(pickle.dumps(sampler.state_dict()))
-    assert state == {"epoch": 1, "yielded": 3, "dataset_size": 40, "micro_batch": 3, "accumulation": 2,
+    assert state == {"epoch": 1, "yielded": 3, "dataset_size": 40, "micro_batch": 3, "accumulation": 2, "split": 1,
                      "world_size": 2, "seed": 7, "shuffle": True}
     fresh = make(40, 3, 2, 1, 2)
     fresh.load_state_dict(state)
