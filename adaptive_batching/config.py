@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional, Sequence
 from omegaconf import DictConfig
 from torchtune import config as tune_config
 
+from adaptive_batching.oom_recovery import OutOfMemoryStop
 from adaptive_batching.settings import ConfigError
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune")
@@ -86,7 +87,7 @@ def optional_component(node: Any) -> Optional[DictConfig]:
 
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """Like ``torchtune.config.parse``, with ``--config`` resolved by :func:`resolve_config`
-    and a config error reported in one line instead of a traceback."""
+    and a config error, or an out-of-memory stop, reported in one line instead of a traceback."""
 
     @functools.wraps(recipe_main)
     def checked(cfg: DictConfig) -> Any:
@@ -94,6 +95,8 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             return recipe_main(cfg)
         except ConfigError as err:
             sys.exit(f"config error: {err}")
+        except OutOfMemoryStop as err:
+            sys.exit(f"out of memory: {err}")
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:

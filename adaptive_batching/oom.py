@@ -21,8 +21,15 @@ OOM_MESSAGES = (
     "CUDNN_STATUS_ALLOC_FAILED",
 )
 
+
+
+class PeerOutOfMemory(RuntimeError):
+    """Another rank ran out of memory in this step; this rank abandons the step with it."""
+
+
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None), MemoryError)
+    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None),
+                MemoryError, PeerOutOfMemory)
     if t is not None
 )
 

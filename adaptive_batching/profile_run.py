@@ -38,15 +38,33 @@ def device_identity(device: torch.device) -> tuple[str, int]:
     return f"cpu {platform.machine()} {platform.processor()}".strip(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def run_profile(trainer: "Trainer") -> ProfileResult:
-    """The profile for this set-up: from the cache when its fingerprint matches, else measured now."""
-    knobs = trainer.settings.knobs
+def cache_location(trainer: "Trainer") -> tuple[Path, str]:
+    """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(trainer.device)
     key = fingerprint(memory_fingerprint_parts(
         trainer.cfg, world_size=trainer.parallel.world_size, device=trainer.device, device_name=name,
         device_memory_bytes=total, torch_version=torch.__version__,
     ))
-    path = cache_file(knobs["cache_dir"], key)
+    return cache_file(trainer.settings.knobs["cache_dir"], key), key
+
+
+def remember_out_of_memory(trainer: "Trainer", cap: int) -> Path:
+    """Write ``cap`` (the micro batch training fell back to after an OOM) into the profile cache.
+
+    The next run on this set-up then starts at most at ``cap`` instead of meeting the same OOM.
+    """
+    path, key = cache_location(trainer)
+    record = load_profile(path, key) or trainer.profile_result.to_dict()
+    previous = record.get("oom_cap")
+    record["oom_cap"] = cap if previous is None else min(cap, previous)
+    save_profile(path, key, record)
+    return path
+
+
+def run_profile(trainer: "Trainer") -> ProfileResult:
+    """The profile for this set-up: from the cache when its fingerprint matches, else measured now."""
+    knobs = trainer.settings.knobs
+    path, key = cache_location(trainer)
     cached = None if knobs["reprofile"] else load_profile(path, key)
     # Every rank must take the same branch: use the cache only if all ranks have it (caches can be per node).
     if minimum_over_ranks(int(cached is not None), trainer.parallel, trainer.device):
@@ -55,6 +73,10 @@ def run_profile(trainer: "Trainer") -> ProfileResult:
         result.micro_batch = choose_micro_batch(result.max_micro_batch, knobs["safety_margin"], knobs["round_to"])
         result.from_cache = True
         trainer.info(f"Profiler: using the cached profile {path}")
+        if result.oom_cap is not None and result.oom_cap < result.micro_batch:
+            trainer.info(f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
+                         f"ran out of memory in training and fell back to {result.oom_cap}")
+            result.micro_batch = result.oom_cap
     else:
         result = _measure(trainer)
         if trainer.is_rank_zero:

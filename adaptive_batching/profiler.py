@@ -75,6 +75,8 @@ class ProfileResult:
     optimizer_peak_bytes: Optional[int] = None
     trials: list[dict[str, Any]] = field(default_factory=list)
     from_cache: bool = False
+    # Set when training later ran out of memory: the micro batch it fell back to.
+    oom_cap: Optional[int] = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

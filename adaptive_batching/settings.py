@@ -122,7 +122,8 @@ KNOBS: dict[str, Knob] = {
     "min_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
     "max_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
     "elastic": Knob(None, _opt_mapping, False, "elastic global batch sizes"),
-    "oom_recovery": Knob(False, _bool, False, "recovery from an out-of-memory error"),
+    "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
+    "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
 }
 
 

@@ -23,6 +23,17 @@ from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloa
 from adaptive_batching.distributed import all_reduce_sum, barrier, init_parallel, shutdown
 from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
+from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
+from adaptive_batching.oom_recovery import (
+    OK,
+    OutOfMemoryStop,
+    StepGuard,
+    larger_cap,
+    optimizer_step_counts,
+    piece_size,
+    smaller_cap,
+    split_for,
+)
 from adaptive_batching.model import (
     FinetuneMethod,
     ModelOptions,
@@ -31,7 +42,7 @@ from adaptive_batching.model import (
     full_state_dict,
     load_optimizer_state_dict,
 )
-from adaptive_batching.profile_run import run_profile
+from adaptive_batching.profile_run import remember_out_of_memory, run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory
 from adaptive_batching.sampler import epoch_extent
 from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason, plan_batches
@@ -82,6 +93,15 @@ class Trainer:
         self.profile_result: Optional[ProfileResult] = None
         self.epoch_plan: list[EpochBatch] = []
         self.resumed: dict[str, Any] = {}
+        # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
+        self.micro_cap: Optional[int] = None
+        self.split = 1
+        self.oom_recovery: bool = settings.knobs["oom_recovery"]
+        self.grow_back_after: Optional[int] = settings.knobs["oom_grow_back_after"]
+        self.clean_steps = 0
+        self.grew_back = False
+        self.saved_step: Optional[int] = None
+        self.guard = StepGuard(self.parallel, self.device)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -110,6 +130,7 @@ class Trainer:
             ),
             is_rank_zero=self.is_rank_zero,
         )
+        self.guard.install(self.model)
         self.tokenizer = config.instantiate(cfg.tokenizer)
         self.optimizer = config.instantiate(
             cfg.optimizer, [p for p in self.model.parameters() if p.requires_grad]
@@ -159,9 +180,14 @@ class Trainer:
         return len(self.dataset) // self.parallel.world_size
 
     def trial_step(self, micro_batch: int) -> StepMemory:
-        """One full training step on a worst-case batch, measured; the LR schedule does not move."""
+        """One full training step on a worst-case batch, measured; the LR schedule does not move.
+
+        An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
+        """
         meters = (self.model, self.optimizer)
-        try:
+        measured: list[StepMemory] = []
+
+        def step() -> None:
             if self.batch.accumulation > 1:
                 # As in every micro batch after the first: the gradients already exist.
                 for param in self.model.parameters():
@@ -174,12 +200,18 @@ class Trainer:
                 del batch
             with memory.PeakMeter(self.device, *meters) as optimizer_step:
                 self._apply_gradients(tokens)
-            return StepMemory(
+            measured.append(StepMemory(
                 activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
                 forward_backward_peak=forward_backward.peak_bytes,
                 optimizer_peak=optimizer_step.peak_bytes,
                 steady_bytes=memory.current_bytes(self.device, *meters),
-            )
+            ))
+
+        try:
+            if self.guard.run(step) != OK:
+                self.guard.abandon(self.model, self.optimizer)
+                raise PeerOutOfMemory(f"micro batch {micro_batch} ran out of memory on at least one rank")
+            return measured[0]
         finally:
             self.optimizer.zero_grad(set_to_none=True)
             memory.release_memory(self.device)
@@ -227,12 +259,15 @@ class Trainer:
         self.resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
         self.epochs_run = checkpoint[training.EPOCHS_KEY]
         self.global_step = self.resumed["global_step"]
+        self.saved_step = self.global_step
         self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
+        self.micro_cap = self.resumed.get("micro_cap")
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
         where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
             else f"the end of epoch {self.epochs_run}"
-        self.info(f"Resuming at {where} (optimizer step {self.global_step})")
+        cap = "" if self.micro_cap is None else f"; micro batch capped at {self.micro_cap} after an earlier OOM"
+        self.info(f"Resuming at {where} (optimizer step {self.global_step}){cap}")
 
     # ------------------------------------------------------------------ training
     def train(self) -> None:
@@ -248,44 +283,72 @@ class Trainer:
             self.save(epoch)
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {self.global_step}, "
-                     f"micro batch {self.batch.micro_batch}, last loss {last.loss:.6f}")
+                     f"micro batch {self.micro_piece}, last loss {last.loss:.6f}")
 
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
         start = time.perf_counter()
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
-        self.dataloader = build_dataloader(
-            self.dataset, micro_batch=self.batch.micro_batch, accumulation=self.batch.accumulation,
-            collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
-            seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch,
-        )
-        if self.step_in_epoch:
-            self.dataloader.load_state_dict(self.resumed["dataloader"])
+        self.split = split_for(self.batch.micro_batch, self.micro_cap)
+        self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
         self.lr.set_global_batch(self.batch.global_batch)
         took_ms = (time.perf_counter() - start) * 1e3
         if not switch:
-            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {self.batch.describe()}, "
+            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {self.batch.describe()}{self.split_note()}, "
                       f"LR {self.lr.lrs()[0]:.3e} (x{self.lr.factor:.3f} for the global batch)")
             return
         self.info(
             f"Epoch switch {epoch} -> {epoch + 1}: micro batch {previous.micro_batch} -> {self.batch.micro_batch}, "
             f"accumulation {previous.accumulation} -> {self.batch.accumulation}, global batch "
             f"{previous.global_batch} -> {self.batch.global_batch}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
-            f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}) (took {took_ms:.1f} ms)"
+            f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
         )
+
+    def serve(self, epoch: int, start_step: int, state: Optional[dict[str, Any]] = None) -> None:
+        """A dataloader for ``epoch`` from ``start_step`` on, each micro batch cut into ``self.split`` pieces.
+
+        ``state`` (a saved dataloader state) is checked against the new loader, so a resume with another
+        dataset, seed or ranks fails instead of silently training on other samples.
+        """
+        self.dataloader = build_dataloader(
+            self.dataset, micro_batch=self.batch.micro_batch, accumulation=self.batch.accumulation,
+            collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
+            seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch, split=self.split,
+            start_step=0 if state else start_step,
+        )
+        if start_step and state:
+            self.dataloader.load_state_dict(state)
+        self.resumed.pop("dataloader", None)
+        self.batches = iter(self.dataloader)
+
+    @property
+    def micro_piece(self) -> int:
+        """The most samples one forward sees now: the micro batch, or its largest piece after an OOM."""
+        return piece_size(self.batch.micro_batch, self.split)
+
+    def split_note(self) -> str:
+        if self.split == 1:
+            return ""
+        return (f"; after an OOM each micro batch runs as {self.split} pieces of <= {self.micro_piece} "
+                f"(micro batch {self.micro_piece} x accumulation {self.batch.accumulation * self.split})")
 
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
         """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
         self.model.train()
         sampler = self.dataloader.batch_sampler
-        layout = sampler.step_layout()
-        progress = tqdm(total=len(layout), initial=self.step_in_epoch, disable=not self.is_rank_zero,
+        steps = sampler.steps
+        progress = tqdm(total=steps, initial=self.step_in_epoch, disable=not self.is_rank_zero,
                         desc=f"epoch {epoch + 1}/{self.total_epochs}")
-        batches = iter(self.dataloader)
         stats = None
-        for index in range(self.step_in_epoch, len(layout)):
-            stats = self.train_step([next(batches) for _ in range(layout[index])])
+        while self.step_in_epoch < steps:
+            index = self.step_in_epoch
+            layout = self.dataloader.batch_sampler.step_layout()
+            step_stats = self.train_step([next(self.batches) for _ in range(layout[index])])
+            if step_stats is None:
+                self.after_out_of_memory(epoch, index)
+                continue
+            stats = step_stats
             self.lr.advance(sampler.samples_in_step(index))
             self.global_step += 1
             self.step_in_epoch = index + 1
@@ -296,39 +359,149 @@ class Trainer:
             if self.global_step % self.log_every_n_steps == 0:
                 self.log_step(stats)
             if self.save_every_n_steps and self.global_step % self.save_every_n_steps == 0 \
-                    and self.step_in_epoch < len(layout):
+                    and self.step_in_epoch < steps:
                 self.save(epoch)
+            self.maybe_grow_back(epoch)
         progress.close()
         return stats
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepStats:
-        """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step."""
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
+        """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
+
+        Returns None, with nothing changed, when the forward or backward ran out of memory on any rank.
+        """
         start = time.perf_counter()
         memory.reset_peak_memory(self.device)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device, dtype=torch.long)
-        for batch in micro_batches:
-            micro_loss, micro_tokens = self._forward_backward(batch)
-            loss_sum += micro_loss
-            tokens += micro_tokens
+
+        def forward_backward() -> None:
+            for batch in micro_batches:
+                micro_loss, micro_tokens = self._forward_backward(batch)
+                loss_sum.add_(micro_loss)
+                tokens.add_(micro_tokens)
+
+        if not self.oom_recovery:
+            forward_backward()
+        elif self.guard.run(forward_backward) != OK:
+            micro_batches.clear()
+            self.guard.abandon(self.model, self.optimizer)
+            memory.release_memory(self.device)
+            return None
         all_reduce_sum(loss_sum, self.parallel)
         grad_norm = self._apply_gradients(tokens)
         n_tokens = int(tokens.item())
+        self.clean_steps += 1
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
                          seconds=time.perf_counter() - start, grad_norm=grad_norm)
 
+    def after_out_of_memory(self, epoch: int, index: int) -> None:
+        """Serve the same step again in smaller pieces, for the rest of the run; stop if 1 sample is too many."""
+        failed = self.micro_piece
+        cap = smaller_cap(failed)
+        where = f"step {index + 1} of epoch {epoch + 1} (optimizer step {self.global_step + 1})"
+        if cap is None:
+            self.stop_out_of_memory(epoch, where)
+        if self.device.type == "cpu" and self.micro_cap is None and memory.pin_cpu_allocator():
+            self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
+            memory.release_memory(self.device)
+        self.micro_cap = cap
+        if self.grew_back and self.grow_back_after is not None:
+            # The size just grown back to failed: wait twice as long before the next try.
+            self.grow_back_after *= 2
+        self.grew_back = False
+        self.clean_steps = 0
+        self.split = split_for(self.batch.micro_batch, cap)
+        self.serve(epoch, start_step=index)
+        self.info(
+            f"Out of memory at micro batch {failed} in {where} ({self.guard.last_error}): running the same "
+            f"{self.dataloader.batch_sampler.samples_in_step(index)} samples again as micro batch {self.micro_piece} x accumulation {self.batch.accumulation * self.split} "
+            f"x {self.parallel.world_size} rank(s); global batch {self.batch.global_batch} and LR unchanged; "
+            f"micro batch capped at {cap} for the rest of the run"
+        )
+        if self.profile_result is not None:
+            self.profile_result.oom_cap = cap
+            if self.is_rank_zero:
+                path = remember_out_of_memory(self, cap)
+                self.info(f"Profile cache {path}: later runs start at micro batch <= {cap}")
+
+    def maybe_grow_back(self, epoch: int) -> None:
+        """After ``oom_grow_back_after`` clean steps under a cap, try twice the cap again (at a step boundary)."""
+        if self.micro_cap is None or self.grow_back_after is None or self.clean_steps < self.grow_back_after:
+            return
+        before = self.micro_piece
+        self.micro_cap = larger_cap(self.micro_cap, self.batch.micro_batch)
+        self.split = split_for(self.batch.micro_batch, self.micro_cap)
+        self.clean_steps = 0
+        self.grew_back = True
+        if self.step_in_epoch < self.dataloader.batch_sampler.steps:
+            self.serve(epoch, start_step=self.step_in_epoch)
+        self.info(f"Growing back after {self.grow_back_after} clean steps: micro batch {before} -> "
+                  f"{self.micro_piece} (cap {self.micro_cap if self.micro_cap is not None else 'lifted'})")
+
+    def stop_out_of_memory(self, epoch: int, where: str) -> None:
+        """Save what is done (the state before this step is whole) and stop with what to change."""
+        output_dir = self.cfg.checkpointer.output_dir
+        # Every size down to 1 failed in this step, so no cap is known to be safe: a resume starts from the plan.
+        self.micro_cap, self.split = None, 1
+        if self.saved_step != self.global_step:
+            self.serve(epoch, start_step=self.step_in_epoch)  # the loader's position: before this step
+            try:
+                self.save(epoch)
+                saved = f"saved the checkpoint of optimizer step {self.global_step} in {output_dir}"
+            except Exception as error:  # noqa: BLE001 - the previous checkpoint is still whole
+                if not is_out_of_memory(error):
+                    raise
+                saved = (f"saving ran out of memory too; the last complete checkpoint (optimizer step "
+                         f"{self.saved_step}) is in {output_dir}")
+        else:
+            saved = f"the checkpoint of optimizer step {self.global_step} in {output_dir} is up to date"
+        raise OutOfMemoryStop(
+            f"a micro batch of 1 sample does not fit in memory in {where} ({self.guard.last_error}); {saved}. "
+            "Free memory (a shorter tokenizer.max_seq_len, enable_activation_checkpointing=True, more ranks, "
+            "a smaller model) and continue with resume_from_checkpoint=True."
+        )
+
     def _apply_gradients(self, tokens: torch.Tensor) -> Optional[float]:
         """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm."""
+        self.guard.sync_point()
         all_reduce_sum(tokens, self.parallel)
         # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
         training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
         grad_norm = None
         if self.clip_grad_norm is not None:
+            self.guard.sync_point()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=float(self.clip_grad_norm))
             grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        self.optimizer.step()
+        self._optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
+
+    def _optimizer_step(self) -> None:
+        """``optimizer.step()``; after an OOM that changed nothing yet, free memory and try once more.
+
+        The gradients are whole and the step is local to each rank, so it is retried alone.
+        """
+        counts = optimizer_step_counts(self.optimizer) if self.oom_recovery and not self.guard.armed else None
+        try:
+            self.optimizer.step()
+            return
+        except Exception as error:  # noqa: BLE001 - only a clean OOM is retried
+            if counts is None or not is_out_of_memory(error) or optimizer_step_counts(self.optimizer) != counts:
+                raise
+        memory.release_memory(self.device)
+        self.info(f"Out of memory in the optimizer step of optimizer step {self.global_step + 1}: "
+                  "memory released, the optimizer step retried with the same gradients")
+        try:
+            self.optimizer.step()
+        except Exception as error:  # noqa: BLE001
+            if not is_out_of_memory(error):
+                raise
+            raise OutOfMemoryStop(
+                f"the optimizer step of optimizer step {self.global_step + 1} runs out of memory even after "
+                f"freeing memory (its state does not depend on the batch); the last complete checkpoint "
+                f"(optimizer step {self.saved_step}) is in {self.cfg.checkpointer.output_dir}"
+            ) from None
 
     def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro batch; returns its summed loss and token count."""
@@ -346,8 +519,8 @@ class Trainer:
         metrics: dict[str, float] = {
             "loss": stats.loss,
             "lr": self.current_lr(),
-            "micro_batch_size": self.batch.micro_batch,
-            "gradient_accumulation_steps": self.batch.accumulation,
+            "micro_batch_size": self.micro_piece,
+            "gradient_accumulation_steps": self.batch.accumulation * self.split,
             "global_batch_size": self.batch.global_batch,
             "tokens_per_second_per_gpu": stats.tokens / (stats.seconds * self.parallel.world_size),
         }
@@ -371,12 +544,14 @@ class Trainer:
             "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
+            "micro_cap": self.micro_cap,
         }
 
     def save(self, epoch: int) -> None:
         """Write the weights and the full recipe state, at the end of an epoch or inside one.
 
-        Both go to ``epoch_{epoch}``: a save inside an epoch is overwritten by the one at its end.
+        Both go to ``epoch_{epoch}``, swapped in whole (see checkpointing): a kill at any moment leaves
+        the previous checkpoint or the new one, complete. A save inside an epoch is replaced by the one at its end.
         """
         start = time.perf_counter()
         weights = full_state_dict(self.model, self.parallel, self.device, trainable_only=self.method.adapter_only)
@@ -388,13 +563,16 @@ class Trainer:
                 max_steps_per_epoch=self.max_steps_per_epoch, optimizer_state=optimizer_state,
                 adaptive_state=self.adaptive_state(),
             ))
-            self.checkpointer.save_checkpoint(
-                state, epoch=epoch, intermediate_checkpoint=True, adapter_only=self.method.adapter_only
+            folder = checkpointing.save_checkpoint_atomically(
+                self.checkpointer, state, epoch=epoch, adapter_only=self.method.adapter_only,
+                record={"global_step": self.global_step, "epoch": epoch, "step_in_epoch": self.step_in_epoch,
+                        "epochs_run": self.epochs_run},
             )
             what = f"step {self.step_in_epoch} of epoch {epoch + 1}" if self.step_in_epoch else f"epoch {epoch + 1}"
-            self.info(f"Saved the checkpoint of {what} (optimizer step {self.global_step}) "
+            self.info(f"Saved the checkpoint of {what} (optimizer step {self.global_step}) to {folder} "
                       f"in {time.perf_counter() - start:.1f} s")
         barrier(self.parallel)
+        self.saved_step = self.global_step
 
     def close(self) -> None:
         if self.metric_logger is not None:

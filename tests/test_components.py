@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 from torchtune.models.llama3 import lora_llama3
 
 from adaptive_batching.batch import BatchShape
-from adaptive_batching.checkpointing import latest_epoch_dir, resume_config
+from adaptive_batching.checkpointing import resume_config
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import build_dataloader
 from adaptive_batching.distributed import ParallelInfo
@@ -68,24 +68,6 @@ def test_lora_checkpoint_entries_leave_the_live_model_untouched() -> None:
     merged = entries["model"]["layers.0.attn.q_proj.weight"]
     assert not torch.equal(merged, before["layers.0.attn.q_proj.weight"])
     assert set(entries["adapter"]) == {k for k in before if "lora" in k}
-
-
-def test_resume_points_a_full_finetune_at_the_newest_epoch(tmp_path: Path) -> None:
-    for n in (0, 1, 10, 2):
-        (tmp_path / f"epoch_{n}").mkdir()
-    (tmp_path / "epoch_10" / "model-00001-of-00002.safetensors").touch()
-    (tmp_path / "epoch_10" / "model-00002-of-00002.safetensors").touch()
-    (tmp_path / "epoch_10" / "config.json").touch()
-    (tmp_path / "recipe_state").mkdir()
-    (tmp_path / "recipe_state" / "recipe_state.pt").touch()
-    assert latest_epoch_dir(tmp_path) == tmp_path / "epoch_10"
-    cfg = OmegaConf.create(dict(output_dir=str(tmp_path), checkpoint_dir="/base", checkpoint_files=["model.safetensors"]))
-    resumed = resume_config(cfg)
-    assert list(resumed.checkpoint_files) == ["epoch_10/model-00001-of-00002.safetensors",
-                                              "epoch_10/model-00002-of-00002.safetensors"]
-    assert list(cfg.checkpoint_files) == ["model.safetensors"]
-    (tmp_path / "epoch_10" / "adapter_model.pt").touch()
-    assert list(resume_config(cfg).checkpoint_files) == ["model.safetensors"]
 
 
 def test_resume_without_a_saved_epoch_says_so(tmp_path: Path) -> None:

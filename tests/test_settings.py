@@ -47,7 +47,8 @@ def test_knob_defaults_are_the_documented_ones() -> None:
     assert defaults["round_to"] == "none"
     assert defaults["reprofile"] is False
     assert defaults["picking_order"] == "dataloader"
-    assert defaults["oom_recovery"] is False
+    assert defaults["oom_recovery"] is True
+    assert defaults["oom_grow_back_after"] is None
 
 
 def test_validation_does_not_modify_config(base_cfg: DictConfig) -> None:
@@ -116,6 +117,10 @@ BAD_INPUTS = [
      "1.5", ("(0, 1]",)),
     ("memory_fraction_zero", {"adaptive_batching.memory_fraction": 0}, "'adaptive_batching.memory_fraction'",
      "0", ("(0, 1]",)),
+    ("oom_recovery_string", {"adaptive_batching.oom_recovery": "on"}, "'adaptive_batching.oom_recovery'",
+     "'on'", ("true or false",)),
+    ("oom_grow_back_zero", {"adaptive_batching.oom_grow_back_after": 0}, "'adaptive_batching.oom_grow_back_after'",
+     "0", ("null or an integer >= 1",)),
     ("section_not_mapping", {"adaptive_batching": [1, 2]}, "'adaptive_batching'", "[1, 2]",
      ("a mapping",) + ALL_KNOBS),
     ("missing_model", {"model": DELETE}, "'model'", None, ("missing",)),
@@ -197,7 +202,8 @@ NON_DEFAULT_VALID = {
     "min_batch_size": 2,
     "max_batch_size": 64,
     "elastic": {"min_global_batch_size": 8},
-    "oom_recovery": True,
+    "oom_recovery": False,
+    "oom_grow_back_after": 50,
 }
 
 

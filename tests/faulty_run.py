@@ -1,0 +1,137 @@
+"""Run a recipe with injected faults, recording which samples each finished optimizer step trained on.
+
+    python faulty_run.py FAULT_JSON RECORD_PREFIX RECIPE_MODULE --config CONFIG [key=value ...]
+
+FAULT_JSON, all keys optional:
+  "phase": "forward" | "backward" | "embedding_backward" | "optimizer"  where the OOM is raised
+             (default forward; backward: the first thing in backward; embedding_backward: the last)
+  "from_step": S     optimizer steps >= S (1-based) are affected (default 1)
+  "to_step": T       ... and <= T (default: to the end)
+  "above": N         forward/backward: a micro batch of more than N samples runs out of memory (default 0)
+  "times": K         optimizer: the first K optimizer.step() calls from step S fail (default 1)
+  "rank": R          only this rank fails (default: every rank)
+  "kill_after": S    os._exit(17) after optimizer step S (a crash)
+  "room_mib": M      no injected error: after set-up, RLIMIT_AS = the process's size + M MiB, so a
+                     large enough batch raises torch's real ``DefaultCPUAllocator`` error
+
+The error is torch's own ``torch.OutOfMemoryError``. RECORD_PREFIX + "rank{r}.json" gets, per finished
+optimizer step, the dataset indices of the samples it trained on, written at each step.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import resource
+import sys
+import types
+
+import torch
+
+
+def virtual_size_bytes() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmSize:"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmSize in /proc/self/status")
+
+
+def main() -> None:
+    fault_json, record_prefix, module_name, *argv = sys.argv[1:]
+    fault = json.loads(fault_json)
+    phase = fault.get("phase", "forward")
+    phase = "none" if "room_mib" in fault else phase
+    from_step, above = int(fault.get("from_step", 1)), int(fault.get("above", 0))
+    to_step = int(fault.get("to_step", 10**9))
+    only_rank = fault.get("rank")
+    kill_after = fault.get("kill_after")
+    optimizer_failures = [int(fault.get("times", 1))]
+
+    import adaptive_batching.trainer as trainer_module
+    from adaptive_batching.trainer import Trainer
+
+    rank = int(os.environ.get("RANK", 0))
+    failing_rank = only_rank is None or int(only_rank) == rank
+    state = {"pending": [], "steps": [], "ids": {}}
+    record = f"{record_prefix}rank{rank}.json"
+
+    def oom(where: str) -> torch.OutOfMemoryError:
+        return torch.OutOfMemoryError(f"injected: {where} out of memory (rank {rank})")
+
+    original_loss = trainer_module.summed_token_loss
+
+    def summed_token_loss(model, loss_fn, batch):  # type: ignore[no-untyped-def]
+        self = state["trainer"]
+        affected = failing_rank and from_step <= self.global_step + 1 <= to_step and batch["tokens"].shape[0] > above
+        if affected and phase == "forward":
+            raise oom("forward")
+        loss, tokens = original_loss(model, loss_fn, batch)
+        if affected and phase == "backward":
+            def fail(grad):  # type: ignore[no-untyped-def]
+                raise oom("backward")
+            loss.register_hook(fail)
+        return loss, tokens
+
+    trainer_module.summed_token_loss = summed_token_loss
+
+    original_setup = Trainer.setup
+
+    def setup(self):  # type: ignore[no-untyped-def]
+        state["trainer"] = self
+        original_setup(self)
+        ids = {}
+        for i in range(len(self.dataset)):
+            key = tuple(self.dataset[i]["tokens"])
+            assert key not in ids, "the test dataset must not hold two identical samples"
+            ids[key] = i
+        inner = self.collate
+
+        def collate(samples):  # type: ignore[no-untyped-def]
+            state["pending"].extend(ids[tuple(sample["tokens"])] for sample in samples)
+            return inner(samples)
+
+        self.collate = collate
+        if phase == "embedding_backward":
+            def hook_embedding(module, args, output):  # type: ignore[no-untyped-def]
+                if failing_rank and from_step <= self.global_step + 1 <= to_step and output.shape[0] > above \
+                        and output.requires_grad:
+                    def fail(grad):  # type: ignore[no-untyped-def]
+                        raise oom("embedding backward")
+                    output.register_hook(fail)
+            self.model.tok_embeddings.register_forward_hook(hook_embedding)
+        optimizer_step = self.optimizer.step
+
+        def step(optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
+            if phase == "optimizer" and failing_rank and from_step <= self.global_step + 1 <= to_step \
+                    and optimizer_failures[0] > 0 and not self.guard.armed:
+                optimizer_failures[0] -= 1
+                raise oom("optimizer step")
+            return optimizer_step(*args, **kwargs)
+
+        self.optimizer.step = types.MethodType(step, self.optimizer)  # bound: LR schedulers wrap it
+        if "room_mib" in fault:
+            limit = virtual_size_bytes() + int(fault["room_mib"]) * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
+    Trainer.setup = setup
+    original_step = Trainer.train_step
+
+    def train_step(self, micro_batches):  # type: ignore[no-untyped-def]
+        taken, state["pending"] = state["pending"], []
+        result = original_step(self, micro_batches)
+        if result is not None:
+            state["steps"].append({"step": self.global_step + 1, "epoch": self.epochs_run, "samples": taken})
+            with open(record, "w") as f:
+                json.dump(state["steps"], f)
+            if kill_after is not None and self.global_step + 1 == int(kill_after):
+                os._exit(17)
+        return result
+
+    Trainer.train_step = train_step
+    sys.argv = [module_name, *argv]
+    importlib.import_module(module_name).recipe_main()
+
+
+if __name__ == "__main__":
+    main()

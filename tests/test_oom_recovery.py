@@ -1,0 +1,275 @@
+"""Recovery from an out-of-memory error in the middle of training (real recipe runs, injected and real OOMs).
+
+Every run trains on the first 40 samples of the tiny dataset, two whole epochs, so "every sample
+once per epoch" is checked on whole epochs. tests/faulty_run.py injects torch's own
+``torch.OutOfMemoryError`` (or sets a real address-space limit) and records which samples each
+finished optimizer step trained on.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+from typing import Any, Optional
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
+from adaptive_batching.oom_recovery import (
+    OK,
+    OUT_OF_MEMORY,
+    StepGuard,
+    larger_cap,
+    optimizer_step_counts,
+    piece_size,
+    smaller_cap,
+    split_for,
+)
+from adaptive_batching.distributed import ParallelInfo
+from adaptive_batching.tiny_assets import write_tiny_assets
+from recipe_runs import read_metrics
+
+HERE = Path(__file__).parent
+SAMPLES = 40
+COMMON = ("use_maximum_batch_size=False", "batch_increase_function=null", f"dataset.split=train[:{SAMPLES}]",
+          "epochs=2", "max_steps_per_epoch=null", "gradient_accumulation_steps=1")
+
+
+# ---------------------------------------------------------------- the pure parts
+def test_split_for_keeps_every_piece_under_the_cap() -> None:
+    assert split_for(8, None) == 1
+    assert split_for(8, 8) == 1 and split_for(8, 9) == 1
+    assert split_for(8, 4) == 2 and split_for(87, 44) == 2 and split_for(87, 43) == 3
+    for micro in range(1, 40):
+        for cap in range(1, 40):
+            split = split_for(micro, cap)
+            assert piece_size(micro, split) <= cap
+            assert split == 1 or piece_size(micro, split - 1) > cap  # the fewest pieces that fit
+
+
+def test_smaller_cap_halves_rounding_up_and_ends_at_one() -> None:
+    assert [smaller_cap(p) for p in (87, 8, 3, 2, 1)] == [44, 4, 2, 1, None]
+
+
+def test_larger_cap_doubles_until_it_covers_the_planned_micro_batch() -> None:
+    assert larger_cap(4, 16) == 8
+    assert larger_cap(8, 16) is None
+    assert larger_cap(44, 87) is None and larger_cap(22, 87) == 44
+
+
+def test_optimizer_step_counts_follow_adam_steps() -> None:
+    param = torch.nn.Parameter(torch.ones(3))
+    optimizer = torch.optim.AdamW([param], lr=0.1)
+    assert optimizer_step_counts(optimizer) == []
+    param.grad = torch.ones(3)
+    optimizer.step()
+    optimizer.step()
+    assert optimizer_step_counts(optimizer) == [2.0]
+
+
+def test_guard_in_one_process_catches_only_out_of_memory() -> None:
+    guard = StepGuard(ParallelInfo(), torch.device("cpu"))
+    assert guard.run(lambda: None) == OK
+
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    assert guard.run(oom) == OUT_OF_MEMORY
+    assert "Tried to allocate" in guard.last_error and not guard.armed
+
+    def bug() -> None:
+        raise ValueError("shape mismatch")
+
+    with pytest.raises(ValueError):
+        guard.run(bug)
+    assert not guard.armed
+
+
+def test_a_peer_out_of_memory_counts_as_out_of_memory() -> None:
+    assert is_out_of_memory(PeerOutOfMemory("rank 0: another rank ran out of memory"))
+
+
+# ---------------------------------------------------------------- recipe runs
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
+
+
+def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str,
+               recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
+               timeout: int = 600) -> subprocess.CompletedProcess:
+    """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``."""
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    cmd = [*launcher, str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
+           "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def ok(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    return result.stdout + result.stderr
+
+
+def final_weights(output_dir: Path, epoch: int = 1) -> dict[str, torch.Tensor]:
+    (path,) = (output_dir / f"epoch_{epoch}").glob("model-*.safetensors")
+    return load_file(path)
+
+
+def assert_close_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        torch.testing.assert_close(a[key], b[key], rtol=1e-4, atol=2e-6, msg=key)
+
+
+def samples_per_epoch(tmp: Path, *names: str) -> dict[int, Counter]:
+    """How often each sample was trained on in each epoch, over all ranks and the named runs."""
+    counts: dict[int, Counter] = {}
+    for name in names:
+        for record in sorted(tmp.glob(f"{name}-rank*.json")):
+            for step in json.loads(record.read_text()):
+                counts.setdefault(step["epoch"], Counter()).update(step["samples"])
+    return counts
+
+
+def assert_every_sample_once_per_epoch(counts: dict[int, Counter], epochs: int = 2) -> None:
+    assert sorted(counts) == list(range(epochs))
+    for epoch, counter in counts.items():
+        assert sorted(counter) == list(range(SAMPLES)), epoch
+        assert set(counter.values()) == {1}, (epoch, {k: v for k, v in counter.items() if v != 1})
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture(scope="module")
+def smaller_from_the_start(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
+    """The run an OOM at micro batch 8 falls back to: micro batch 4 x accumulation 2 from the first step."""
+    ok(faulty_run(runs, "reference", {"phase": "none"}, assets, "batch_size=4", "gradient_accumulation_steps=2"))
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, "reference"))
+    return final_weights(runs / "reference")
+
+
+@pytest.mark.parametrize("phase, step", [("forward", 3), ("backward", 7), ("embedding_backward", 9)])
+def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run(
+        phase: str, step: int, runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    name = f"oom-{phase}"
+    output = ok(faulty_run(runs, name, {"phase": phase, "from_step": step, "above": 4}, assets, "batch_size=8"))
+    assert re.search(rf"Out of memory at micro batch 8 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} "
+                     rf"\(optimizer step {step}\) \(injected: .*out of memory \(rank 0\)\): running the same 8 "
+                     r"samples again as micro batch 4 x accumulation 2 x 1 rank\(s\); global batch 8 and LR "
+                     r"unchanged; micro batch capped at 4 for the rest of the run", output), output[-3000:]
+    rows = read_metrics(runs / name / "logs")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["micro_batch_size"] for r in rows] == [8] * (step - 1) + [4] * (11 - step)
+    assert [r["gradient_accumulation_steps"] for r in rows] == [1] * (step - 1) + [2] * (11 - step)
+    assert {r["global_batch_size"] for r in rows} == {8}
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, name))
+    assert_close_weights(final_weights(runs / name), smaller_from_the_start)
+
+
+def test_an_oom_in_the_optimizer_step_is_retried_with_the_same_gradients(
+        runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    output = ok(faulty_run(runs, "oom-optimizer", {"phase": "optimizer", "from_step": 4, "times": 1}, assets,
+                           "batch_size=8"))
+    assert "Out of memory in the optimizer step of optimizer step 4: memory released, the optimizer step " \
+           "retried with the same gradients" in output
+    rows = read_metrics(runs / "oom-optimizer" / "logs")
+    assert [r["micro_batch_size"] for r in rows] == [8] * 10
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, "oom-optimizer"))
+    assert_close_weights(final_weights(runs / "oom-optimizer"), smaller_from_the_start)
+
+
+def test_growing_back_after_clean_steps(runs: Path, assets: Path,
+                                        smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    output = ok(faulty_run(runs, "grow-back", {"phase": "forward", "from_step": 2, "to_step": 2, "above": 4},
+                           assets, "batch_size=8", "adaptive_batching.oom_grow_back_after=3"))
+    assert "Growing back after 3 clean steps: micro batch 4 -> 8 (cap lifted)" in output
+    rows = read_metrics(runs / "grow-back" / "logs")
+    assert [r["micro_batch_size"] for r in rows] == [8] + [4] * 3 + [8] * 6
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, "grow-back"))
+    assert_close_weights(final_weights(runs / "grow-back"), smaller_from_the_start)
+
+
+def test_without_oom_recovery_the_error_is_raised(runs: Path, assets: Path) -> None:
+    result = faulty_run(runs, "no-recovery", {"phase": "forward", "from_step": 2, "above": 4}, assets,
+                        "batch_size=8", "adaptive_batching.oom_recovery=False")
+    assert result.returncode != 0
+    assert "OutOfMemoryError: injected: forward out of memory" in result.stderr
+
+
+def test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resumes(
+        runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    stopped = faulty_run(runs, "stop", {"phase": "forward", "from_step": 3, "above": 0}, assets, "batch_size=8")
+    assert stopped.returncode == 1
+    assert "out of memory: a micro batch of 1 sample does not fit in memory in step 3 of epoch 1 (optimizer " \
+           "step 3) (injected: forward out of memory (rank 0)); saved the checkpoint of optimizer step 2 in" \
+           in stopped.stderr
+    assert "resume_from_checkpoint=True" in stopped.stderr
+    assert "Traceback" not in stopped.stderr
+    shrinks = re.findall(r"Out of memory at micro batch (\d+) in step 3 of epoch 1", stopped.stdout + stopped.stderr)
+    assert shrinks == ["8", "4", "2"]  # then 1 sample fails too
+    resumed = ok(faulty_run(runs, "stop-resumed", {"phase": "none"}, assets, "batch_size=8",
+                            f"output_dir={runs / 'stop'}", "resume_from_checkpoint=True"))
+    assert "Resuming at step 2 of epoch 1 (optimizer step 2)" in resumed
+    rows = read_metrics(runs / "stop" / "logs")
+    assert [r["step"] for r in rows] == list(range(1, 11))
+    assert [r["micro_batch_size"] for r in rows] == [8] * 10  # the cap of a stopped run is not kept
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, "stop", "stop-resumed"))
+    assert_close_weights(final_weights(runs / "stop"), smaller_from_the_start)
+
+
+def test_a_real_cpu_oom_mid_epoch_under_an_address_space_limit(tmp_path: Path, assets: Path) -> None:
+    """32 short samples, then 32 long ones, in order: the first long step at micro batch 16 exceeds
+    RLIMIT_AS (torch's DefaultCPUAllocator error); the run shrinks, finishes, and equals the run
+    that used the smaller micro batch from the start."""
+    rows = json.loads((assets / "data" / "alpaca_tiny.json").read_text())
+    length = lambda r: sum(len(r.get(k, "")) for k in ("instruction", "input", "output"))  # noqa: E731
+    ordered = sorted(rows, key=length)
+    data = tmp_path / "short_then_long.json"
+    data.write_text(json.dumps(ordered[:32] + ordered[-32:]))
+    limited = ("batch_size=16", "epochs=1", f"dataset.data_files={data}", "dataset.split=train", "shuffle=False")
+    output = ok(faulty_run(tmp_path, "limited", {"room_mib": 120}, assets, *limited))
+    shrinks = re.findall(r"Out of memory at micro batch (\d+) in step (\d) of epoch 1 \(optimizer step \d\) "
+                         r"\(.*DefaultCPUAllocator: can't allocate memory", output)
+    assert shrinks, output[-3000:]
+    assert int(shrinks[0][1]) >= 2  # mid-epoch: the short first step fitted
+    final = int(re.search(r"finished at optimizer step 4, micro batch (\d+)", output).group(1))
+    assert final < 16
+    counts = Counter(i for step in json.loads((tmp_path / "limited-rank0.json").read_text()) for i in step["samples"])
+    assert sorted(counts) == list(range(64)) and set(counts.values()) == {1}
+    ok(faulty_run(tmp_path, "small", {"phase": "none"}, assets, *limited, f"batch_size={final}",
+                  f"gradient_accumulation_steps={16 // final}"))
+    assert_close_weights(final_weights(tmp_path / "limited", 0), final_weights(tmp_path / "small", 0))
+
+
+# ---------------------------------------------------------------- two ranks, OOM on one
+@pytest.fixture(scope="module")
+def two_rank_reference(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
+    ok(faulty_run(runs, "two-reference", {"phase": "none"}, assets, "batch_size=2", "gradient_accumulation_steps=2",
+                  nproc=2))
+    return final_weights(runs / "two-reference")
+
+
+@pytest.mark.parametrize("phase, step", [("forward", 2), ("backward", 4), ("embedding_backward", 8)])
+def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
+        phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]) -> None:
+    name = f"two-{phase}"
+    output = ok(faulty_run(runs, name, {"phase": phase, "from_step": step, "above": 2, "rank": 1}, assets,
+                           "batch_size=4", nproc=2, timeout=300))
+    assert f"Out of memory at micro batch 4 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} " \
+           f"(optimizer step {step}) (rank 0: another rank ran out of memory in this step)" in output
+    assert "Rank 0: finished at optimizer step 10, micro batch 2" in output
+    assert "Rank 1: finished at optimizer step 10, micro batch 2" in output
+    assert_every_sample_once_per_epoch(samples_per_epoch(runs, name))
+    assert_close_weights(final_weights(runs / name), two_rank_reference)
