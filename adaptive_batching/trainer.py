@@ -444,7 +444,9 @@ class Trainer:
         output_dir = self.cfg.checkpointer.output_dir
         # Every size down to 1 failed in this step, so no cap is known to be safe: a resume starts from the plan.
         self.micro_cap, self.split = None, 1
-        if self.saved_step != self.global_step:
+        if self.global_step == 0:
+            saved = "nothing was trained yet, so no checkpoint was written"
+        elif self.saved_step != self.global_step:
             self.serve(epoch, start_step=self.step_in_epoch)  # the loader's position: before this step
             try:
                 self.save(epoch)

@@ -4,13 +4,15 @@
 
 FAULT_JSON, all keys optional:
   "phase": "forward" | "backward" | "embedding_backward" | "optimizer"  where the OOM is raised
-             (default forward; backward: the first thing in backward; embedding_backward: the last)
+             (default none: no OOM; backward: the first thing in backward; embedding_backward: the last)
   "from_step": S     optimizer steps >= S (1-based) are affected (default 1)
   "to_step": T       ... and <= T (default: to the end)
   "above": N         forward/backward: a micro batch of more than N samples runs out of memory (default 0)
   "times": K         optimizer: the first K optimizer.step() calls from step S fail (default 1)
   "rank": R          only this rank fails (default: every rank)
-  "kill_after": S    os._exit(17) after optimizer step S (a crash)
+  "kill_after": S    SIGKILL this process after optimizer step S (before its bookkeeping and save)
+  "kill_in_save": N  SIGKILL this process inside its N-th checkpoint save, once torchtune has written
+                     every file and before the save is marked complete
   "room_mib": M      no injected error: after set-up, RLIMIT_AS = the process's size + M MiB, so a
                      large enough batch raises torch's real ``DefaultCPUAllocator`` error
 
@@ -24,6 +26,7 @@ import importlib
 import json
 import os
 import resource
+import signal
 import sys
 import types
 
@@ -40,7 +43,7 @@ def virtual_size_bytes() -> int:
 def main() -> None:
     fault_json, record_prefix, module_name, *argv = sys.argv[1:]
     fault = json.loads(fault_json)
-    phase = fault.get("phase", "forward")
+    phase = fault.get("phase", "none")
     phase = "none" if "room_mib" in fault else phase
     from_step, above = int(fault.get("from_step", 1)), int(fault.get("above", 0))
     to_step = int(fault.get("to_step", 10**9))
@@ -88,7 +91,8 @@ def main() -> None:
         inner = self.collate
 
         def collate(samples):  # type: ignore[no-untyped-def]
-            state["pending"].extend(ids[tuple(sample["tokens"])] for sample in samples)
+            # The profiler's synthetic worst-case samples are not in the dataset: not recorded.
+            state["pending"].extend(ids[key] for sample in samples if (key := tuple(sample["tokens"])) in ids)
             return inner(samples)
 
         self.collate = collate
@@ -125,10 +129,22 @@ def main() -> None:
             with open(record, "w") as f:
                 json.dump(state["steps"], f)
             if kill_after is not None and self.global_step + 1 == int(kill_after):
-                os._exit(17)
+                os.kill(os.getpid(), signal.SIGKILL)
         return result
 
     Trainer.train_step = train_step
+    if "kill_in_save" in fault:
+        import adaptive_batching.checkpointing as checkpointing
+
+        write_marker, saves = checkpointing._write_marker, [0]
+
+        def killing_write_marker(*args, **kwargs):  # type: ignore[no-untyped-def]
+            saves[0] += 1
+            if saves[0] == int(fault["kill_in_save"]):
+                os.kill(os.getpid(), signal.SIGKILL)
+            return write_marker(*args, **kwargs)
+
+        checkpointing._write_marker = killing_write_marker
     sys.argv = [module_name, *argv]
     importlib.import_module(module_name).recipe_main()
 

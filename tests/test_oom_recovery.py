@@ -273,3 +273,17 @@ def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
     assert "Rank 1: finished at optimizer step 10, micro batch 2" in output
     assert_every_sample_once_per_epoch(samples_per_epoch(runs, name))
     assert_close_weights(final_weights(runs / name), two_rank_reference)
+
+
+def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(runs: Path, assets: Path) -> None:
+    """Rank 1 alone runs out of memory in every trial above 20 samples: rank 0 abandons those trials
+    too (no wait in a collective), and both ranks settle on the same micro batch, at most 20."""
+    output = ok(faulty_run(runs, "two-profile", {"phase": "forward", "above": 20, "rank": 1}, assets,
+                           "use_maximum_batch_size=True", "dataset.split=train[:200]", "epochs=1",
+                           "max_steps_per_epoch=2", nproc=2, timeout=300))
+    trials = re.findall(r"^(?:warmup|probe|verify)\s+(\d+)\s+\S+\s+(ok|OOM)\s", output, flags=re.M)
+    assert {int(n) for n, fits in trials if fits == "OOM"} and all(int(n) > 20 for n, fits in trials if fits == "OOM")
+    assert max(int(n) for n, fits in trials if fits == "ok") == 20
+    assert "largest micro batch that ran 20; chosen micro batch 19" in output
+    assert "Rank 0: finished at optimizer step 2, micro batch 19" in output
+    assert "Rank 1: finished at optimizer step 2, micro batch 19" in output
