@@ -415,8 +415,9 @@ class Trainer:
         self.serve(epoch, start_step=index)
         self.info(
             f"Out of memory at micro batch {failed} in {where} ({self.guard.last_error}): running the same "
-            f"{self.dataloader.batch_sampler.samples_in_step(index)} samples again as micro batch {self.micro_piece} x accumulation {self.batch.accumulation * self.split} "
-            f"x {self.parallel.world_size} rank(s); global batch {self.batch.global_batch} and LR unchanged; "
+            f"{self.dataloader.batch_sampler.samples_in_step(index)} samples again as micro batch "
+            f"{self.micro_piece} x accumulation {self.batch.accumulation * self.split} x {self.parallel.world_size} "
+            f"rank(s); global batch {self.batch.global_batch} and LR unchanged; "
             f"micro batch capped at {cap} for the rest of the run"
         )
         if self.profile_result is not None:

@@ -287,3 +287,21 @@ def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(r
     assert "largest micro batch that ran 20; chosen micro batch 19" in output
     assert "Rank 0: finished at optimizer step 2, micro batch 19" in output
     assert "Rank 1: finished at optimizer step 2, micro batch 19" in output
+
+
+def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it(runs: Path, assets: Path) -> None:
+    cache = runs / "writeback-cache"
+    profiled = ("use_maximum_batch_size=True", f"adaptive_batching.cache_dir={cache}", "epochs=1",
+                "dataset.split=train[:120]")
+    first = ok(faulty_run(runs, "writeback-1", {"phase": "forward", "from_step": 2, "above": 20}, assets, *profiled))
+    chosen = int(re.search(r"chosen micro batch (\d+);", first).group(1))
+    assert chosen > 20
+    cap = (chosen + 1) // 2
+    assert f"micro batch capped at {cap} for the rest of the run" in first
+    assert f"later runs start at micro batch <= {cap}" in first
+    (record,) = cache.glob("*.json")
+    assert json.loads(record.read_text())["result"]["oom_cap"] == cap
+    second = ok(faulty_run(runs, "writeback-2", {"phase": "none"}, assets, *profiled))
+    assert "Profiler: using the cached profile" in second
+    assert f"Profiler: micro batch {chosen} -> {cap}: an earlier run ran out of memory in training" in second
+    assert {r["micro_batch_size"] for r in read_metrics(runs / "writeback-2" / "logs")} == {cap}
