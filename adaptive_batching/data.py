@@ -16,6 +16,7 @@ from torchtune.data import padded_collate_packed
 
 from adaptive_batching.distributed import ParallelInfo
 from adaptive_batching.sampler import StepBatchSampler, collate_allowing_empty
+from adaptive_batching.token_batching import TokenBudgetBatchSampler
 
 DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
 # torchdata 0.11 calls a deprecated torch function each time a loader is built: noise in every epoch's log.
@@ -70,6 +71,46 @@ def build_dataloader(
         split=split, start_step=start_step,
     )
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
+
+
+def build_token_dataloader(
+    dataset: Dataset,
+    lengths: list[int],
+    *,
+    max_tokens: int,
+    picking_order: str,
+    min_batch_size: Optional[int],
+    max_batch_size: Optional[int],
+    accumulation: int,
+    collate_fn: Callable,
+    parallel: ParallelInfo,
+    shuffle: bool,
+    seed: int,
+    epoch: int,
+    max_steps: Optional[int],
+    split: int = 1,
+    start_step: int = 0,
+) -> StatefulDataLoader:
+    """Like :func:`build_dataloader`, with micro batches cut by a padded-token budget (see token_batching)."""
+    sampler = TokenBudgetBatchSampler(
+        lengths, max_tokens=max_tokens, picking_order=picking_order, min_batch_size=min_batch_size,
+        max_batch_size=max_batch_size, accumulation=accumulation, rank=parallel.rank,
+        world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
+        split=split, start_step=start_step,
+    )
+    return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
+
+
+def data_files(cfg_dataset: DictConfig | ListConfig) -> list[str]:
+    """The local data files a dataset config reads (``data_files``), for the sequence-length cache key."""
+    nodes = list(cfg_dataset) if isinstance(cfg_dataset, ListConfig) else [cfg_dataset]
+    files: list[str] = []
+    for node in nodes:
+        value = node.get("data_files", None)
+        if value is None:
+            continue
+        files.extend([str(value)] if isinstance(value, str) else [str(v) for v in value])
+    return files
 
 
 def worst_case_batch(collate_fn: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,

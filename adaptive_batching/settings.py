@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from torchtune import config
 
+from adaptive_batching.elastic import ElasticSpec
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.schedule import load_increase_function, plan_batches
@@ -94,6 +95,12 @@ def _opt_str(v: Any) -> Optional[str]:
     return None if v is None or isinstance(v, str) else "null or a path"
 
 
+def _max_tokens(v: Any) -> Optional[str]:
+    if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        return None
+    return "null, 'auto' (the profiler sets it) or an integer >= 1 (padded tokens per micro batch)"
+
+
 def _opt_mapping(v: Any) -> Optional[str]:
     return None if v is None or isinstance(v, Mapping) else "null or a mapping"
 
@@ -116,12 +123,12 @@ KNOBS: dict[str, Knob] = {
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
-    "max_tokens": Knob(None, _opt_pos_int, False, "token-budget batching"),
-    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), False,
+    "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
+    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), True,
                           "token-budget batching"),
-    "min_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
-    "max_batch_size": Knob(None, _opt_pos_int, False, "token-budget batching"),
-    "elastic": Knob(None, _opt_mapping, False, "elastic global batch sizes"),
+    "min_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
+    "max_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
+    "elastic": Knob(None, _opt_mapping, True, "elastic global batch sizes"),
     "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
     "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
 }
@@ -233,11 +240,54 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
         if value != knob.default and not knob.available:
             raise _not_available(f"adaptive_batching.{name}", value, knob.feature)
         knobs[name] = value
+    _check_token_budget(cfg, knobs, use_max)
+    _check_elastic(knobs, increase)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
                      data_parallel=1, increase=increase, max_micro_batch=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
+
+
+def _dataset_packed(cfg: DictConfig) -> bool:
+    dataset = _plain(cfg.get("dataset", None))
+    parts = dataset if isinstance(dataset, list) else [dataset]
+    return any(isinstance(d, Mapping) and bool(d.get("packed", False)) for d in parts)
+
+
+def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -> None:
+    """The token-budget keys go together, on unpacked data; their bounds must not contradict."""
+    budget = knobs["max_tokens"]
+    if budget is None:
+        for name, default in (("picking_order", "dataloader"), ("min_batch_size", None), ("max_batch_size", None)):
+            if knobs[name] != default:
+                raise ConfigError(f"config key 'adaptive_batching.{name}' = {knobs[name]!r} only applies to "
+                                  "token-budget batching; set adaptive_batching.max_tokens too, or remove it")
+        return
+    if _dataset_packed(cfg):
+        raise ConfigError(f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
+                          "(a packed dataset's samples are already full packs of max_seq_len tokens); "
+                          "set dataset.packed=False or adaptive_batching.max_tokens=null")
+    if budget == "auto" and not use_max:
+        raise ConfigError("config key 'adaptive_batching.max_tokens' = 'auto' asks the profiler for the budget; "
+                          "set use_maximum_batch_size=True, or give a number of tokens")
+    low, high = knobs["min_batch_size"], knobs["max_batch_size"]
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"config keys 'adaptive_batching.min_batch_size' = {low} and "
+                          f"'adaptive_batching.max_batch_size' = {high} contradict: expected min <= max")
+
+
+def _check_elastic(knobs: dict[str, Any], increase: Any) -> None:
+    node = knobs["elastic"]
+    if node is None:
+        return
+    knobs["elastic"] = ElasticSpec.from_config(node)
+    if increase is not None:
+        raise ConfigError("config key 'adaptive_batching.elastic' fixes one global batch for the whole run; "
+                          "it cannot be combined with batch_increase_function (set it to null)")
+    if knobs["max_tokens"] is not None:
+        raise ConfigError("config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
+                          "it cannot be combined with adaptive_batching.max_tokens (set it to null)")
 
 
 def _check_lr_scheduler(cfg: DictConfig) -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 from torch.distributed.tensor import DTensor
 from torchtune import config, training, utils
 from tqdm import tqdm
@@ -19,7 +19,17 @@ from tqdm import tqdm
 from adaptive_batching import checkpointing, memory
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.config import optional_component
-from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataloader, build_dataset, worst_case_batch
+from adaptive_batching.data import (
+    DEFAULT_COLLATE,
+    build_collate,
+    build_dataloader,
+    build_dataset,
+    build_token_dataloader,
+    data_files,
+    worst_case_batch,
+)
+from adaptive_batching.elastic import shape_at
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.distributed import all_reduce_sum, barrier, init_parallel, shutdown
 from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
@@ -42,10 +52,13 @@ from adaptive_batching.model import (
     full_state_dict,
     load_optimizer_state_dict,
 )
+from adaptive_batching.profile_cache import default_cache_dir
 from adaptive_batching.profile_run import remember_out_of_memory, run_profile
-from adaptive_batching.profiler import ProfileResult, StepMemory
+from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.sampler import epoch_extent
 from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason, plan_batches
+from adaptive_batching.sequence_lengths import data_files_digest, sequence_lengths
+from adaptive_batching.token_batching import padding_waste
 from adaptive_batching.settings import AdaptiveSettings
 
 log = utils.get_logger("INFO")
@@ -59,6 +72,7 @@ class StepStats:
     tokens: int
     seconds: float
     grad_norm: Optional[float] = None
+    samples: int = 0
 
 
 class Trainer:
@@ -79,7 +93,18 @@ class Trainer:
             accumulation=cfg.get("gradient_accumulation_steps", 1),
             data_parallel=self.parallel.world_size,
         )
+        self.elastic = settings.knobs["elastic"]
+        if self.elastic is not None:
+            # The elastic global batch replaces batch_size x accumulation; checked here, before any model loads.
+            try:
+                self.elastic_choice, self.reference = shape_at(self.elastic, self.parallel.world_size)
+            except ValueError as error:
+                raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
         self.batch = self.reference
+        # Token-budget batching: padded tokens per micro batch, per epoch, and every sample's length.
+        self.token_mode = settings.knobs["max_tokens"] is not None
+        self.token_budgets: list[int] = []
+        self.lengths: list[int] = []
         self.total_epochs: int = cfg.epochs
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
         self.save_every_n_steps: Optional[int] = cfg.get("save_every_n_steps", None)
@@ -148,6 +173,23 @@ class Trainer:
         self.collate = build_collate(
             cfg.get("collate_fn", DEFAULT_COLLATE), self.packed, self.tokenizer.pad_id, self.loss_fn.ignore_index
         )
+        if self.token_mode:
+            self.lengths = self.measure_lengths()
+
+    def measure_lengths(self) -> list[int]:
+        """Every sample's token count, cached by a fingerprint of the data, the dataset and the tokenizer config."""
+        cache_dir = self.settings.knobs["cache_dir"]
+        key_parts = {
+            "dataset": OmegaConf.to_container(self.cfg.dataset, resolve=True),
+            "tokenizer": OmegaConf.to_container(self.cfg.tokenizer, resolve=True),
+            "data_files": data_files_digest(data_files(self.cfg.dataset)),
+        }
+        lengths = sequence_lengths(self.dataset, cache_dir=default_cache_dir() if cache_dir is None else cache_dir,
+                                   key_parts=key_parts)
+        ordered = sorted(lengths)
+        self.info(f"Token budget batching: {len(lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
+                  f"(median {ordered[len(ordered) // 2]})")
+        return lengths
 
     # ------------------------------------------------------------------ profiling
     @property
@@ -160,6 +202,11 @@ class Trainer:
         if not self.needs_profile:
             return None
         saved = self.resumed.get("profile")
+        saved_ranks = self.resumed.get("data_parallel", self.parallel.world_size)
+        if saved is not None and saved_ranks != self.parallel.world_size:
+            self.info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); "
+                      f"profiling for {self.parallel.world_size}")
+            saved = None
         if saved is not None:
             self.profile_result = ProfileResult.from_dict(saved)
             self.info(f"Profiler: using the profile saved in the checkpoint "
@@ -173,13 +220,15 @@ class Trainer:
 
     @property
     def seq_len(self) -> int:
-        """Tokens in a worst-case sample or pack."""
+        """Tokens in a worst-case sample or pack: the longest sample with a token budget, else the maximum."""
+        if self.lengths:
+            return max(self.lengths)
         return int(self.cfg.tokenizer.get("max_seq_len", None) or self.model.max_seq_len)
 
     def samples_per_rank(self) -> int:
         return len(self.dataset) // self.parallel.world_size
 
-    def trial_step(self, micro_batch: int) -> StepMemory:
+    def trial_step(self, micro_batch: int, seq_len: Optional[int] = None) -> StepMemory:
         """One full training step on a worst-case batch, measured; the LR schedule does not move.
 
         An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
@@ -194,7 +243,7 @@ class Trainer:
                     if param.requires_grad:
                         param.grad = torch.zeros_like(param)
             with memory.PeakMeter(self.device, *meters) as forward_backward:
-                batch = worst_case_batch(self.collate, micro_batch=micro_batch, seq_len=self.seq_len,
+                batch = worst_case_batch(self.collate, micro_batch=micro_batch, seq_len=seq_len or self.seq_len,
                                          vocab_size=self.tokenizer.vocab_size, packed=self.packed)
                 _, tokens = self._forward_backward(batch)
                 del batch
@@ -220,16 +269,29 @@ class Trainer:
     def make_plan(self) -> list[EpochBatch]:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
         profile = self.profile_result
-        start = profile.micro_batch if profile is not None and self.settings.use_maximum_batch_size \
-            else self.reference.micro_batch
+        cap = profile.micro_batch if profile is not None else None
+        if self.elastic is not None:
+            try:
+                self.elastic_choice, self.reference = shape_at(self.elastic, self.parallel.world_size,
+                                                               max_micro_batch=cap)
+            except ValueError as error:
+                raise ConfigError(f"config key 'adaptive_batching.elastic' with the profiled micro batch "
+                                  f"{cap}: {error}") from None
+            self.info(f"{self.elastic_choice.describe()}; this run: {self.reference.describe()} "
+                      "(batch_size and gradient_accumulation_steps in the config are not used)")
+            start, cap = self.reference.micro_batch, None
+        else:
+            start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
         self.epoch_plan = plan_batches(
             epochs=self.total_epochs, start=start, accumulation=self.reference.accumulation,
             data_parallel=self.parallel.world_size, increase=self.settings.batch_increase_function,
-            max_micro_batch=profile.micro_batch if profile is not None else None,
-            grow_past_memory=self.settings.knobs["grow_past_memory"],
+            max_micro_batch=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
         )
-        extents = [epoch_extent(len(self.dataset), entry.shape.global_batch, self.max_steps_per_epoch)
-                   for entry in self.epoch_plan]
+        if self.token_mode:
+            base = self.resumed.get("token_budget") or self.token_budget_base(start)
+            # Growth scales the budget as it would scale a micro batch of samples.
+            self.token_budgets = [base * entry.shape.micro_batch // start for entry in self.epoch_plan]
+        extents = [self.epoch_extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
         scheduler_cfg = optional_component(self.cfg.get("lr_scheduler", None))
         scheduler = None if scheduler_cfg is None else config.instantiate(
@@ -240,9 +302,13 @@ class Trainer:
         if "lr" in self.resumed:
             self.lr.load_state_dict(self.resumed["lr"])
         header, *rows = describe_plan(self.epoch_plan)
-        rows = [f"{row} | {steps} steps, {samples} samples, LR x"
-                f"{lr_factor(entry.shape.global_batch, self.reference.global_batch, self.lr.rule):.3f}"
-                for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
+        if self.token_mode:
+            rows = [f"{row} | token budget {budget} | {steps} steps, {samples} samples, LR x per step by its samples"
+                    for row, budget, (steps, samples) in zip(rows, self.token_budgets, extents)]
+        else:
+            rows = [f"{row} | {steps} steps, {samples} samples, LR x"
+                    f"{lr_factor(entry.shape.global_batch, self.reference.global_batch, self.lr.rule):.3f}"
+                    for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
         self.info(
             "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
             f"reference global batch {self.reference.global_batch} from the config; LR scaling '{self.lr.rule}'; "
@@ -250,6 +316,50 @@ class Trainer:
             + "\n".join([header, *rows])
         )
         return self.epoch_plan
+
+    def token_budget_base(self, start: int) -> int:
+        """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
+        value = self.settings.knobs["max_tokens"]
+        profile = self.profile_result
+        if profile is None or not self.settings.use_maximum_batch_size:
+            return int(value)
+        profiled = start * self.seq_len
+        budget = profiled if value == "auto" else min(int(value), profiled)
+        self.info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "
+                  f"the longest sample's {self.seq_len} tokens"
+                  f"{'' if value == 'auto' else f', at most adaptive_batching.max_tokens={value}'})")
+        return self.verify_short_samples(budget)
+
+    def verify_short_samples(self, budget: int) -> int:
+        """Check the budget where it packs the most samples (the shortest ones): memory depends on the
+        tokens and on their length. Halve it until a real step fits."""
+        shortest = min(self.lengths)
+        with preserved_training_state(self.model, self.optimizer):
+            while budget >= self.seq_len:
+                samples = budget // shortest
+                try:
+                    used = self.trial_step(samples, seq_len=shortest)
+                except Exception as error:  # noqa: BLE001 - only an OOM lowers the budget
+                    if not is_out_of_memory(error):
+                        raise
+                    self.info(f"Token budget {budget}: {samples} samples of {shortest} tokens ran out of memory; "
+                              f"trying {budget // 2}")
+                    budget //= 2
+                    continue
+                peak = max(used.forward_backward_peak, used.optimizer_peak)
+                self.info(f"Token budget {budget} verified with {samples} samples of the shortest length, "
+                          f"{shortest} tokens: peak {peak / 2**30:.3f} GiB")
+                return budget
+        raise OutOfMemoryStop(f"no token budget of at least one longest sample ({self.seq_len} tokens) fits "
+                              f"{budget // shortest} samples of {shortest} tokens")
+
+    def epoch_extent(self, epoch: int) -> tuple[int, int]:
+        """Optimizer steps and samples (all ranks) of ``epoch`` as planned."""
+        shape = self.epoch_plan[epoch].shape
+        if not self.token_mode:
+            return epoch_extent(len(self.dataset), shape.global_batch, self.max_steps_per_epoch)
+        sampler = self.loader(epoch, split=1, start_step=0).batch_sampler
+        return sampler.steps, sum(sampler.samples_in_step(i) for i in range(sampler.steps))
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from the saved recipe state: the end of an epoch, or a step inside one."""
@@ -262,6 +372,8 @@ class Trainer:
         self.saved_step = self.global_step
         self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
         self.micro_cap = self.resumed.get("micro_cap")
+        if self.token_mode:
+            self.split = self.resumed.get("split", 1)
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
         where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
@@ -283,40 +395,89 @@ class Trainer:
             self.save(epoch)
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {self.global_step}, "
-                     f"micro batch {self.micro_piece}, last loss {last.loss:.6f}")
+                     f"{self.final_batch()}, last loss {last.loss:.6f}")
+
+    def final_batch(self) -> str:
+        if self.token_mode:
+            return f"token budget {self.token_budgets[-1]} in {self.split} piece(s)"
+        return f"micro batch {self.micro_piece}"
 
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
         start = time.perf_counter()
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
-        self.split = split_for(self.batch.micro_batch, self.micro_cap)
+        if not self.token_mode:
+            self.split = split_for(self.batch.micro_batch, self.micro_cap)
         self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
-        self.lr.set_global_batch(self.batch.global_batch)
+        self.set_step_lr(self.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
+        what = self.describe_batch(epoch)
         if not switch:
-            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {self.batch.describe()}{self.split_note()}, "
+            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {what}, "
                       f"LR {self.lr.lrs()[0]:.3e} (x{self.lr.factor:.3f} for the global batch)")
             return
+        if self.token_mode:
+            change = (f"token budget {self.token_budgets[epoch - 1]} -> {self.token_budgets[epoch]} padded tokens "
+                      f"per micro batch, accumulation {previous.accumulation} -> {self.batch.accumulation}")
+        else:
+            change = (f"micro batch {previous.micro_batch} -> {self.batch.micro_batch}, accumulation "
+                      f"{previous.accumulation} -> {self.batch.accumulation}, global batch "
+                      f"{previous.global_batch} -> {self.batch.global_batch}")
         self.info(
-            f"Epoch switch {epoch} -> {epoch + 1}: micro batch {previous.micro_batch} -> {self.batch.micro_batch}, "
-            f"accumulation {previous.accumulation} -> {self.batch.accumulation}, global batch "
-            f"{previous.global_batch} -> {self.batch.global_batch}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
+            f"Epoch switch {epoch} -> {epoch + 1}: {change}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
             f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
         )
 
+    def describe_batch(self, epoch: int) -> str:
+        if not self.token_mode:
+            return f"{self.batch.describe()}{self.split_note()}"
+        sampler = self.dataloader.batch_sampler
+        waste = padding_waste(self.lengths, [mb for step in sampler.plan() for rank in step for mb in rank])
+        return (f"token budget {self.token_budgets[epoch]} padded tokens per micro batch x accumulation "
+                f"{self.batch.accumulation} x {self.parallel.world_size} rank(s): {sampler.steps} steps of "
+                f"{min(sampler.samples_in_step(i) for i in range(sampler.steps))}-"
+                f"{max(sampler.samples_in_step(i) for i in range(sampler.steps))} samples, "
+                f"padding {100 * waste:.1f}%{self.split_note()}")
+
+    def set_step_lr(self, index: int) -> None:
+        """The LR of step ``index``: for the planned global batch, or for the samples this step holds."""
+        sampler = self.dataloader.batch_sampler
+        if not self.token_mode:
+            self.lr.set_global_batch(self.batch.global_batch)
+        elif index < sampler.steps:
+            self.lr.set_global_batch(sampler.samples_in_step(index))
+
+    def loader(self, epoch: int, split: int, start_step: int) -> Any:
+        """A dataloader over ``epoch``'s planned batch, each micro batch cut into ``split`` pieces, from ``start_step``."""
+        common = dict(collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
+                      seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch, split=split,
+                      start_step=start_step)
+        if self.token_mode:
+            knobs = self.settings.knobs
+            return build_token_dataloader(
+                self.dataset, self.lengths, max_tokens=self.token_budgets[epoch],
+                picking_order=knobs["picking_order"], min_batch_size=knobs["min_batch_size"],
+                max_batch_size=knobs["max_batch_size"], accumulation=self.epoch_plan[epoch].shape.accumulation,
+                **common,
+            )
+        shape = self.epoch_plan[epoch].shape
+        return build_dataloader(self.dataset, micro_batch=shape.micro_batch, accumulation=shape.accumulation,
+                                **common)
+
     def serve(self, epoch: int, start_step: int, state: Optional[dict[str, Any]] = None) -> None:
-        """A dataloader for ``epoch`` from ``start_step`` on, each micro batch cut into ``self.split`` pieces.
+        """Serve ``epoch`` from ``start_step`` on, each micro batch cut into ``self.split`` pieces.
 
         ``state`` (a saved dataloader state) is checked against the new loader, so a resume with another
-        dataset, seed or ranks fails instead of silently training on other samples.
+        dataset, seed or ranks fails instead of silently training on other samples. An elastic run resumed
+        on another number of ranks has the same global batch, so the same samples per step: it starts at
+        ``start_step`` instead.
         """
-        self.dataloader = build_dataloader(
-            self.dataset, micro_batch=self.batch.micro_batch, accumulation=self.batch.accumulation,
-            collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
-            seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch, split=self.split,
-            start_step=0 if state else start_step,
-        )
+        if state and self.elastic is not None and self.resumed.get("data_parallel") != self.parallel.world_size:
+            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['data_parallel']}: "
+                      f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
+            state = None
+        self.dataloader = self.loader(epoch, self.split, 0 if state else start_step)
         if start_step and state:
             self.dataloader.load_state_dict(state)
         self.resumed.pop("dataloader", None)
@@ -327,9 +488,18 @@ class Trainer:
         """The most samples one forward sees now: the micro batch, or its largest piece after an OOM."""
         return piece_size(self.batch.micro_batch, self.split)
 
+    def largest_piece(self, index: int) -> int:
+        """The most samples a forward of step ``index`` sees, on any rank."""
+        if not self.token_mode:
+            return self.micro_piece
+        step = self.dataloader.batch_sampler.plan()[index]
+        return piece_size(max(len(micro) for rank in step for micro in rank), self.split)
+
     def split_note(self) -> str:
         if self.split == 1:
             return ""
+        if self.token_mode:
+            return f"; after an OOM each micro batch runs as {self.split} pieces"
         return (f"; after an OOM each micro batch runs as {self.split} pieces of <= {self.micro_piece} "
                 f"(micro batch {self.micro_piece} x accumulation {self.batch.accumulation * self.split})")
 
@@ -349,13 +519,13 @@ class Trainer:
                 self.after_out_of_memory(epoch, index)
                 continue
             stats = step_stats
-            self.lr.advance(sampler.samples_in_step(index))
+            stats.samples = sampler.samples_in_step(index)
+            self.lr.advance(stats.samples)
+            self.set_step_lr(index + 1)
             self.global_step += 1
             self.step_in_epoch = index + 1
             progress.update(1)
-            progress.set_postfix_str(
-                f"global batch {self.batch.global_batch} lr {self.current_lr():.2e} loss {stats.loss:.4f}"
-            )
+            progress.set_postfix_str(f"global batch {stats.samples} lr {self.current_lr():.2e} loss {stats.loss:.4f}")
             if self.global_step % self.log_every_n_steps == 0:
                 self.log_step(stats)
             if self.save_every_n_steps and self.global_step % self.save_every_n_steps == 0 \
@@ -397,11 +567,20 @@ class Trainer:
 
     def after_out_of_memory(self, epoch: int, index: int) -> None:
         """Serve the same step again in smaller pieces, for the rest of the run; stop if 1 sample is too many."""
-        failed = self.micro_piece
+        failed = self.largest_piece(index)
         cap = smaller_cap(failed)
         where = f"step {index + 1} of epoch {epoch + 1} (optimizer step {self.global_step + 1})"
         if cap is None:
             self.stop_out_of_memory(epoch, where)
+        if self.token_mode:
+            self.split *= 2
+            self.serve(epoch, start_step=index)
+            self.clean_steps, self.grew_back = 0, False
+            self.info(f"Out of memory at a micro batch of {failed} samples in {where} ({self.guard.last_error}): "
+                      f"running the same {self.dataloader.batch_sampler.samples_in_step(index)} samples again with "
+                      f"each micro batch cut into {self.split} pieces; global batch and LR unchanged, for the rest "
+                      "of the run")
+            return
         if self.device.type == "cpu" and self.micro_cap is None and memory.pin_cpu_allocator():
             self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
@@ -428,6 +607,15 @@ class Trainer:
 
     def maybe_grow_back(self, epoch: int) -> None:
         """After ``oom_grow_back_after`` clean steps under a cap, try twice the cap again (at a step boundary)."""
+        if self.token_mode and self.split > 1 and self.grow_back_after is not None \
+                and self.clean_steps >= self.grow_back_after:
+            self.split //= 2
+            self.clean_steps, self.grew_back = 0, True
+            if self.step_in_epoch < self.dataloader.batch_sampler.steps:
+                self.serve(epoch, start_step=self.step_in_epoch)
+            self.info(f"Growing back after {self.grow_back_after} clean steps: micro batches cut into {self.split} "
+                      "piece(s)")
+            return
         if self.micro_cap is None or self.grow_back_after is None or self.clean_steps < self.grow_back_after:
             return
         before = self.micro_piece
@@ -522,11 +710,14 @@ class Trainer:
         metrics: dict[str, float] = {
             "loss": stats.loss,
             "lr": self.current_lr(),
-            "micro_batch_size": self.micro_piece,
             "gradient_accumulation_steps": self.batch.accumulation * self.split,
-            "global_batch_size": self.batch.global_batch,
+            "global_batch_size": stats.samples,
             "tokens_per_second_per_gpu": stats.tokens / (stats.seconds * self.parallel.world_size),
         }
+        if self.token_mode:
+            metrics["max_tokens"] = self.token_budgets[self.epochs_run] // self.split
+        else:
+            metrics["micro_batch_size"] = self.micro_piece
         peak = memory.peak_memory_gb(self.device)
         if peak is not None:
             metrics["peak_memory_gb"] = peak
@@ -548,6 +739,8 @@ class Trainer:
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
             "micro_cap": self.micro_cap,
+            "split": self.split,
+            "token_budget": self.token_budgets[0] if self.token_mode else None,
         }
 
     def save(self, epoch: int) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -9,6 +10,7 @@ import pytest
 from config_edits import CONFIGS, DELETE, modified
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.elastic import ElasticSpec
 from adaptive_batching.settings import KNOBS, ConfigError, parse_bytes, validate_config
 
 
@@ -121,6 +123,22 @@ BAD_INPUTS = [
      "'on'", ("true or false",)),
     ("oom_grow_back_zero", {"adaptive_batching.oom_grow_back_after": 0}, "'adaptive_batching.oom_grow_back_after'",
      "0", ("null or an integer >= 1",)),
+    ("max_tokens_bad", {"adaptive_batching.max_tokens": "lots"}, "'adaptive_batching.max_tokens'", "'lots'",
+     ("'auto'", "an integer >= 1")),
+    ("max_tokens_auto_without_profiler", {"adaptive_batching.max_tokens": "auto", "use_maximum_batch_size": False},
+     "'adaptive_batching.max_tokens'", "'auto'", ("use_maximum_batch_size=True",)),
+    ("max_tokens_packed", {"adaptive_batching.max_tokens": 4096, "dataset.packed": True},
+     "'adaptive_batching.max_tokens'", "4096", ("unpacked dataset",)),
+    ("picking_order_alone", {"adaptive_batching.picking_order": "seqlen"}, "'adaptive_batching.picking_order'",
+     "'seqlen'", ("adaptive_batching.max_tokens",)),
+    ("min_over_max", {"adaptive_batching.max_tokens": 4096, "adaptive_batching.min_batch_size": 8,
+                      "adaptive_batching.max_batch_size": 4}, "'adaptive_batching.min_batch_size'", "8",
+     ("min <= max",)),
+    ("elastic_missing", {"adaptive_batching.elastic": {"max_global_batch": 64}},
+     "'adaptive_batching.elastic.micro_batches'", None, ("missing",)),
+    ("elastic_with_growth", {"adaptive_batching.elastic": {"max_global_batch": 64, "micro_batches": [2],
+                                                           "max_ranks": 4}},
+     "'adaptive_batching.elastic'", None, ("batch_increase_function",)),
     ("section_not_mapping", {"adaptive_batching": [1, 2]}, "'adaptive_batching'", "[1, 2]",
      ("a mapping",) + ALL_KNOBS),
     ("missing_model", {"model": DELETE}, "'model'", None, ("missing",)),
@@ -162,10 +180,11 @@ def test_unknown_knobs_are_all_named(base_cfg: DictConfig) -> None:
     assert "known keys under 'adaptive_batching'" in message
 
 
-def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig) -> None:
+def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> None:
     """A malformed value is reported as invalid, not as an unavailable feature."""
-    message = config_error(modified(base_cfg, {"adaptive_batching.max_tokens": 0}))
-    assert "'adaptive_batching.max_tokens' = 0 is invalid" in message
+    monkeypatch.setitem(KNOBS, "max_batch_size", dataclasses.replace(KNOBS["max_batch_size"], available=False))
+    message = config_error(modified(base_cfg, {"adaptive_batching.max_batch_size": 0}))
+    assert "'adaptive_batching.max_batch_size' = 0 is invalid" in message
     assert "null or an integer >= 1" in message
 
 
@@ -173,18 +192,12 @@ def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig) -> Non
 # Features this version does not provide
 # --------------------------------------------------------------------------- #
 
-NOT_AVAILABLE = [
-    ({"adaptive_batching.max_tokens": 4096}, "'adaptive_batching.max_tokens'", "token-budget batching"),
-]
-
-
-@pytest.mark.parametrize("updates, key, feature", NOT_AVAILABLE)
-def test_unavailable_features_fail_clearly(
-    base_cfg: DictConfig, updates: dict[str, Any], key: str, feature: str
-) -> None:
-    message = config_error(modified(base_cfg, updates))
-    assert key in message
-    assert feature in message
+def test_unavailable_features_fail_clearly(base_cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mechanism for a feature a version does not provide (every knob is available in this one)."""
+    monkeypatch.setitem(KNOBS, "max_batch_size", dataclasses.replace(KNOBS["max_batch_size"], available=False))
+    message = config_error(modified(base_cfg, {"adaptive_batching.max_batch_size": 8}))
+    assert "'adaptive_batching.max_batch_size'" in message
+    assert "token-budget batching" in message
     assert "does not provide" in message
     assert "remove the key or set it to its default" in message
 
@@ -199,12 +212,15 @@ NON_DEFAULT_VALID = {
     "grow_past_memory": "accumulate",
     "max_tokens": 4096,
     "picking_order": "seqlen",
-    "min_batch_size": 2,
+    "min_batch_size": 1,
     "max_batch_size": 64,
-    "elastic": {"min_global_batch_size": 8},
+    "elastic": {"max_global_batch": 64, "micro_batches": [2, 4], "max_ranks": 4},
     "oom_recovery": False,
     "oom_grow_back_after": 50,
 }
+
+
+TOKEN_BUDGET_COMPANIONS = ("picking_order", "min_batch_size", "max_batch_size")
 
 
 def test_non_default_samples_cover_every_knob() -> None:
@@ -215,13 +231,12 @@ def test_non_default_samples_cover_every_knob() -> None:
 def test_each_knob_non_default(base_cfg: DictConfig, name: str) -> None:
     value = NON_DEFAULT_VALID[name]
     assert value != KNOBS[name].default
-    cfg = modified(base_cfg, {f"adaptive_batching.{name}": value})
-    if KNOBS[name].available:
-        assert validate_config(cfg).knobs[name] == value
-    else:
-        message = config_error(cfg)
-        assert f"'adaptive_batching.{name}'" in message
-        assert KNOBS[name].feature in message and "does not provide" in message
+    companions = {"adaptive_batching.max_tokens": 4096} if name in TOKEN_BUDGET_COMPANIONS else \
+        {"batch_increase_function": None} if name == "elastic" else {}
+    cfg = modified(base_cfg, {f"adaptive_batching.{name}": value, **companions})
+    assert KNOBS[name].available
+    expected = ElasticSpec.from_config(value) if name == "elastic" else value
+    assert validate_config(cfg).knobs[name] == expected
 
 
 @pytest.mark.parametrize("name", sorted(KNOBS))

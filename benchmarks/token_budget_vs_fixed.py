@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Token-budget batching against fixed-size batches: padding waste and real tokens per second.
+
+    python benchmarks/token_budget_vs_fixed.py [--samples 600] [--repeats 3] [--budget 512MiB]
+
+Same model (the offline tiny Llama-3), same data (the first ``--samples`` of the tiny data set, whose
+lengths are long-tailed: 63 to 256 tokens, median 114), same memory: one profile under
+``adaptive_batching.memory_budget=--budget`` (cached, shared by every run) gives the largest micro batch
+``m`` at the longest sample's length, then
+
+* fixed: ``use_maximum_batch_size=True``: micro batches of ``m`` samples, shuffled;
+* token budget: ``adaptive_batching.max_tokens=auto`` (= ``m`` x the longest length, checked on the
+  shortest samples), ``picking_order=seqlen``: micro batches of similar lengths, up to that many padded
+  tokens.
+
+Padding waste = padded positions that hold no token / all positions, over the epoch's micro batches,
+computed from the two samplers over the data set's real lengths (the same samplers the runs use).
+Real tokens per second = the epoch's real tokens (every sample once in both) / the wall time of the
+epoch's training loop, each run in a fresh child (``tune run`` in-process), alternating, ``--repeats``
+each; the median is reported. Bar: waste at most a third of fixed batching's, and more real tokens/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+
+
+def child(result_path: str, module: str, argv: list[str]) -> None:
+    """A run that records the wall time of its training loop."""
+    from adaptive_batching.trainer import Trainer
+
+    timing: dict[str, Any] = {}
+    original = Trainer.train_epoch
+
+    def timed(self: Any, epoch: int) -> Any:
+        start = time.perf_counter()
+        stats = original(self, epoch)
+        timing["seconds"] = time.perf_counter() - start
+        timing["steps"] = self.dataloader.batch_sampler.steps
+        return stats
+
+    Trainer.train_epoch = timed
+    sys.argv = [module, *argv]
+    try:
+        importlib.import_module(module).recipe_main()
+    except SystemExit as stop:
+        if stop.code not in (None, 0):
+            raise
+    Path(result_path).write_text(json.dumps(timing))
+
+
+def common(args: argparse.Namespace, work: Path) -> list[str]:
+    return [f"assets_dir={args.assets}", f"dataset.split=train[:{args.samples}]", "epochs=1",
+            "max_steps_per_epoch=null", "batch_increase_function=null", "use_maximum_batch_size=True",
+            f"adaptive_batching.memory_budget={args.budget}", f"adaptive_batching.cache_dir={work / 'cache'}",
+            "seed=0", "lr_scheduler=null"]
+
+
+MODES = {"fixed": [], "token budget": ["adaptive_batching.max_tokens=auto", "adaptive_batching.picking_order=seqlen"]}
+
+
+def run(args: argparse.Namespace, work: Path, tag: str, mode: str) -> dict[str, Any]:
+    result = work / f"{tag}.json"
+    cmd = [sys.executable, str(HERE), "--child", str(result), "adaptive_full_finetune", "--config", "tiny_full",
+           *common(args, work), f"output_dir={work / tag}", *MODES[mode]]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600)
+    if done.returncode != 0:
+        sys.exit(f"{tag} failed:\n{done.stderr[-3000:]}")
+    return {**json.loads(result.read_text()), "output": done.stdout + done.stderr}
+
+
+def padding(args: argparse.Namespace, work: Path, micro_batch: int, budget: int) -> dict[str, Any]:
+    """Both modes' epoch micro batches over the real lengths, as the runs cut them."""
+    from torchtune import config
+
+    from adaptive_batching.config import load_config
+    from adaptive_batching.data import build_dataset
+    from adaptive_batching.sampler import StepBatchSampler
+    from adaptive_batching.token_batching import TokenBudgetBatchSampler, padding_waste
+
+    cfg = load_config("tiny_full", common(args, work))
+    dataset, _ = build_dataset(cfg.dataset, config.instantiate(cfg.tokenizer))
+    lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
+    fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,
+                                  shuffle=True, seed=0))
+    token = list(TokenBudgetBatchSampler(lengths, max_tokens=budget, picking_order="seqlen", min_batch_size=None,
+                                         max_batch_size=None, accumulation=1, rank=0, world_size=1, shuffle=True,
+                                         seed=0))
+    return {"fixed": padding_waste(lengths, fixed), "token budget": padding_waste(lengths, token),
+            "real_tokens": sum(lengths), "micro_batches": {"fixed": len(fixed), "token budget": len(token)}}
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], sys.argv[4:])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=600)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--budget", default="512MiB", help="adaptive_batching.memory_budget for both")
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
+    args = p.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if args.assets is None:
+            from adaptive_batching.tiny_assets import write_tiny_assets
+
+            args.assets = write_tiny_assets(work / "assets").root
+        seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
+        outputs: dict[str, str] = {}
+        for repeat in range(args.repeats):
+            for mode in MODES:
+                timing = run(args, work, f"{mode.replace(' ', '_')}-{repeat}", mode)
+                seconds[mode].append(timing["seconds"])
+                outputs[mode] = timing["output"]
+                print(f"repeat {repeat + 1}: {mode}: {timing['steps']} steps in {timing['seconds']:.1f} s", flush=True)
+        micro = int(outputs["fixed"].split("chosen micro batch ")[1].split(";")[0])
+        budget = int(outputs["token budget"].split("Token budget: ")[1].split()[0])
+        waste = padding(args, work, micro, budget)
+    real = waste["real_tokens"]
+    print(f"\n{args.samples} samples, {real} real tokens, memory budget {args.budget}, median of {args.repeats}:")
+    print(f"{'mode':<14}{'micro batches':>14}{'padding waste':>15}{'real tokens/s':>15}")
+    for mode, detail in (("fixed", f"{micro} samples"), ("token budget", f"{budget} tokens")):
+        speed = real / statistics.median(seconds[mode])
+        print(f"{mode:<14}{waste['micro_batches'][mode]:>14}{100 * waste[mode]:>14.1f}%{speed:>15.0f}  ({detail})")
+    ratio_waste = waste["token budget"] / waste["fixed"]
+    ratio_speed = statistics.median(seconds["fixed"]) / statistics.median(seconds["token budget"])
+    verdict = "PASS" if ratio_waste <= 1 / 3 and ratio_speed > 1 else "FAIL"
+    print(f"padding waste ratio {ratio_waste:.3f} (bar <= 0.333), real tokens/s ratio {ratio_speed:.2f} (bar > 1): "
+          f"{verdict}")
+
+
+if __name__ == "__main__":
+    main()
