@@ -32,7 +32,123 @@ def epoch_extent(dataset_size: int, global_batch: int, max_steps: int | None) ->
     return steps, min(dataset_size, steps * global_batch)
 
 
-class StepBatchSampler(Sampler[list[int]]):
+def check_step_arguments(*, accumulation: int, rank: int, world_size: int, epoch: int,
+                         max_steps: int | None) -> None:
+    """The arguments every step sampler takes, checked alike."""
+    if accumulation < 1:
+        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+    if epoch < 0:
+        raise ValueError(f"epoch must be >= 0, got {epoch}")
+    if max_steps is not None and max_steps < 1:
+        raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+
+
+class StepSampler(Sampler[list[int]]):
+    """What the step samplers share: this rank's forwards of one epoch, a position within it that
+    torchdata's ``StatefulDataLoader`` saves and restores, and the check that a restored position
+    belongs to the same layout.
+
+    A subclass sets ``checked_keys`` (attributes a saved state must match), ``state_defaults`` (values
+    of keys older states lack) and ``resume_advice``, and provides ``step_layout()`` and
+    ``_micro_batches(start)``.
+    """
+
+    checked_keys: tuple[str, ...] = ()
+    state_defaults: Mapping[str, Any] = {}
+    resume_advice = "the same batch settings"
+    epoch: int
+
+    def _start_at(self, start_step: int) -> None:
+        self._yielded = 0
+        self._resume = False
+        if start_step:
+            layout = self.step_layout()
+            if not 0 <= start_step <= len(layout):
+                raise ValueError(f"start_step must be in [0, {len(layout)}], got {start_step}")
+            self._yielded = sum(layout[:start_step])
+            self._resume = True
+
+    def step_layout(self) -> list[int]:
+        raise NotImplementedError
+
+    def _micro_batches(self, start: int) -> Iterator[list[int]]:
+        raise NotImplementedError
+
+    @property
+    def steps(self) -> int:
+        """Optimizer steps in the current epoch."""
+        return len(self.step_layout())
+
+    def __len__(self) -> int:
+        return sum(self.step_layout())
+
+    def set_epoch(self, epoch: int) -> None:
+        """Use ``epoch``'s order from its first micro batch on.
+
+        A state just loaded for this same epoch and not yet iterated is kept, so loading a state
+        and then setting its epoch still resumes mid-epoch.
+        """
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if self._resume and epoch == self.epoch:
+            return
+        self.epoch = epoch
+        self._yielded = 0
+        self._resume = False
+
+    def __iter__(self) -> Iterator[list[int]]:
+        # Eager on purpose: the position is fixed when the iterator is made, as torchdata expects.
+        start = self._yielded if self._resume else 0
+        self._resume = False
+        self._yielded = start
+        return self._generate(start)
+
+    def _generate(self, start: int) -> Iterator[list[int]]:
+        for batch in self._micro_batches(start):
+            self._yielded += 1
+            yield batch
+
+    def state_dict(self) -> dict[str, Any]:
+        """Where this epoch stands, plus the layout it was cut with, to check on load."""
+        return {"epoch": self.epoch, "yielded": self._yielded, **{key: getattr(self, key) for key in self.checked_keys}}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        """Resume at micro batch ``yielded`` of the saved epoch on the next iteration.
+
+        A state saved after the last micro batch of its epoch resumes at the start of the next
+        epoch. The saved layout must be this sampler's: the same position in a different layout
+        names other samples, so some would be repeated and others skipped.
+        """
+        name = type(self).__name__
+        state_dict = {**self.state_defaults, **state_dict}
+        missing = [key for key in ("epoch", "yielded", *self.checked_keys) if key not in state_dict]
+        if missing:
+            raise ValueError(f"{name} state is missing {missing}")
+        differ = [
+            f"{key} {state_dict[key]!r} (saved) != {getattr(self, key)!r} (now)"
+            for key in self.checked_keys
+            if state_dict[key] != getattr(self, key)
+        ]
+        if differ:
+            raise ValueError(
+                "Cannot resume the data order: the saved sampler state was made with a different "
+                f"layout: {'; '.join(differ)}. Resume with {self.resume_advice}, or start the epoch afresh."
+            )
+        epoch, yielded = int(state_dict["epoch"]), int(state_dict["yielded"])
+        if epoch < 0 or yielded < 0:
+            raise ValueError(f"{name} state has a negative epoch or position: {dict(state_dict)}")
+        self.epoch = epoch
+        if yielded >= len(self):
+            self.epoch, yielded = epoch + 1, 0
+        self._yielded = yielded
+        self._resume = True
+
+
+class StepBatchSampler(StepSampler):
     """This rank's micro batches of dataset indices, step after step, for one epoch per iteration.
 
     The epoch's order (a permutation seeded by ``seed + epoch``, or ``range`` without shuffle) is cut
@@ -47,6 +163,10 @@ class StepBatchSampler(Sampler[list[int]]):
 
     Stateful (torchdata's protocol), so a ``StatefulDataLoader`` resumes exactly mid-epoch.
     """
+
+    checked_keys = _CHECKED_KEYS
+    state_defaults = {"split": 1}  # states saved before pieces existed
+    resume_advice = "the same batch size, gradient accumulation, ranks, dataset, seed and shuffle"
 
     def __init__(
         self,
@@ -67,16 +187,8 @@ class StepBatchSampler(Sampler[list[int]]):
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-        if accumulation < 1:
-            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if max_steps is not None and max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
+                             max_steps=max_steps)
         if not 1 <= split <= micro_batch:
             raise ValueError(f"split must be in [1, micro_batch={micro_batch}], got {split}")
         self.dataset_size = dataset_size
@@ -89,14 +201,7 @@ class StepBatchSampler(Sampler[list[int]]):
         self.max_steps = max_steps
         self.split = split
         self.epoch = epoch
-        self._yielded = 0
-        self._resume = False
-        if start_step:
-            layout = self.step_layout()
-            if not 0 <= start_step <= len(layout):
-                raise ValueError(f"start_step must be in [0, {len(layout)}], got {start_step}")
-            self._yielded = sum(layout[:start_step])
-            self._resume = True
+        self._start_at(start_step)
 
     @property
     def piece_size(self) -> int:
@@ -107,11 +212,6 @@ class StepBatchSampler(Sampler[list[int]]):
     def global_batch(self) -> int:
         """Samples in one full step, over all ranks."""
         return self.micro_batch * self.accumulation * self.world_size
-
-    @property
-    def steps(self) -> int:
-        """Optimizer steps in the current epoch."""
-        return len(self.step_layout())
 
     def step_layout(self) -> list[int]:
         """Forwards (micro batches, or their pieces) in each step of the current epoch; the same on every rank."""
@@ -126,41 +226,12 @@ class StepBatchSampler(Sampler[list[int]]):
         """Samples the ``step``-th step of the epoch trains on, over all ranks."""
         return min(self.global_batch, self.dataset_size - step * self.global_batch)
 
-    def __len__(self) -> int:
-        return sum(self.step_layout())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s order from its first micro batch on.
-
-        A state just loaded for this same epoch and not yet iterated is kept, so loading a state
-        and then setting its epoch still resumes mid-epoch.
-        """
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if self._resume and epoch == self.epoch:
-            return
-        self.epoch = epoch
-        self._yielded = 0
-        self._resume = False
-
     def order(self) -> list[int]:
         """The current epoch's order of all dataset indices, before it is cut into steps."""
         if not self.shuffle:
             return list(range(self.dataset_size))
         generator = torch.Generator().manual_seed(self.seed + self.epoch)
         return torch.randperm(self.dataset_size, generator=generator).tolist()
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # Eager on purpose: the position is fixed when the iterator is made, as torchdata expects.
-        start = self._yielded if self._resume else 0
-        self._resume = False
-        self._yielded = start
-        return self._generate(start)
-
-    def _generate(self, start: int) -> Iterator[list[int]]:
-        for batch in self._micro_batches(start):
-            self._yielded += 1
-            yield batch
 
     def _micro_batches(self, start: int) -> Iterator[list[int]]:
         """This rank's micro batches of the epoch from the ``start``-th on."""
@@ -189,52 +260,6 @@ class StepBatchSampler(Sampler[list[int]]):
                       for piece in _pieces(mine[i * self.micro_batch: (i + 1) * self.micro_batch], self.split)]
             yield from pieces[skip:]
             skip = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands, plus the layout it was cut with, to check on load."""
-        return {
-            "epoch": self.epoch,
-            "yielded": self._yielded,
-            "dataset_size": self.dataset_size,
-            "micro_batch": self.micro_batch,
-            "accumulation": self.accumulation,
-            "split": self.split,
-            "world_size": self.world_size,
-            "seed": self.seed,
-            "shuffle": self.shuffle,
-        }
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume at micro batch ``yielded`` of the saved epoch on the next iteration.
-
-        A state saved after the last micro batch of its epoch resumes at the start of the next
-        epoch. The saved layout must be this sampler's: the same position in a different layout
-        names other samples, so some would be repeated and others skipped.
-        """
-        state_dict = {"split": 1, **state_dict}
-        missing = [key for key in ("epoch", "yielded", *_CHECKED_KEYS) if key not in state_dict]
-        if missing:
-            raise ValueError(f"StepBatchSampler state is missing {missing}")
-        differ = [
-            f"{key} {state_dict[key]!r} (saved) != {getattr(self, key)!r} (now)"
-            for key in _CHECKED_KEYS
-            if state_dict[key] != getattr(self, key)
-        ]
-        if differ:
-            raise ValueError(
-                "Cannot resume the data order: the saved sampler state was made with a different "
-                f"layout: {'; '.join(differ)}. Resume with the same batch size, gradient accumulation, "
-                "ranks, dataset, seed and shuffle, or start the epoch afresh."
-            )
-        epoch, yielded = int(state_dict["epoch"]), int(state_dict["yielded"])
-        if epoch < 0 or yielded < 0:
-            raise ValueError(f"StepBatchSampler state has a negative epoch or position: {dict(state_dict)}")
-        self.epoch = epoch
-        if yielded >= len(self):
-            self.epoch, yielded = epoch + 1, 0
-        self._yielded = yielded
-        self._resume = True
-
 
 def _pieces(indices: list[int], split: int) -> list[list[int]]:
     """``indices`` cut in order into ``split`` near-equal lists, the longer ones first (some may be empty)."""

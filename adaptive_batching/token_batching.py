@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Iterator, Mapping, Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
-from torch.utils.data import Sampler
 
-from adaptive_batching.sampler import _ceil_div, _pieces
+from adaptive_batching.sampler import StepSampler, _ceil_div, _pieces, check_step_arguments
 
 PICKING_ORDERS = ("dataloader", "seqlen", "random")
 
@@ -159,7 +158,7 @@ def _lengths_digest(lengths: Sequence[int]) -> str:
     return hashlib.sha256(array("q", lengths).tobytes()).hexdigest()[:16]
 
 
-class TokenBudgetBatchSampler(Sampler[list[int]]):
+class TokenBudgetBatchSampler(StepSampler):
     """This rank's token-budget micro batches of dataset indices, step after step, one epoch per iteration.
 
     The epoch's micro batches come from ``token_micro_batches`` over ``picking_order(...)``; every
@@ -179,6 +178,10 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
 
     Stateful (torchdata's protocol), so a ``StatefulDataLoader`` resumes exactly mid-epoch.
     """
+
+    checked_keys = _CHECKED_KEYS
+    resume_advice = ("the same max_tokens, picking order, batch size bounds, gradient accumulation, split, ranks, "
+                     "dataset and sequence lengths, seed and shuffle")
 
     def __init__(
         self,
@@ -201,16 +204,8 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         _check_bounds(max_tokens, min_batch_size, max_batch_size)
         if picking_order not in PICKING_ORDERS:
             raise ValueError(f"unknown picking order {picking_order!r}; expected {' | '.join(PICKING_ORDERS)}")
-        if accumulation < 1:
-            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
-        if world_size < 1:
-            raise ValueError(f"world_size must be >= 1, got {world_size}")
-        if not 0 <= rank < world_size:
-            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if max_steps is not None and max_steps < 1:
-            raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
+        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
+                             max_steps=max_steps)
         if split < 1:
             raise ValueError(f"split must be >= 1, got {split}")
         self.lengths = list(map(int, lengths))
@@ -231,14 +226,7 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         self._plans: dict[int, list[list[list[list[int]]]]] = {}
         # Fails here, on every rank alike, when a sample or the bounds cannot fit max_tokens.
         self.plan()
-        self._yielded = 0
-        self._resume = False
-        if start_step:
-            layout = self.step_layout()
-            if not 0 <= start_step <= len(layout):
-                raise ValueError(f"start_step must be in [0, {len(layout)}], got {start_step}")
-            self._yielded = sum(layout[:start_step])
-            self._resume = True
+        self._start_at(start_step)
 
     def plan(self) -> list[list[list[list[int]]]]:
         """The current epoch's steps (after ``max_steps``): per step, per rank, the micro batches before ``split``."""
@@ -260,11 +248,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             steps = [steps[i] for i in _permutation(len(steps), self.seed + epoch)]
         return steps if self.max_steps is None else steps[: self.max_steps]
 
-    @property
-    def steps(self) -> int:
-        """Optimizer steps in the current epoch."""
-        return len(self.plan())
-
     def step_layout(self) -> list[int]:
         """Forwards (micro batches, or their pieces) in each step of the current epoch; the same on every rank."""
         return [len(step[0]) * self.split for step in self.plan()]
@@ -278,35 +261,6 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
         return sum(padded_tokens(self.lengths, piece) for mine in self.plan()[step] for batch in mine
                    for piece in _pieces(batch, self.split))
 
-    def __len__(self) -> int:
-        return sum(self.step_layout())
-
-    def set_epoch(self, epoch: int) -> None:
-        """Use ``epoch``'s plan from its first micro batch on.
-
-        A state just loaded for this same epoch and not yet iterated is kept, so loading a state
-        and then setting its epoch still resumes mid-epoch.
-        """
-        if epoch < 0:
-            raise ValueError(f"epoch must be >= 0, got {epoch}")
-        if self._resume and epoch == self.epoch:
-            return
-        self.epoch = epoch
-        self._yielded = 0
-        self._resume = False
-
-    def __iter__(self) -> Iterator[list[int]]:
-        # Eager on purpose: the position is fixed when the iterator is made, as torchdata expects.
-        start = self._yielded if self._resume else 0
-        self._resume = False
-        self._yielded = start
-        return self._generate(start)
-
-    def _generate(self, start: int) -> Iterator[list[int]]:
-        for batch in self._micro_batches(start):
-            self._yielded += 1
-            yield batch
-
     def _micro_batches(self, start: int) -> Iterator[list[int]]:
         """This rank's pieces of the epoch from the ``start``-th on."""
         skip = start
@@ -319,38 +273,3 @@ class TokenBudgetBatchSampler(Sampler[list[int]]):
             pieces = [piece for batch in mine for piece in _pieces(list(batch), self.split)]
             yield from pieces[skip:]
             skip = 0
-
-    def state_dict(self) -> dict[str, Any]:
-        """Where this epoch stands, plus the layout it was planned with, to check on load."""
-        return {"epoch": self.epoch, "yielded": self._yielded, **{key: getattr(self, key) for key in _CHECKED_KEYS}}
-
-    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
-        """Resume at micro batch ``yielded`` of the saved epoch on the next iteration.
-
-        A state saved after the last micro batch of its epoch resumes at the start of the next
-        epoch. The saved layout must be this sampler's: the same position in a different plan
-        names other samples, so some would be repeated and others skipped.
-        """
-        missing = [key for key in ("epoch", "yielded", *_CHECKED_KEYS) if key not in state_dict]
-        if missing:
-            raise ValueError(f"TokenBudgetBatchSampler state is missing {missing}")
-        differ = [
-            f"{key} {state_dict[key]!r} (saved) != {getattr(self, key)!r} (now)"
-            for key in _CHECKED_KEYS
-            if state_dict[key] != getattr(self, key)
-        ]
-        if differ:
-            raise ValueError(
-                "Cannot resume the data order: the saved sampler state was made with a different "
-                f"layout: {'; '.join(differ)}. Resume with the same max_tokens, picking order, batch size "
-                "bounds, gradient accumulation, split, ranks, dataset and sequence lengths, seed and shuffle, "
-                "or start the epoch afresh."
-            )
-        epoch, yielded = int(state_dict["epoch"]), int(state_dict["yielded"])
-        if epoch < 0 or yielded < 0:
-            raise ValueError(f"TokenBudgetBatchSampler state has a negative epoch or position: {dict(state_dict)}")
-        self.epoch = epoch
-        if yielded >= len(self):
-            self.epoch, yielded = epoch + 1, 0
-        self._yielded = yielded
-        self._resume = True
