@@ -26,6 +26,7 @@ import argparse
 import importlib
 import json
 import os
+import re
 import statistics
 import subprocess
 import sys
@@ -128,8 +129,8 @@ def main() -> None:
                 seconds[mode].append(timing["seconds"])
                 outputs[mode] = timing["output"]
                 print(f"repeat {repeat + 1}: {mode}: {timing['steps']} steps in {timing['seconds']:.1f} s", flush=True)
-        micro = int(outputs["fixed"].split("chosen micro batch ")[1].split(";")[0])
-        budget = int(outputs["token budget"].split("Token budget: ")[1].split()[0])
+        micro = int(re.search(r"chosen micro batch (\d+);", outputs["fixed"]).group(1))
+        budget = int(re.search(r"Token budget: (\d+) padded tokens", outputs["token budget"]).group(1))
         waste = padding(args, work, micro, budget)
     real = waste["real_tokens"]
     print(f"\n{args.samples} samples, {real} real tokens, memory budget {args.budget}, median of {args.repeats}:")

@@ -138,3 +138,17 @@ def test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model(ru
     assert "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly over " \
            "1 rank(s); valid world sizes: 2" in result.stderr
     assert not (runs / "elastic-bad" / "logs").exists()
+
+
+def test_growth_scales_the_token_budget(runs: Path, assets: Path) -> None:
+    """geometric(factor=2) doubles the requested batch each epoch; in token mode the budget doubles with it."""
+    growth = ("batch_increase_function._component_=adaptive_batching.growth.geometric",
+              "+batch_increase_function.factor=2")
+    output = ok(faulty_run(runs, "tokens-growth", {}, assets, *TOKENS[2:], "use_maximum_batch_size=False",
+                           *growth))
+    assert "token budget 2048 -> 4096 padded tokens per micro batch" in output
+    rows = read_metrics(runs / "tokens-growth" / "logs")
+    budgets = [r["max_tokens"] for r in rows]
+    first = budgets.count(2048)
+    assert first > 0 and budgets == [2048] * first + [4096] * (len(rows) - first)
+    assert_every_sample_once_per_epoch(runs, "tokens-growth")
