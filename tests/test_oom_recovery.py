@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import subprocess
 import sys
@@ -160,7 +161,11 @@ def smaller_from_the_start(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
     return final_weights(runs / "reference")
 
 
-@pytest.mark.parametrize("phase, step", [("forward", 3), ("backward", 7), ("embedding_backward", 9)])
+# An injected OOM at a step drawn at random (seeded, so a failure can be replayed), and at fixed ones.
+RANDOM_STEP = random.Random(20261122).randint(2, 10)
+
+
+@pytest.mark.parametrize("phase, step", [("forward", RANDOM_STEP), ("backward", 7), ("embedding_backward", 9)])
 def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run(
         phase: str, step: int, runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
     name = f"oom-{phase}"
@@ -305,3 +310,16 @@ def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it
     assert "Profiler: using the cached profile" in second
     assert f"Profiler: micro batch {chosen} -> {cap}: an earlier run ran out of memory in training" in second
     assert {r["micro_batch_size"] for r in read_metrics(runs / "writeback-2" / "logs")} == {cap}
+
+
+def test_the_cap_is_kept_across_a_resume(runs: Path, assets: Path) -> None:
+    """Capped at 4 by an OOM in step 3, killed after step 7, resumed from the step-6 save without any
+    fault: the resumed run keeps micro batch 4 (as a config can no longer tell)."""
+    killed = faulty_run(runs, "cap-resume", {"phase": "forward", "from_step": 3, "to_step": 3, "above": 4,
+                                             "kill_after": 7}, assets, "batch_size=8", "save_every_n_steps=2")
+    assert killed.returncode != 0
+    resumed = ok(faulty_run(runs, "cap-resume-2", {}, assets, "batch_size=8", "save_every_n_steps=2",
+                            f"output_dir={runs / 'cap-resume'}", "resume_from_checkpoint=True"))
+    assert "Resuming at step 1 of epoch 2 (optimizer step 6); micro batch capped at 4 after an earlier OOM" in resumed
+    rows = read_metrics(runs / "cap-resume" / "logs")
+    assert [r["micro_batch_size"] for r in rows] == [8, 8] + [4] * 8
