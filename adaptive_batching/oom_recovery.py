@@ -14,6 +14,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
 from torch.autograd.variable import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
@@ -179,28 +180,32 @@ class StepGuard:
         if not self._in_backward():
             self.sync_point()
 
+    # One sync per module per backward, at the first of its tensors' gradients ("any"): how many
+    # tensors a module returns can differ between ranks (chunked logits of a 1-token batch), and
+    # every rank must make the same sequence of exchanges.
     def _hook_inputs(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self._armed and torch.is_grad_enabled() and not self._in_backward():
-            for tensor in _grad_tensors((args, kwargs)):
-                tensor.register_hook(self._sync_in_backward)
+            tensors = _grad_tensors((args, kwargs))
+            if tensors:
+                register_multi_grad_hook(tensors, self._sync_in_backward, mode="any")
 
     def _hook_outputs(self, module: nn.Module, args: tuple, output: object) -> None:
         if self._armed and torch.is_grad_enabled() and not self._in_backward():
-            for tensor in _grad_tensors(output):
-                tensor.register_hook(self._sync_in_backward)
-                if module is self._root:
-                    tensor.register_hook(self._queue_final_sync)
+            tensors = _grad_tensors(output)
+            if not tensors:
+                return
+            register_multi_grad_hook(tensors, self._sync_in_backward, mode="any")
+            if module is self._root:
+                register_multi_grad_hook(tensors, self._queue_final_sync, mode="any")
 
-    def _sync_in_backward(self, grad: torch.Tensor) -> torch.Tensor:
+    def _sync_in_backward(self, grad: torch.Tensor) -> None:
         self.sync_point()
-        return grad
 
-    def _queue_final_sync(self, grad: torch.Tensor) -> torch.Tensor:
+    def _queue_final_sync(self, grad: torch.Tensor) -> None:
         # Queued before FSDP queues its end-of-backward reduce-scatter of the root's parameters, so it runs first.
         if not self._final_sync_queued:
             self._final_sync_queued = True
             Variable._execution_engine.queue_callback(self._final_sync)
-        return grad
 
     def _final_sync(self) -> None:
         self._final_sync_queued = False
