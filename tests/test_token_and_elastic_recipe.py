@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import signal
 from collections import Counter
 from pathlib import Path
 
