@@ -8,7 +8,7 @@ TORCH ?= torch==2.13.0
 PYTHON ?= python3
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: install demo test clean
+.PHONY: install demo test test-fast clean
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,8 +20,13 @@ demo: install
 	$(BIN)/adaptive-batching tiny-assets
 	cd /tmp && $(BIN)/tune run adaptive_full_finetune --config tiny_full
 
+# Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once.
 test: install
-	$(BIN)/pytest -q -p no:cacheprovider
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile
+
+# Everything but the end-to-end and multi-process tests, for quick checks while developing.
+test-fast: install
+	$(BIN)/pytest -q -p no:cacheprovider -m "not e2e and not multiprocess"
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -301,6 +301,7 @@ checkpointing.save_checkpoint_atomically(checkpointer, state, epoch=int(epoch), 
     ("weights", 1, 5),
     ("marker", 1, 5),
 ])
+@pytest.mark.e2e
 def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path, tmp_path: Path, stage: str,
                                                                      epoch: int, survivor: int) -> None:
     """Killed before its marker, a save is lost and the previous one loads; once marked, it wins."""
@@ -327,6 +328,7 @@ def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path
     assert_resumes_to(cfg, survivor, expected)
 
 
+@pytest.mark.e2e
 def test_a_resume_waits_for_a_save_under_way(tmp_path: Path) -> None:
     """The lock: ranks resuming (and repairing) never delete the staging folder of a live save."""
     (tmp_path / ".incomplete-epoch_0-1").mkdir()

@@ -294,6 +294,7 @@ def e2e_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
     [("tiny_full", "adaptive_batching.bogus"), ("tiny_full.yaml", "adaptive_batching.bogus"),
      ("custom", "adaptive_batching.memory_budgett")],
 )
+@pytest.mark.e2e
 def test_recipe_fails_at_validation(e2e_runs: dict, name: str, bad_key: str) -> None:
     result, cwd = e2e_runs[name]
     detail = f"stdout:\n{result.stdout}\nstderr:\n{result.stderr}"

@@ -165,6 +165,7 @@ def smaller_from_the_start(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
 RANDOM_STEP = random.Random(20261122).randint(2, 10)
 
 
+@pytest.mark.e2e
 @pytest.mark.parametrize("phase, step", [("forward", RANDOM_STEP), ("backward", 7), ("embedding_backward", 9)])
 def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run(
         phase: str, step: int, runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
@@ -183,6 +184,7 @@ def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run
     assert_close_weights(final_weights(runs / name), smaller_from_the_start)
 
 
+@pytest.mark.e2e
 def test_an_oom_in_the_optimizer_step_is_retried_with_the_same_gradients(
         runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
     output = ok(faulty_run(runs, "oom-optimizer", {"phase": "optimizer", "from_step": 4, "times": 1}, assets,
@@ -195,6 +197,7 @@ def test_an_oom_in_the_optimizer_step_is_retried_with_the_same_gradients(
     assert_close_weights(final_weights(runs / "oom-optimizer"), smaller_from_the_start)
 
 
+@pytest.mark.e2e
 def test_growing_back_after_clean_steps(runs: Path, assets: Path,
                                         smaller_from_the_start: dict[str, torch.Tensor]) -> None:
     output = ok(faulty_run(runs, "grow-back", {"phase": "forward", "from_step": 2, "to_step": 2, "above": 4},
@@ -206,6 +209,7 @@ def test_growing_back_after_clean_steps(runs: Path, assets: Path,
     assert_close_weights(final_weights(runs / "grow-back"), smaller_from_the_start)
 
 
+@pytest.mark.e2e
 def test_without_oom_recovery_the_error_is_raised(runs: Path, assets: Path) -> None:
     result = faulty_run(runs, "no-recovery", {"phase": "forward", "from_step": 2, "above": 4}, assets,
                         "batch_size=8", "adaptive_batching.oom_recovery=False")
@@ -213,6 +217,7 @@ def test_without_oom_recovery_the_error_is_raised(runs: Path, assets: Path) -> N
     assert "OutOfMemoryError: injected: forward out of memory" in result.stderr
 
 
+@pytest.mark.e2e
 def test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resumes(
         runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
     stopped = faulty_run(runs, "stop", {"phase": "forward", "from_step": 3, "above": 0}, assets, "batch_size=8")
@@ -234,6 +239,7 @@ def test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resum
     assert_close_weights(final_weights(runs / "stop"), smaller_from_the_start)
 
 
+@pytest.mark.e2e
 def test_a_real_cpu_oom_mid_epoch_under_an_address_space_limit(tmp_path: Path, assets: Path) -> None:
     """32 short samples, then 32 long ones, in order: the first long step at micro batch 16 exceeds
     RLIMIT_AS (torch's DefaultCPUAllocator error); the run shrinks, finishes, and equals the run
@@ -266,6 +272,8 @@ def two_rank_reference(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
     return final_weights(runs / "two-reference")
 
 
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 @pytest.mark.parametrize("phase, step", [("forward", 2), ("backward", 4), ("embedding_backward", 8)])
 def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
         phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]) -> None:
@@ -280,6 +288,8 @@ def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
     assert_close_weights(final_weights(runs / name), two_rank_reference)
 
 
+@pytest.mark.multiprocess
+@pytest.mark.e2e
 def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(runs: Path, assets: Path) -> None:
     """Rank 1 alone runs out of memory in every trial above 20 samples: rank 0 abandons those trials
     too (no wait in a collective), and both ranks settle on the same micro batch, at most 20."""
@@ -294,6 +304,7 @@ def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(r
     assert "Rank 1: finished at optimizer step 2, micro batch 19" in output
 
 
+@pytest.mark.e2e
 def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it(runs: Path, assets: Path) -> None:
     cache = runs / "writeback-cache"
     profiled = ("use_maximum_batch_size=True", f"adaptive_batching.cache_dir={cache}", "epochs=1",
@@ -312,6 +323,7 @@ def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it
     assert {r["micro_batch_size"] for r in read_metrics(runs / "writeback-2" / "logs")} == {cap}
 
 
+@pytest.mark.e2e
 def test_the_cap_is_kept_across_a_resume(runs: Path, assets: Path) -> None:
     """Capped at 4 by an OOM in step 3, killed after step 7, resumed from the step-6 save without any
     fault: the resumed run keeps micro batch 4 (as a config can no longer tell)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -12,6 +13,8 @@ import pytest
 
 from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import FIXED_BATCH_SIZE, TUNE, check, losses, read_metrics, tune_run
+
+pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 CLI = str(Path(sys.executable).with_name("adaptive-batching"))
@@ -29,8 +32,19 @@ def profiled(assets: Path, out: Path, *overrides: str, nproc: int | None = None)
     return result.stdout + result.stderr, json.loads((out / "profile" / "profile.json").read_text())
 
 
-def test_profile_reports_and_trains_at_the_chosen_micro_batch(assets: Path, tmp_path: Path) -> None:
-    output, report = profiled(assets, tmp_path / "run", *SHORT)
+SAME_LR = ("lr_scaling=none", "lr_scheduler=null")
+
+
+@pytest.fixture(scope="module")
+def profiled_run(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
+    """One profiled run shared by the report, no-trace and cache tests: 3 steps at the profiled micro batch."""
+    out = tmp_path_factory.mktemp("profiled") / "run"
+    output, report = profiled(assets, out, "epochs=1", "max_steps_per_epoch=3", *SAME_LR)
+    return out, output, report
+
+
+def test_profile_reports_and_trains_at_the_chosen_micro_batch(profiled_run: tuple[Path, str, dict]) -> None:
+    out, output, report = profiled_run
     for key in ("max_micro_batch", "micro_batch", "trial_steps", "seconds", "trials", "budget_bytes"):
         assert key in report
     assert report["micro_batch"] == int(report["max_micro_batch"] * 0.95)
@@ -42,14 +56,17 @@ def test_profile_reports_and_trains_at_the_chosen_micro_batch(assets: Path, tmp_
     assert all(t["peak_bytes"] <= 512 * 2**20 for t in ok)
     assert any(not t["ok"] and t["micro_batch"] <= report["max_micro_batch"] * 1.03 + 1 for t in report["trials"])
     assert "phase   micro batch  peak GiB  fits  seconds" in output
-    assert (tmp_path / "run" / "profile" / "profile.png").stat().st_size > 10_000
-    rows = read_metrics(tmp_path / "run" / "logs")
-    assert [r["micro_batch_size"] for r in rows] == [report["micro_batch"]] * 2
+    assert (out / "profile" / "profile.png").stat().st_size > 10_000
+    rows = read_metrics(out / "logs")
+    assert [r["micro_batch_size"] for r in rows] == [report["micro_batch"]] * 3
 
 
-def test_cache_hit_reprofile_stale_and_corrupt(assets: Path, tmp_path: Path) -> None:
+def test_cache_hit_reprofile_stale_and_corrupt(profiled_run: tuple[Path, str, dict], tmp_path: Path,
+                                               assets: Path) -> None:
+    first_out, _, first = profiled_run
     out = tmp_path / "run"
-    _, first = profiled(assets, out, *SHORT)
+    out.mkdir()
+    shutil.copytree(first_out / "profile_cache", out / "profile_cache")
     output, hit = profiled(assets, out, *SHORT, "adaptive_batching.safety_margin=0.2")
     assert hit["from_cache"] and "using the cached profile" in output
     assert hit["max_micro_batch"] == first["max_micro_batch"]
@@ -64,15 +81,14 @@ def test_cache_hit_reprofile_stale_and_corrupt(assets: Path, tmp_path: Path) -> 
     assert not corrupt["from_cache"] and "corrupt" in output.lower()
 
 
-def test_profiling_leaves_no_trace(assets: Path, tmp_path: Path) -> None:
+def test_profiling_leaves_no_trace(profiled_run: tuple[Path, str, dict], assets: Path, tmp_path: Path) -> None:
     """A profiled run trains exactly like an unprofiled run at the same micro batch (same LR)."""
-    same_lr = ("lr_scaling=none", "lr_scheduler=null")
-    _, report = profiled(assets, tmp_path / "profiled", "epochs=1", "max_steps_per_epoch=3", *same_lr)
+    out, _, report = profiled_run
     plain = tmp_path / "plain"
     check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *same_lr,
+                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *SAME_LR,
                     f"batch_size={report['micro_batch']}", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path))
-    assert losses(tmp_path / "profiled" / "logs") == losses(plain / "logs")
+    assert losses(out / "logs") == losses(plain / "logs")
 
 
 @pytest.mark.parametrize("budget", ["null", "2GiB"])
@@ -100,6 +116,7 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     assert summary["trained_steps"] == 3 and summary["micro_batch"] == report["micro_batch"]
 
 
+@pytest.mark.multiprocess
 def test_two_ranks_agree_on_the_micro_batch(assets: Path, tmp_path: Path) -> None:
     output, report = profiled(assets, tmp_path / "run", *SHORT, nproc=2)
     finals = [line.split("micro batch ")[1].split(",")[0] for line in output.splitlines()

@@ -13,6 +13,8 @@ from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import read_metrics
 from test_oom_recovery import assert_close_weights, faulty_run, final_weights, ok
 
+pytestmark = pytest.mark.e2e
+
 SAMPLES = 120
 TOKENS = ("use_maximum_batch_size=False", "batch_increase_function=null", f"dataset.split=train[:{SAMPLES}]",
           "max_steps_per_epoch=null", "epochs=2", "lr_scheduler=null", "adaptive_batching.max_tokens=2048",
@@ -67,6 +69,7 @@ def test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step(one_
         assert row["lr"] == pytest.approx(1e-3 * math.sqrt(following["global_batch_size"] / 32), rel=1e-6)
 
 
+@pytest.mark.multiprocess
 def test_token_budget_on_two_ranks_matches_one_rank_with_accumulation(one_rank: Path, runs: Path,
                                                                         assets: Path) -> None:
     """Each step's micro batches are dealt to 2 ranks (balanced by tokens) instead of run one after the
@@ -107,6 +110,7 @@ ELASTIC = ("use_maximum_batch_size=False", "batch_increase_function=null", "data
            "adaptive_batching.elastic={max_global_batch: 10, micro_batches: [2, 4], max_ranks: 2}")
 
 
+@pytest.mark.multiprocess
 def test_elastic_run_resumed_on_another_world_size_keeps_the_global_batch(runs: Path, assets: Path) -> None:
     """Global batch 8 (valid at 1 and 2 ranks): killed on 2 ranks after step 3, resumed on 1 rank; each step
     trains on the same samples with the same LR, and the losses match the uninterrupted 2-rank run."""
