@@ -69,18 +69,8 @@ def cmd_cp(args: argparse.Namespace) -> int:
     return 0
 
 
-def method_for(cfg: Any) -> Any:
-    """The fine-tuning method a config asks for: LoRA when its model builder is a LoRA one."""
-    if "lora" in str(cfg.model.get("_component_", "")):
-        from adaptive_lora_finetune import LoRAFinetune
-
-        return LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
-    from adaptive_full_finetune import FullFinetune
-
-    return FullFinetune()
-
-
 def cmd_profile(args: argparse.Namespace) -> int:
+    from adaptive_batching.methods import method_for
     from adaptive_batching.profile_report import format_table, write_json
     from adaptive_batching.settings import ConfigError, validate_config
     from adaptive_batching.trainer import Trainer
@@ -92,18 +82,21 @@ def cmd_profile(args: argparse.Namespace) -> int:
         print(f"config error: {err}", file=sys.stderr)
         return 2
     trainer = Trainer(cfg, settings, method_for(cfg))
-    trainer.setup()
-    result = trainer.profile()
-    if trainer.is_rank_zero:
-        print(format_table(result))
-        if args.json:
-            print(f"JSON report: {write_json(result, Path(args.json))}")
-    trainer.close()
+    try:
+        trainer.setup()
+        result = trainer.profile()
+        if trainer.is_rank_zero:
+            print(format_table(result))
+            if args.json:
+                print(f"JSON report: {write_json(result, Path(args.json))}")
+    finally:
+        trainer.close()
     return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.estimate import estimate_max_micro_batch
+    from adaptive_batching.methods import method_for
     from adaptive_batching.settings import parse_bytes
 
     cfg = load_config(args.config, args.overrides)

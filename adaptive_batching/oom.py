@@ -44,16 +44,18 @@ def _is_oom_itself(error: BaseException) -> bool:
 
 
 def _with_causes(error: BaseException) -> Iterator[BaseException]:
-    """The error and, for ordinary exceptions, its direct cause and context (wrappers re-raise OOMs)."""
+    """The error and, for ordinary exceptions, the error it explicitly wraps (``raise ... from``).
+
+    An error merely raised while an OOM was being handled (``__context__``) is a bug of its own,
+    not an OOM: counting it would retry a step that failed for another reason.
+    """
     yield error
-    if isinstance(error, Exception):
-        for linked in (error.__cause__, error.__context__):
-            if linked is not None:
-                yield linked
+    if isinstance(error, Exception) and error.__cause__ is not None:
+        yield error.__cause__
 
 
 def is_out_of_memory(error: BaseException) -> bool:
-    """True when ``error`` (or the error it directly wraps) means memory ran out on any device.
+    """True when ``error`` (or the error it explicitly wraps) means memory ran out on any device.
 
     A KeyboardInterrupt or SystemExit is never an OOM, even if it interrupted the handling of one.
     """

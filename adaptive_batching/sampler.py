@@ -73,6 +73,17 @@ class StepSampler(Sampler[list[int]]):
             self._resume = True
 
     def step_layout(self) -> list[int]:
+        """Forwards in each step of the current epoch, the same on every rank; computed once per epoch.
+
+        The training loop asks at every step, so recomputing it would make an epoch quadratic in its steps.
+        The list is shared: read it, do not change it.
+        """
+        cached = getattr(self, "_layout", None)
+        if cached is None or cached[0] != self.epoch:
+            cached = self._layout = (self.epoch, self._step_layout())
+        return cached[1]
+
+    def _step_layout(self) -> list[int]:
         raise NotImplementedError
 
     def _micro_batches(self, start: int) -> Iterator[list[int]]:
@@ -213,8 +224,7 @@ class StepBatchSampler(StepSampler):
         """Samples in one full step, over all ranks."""
         return self.micro_batch * self.accumulation * self.world_size
 
-    def step_layout(self) -> list[int]:
-        """Forwards (micro batches, or their pieces) in each step of the current epoch; the same on every rank."""
+    def _step_layout(self) -> list[int]:
         full, remainder = divmod(self.dataset_size, self.global_batch)
         layout = [self.accumulation] * full
         if remainder:

@@ -248,8 +248,7 @@ class TokenBudgetBatchSampler(StepSampler):
             steps = [steps[i] for i in _permutation(len(steps), self.seed + epoch)]
         return steps if self.max_steps is None else steps[: self.max_steps]
 
-    def step_layout(self) -> list[int]:
-        """Forwards (micro batches, or their pieces) in each step of the current epoch; the same on every rank."""
+    def _step_layout(self) -> list[int]:
         return [len(step[0]) * self.split for step in self.plan()]
 
     def samples_in_step(self, step: int) -> int:

@@ -84,8 +84,6 @@ class Trainer:
         self.method = method
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
         self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
-        if self.dtype == torch.float16:
-            raise ValueError("config key 'dtype' = 'fp16' is not supported; use bf16 or fp32")
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
         # The batch as written in the config: the reference for LR scaling and the LR schedule.
         self.reference = BatchShape(

@@ -105,7 +105,7 @@ def limit_address_space(room_gib: float) -> dict[str, int]:
 
 
 def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
-    from adaptive_batching.cli import method_for
+    from adaptive_batching.methods import method_for
     from adaptive_batching.config import load_config
     from adaptive_batching.settings import validate_config
     from adaptive_batching.trainer import Trainer

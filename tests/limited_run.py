@@ -23,7 +23,7 @@ def virtual_size_bytes() -> int:
 
 def main() -> int:
     room_mib, config_name, *overrides = sys.argv[1:]
-    from adaptive_batching.cli import method_for
+    from adaptive_batching.methods import method_for
     from adaptive_batching.config import load_config
     from adaptive_batching.settings import validate_config
     from adaptive_batching.trainer import Trainer

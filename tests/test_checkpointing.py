@@ -112,7 +112,7 @@ def test_a_full_save_resumes_to_its_weights_and_recipe_state(assets: Path, tmp_p
 @pytest.mark.parametrize("adapter_only", [False, True])
 def test_a_lora_save_resumes_to_its_adapter_over_the_base_weights(assets: Path, tmp_path: Path,
                                                                    adapter_only: bool) -> None:
-    from adaptive_lora_finetune import LoRAFinetune
+    from adaptive_batching.methods import LoRAFinetune
 
     out = tmp_path / "run"
     cfg = checkpointer_cfg(assets, out, "lora")

@@ -52,7 +52,7 @@ def test_two_ranks_split_the_epoch_without_overlap() -> None:
 
 def test_lora_checkpoint_entries_leave_the_live_model_untouched() -> None:
     """Merging LoRA for a save must not write into the training weights (``.cpu()`` aliases on CPU)."""
-    from adaptive_lora_finetune import LoRAFinetune
+    from adaptive_batching.methods import LoRAFinetune
 
     cfg = OmegaConf.create(dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8))
     model = lora_llama3(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8, **TINY_MODEL_ARGS)
@@ -94,3 +94,23 @@ def test_optional_component_treats_a_null_component_as_off() -> None:
 def test_memory_helpers_are_safe_on_cpu() -> None:
     assert peak_memory_gb(torch.device("cpu")) is None
     release_memory(torch.device("cpu"))
+
+
+def test_the_library_never_imports_the_recipes() -> None:
+    """The recipes compose the library; a library module importing a recipe would make a cycle."""
+    import ast
+
+    import adaptive_batching
+
+    recipe_modules = ("adaptive_full_finetune", "adaptive_lora_finetune", "recipes")
+    offenders = []
+    for path in Path(adaptive_batching.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""]
+            else:
+                continue
+            offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] in recipe_modules]
+    assert offenders == []

@@ -109,14 +109,20 @@ def test_an_oom_wrapped_one_level_is_recognised() -> None:
         except RuntimeError as error:
             raise RuntimeError("compiled training step failed") from error
 
-    def implicit_context() -> None:
-        try:
-            raise MemoryError()
-        except MemoryError:
-            raise ValueError("checkpoint wrapper failed")
-
     assert is_out_of_memory(_raised(explicit_cause))
-    assert is_out_of_memory(_raised(implicit_context))
+
+
+def test_an_unrelated_error_raised_while_handling_an_oom_is_not_an_oom() -> None:
+    """A bug in the OOM handling (here a KeyError) must surface, not be retried as another OOM."""
+    def bug_in_handler() -> None:
+        try:
+            raise torch.OutOfMemoryError("CUDA out of memory")
+        except RuntimeError:
+            {}["missing"]  # noqa: B018
+
+    error = _raised(bug_in_handler)
+    assert isinstance(error, KeyError) and isinstance(error.__context__, torch.OutOfMemoryError)
+    assert not is_out_of_memory(error)
 
 
 def test_a_wrapper_of_an_ordinary_error_is_not_an_oom() -> None:

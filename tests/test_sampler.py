@@ -436,3 +436,21 @@ def test_epoch_extent_matches_the_sampler(size: int, micro: int, accumulation: i
     steps, samples = epoch_extent(size, micro * accumulation * world, max_steps)
     assert steps == samplers[0].steps
     assert samples == seen == sum(samplers[0].samples_in_step(i) for i in range(steps))
+
+
+def test_the_step_layout_is_computed_once_per_epoch() -> None:
+    """The loop reads the layout at every step; it is computed again only when the epoch changes."""
+    sampler = make(50, 2, 2, 0, 2)
+    calls = []
+    compute = sampler._step_layout
+
+    def counted() -> list[int]:
+        calls.append(sampler.epoch)
+        return compute()
+
+    sampler._step_layout = counted  # type: ignore[method-assign]
+    for _ in range(5):
+        assert sampler.step_layout() == [2] * 6 + [1]
+    sampler.set_epoch(1)
+    assert sampler.steps == 7 and len(sampler) == 13
+    assert calls == [0, 1]
