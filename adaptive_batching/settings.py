@@ -9,6 +9,7 @@ so a config never silently asks for something that does not happen.
 from __future__ import annotations
 
 import math
+import os
 import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Mapping, Optional
@@ -16,8 +17,9 @@ from typing import Any, Callable, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
-from torchtune import config
+from torchtune import config, utils
 
+from adaptive_batching.config_keys import check_top_level_keys
 from adaptive_batching.elastic import ElasticSpec
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.lr_scaling import LR_SCALING_RULES, default_rule
@@ -206,6 +208,9 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
 
 def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key."""
+    unread = check_top_level_keys(cfg)
+    if unread and os.environ.get("RANK", "0") == "0":
+        utils.get_logger("INFO").warning(f"config keys not read by the recipes (ignored): {', '.join(unread)}")
     _check_recipe_keys(cfg)
 
     use_max = _plain(cfg.get("use_maximum_batch_size", False))
