@@ -145,16 +145,16 @@ def _check_arg(name: str, value: Any, minimum: int) -> None:
 
 
 def _realise(
-    requested: int, accumulation: int, data_parallel: int, cap: Optional[int], mode: str
+    requested: int, accumulation: int, ranks: int, cap: Optional[int], mode: str
 ) -> tuple[BatchShape, Optional[str]]:
     """The shape that serves ``requested`` samples per rank per step, and ``capped`` or
     ``accumulated`` when the cap changed it (None when it did not)."""
     if cap is None or requested <= cap:
-        return BatchShape(requested, accumulation, data_parallel), None
+        return BatchShape(requested, accumulation, ranks), None
     if mode == "skip":
-        return BatchShape(cap, accumulation, data_parallel), "capped"
+        return BatchShape(cap, accumulation, ranks), "capped"
     k = max(1, (2 * requested + cap) // (2 * cap))  # floor(requested / cap + 0.5), exact
-    return BatchShape(cap, accumulation * k, data_parallel), "accumulated" if k > 1 else "capped"
+    return BatchShape(cap, accumulation * k, ranks), "accumulated" if k > 1 else "capped"
 
 
 def _call(increase: IncreaseFunction, epoch: int, current: int) -> int:
@@ -184,7 +184,7 @@ def plan_batches(
     epochs: int,
     start: int,
     accumulation: int,
-    data_parallel: int,
+    ranks: int,
     increase: Optional[IncreaseFunction],
     max_micro_batch: Optional[int],
     grow_past_memory: str = "skip",
@@ -210,7 +210,7 @@ def plan_batches(
     _check_arg("epochs", epochs, 1)
     _check_arg("start", start, 1)
     _check_arg("accumulation", accumulation, 1)
-    _check_arg("data_parallel", data_parallel, 1)
+    _check_arg("ranks", ranks, 1)
     if max_micro_batch is not None:
         _check_arg("max_micro_batch", max_micro_batch, 1)
     if grow_past_memory not in GROW_PAST_MEMORY:
@@ -220,7 +220,7 @@ def plan_batches(
         )
     skip = grow_past_memory == "skip"
 
-    shape, capped = _realise(start, accumulation, data_parallel, max_micro_batch, grow_past_memory)
+    shape, capped = _realise(start, accumulation, ranks, max_micro_batch, grow_past_memory)
     plan = [EpochBatch(0, start, 0, shape, capped or "start", max_micro_batch)]
     current = shape.micro_batch if skip else start
     for epoch in range(1, epochs):
@@ -230,7 +230,7 @@ def plan_batches(
             plan.append(EpochBatch(epoch, current, inc, plan[-1].shape, "capped", max_micro_batch))
             continue
         shape, capped = _realise(
-            requested, accumulation, data_parallel, max_micro_batch, grow_past_memory
+            requested, accumulation, ranks, max_micro_batch, grow_past_memory
         )
         reason = "unchanged" if inc == 0 else capped or "function"
         plan.append(EpochBatch(epoch, requested, inc, shape, reason, max_micro_batch))
@@ -244,7 +244,7 @@ def describe_plan(plan: list[EpochBatch]) -> list[str]:
               "ranks", "global batch", "reason")
     rows = [
         (str(b.epoch + 1), str(b.requested), f"{b.increment:+d}", str(b.shape.micro_batch),
-         str(b.shape.accumulation), str(b.shape.data_parallel), str(b.shape.global_batch),
+         str(b.shape.accumulation), str(b.shape.ranks), str(b.shape.global_batch),
          b.reason)
         for b in plan
     ]

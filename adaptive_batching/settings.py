@@ -125,6 +125,7 @@ KNOBS: dict[str, Knob] = {
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
+    "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
     "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
     "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), True,
                           "token-budget batching"),
@@ -250,7 +251,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
-                     data_parallel=1, increase=increase, max_micro_batch=None)
+                     ranks=1, increase=increase, max_micro_batch=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
 
 

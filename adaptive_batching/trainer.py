@@ -52,6 +52,7 @@ from adaptive_batching.model import (
     full_state_dict,
     load_optimizer_state_dict,
 )
+from adaptive_batching.plan_checks import check_plan_against_data, lr_factor_warnings
 from adaptive_batching.profile_cache import default_cache_dir
 from adaptive_batching.profile_run import remember_out_of_memory, run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
@@ -89,7 +90,7 @@ class Trainer:
         self.reference = BatchShape(
             micro_batch=cfg.batch_size,
             accumulation=cfg.get("gradient_accumulation_steps", 1),
-            data_parallel=self.parallel.world_size,
+            ranks=self.parallel.world_size,
         )
         self.elastic = settings.knobs["elastic"]
         if self.elastic is not None:
@@ -200,7 +201,7 @@ class Trainer:
         if not self.needs_profile:
             return None
         saved = self.resumed.get("profile")
-        saved_ranks = self.resumed.get("data_parallel", self.parallel.world_size)
+        saved_ranks = self.resumed.get("ranks", self.parallel.world_size)
         if saved is not None and saved_ranks != self.parallel.world_size:
             self.info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); "
                       f"profiling for {self.parallel.world_size}")
@@ -282,9 +283,20 @@ class Trainer:
             start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
         self.epoch_plan = plan_batches(
             epochs=self.total_epochs, start=start, accumulation=self.reference.accumulation,
-            data_parallel=self.parallel.world_size, increase=self.settings.batch_increase_function,
+            ranks=self.parallel.world_size, increase=self.settings.batch_increase_function,
             max_micro_batch=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
         )
+        if not self.token_mode:
+            check_plan_against_data(
+                self.epoch_plan, dataset_size=len(self.dataset),
+                profiled=self.settings.use_maximum_batch_size and self.elastic is None,
+                allow_above_data=self.settings.knobs["allow_global_batch_above_data"],
+                reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling,
+            )
+            warnings = lr_factor_warnings(self.epoch_plan, reference_global_batch=self.reference.global_batch,
+                                          rule=self.settings.lr_scaling)
+            if warnings and self.is_rank_zero:
+                log.warning("\n".join(warnings))
         if self.token_mode:
             base = self.resumed.get("token_budget") or self.token_budget_base(start)
             # Growth scales the budget as it would scale a micro batch of samples.
@@ -365,6 +377,8 @@ class Trainer:
             self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {self.seed}")
             self.seed = checkpoint[training.SEED_KEY]
         self.resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
+        if "data_parallel" in self.resumed:  # saved before "ranks" was the one word for it
+            self.resumed["ranks"] = self.resumed.pop("data_parallel")
         self.epochs_run = checkpoint[training.EPOCHS_KEY]
         self.global_step = self.resumed["global_step"]
         self.saved_step = self.global_step
@@ -471,8 +485,8 @@ class Trainer:
         on another number of ranks has the same global batch, so the same samples per step: it starts at
         ``start_step`` instead.
         """
-        if state and self.elastic is not None and self.resumed.get("data_parallel") != self.parallel.world_size:
-            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['data_parallel']}: "
+        if state and self.elastic is not None and self.resumed.get("ranks") != self.parallel.world_size:
+            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['ranks']}: "
                       f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
             state = None
         self.dataloader = self.loader(epoch, self.split, 0 if state else start_step)
@@ -732,7 +746,7 @@ class Trainer:
             "step_in_epoch": self.step_in_epoch,
             "micro_batch": self.batch.micro_batch,
             "accumulation": self.batch.accumulation,
-            "data_parallel": self.batch.data_parallel,
+            "ranks": self.batch.ranks,
             "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,

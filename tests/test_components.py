@@ -77,7 +77,7 @@ def test_resume_without_a_saved_epoch_says_so(tmp_path: Path) -> None:
 
 
 def test_batch_shape() -> None:
-    shape = BatchShape(micro_batch=4, accumulation=3, data_parallel=2)
+    shape = BatchShape(micro_batch=4, accumulation=3, ranks=2)
     assert shape.global_batch == 24
     assert "global batch 24" in shape.describe()
     with pytest.raises(ValueError, match="micro_batch"):

@@ -24,7 +24,7 @@ def assert_invariant(choice: ElasticChoice) -> None:
     for w in choice.world_sizes:
         shape = choice.shape_for(w)
         assert shape.global_batch == choice.global_batch
-        assert shape.data_parallel == w
+        assert shape.ranks == w
         assert shape.micro_batch in choice.micro_batches
 
 
@@ -258,6 +258,6 @@ def test_shape_at_keeps_the_global_batch_chosen_without_the_cap() -> None:
     for world, cap, shape in ((1, None, (8, 6)), (2, 4, (4, 6)), (3, 8, (8, 2)), (6, 2, (2, 4))):
         choice, got = shape_at(spec, world, max_micro_batch=cap)
         assert choice.global_batch == 48 and got.global_batch == 48
-        assert (got.micro_batch, got.accumulation, got.data_parallel) == (*shape, world)
+        assert (got.micro_batch, got.accumulation, got.ranks) == (*shape, world)
     with pytest.raises(ValueError, match="valid world sizes: 1, 2, 3, 4, 6"):
         shape_at(spec, 5)

@@ -54,9 +54,9 @@ class Recorder:
 
 
 def plan(increase: Callable | None, *, epochs: int, start: int, accumulation: int = 1,
-         data_parallel: int = 1, cap: int | None = None, mode: str = "skip") -> list[EpochBatch]:
+         ranks: int = 1, cap: int | None = None, mode: str = "skip") -> list[EpochBatch]:
     return plan_batches(epochs=epochs, start=start, accumulation=accumulation,
-                        data_parallel=data_parallel, increase=increase, max_micro_batch=cap,
+                        ranks=ranks, increase=increase, max_micro_batch=cap,
                         grow_past_memory=mode)
 
 
@@ -157,7 +157,7 @@ def test_malformed_specs_are_refused(spec: Any, key: str) -> None:
 
 
 def test_no_function_keeps_the_start_every_epoch() -> None:
-    p = plan(None, epochs=3, start=8, accumulation=2, data_parallel=4)
+    p = plan(None, epochs=3, start=8, accumulation=2, ranks=4)
     assert [b.shape for b in p] == [BatchShape(8, 2, 4)] * 3
     assert [b.epoch for b in p] == [0, 1, 2]
     assert [b.requested for b in p] == [8, 8, 8]
@@ -204,7 +204,7 @@ def test_skip_leaves_growth_past_the_cap_unapplied_and_applies_shrinking() -> No
 
 def test_accumulate_realises_sizes_past_the_cap_with_rounded_accumulation() -> None:
     f = Recorder({1: 86, 2: -44, 3: 1, 5: -89})
-    p = plan(f, epochs=6, start=86, accumulation=3, data_parallel=2, cap=86, mode="accumulate")
+    p = plan(f, epochs=6, start=86, accumulation=3, ranks=2, cap=86, mode="accumulate")
     assert f.calls == [(1, 86), (2, 172), (3, 128), (4, 129), (5, 129)]
     assert [b.requested for b in p] == [86, 172, 128, 129, 129, 40]
     assert [b.shape for b in p] == [
@@ -301,7 +301,7 @@ def test_bad_plan_arguments_are_value_errors() -> None:
 
 
 def test_describe_plan_has_a_header_and_the_numbers_of_each_epoch() -> None:
-    p = plan(Recorder({1: 86, 2: -100}), epochs=3, start=86, accumulation=3, data_parallel=2,
+    p = plan(Recorder({1: 86, 2: -100}), epochs=3, start=86, accumulation=3, ranks=2,
              cap=86, mode="accumulate")
     lines = describe_plan(p)
     assert len(lines) == 4

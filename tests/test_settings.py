@@ -210,6 +210,7 @@ NON_DEFAULT_VALID = {
     "reprofile": True,
     "cache_dir": "/tmp/profile-cache",
     "grow_past_memory": "accumulate",
+    "allow_global_batch_above_data": True,
     "max_tokens": 4096,
     "picking_order": "seqlen",
     "min_batch_size": 1,
