@@ -126,6 +126,7 @@ KNOBS: dict[str, Knob] = {
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
     "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
+    "keep_global_batch": Knob(False, _bool, True, "the fixed-global-batch mode"),
     "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
     "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), True,
                           "token-budget batching"),
@@ -248,6 +249,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
         knobs[name] = value
     _check_token_budget(cfg, knobs, use_max)
     _check_elastic(knobs, increase)
+    _check_keep_global_batch(knobs, increase, use_max)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
@@ -294,6 +296,21 @@ def _check_elastic(knobs: dict[str, Any], increase: Any) -> None:
     if knobs["max_tokens"] is not None:
         raise ConfigError("config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
                           "it cannot be combined with adaptive_batching.max_tokens (set it to null)")
+
+
+def _check_keep_global_batch(knobs: dict[str, Any], increase: Any, use_max: bool) -> None:
+    """The fixed-global-batch mode takes its micro batch from the profiler and fixes the global batch."""
+    if not knobs["keep_global_batch"]:
+        return
+    key = "config key 'adaptive_batching.keep_global_batch' = True"
+    if not use_max:
+        raise ConfigError(f"{key} takes the micro batch from the profiler; set use_maximum_batch_size=True")
+    if increase is not None:
+        raise ConfigError(f"{key} keeps one global batch for the whole run; it cannot be combined with "
+                          "batch_increase_function (set it to null)")
+    for other, default in (("max_tokens", None), ("elastic", None)):
+        if knobs[other] != default:
+            raise ConfigError(f"{key} cannot be combined with adaptive_batching.{other} (set it to null)")
 
 
 def _check_lr_scheduler(cfg: DictConfig) -> None:

@@ -17,7 +17,7 @@ from torchtune import config, training, utils
 from tqdm import tqdm
 
 from adaptive_batching import checkpointing, memory
-from adaptive_batching.batch import BatchShape
+from adaptive_batching.batch import BatchShape, shape_keeping_global_batch
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import (
     DEFAULT_COLLATE,
@@ -269,6 +269,7 @@ class Trainer:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
         profile = self.profile_result
         cap = profile.micro_batch if profile is not None else None
+        accumulation = self.reference.accumulation
         if self.elastic is not None:
             try:
                 self.elastic_choice, self.reference = shape_at(self.elastic, self.parallel.world_size,
@@ -278,11 +279,16 @@ class Trainer:
                                   f"{cap}: {error}") from None
             self.info(f"{self.elastic_choice.describe()}; this run: {self.reference.describe()} "
                       "(batch_size and gradient_accumulation_steps in the config are not used)")
-            start, cap = self.reference.micro_batch, None
+            start, accumulation, cap = self.reference.micro_batch, self.reference.accumulation, None
+        elif self.settings.knobs["keep_global_batch"]:
+            shape, why = shape_keeping_global_batch(self.reference.global_batch, self.parallel.world_size, cap)
+            self.info(f"Keeping the config's global batch {self.reference.global_batch}: {shape.describe()} ({why}); "
+                      "LR unchanged")
+            start, accumulation, cap = shape.micro_batch, shape.accumulation, None
         else:
             start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
         self.epoch_plan = plan_batches(
-            epochs=self.total_epochs, start=start, accumulation=self.reference.accumulation,
+            epochs=self.total_epochs, start=start, accumulation=accumulation,
             ranks=self.parallel.world_size, increase=self.settings.batch_increase_function,
             max_micro_batch=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
         )

@@ -114,3 +114,18 @@ def test_the_library_never_imports_the_recipes() -> None:
                 continue
             offenders += [f"{path.name}: {name}" for name in names if name.split(".")[0] in recipe_modules]
     assert offenders == []
+
+
+@pytest.mark.parametrize("global_batch, ranks, cap, shape, note", [
+    (32, 1, 83, (32, 1), "covers it"),
+    (64, 2, 8, (8, 4), "divide evenly"),
+    (96, 1, 40, (32, 3), "largest divisor under it"),
+    (26, 2, 5, (1, 13), "largest divisor under it"),  # 13 per rank is prime
+])
+def test_keeping_the_global_batch_takes_the_largest_even_micro_batch_that_fits(
+        global_batch: int, ranks: int, cap: int, shape: tuple[int, int], note: str) -> None:
+    from adaptive_batching.batch import shape_keeping_global_batch
+
+    got, why = shape_keeping_global_batch(global_batch, ranks, cap)
+    assert (got.micro_batch, got.accumulation, got.ranks) == (*shape, ranks)
+    assert got.global_batch == global_batch and got.micro_batch <= cap and note in why

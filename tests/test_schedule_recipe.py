@@ -156,3 +156,23 @@ def test_two_ranks_cover_an_uneven_epoch_like_one_rank(assets: Path, tmp_path: P
     assert len(two_rows) == len(one_rows) == 4  # 2 steps per epoch: 8 samples, then 1
     assert all(math.isfinite(r["loss"]) for r in two_rows)
     assert [r["loss"] for r in two_rows] == pytest.approx([r["loss"] for r in one_rows], rel=1e-4)
+
+
+def test_keep_global_batch_trains_like_the_configs_batch(assets: Path, profile_cache: Path, tmp_path: Path) -> None:
+    """The profiled micro batch with the accumulation that keeps batch_size x accumulation: same steps, same LR,
+    same losses as the config's 4 x 4 (only the summation order differs)."""
+    common = {"batch_size": 4, "gradient_accumulation_steps": 4, "epochs": 1, "max_steps_per_epoch": 3,
+              "batch_increase_function": None}
+    kept = tmp_path / "kept"
+    output = run("full", config_file(tmp_path, "full", {**common, "adaptive_batching.keep_global_batch": True}),
+                 assets, kept, profile_cache)
+    plain = tmp_path / "plain"
+    run("full", config_file(tmp_path, "full", {**common, "use_maximum_batch_size": False}), assets, plain,
+        profile_cache)
+    assert "Keeping the config's global batch 16: micro batch 16 x accumulation 1 x 1 rank(s)" in output
+    kept_rows, plain_rows = read_metrics(kept / "logs"), read_metrics(plain / "logs")
+    assert [r["micro_batch_size"] for r in kept_rows] == [16] * 3
+    assert [r["micro_batch_size"] for r in plain_rows] == [4] * 3
+    assert [r["global_batch_size"] for r in kept_rows] == [r["global_batch_size"] for r in plain_rows] == [16] * 3
+    assert [r["lr"] for r in kept_rows] == [r["lr"] for r in plain_rows]
+    assert [r["loss"] for r in kept_rows] == pytest.approx([r["loss"] for r in plain_rows], rel=1e-5)

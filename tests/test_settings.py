@@ -211,6 +211,7 @@ NON_DEFAULT_VALID = {
     "cache_dir": "/tmp/profile-cache",
     "grow_past_memory": "accumulate",
     "allow_global_batch_above_data": True,
+    "keep_global_batch": True,
     "max_tokens": 4096,
     "picking_order": "seqlen",
     "min_batch_size": 1,
@@ -233,7 +234,7 @@ def test_each_knob_non_default(base_cfg: DictConfig, name: str) -> None:
     value = NON_DEFAULT_VALID[name]
     assert value != KNOBS[name].default
     companions = {"adaptive_batching.max_tokens": 4096} if name in TOKEN_BUDGET_COMPANIONS else \
-        {"batch_increase_function": None} if name == "elastic" else {}
+        {"batch_increase_function": None} if name in ("elastic", "keep_global_batch") else {}
     cfg = modified(base_cfg, {f"adaptive_batching.{name}": value, **companions})
     assert KNOBS[name].available
     expected = ElasticSpec.from_config(value) if name == "elastic" else value
@@ -383,3 +384,14 @@ def test_lr_scheduler_must_be_lambda_based(base_cfg: DictConfig) -> None:
 @pytest.mark.parametrize("value", [0, -1, "often", 2.5])
 def test_save_every_n_steps_is_checked(base_cfg: DictConfig, value: Any) -> None:
     assert "'save_every_n_steps'" in config_error(modified(base_cfg, {"save_every_n_steps": value}))
+
+
+@pytest.mark.parametrize("updates, message", [
+    ({"use_maximum_batch_size": False, "batch_increase_function": None}, "set use_maximum_batch_size=True"),
+    ({}, "cannot be combined with batch_increase_function"),
+    ({"batch_increase_function": None, "adaptive_batching.max_tokens": 4096},
+     "cannot be combined with adaptive_batching.max_tokens"),
+])
+def test_keep_global_batch_refuses_what_it_cannot_honour(base_cfg: DictConfig, updates: dict, message: str) -> None:
+    error = config_error(modified(base_cfg, {"adaptive_batching.keep_global_batch": True, **updates}))
+    assert "adaptive_batching.keep_global_batch" in error and message in error
