@@ -30,26 +30,26 @@ class BatchShape:
         )
 
 
-def shape_keeping_global_batch(global_batch: int, ranks: int, max_micro_batch: int) -> tuple[BatchShape, str]:
+def shape_keeping_global_batch(global_batch: int, ranks: int, memory_cap: int) -> tuple[BatchShape, str]:
     """The fastest shape that trains on exactly ``global_batch`` samples per step, and why it was chosen.
 
     Each rank's share (``global_batch / ranks``) is cut into equal micro batches: the micro batch is the
-    largest divisor of the share at or under ``max_micro_batch`` (what fits in memory), the accumulation
+    largest divisor of the share at or under ``memory_cap`` (what fits in memory), the accumulation
     the rest. A share with few divisors can force a micro batch well under what fits; the reason says so.
     """
-    if global_batch < 1 or ranks < 1 or max_micro_batch < 1:
+    if global_batch < 1 or ranks < 1 or memory_cap < 1:
         raise ValueError(f"expected positive sizes, got global batch {global_batch}, ranks {ranks}, "
-                         f"micro batch cap {max_micro_batch}")
+                         f"micro batch cap {memory_cap}")
     share, remainder = divmod(global_batch, ranks)
     if remainder:
         raise ValueError(f"global batch {global_batch} is not divisible by {ranks} ranks")
-    micro = max(d for d in range(1, min(share, max_micro_batch) + 1) if share % d == 0)
+    micro = max(d for d in range(1, min(share, memory_cap) + 1) if share % d == 0)
     shape = BatchShape(micro, share // micro, ranks)
-    if micro == min(share, max_micro_batch):
-        why = f"the profiled micro batch {max_micro_batch} covers it" if share <= max_micro_batch else \
-            f"{share} samples per rank divide evenly by the profiled micro batch {max_micro_batch}"
+    if micro == min(share, memory_cap):
+        why = f"the profiled micro batch {memory_cap} covers it" if share <= memory_cap else \
+            f"{share} samples per rank divide evenly by the profiled micro batch {memory_cap}"
     else:
-        why = (f"{share} samples per rank do not divide evenly by the profiled micro batch {max_micro_batch}; "
+        why = (f"{share} samples per rank do not divide evenly by the profiled micro batch {memory_cap}; "
                f"{micro} is the largest divisor under it (a global batch with more divisors, such as a power of "
                "two, lets the micro batch come closer)")
     return shape, why

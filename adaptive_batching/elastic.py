@@ -93,17 +93,17 @@ class ElasticSpec:
             prefer_larger=node.get("prefer_larger", True),
         )
 
-    def usable_micro_batches(self, max_micro_batch: Optional[int] = None) -> tuple[int, ...]:
-        """The allowed micro batches that fit under the memory cap ``max_micro_batch`` (all when None)."""
-        if max_micro_batch is None:
+    def usable_micro_batches(self, memory_cap: Optional[int] = None) -> tuple[int, ...]:
+        """The allowed micro batches that fit under the memory cap ``memory_cap`` (all when None)."""
+        if memory_cap is None:
             return self.micro_batches
-        if not _is_int(max_micro_batch) or max_micro_batch < 1:
-            raise ValueError(f"max_micro_batch must be an integer >= 1, got {max_micro_batch!r}")
-        usable = tuple(m for m in self.micro_batches if m <= max_micro_batch)
+        if not _is_int(memory_cap) or memory_cap < 1:
+            raise ValueError(f"memory_cap must be an integer >= 1, got {memory_cap!r}")
+        usable = tuple(m for m in self.micro_batches if m <= memory_cap)
         if not usable:
             raise ConfigError(
                 f"no micro batch in '{PREFIX}.micro_batches' = [{_joined(self.micro_batches)}] fits the "
-                f"memory cap of {max_micro_batch} samples per forward; allow a micro batch <= {max_micro_batch}"
+                f"memory cap of {memory_cap} samples per forward; allow a micro batch <= {memory_cap}"
             )
         return usable
 
@@ -120,12 +120,12 @@ def _world_sizes(global_batch: int, spec: ElasticSpec, micro_batches: Sequence[i
 
 
 def valid_world_sizes(global_batch: int, spec: ElasticSpec, *,
-                      max_micro_batch: Optional[int] = None) -> list[int]:
+                      memory_cap: Optional[int] = None) -> list[int]:
     """The world sizes in ``[min_ranks, max_ranks]`` that ``global_batch`` splits into exactly:
-    some allowed micro batch ``m`` (``<= max_micro_batch`` when given) has ``global_batch % (m * w) == 0``."""
+    some allowed micro batch ``m`` (``<= memory_cap`` when given) has ``global_batch % (m * w) == 0``."""
     if not _is_int(global_batch) or global_batch < 1:
         raise ValueError(f"global_batch must be an integer >= 1, got {global_batch!r}")
-    return _world_sizes(global_batch, spec, spec.usable_micro_batches(max_micro_batch))
+    return _world_sizes(global_batch, spec, spec.usable_micro_batches(memory_cap))
 
 
 @dataclass(frozen=True)
@@ -162,11 +162,11 @@ def _minimal_by_divisibility(values: Sequence[int]) -> list[int]:
     return kept
 
 
-def choose_global_batch(spec: ElasticSpec, *, max_micro_batch: Optional[int] = None) -> ElasticChoice:
+def choose_global_batch(spec: ElasticSpec, *, memory_cap: Optional[int] = None) -> ElasticChoice:
     """The global batch ``<= max_global_batch`` valid at the most world sizes; ties go to the larger
-    one (the smaller with ``prefer_larger: false``). Only micro batches ``<= max_micro_batch``, the
+    one (the smaller with ``prefer_larger: false``). Only micro batches ``<= memory_cap``, the
     profiler's memory cap, count when it is given."""
-    micro = spec.usable_micro_batches(max_micro_batch)
+    micro = spec.usable_micro_batches(memory_cap)
     limit = spec.max_global_batch
     if micro[0] * spec.min_ranks > limit:
         raise ConfigError(
@@ -190,7 +190,7 @@ def choose_global_batch(spec: ElasticSpec, *, max_micro_batch: Optional[int] = N
     return ElasticChoice(best, _world_sizes(best, spec, micro), micro)
 
 
-def shape_at(spec: ElasticSpec, world_size: int, *, max_micro_batch: Optional[int] = None) -> tuple[ElasticChoice, BatchShape]:
+def shape_at(spec: ElasticSpec, world_size: int, *, memory_cap: Optional[int] = None) -> tuple[ElasticChoice, BatchShape]:
     """The run's global batch (chosen without the memory cap, so it is the same at every world size and
     with every profile) and this world size's shape under the cap.
 
@@ -199,7 +199,7 @@ def shape_at(spec: ElasticSpec, world_size: int, *, max_micro_batch: Optional[in
     chosen = choose_global_batch(spec)
     choice = ElasticChoice(
         global_batch=chosen.global_batch,
-        world_sizes=valid_world_sizes(chosen.global_batch, spec, max_micro_batch=max_micro_batch),
-        micro_batches=spec.usable_micro_batches(max_micro_batch),
+        world_sizes=valid_world_sizes(chosen.global_batch, spec, memory_cap=memory_cap),
+        micro_batches=spec.usable_micro_batches(memory_cap),
     )
     return choice, choice.shape_for(world_size)

@@ -127,7 +127,7 @@ class EpochBatch:
     ``shape``: the micro batch, accumulation and ranks realised. ``reason``: ``start`` (epoch 0
     within the cap), ``function`` (the function's change applied within the cap), ``capped``
     (the cap held the micro batch back), ``accumulated`` (the requested size realised with extra
-    accumulation), ``unchanged`` (the function returned 0). ``max_micro_batch``: the memory cap
+    accumulation), ``unchanged`` (the function returned 0). ``memory_cap``: the memory cap
     the plan used (None = none).
     """
 
@@ -136,7 +136,7 @@ class EpochBatch:
     increment: int
     shape: BatchShape
     reason: str
-    max_micro_batch: Optional[int] = None
+    memory_cap: Optional[int] = None
 
 
 def _check_arg(name: str, value: Any, minimum: int) -> None:
@@ -186,13 +186,13 @@ def plan_batches(
     accumulation: int,
     ranks: int,
     increase: Optional[IncreaseFunction],
-    max_micro_batch: Optional[int],
+    memory_cap: Optional[int],
     grow_past_memory: str = "skip",
 ) -> list[EpochBatch]:
     """The batch of every epoch, calling ``increase(epoch, current)`` for each epoch >= 1.
 
     ``start`` is the micro batch at epoch 0, ``accumulation`` the configured gradient
-    accumulation, ``max_micro_batch`` the profiled memory cap (None = no cap).
+    accumulation, ``memory_cap`` the profiled memory cap (None = no cap).
 
     ``grow_past_memory="skip"``: a growth that would take the micro batch past the cap is not
     applied (reason ``capped``) and the function sees the old size next time; shrinking always
@@ -200,7 +200,7 @@ def plan_batches(
 
     ``grow_past_memory="accumulate"``: the function always sees the size it asked for. Up to
     the cap that size is the micro batch; above it the micro batch is the cap and the
-    accumulation is ``accumulation * k`` with ``k = max(1, floor(requested / max_micro_batch
+    accumulation is ``accumulation * k`` with ``k = max(1, floor(requested / memory_cap
     + 0.5))``, the ratio rounded to the nearest integer, halves up (172/86 -> 2, 128/86 -> 1,
     129/86 -> 2). Reason ``accumulated`` when k > 1, ``capped`` when k = 1.
 
@@ -211,8 +211,8 @@ def plan_batches(
     _check_arg("start", start, 1)
     _check_arg("accumulation", accumulation, 1)
     _check_arg("ranks", ranks, 1)
-    if max_micro_batch is not None:
-        _check_arg("max_micro_batch", max_micro_batch, 1)
+    if memory_cap is not None:
+        _check_arg("memory_cap", memory_cap, 1)
     if grow_past_memory not in GROW_PAST_MEMORY:
         raise ConfigError(
             f"config key 'adaptive_batching.grow_past_memory' = {grow_past_memory!r} is invalid: "
@@ -220,20 +220,20 @@ def plan_batches(
         )
     skip = grow_past_memory == "skip"
 
-    shape, capped = _realise(start, accumulation, ranks, max_micro_batch, grow_past_memory)
-    plan = [EpochBatch(0, start, 0, shape, capped or "start", max_micro_batch)]
+    shape, capped = _realise(start, accumulation, ranks, memory_cap, grow_past_memory)
+    plan = [EpochBatch(0, start, 0, shape, capped or "start", memory_cap)]
     current = shape.micro_batch if skip else start
     for epoch in range(1, epochs):
         inc = 0 if increase is None else _call(increase, epoch, current)
         requested = current + inc
-        if skip and inc > 0 and max_micro_batch is not None and requested > max_micro_batch:
-            plan.append(EpochBatch(epoch, current, inc, plan[-1].shape, "capped", max_micro_batch))
+        if skip and inc > 0 and memory_cap is not None and requested > memory_cap:
+            plan.append(EpochBatch(epoch, current, inc, plan[-1].shape, "capped", memory_cap))
             continue
         shape, capped = _realise(
-            requested, accumulation, ranks, max_micro_batch, grow_past_memory
+            requested, accumulation, ranks, memory_cap, grow_past_memory
         )
         reason = "unchanged" if inc == 0 else capped or "function"
-        plan.append(EpochBatch(epoch, requested, inc, shape, reason, max_micro_batch))
+        plan.append(EpochBatch(epoch, requested, inc, shape, reason, memory_cap))
         current = shape.micro_batch if skip else requested
     return plan
 
@@ -266,7 +266,7 @@ def epoch_switch_reason(previous: EpochBatch, new: EpochBatch) -> str:
         return "function returned 0: unchanged"
     if new.reason == "function":
         return said
-    cap = new.max_micro_batch if new.max_micro_batch is not None else new.shape.micro_batch
+    cap = new.memory_cap if new.memory_cap is not None else new.shape.micro_batch
     if new.reason == "capped" and new.requested <= new.shape.micro_batch:
         asked = new.requested + new.increment
         return (f"{said} ({new.requested} -> {asked}), capped at micro batch {cap} (memory): "

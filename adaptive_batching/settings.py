@@ -253,7 +253,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
-                     ranks=1, increase=increase, max_micro_batch=None)
+                     ranks=1, increase=increase, memory_cap=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
 
 

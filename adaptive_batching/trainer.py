@@ -118,7 +118,7 @@ class Trainer:
         self.epoch_plan: list[EpochBatch] = []
         self.resumed: dict[str, Any] = {}
         # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
-        self.micro_cap: Optional[int] = None
+        self.oom_cap: Optional[int] = None
         self.split = 1
         self.oom_recovery: bool = settings.knobs["oom_recovery"]
         self.grow_back_after: Optional[int] = settings.knobs["oom_grow_back_after"]
@@ -273,7 +273,7 @@ class Trainer:
         if self.elastic is not None:
             try:
                 self.elastic_choice, self.reference = shape_at(self.elastic, self.parallel.world_size,
-                                                               max_micro_batch=cap)
+                                                               memory_cap=cap)
             except ValueError as error:
                 raise ConfigError(f"config key 'adaptive_batching.elastic' with the profiled micro batch "
                                   f"{cap}: {error}") from None
@@ -290,7 +290,7 @@ class Trainer:
         self.epoch_plan = plan_batches(
             epochs=self.total_epochs, start=start, accumulation=accumulation,
             ranks=self.parallel.world_size, increase=self.settings.batch_increase_function,
-            max_micro_batch=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
+            memory_cap=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
         )
         if not self.token_mode:
             check_plan_against_data(
@@ -389,14 +389,14 @@ class Trainer:
         self.global_step = self.resumed["global_step"]
         self.saved_step = self.global_step
         self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
-        self.micro_cap = self.resumed.get("micro_cap")
+        self.oom_cap = self.resumed.get("oom_cap", self.resumed.get("micro_cap"))  # "micro_cap" in older saves
         if self.token_mode:
             self.split = self.resumed.get("split", 1)
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
         where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
             else f"the end of epoch {self.epochs_run}"
-        cap = "" if self.micro_cap is None else f"; micro batch capped at {self.micro_cap} after an earlier OOM"
+        cap = "" if self.oom_cap is None else f"; micro batch capped at {self.oom_cap} after an earlier OOM"
         self.info(f"Resuming at {where} (optimizer step {self.global_step}){cap}")
 
     # ------------------------------------------------------------------ training
@@ -426,7 +426,7 @@ class Trainer:
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
         if not self.token_mode:
-            self.split = split_for(self.batch.micro_batch, self.micro_cap)
+            self.split = split_for(self.batch.micro_batch, self.oom_cap)
         self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
         self.set_step_lr(self.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
@@ -599,10 +599,10 @@ class Trainer:
                       f"each micro batch cut into {self.split} pieces; global batch and LR unchanged, for the rest "
                       "of the run")
             return
-        if self.device.type == "cpu" and self.micro_cap is None and memory.pin_cpu_allocator():
+        if self.device.type == "cpu" and self.oom_cap is None and memory.pin_cpu_allocator():
             self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
-        self.micro_cap = cap
+        self.oom_cap = cap
         if self.grew_back and self.grow_back_after is not None:
             # The size just grown back to failed: wait twice as long before the next try.
             self.grow_back_after *= 2
@@ -634,23 +634,23 @@ class Trainer:
             self.info(f"Growing back after {self.grow_back_after} clean steps: micro batches cut into {self.split} "
                       "piece(s)")
             return
-        if self.micro_cap is None or self.grow_back_after is None or self.clean_steps < self.grow_back_after:
+        if self.oom_cap is None or self.grow_back_after is None or self.clean_steps < self.grow_back_after:
             return
         before = self.micro_piece
-        self.micro_cap = larger_cap(self.micro_cap, self.batch.micro_batch)
-        self.split = split_for(self.batch.micro_batch, self.micro_cap)
+        self.oom_cap = larger_cap(self.oom_cap, self.batch.micro_batch)
+        self.split = split_for(self.batch.micro_batch, self.oom_cap)
         self.clean_steps = 0
         self.grew_back = True
         if self.step_in_epoch < self.dataloader.batch_sampler.steps:
             self.serve(epoch, start_step=self.step_in_epoch)
         self.info(f"Growing back after {self.grow_back_after} clean steps: micro batch {before} -> "
-                  f"{self.micro_piece} (cap {self.micro_cap if self.micro_cap is not None else 'lifted'})")
+                  f"{self.micro_piece} (cap {self.oom_cap if self.oom_cap is not None else 'lifted'})")
 
     def stop_out_of_memory(self, epoch: int, where: str) -> None:
         """Save what is done (the state before this step is whole) and stop with what to change."""
         output_dir = self.cfg.checkpointer.output_dir
         # Every size down to 1 failed in this step, so no cap is known to be safe: a resume starts from the plan.
-        self.micro_cap, self.split = None, 1
+        self.oom_cap, self.split = None, 1
         if self.global_step == 0:
             saved = "nothing was trained yet, so no checkpoint was written"
         elif self.saved_step != self.global_step:
@@ -750,13 +750,16 @@ class Trainer:
             "global_step": self.global_step,
             "epoch": self.epochs_run,
             "step_in_epoch": self.step_in_epoch,
-            "micro_batch": self.batch.micro_batch,
-            "accumulation": self.batch.accumulation,
+            # What ran (after an OOM, the planned micro batch cut into ``split``), as the metrics log it.
+            "micro_batch": self.micro_piece,
+            "accumulation": self.batch.accumulation * self.split,
+            "planned_micro_batch": self.batch.micro_batch,
+            "planned_accumulation": self.batch.accumulation,
             "ranks": self.batch.ranks,
             "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
-            "micro_cap": self.micro_cap,
+            "oom_cap": self.oom_cap,
             "split": self.split,
             "token_budget": self.token_budgets[0] if self.token_mode else None,
         }

@@ -62,7 +62,7 @@ def test_valid_world_sizes() -> None:
     assert valid_world_sizes(7, s) == [1, 7]
     assert valid_world_sizes(7, spec(64, [2, 4], 8)) == []
     # micro 4 only: 4w must divide 24
-    assert valid_world_sizes(24, s, max_micro_batch=4) == [1, 2, 3, 4, 6, 8]
+    assert valid_world_sizes(24, s, memory_cap=4) == [1, 2, 3, 4, 6, 8]
     assert valid_world_sizes(24, spec(64, [4], 8)) == [1, 2, 3, 6]
 
 
@@ -80,7 +80,7 @@ def test_describe_and_largest_micro_batch() -> None:
 
 
 def test_memory_cap_limits_the_micro_batch() -> None:
-    choice = choose_global_batch(spec(48, [2, 4, 8], 6), max_micro_batch=5)
+    choice = choose_global_batch(spec(48, [2, 4, 8], 6), memory_cap=5)
     assert choice.global_batch == 48
     assert choice.micro_batches == (2, 4)
     assert choice.describe().endswith("(micro batches 2, 4)")
@@ -99,14 +99,14 @@ def test_memory_cap_changes_the_choice() -> None:
     assert (free.global_batch, free.world_sizes) == (48, [1, 2, 3, 4])
     assert [free.shape_for(w) for w in (1, 2, 3, 4)] == [
         BatchShape(8, 6, 1), BatchShape(8, 3, 2), BatchShape(8, 2, 3), BatchShape(3, 4, 4)]
-    capped = choose_global_batch(s, max_micro_batch=4)
+    capped = choose_global_batch(s, memory_cap=4)
     assert (capped.global_batch, capped.world_sizes) == (36, [1, 2, 3, 4])
     assert [capped.shape_for(w) for w in (1, 2, 3, 4)] == [
         BatchShape(3, 12, 1), BatchShape(3, 6, 2), BatchShape(3, 4, 3), BatchShape(3, 3, 4)]
     assert_invariant(free)
     assert_invariant(capped)
     assert choose_global_batch(spec(48, [3, 8], 4, prefer_larger=False)).global_batch == 24
-    assert choose_global_batch(spec(48, [3, 8], 4, prefer_larger=False), max_micro_batch=4).global_batch == 36
+    assert choose_global_batch(spec(48, [3, 8], 4, prefer_larger=False), memory_cap=4).global_batch == 36
 
 
 # A prime max is valid at one world size only; the winner (6 of 1..8, see above) is well below it.
@@ -162,9 +162,9 @@ def test_nothing_valid_is_a_config_error() -> None:
         choose_global_batch(spec(6, [2], 8, min_ranks=4))
     with pytest.raises(ConfigError, match=r"'adaptive_batching.elastic.micro_batches' = \[4, 8\] fits the memory "
                                           r"cap of 2"):
-        choose_global_batch(spec(64, [4, 8], 2), max_micro_batch=2)
-    with pytest.raises(ValueError, match="max_micro_batch"):
-        choose_global_batch(spec(64, [4, 8], 2), max_micro_batch=0)
+        choose_global_batch(spec(64, [4, 8], 2), memory_cap=2)
+    with pytest.raises(ValueError, match="memory_cap"):
+        choose_global_batch(spec(64, [4, 8], 2), memory_cap=0)
 
 
 def brute_force(max_global_batch: int, micro: list[int], lo: int, hi: int,
@@ -256,7 +256,7 @@ def test_shape_at_keeps_the_global_batch_chosen_without_the_cap() -> None:
     """The run's global batch must not depend on the profile (which differs per world size)."""
     spec = ElasticSpec(max_global_batch=48, micro_batches=(2, 4, 8), max_ranks=6)
     for world, cap, shape in ((1, None, (8, 6)), (2, 4, (4, 6)), (3, 8, (8, 2)), (6, 2, (2, 4))):
-        choice, got = shape_at(spec, world, max_micro_batch=cap)
+        choice, got = shape_at(spec, world, memory_cap=cap)
         assert choice.global_batch == 48 and got.global_batch == 48
         assert (got.micro_batch, got.accumulation, got.ranks) == (*shape, world)
     with pytest.raises(ValueError, match="valid world sizes: 1, 2, 3, 4, 6"):

@@ -11,7 +11,7 @@ from adaptive_batching.settings import ConfigError
 
 def plan(start: int, accumulation: int, ranks: int = 1, epochs: int = 1):  # type: ignore[no-untyped-def]
     return plan_batches(epochs=epochs, start=start, accumulation=accumulation, ranks=ranks, increase=None,
-                        max_micro_batch=None)
+                        memory_cap=None)
 
 
 def test_the_stock_config_profiled_on_cpu_is_refused_before_training() -> None:

@@ -56,7 +56,7 @@ class Recorder:
 def plan(increase: Callable | None, *, epochs: int, start: int, accumulation: int = 1,
          ranks: int = 1, cap: int | None = None, mode: str = "skip") -> list[EpochBatch]:
     return plan_batches(epochs=epochs, start=start, accumulation=accumulation,
-                        ranks=ranks, increase=increase, max_micro_batch=cap,
+                        ranks=ranks, increase=increase, memory_cap=cap,
                         grow_past_memory=mode)
 
 
@@ -199,7 +199,7 @@ def test_skip_leaves_growth_past_the_cap_unapplied_and_applies_shrinking() -> No
     assert [b.requested for b in p] == [80, 84, 84, 86, 66, 74]
     assert [b.increment for b in p] == [0, 4, 8, 2, -20, 8]
     assert reasons(p) == ["start", "function", "capped", "function", "function", "function"]
-    assert all(b.max_micro_batch == 86 for b in p)
+    assert all(b.memory_cap == 86 for b in p)
 
 
 def test_accumulate_realises_sizes_past_the_cap_with_rounded_accumulation() -> None:
@@ -291,7 +291,7 @@ def test_an_unknown_grow_past_memory_is_refused() -> None:
 def test_bad_plan_arguments_are_value_errors() -> None:
     with pytest.raises(ValueError, match="epochs must be an integer >= 1"):
         plan(None, epochs=0, start=8)
-    with pytest.raises(ValueError, match="max_micro_batch must be an integer >= 1"):
+    with pytest.raises(ValueError, match="memory_cap must be an integer >= 1"):
         plan(None, epochs=1, start=8, cap=0)
 
 
