@@ -34,16 +34,7 @@ from adaptive_batching.distributed import all_reduce_sum, barrier, init_parallel
 from adaptive_batching.loss import summed_token_loss
 from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
 from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
-from adaptive_batching.oom_recovery import (
-    OK,
-    OutOfMemoryStop,
-    StepGuard,
-    larger_cap,
-    optimizer_step_counts,
-    piece_size,
-    smaller_cap,
-    split_for,
-)
+from adaptive_batching.oom_recovery import OK, OutOfMemoryStop, StepGuard, optimizer_step_counts, piece_size
 from adaptive_batching.model import (
     FinetuneMethod,
     ModelOptions,
@@ -54,6 +45,7 @@ from adaptive_batching.model import (
 )
 from adaptive_batching.plan_checks import check_plan_against_data, lr_factor_warnings
 from adaptive_batching.profile_cache import default_cache_dir
+from adaptive_batching.recovery import OomRecovery, SampleCuts, TokenCuts
 from adaptive_batching.profile_run import remember_out_of_memory, run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.sampler import epoch_extent
@@ -118,12 +110,9 @@ class Trainer:
         self.epoch_plan: list[EpochBatch] = []
         self.resumed: dict[str, Any] = {}
         # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
-        self.oom_cap: Optional[int] = None
-        self.split = 1
         self.oom_recovery: bool = settings.knobs["oom_recovery"]
-        self.grow_back_after: Optional[int] = settings.knobs["oom_grow_back_after"]
-        self.clean_steps = 0
-        self.grew_back = False
+        self.recovery = OomRecovery(TokenCuts() if self.token_mode else SampleCuts(),
+                                    settings.knobs["oom_grow_back_after"])
         self.saved_step: Optional[int] = None
         self.guard = StepGuard(self.parallel, self.device)
 
@@ -389,9 +378,7 @@ class Trainer:
         self.global_step = self.resumed["global_step"]
         self.saved_step = self.global_step
         self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
-        self.oom_cap = self.resumed.get("oom_cap", self.resumed.get("micro_cap"))  # "micro_cap" in older saves
-        if self.token_mode:
-            self.split = self.resumed.get("split", 1)
+        self.recovery.load_state_dict(self.resumed)
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
         where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
@@ -426,7 +413,7 @@ class Trainer:
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
         if not self.token_mode:
-            self.split = split_for(self.batch.micro_batch, self.oom_cap)
+            self.recovery.plan(self.batch.micro_batch)
         self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
         self.set_step_lr(self.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
@@ -500,6 +487,16 @@ class Trainer:
             self.dataloader.load_state_dict(state)
         self.resumed.pop("dataloader", None)
         self.batches = iter(self.dataloader)
+
+    @property
+    def split(self) -> int:
+        """Micro batches each planned one runs as (1 until an OOM)."""
+        return self.recovery.split
+
+    @property
+    def oom_cap(self) -> Optional[int]:
+        """The most samples one forward may see after an OOM (sample-count batching), or None."""
+        return self.recovery.oom_cap
 
     @property
     def micro_piece(self) -> int:
@@ -579,78 +576,60 @@ class Trainer:
         all_reduce_sum(loss_sum, self.parallel)
         grad_norm = self._apply_gradients(tokens)
         n_tokens = int(tokens.item())
-        self.clean_steps += 1
+        self.recovery.step_done()
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
                          seconds=time.perf_counter() - start, grad_norm=grad_norm)
 
     def after_out_of_memory(self, epoch: int, index: int) -> None:
-        """Serve the same step again in smaller pieces, for the rest of the run; stop if 1 sample is too many."""
+        """Serve the same step again in smaller micro batches, for the rest of the run; stop if 1 sample is too many."""
         failed = self.largest_piece(index)
-        cap = smaller_cap(failed)
         where = f"step {index + 1} of epoch {epoch + 1} (optimizer step {self.global_step + 1})"
+        first = self.oom_cap is None and self.split == 1
+        cap = self.recovery.out_of_memory(failed, self.batch.micro_batch)
         if cap is None:
             self.stop_out_of_memory(epoch, where)
-        if self.token_mode:
-            self.split *= 2
-            self.serve(epoch, start_step=index)
-            self.clean_steps, self.grew_back = 0, False
-            self.info(f"Out of memory at a micro batch of {failed} samples in {where} ({self.guard.last_error}): "
-                      f"running the same {self.dataloader.batch_sampler.samples_in_step(index)} samples again with "
-                      f"each micro batch cut into {self.split} pieces; global batch and LR unchanged, for the rest "
-                      "of the run")
-            return
-        if self.device.type == "cpu" and self.oom_cap is None and memory.pin_cpu_allocator():
+        if self.device.type == "cpu" and first and memory.pin_cpu_allocator():
             self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
-        self.oom_cap = cap
-        if self.grew_back and self.grow_back_after is not None:
-            # The size just grown back to failed: wait twice as long before the next try.
-            self.grow_back_after *= 2
-        self.grew_back = False
-        self.clean_steps = 0
-        self.split = split_for(self.batch.micro_batch, cap)
         self.serve(epoch, start_step=index)
-        self.info(
-            f"Out of memory at micro batch {failed} in {where} ({self.guard.last_error}): running the same "
-            f"{self.dataloader.batch_sampler.samples_in_step(index)} samples again as micro batch "
-            f"{self.micro_piece} x accumulation {self.batch.accumulation * self.split} x {self.parallel.world_size} "
-            f"rank(s); global batch {self.batch.global_batch} and LR unchanged; "
-            f"micro batch capped at {cap} for the rest of the run"
-        )
+        samples = self.dataloader.batch_sampler.samples_in_step(index)
+        if self.token_mode:
+            self.info(f"Out of memory at a micro batch of {failed} samples in {where} ({self.guard.last_error}): "
+                      f"running the same {samples} samples again with each micro batch cut into {self.split} "
+                      "pieces; global batch and LR unchanged, for the rest of the run")
+        else:
+            self.info(
+                f"Out of memory at micro batch {failed} in {where} ({self.guard.last_error}): running the same "
+                f"{samples} samples again as micro batch {self.micro_piece} x accumulation "
+                f"{self.batch.accumulation * self.split} x {self.parallel.world_size} rank(s); global batch "
+                f"{self.batch.global_batch} and LR unchanged; micro batch capped at {cap} for the rest of the run"
+            )
         if self.profile_result is not None:
-            self.profile_result.oom_cap = cap
+            limit = self.recovery.cache_cap(self.profile_result.micro_batch)
+            self.profile_result.oom_cap = limit
             if self.is_rank_zero:
-                path = remember_out_of_memory(self, cap)
-                self.info(f"Profile cache {path}: later runs start at micro batch <= {cap}")
+                path = remember_out_of_memory(self, limit)
+                self.info(f"Profile cache {path}: later runs start at micro batch <= {limit}")
 
     def maybe_grow_back(self, epoch: int) -> None:
-        """After ``oom_grow_back_after`` clean steps under a cap, try twice the cap again (at a step boundary)."""
-        if self.token_mode and self.split > 1 and self.grow_back_after is not None \
-                and self.clean_steps >= self.grow_back_after:
-            self.split //= 2
-            self.clean_steps, self.grew_back = 0, True
-            if self.step_in_epoch < self.dataloader.batch_sampler.steps:
-                self.serve(epoch, start_step=self.step_in_epoch)
-            self.info(f"Growing back after {self.grow_back_after} clean steps: micro batches cut into {self.split} "
-                      "piece(s)")
+        """After ``oom_grow_back_after`` clean steps under a cut, undo one level of it (at a step boundary)."""
+        if not self.recovery.grow_back_due():
             return
-        if self.oom_cap is None or self.grow_back_after is None or self.clean_steps < self.grow_back_after:
-            return
-        before = self.micro_piece
-        self.oom_cap = larger_cap(self.oom_cap, self.batch.micro_batch)
-        self.split = split_for(self.batch.micro_batch, self.oom_cap)
-        self.clean_steps = 0
-        self.grew_back = True
+        waited, before = self.recovery.state.wait, self.micro_piece
+        self.recovery.grow_back(self.batch.micro_batch)
         if self.step_in_epoch < self.dataloader.batch_sampler.steps:
             self.serve(epoch, start_step=self.step_in_epoch)
-        self.info(f"Growing back after {self.grow_back_after} clean steps: micro batch {before} -> "
-                  f"{self.micro_piece} (cap {self.oom_cap if self.oom_cap is not None else 'lifted'})")
+        if self.token_mode:
+            self.info(f"Growing back after {waited} clean steps: micro batches cut into {self.split} piece(s)")
+        else:
+            self.info(f"Growing back after {waited} clean steps: micro batch {before} -> "
+                      f"{self.micro_piece} (cap {self.oom_cap if self.oom_cap is not None else 'lifted'})")
 
     def stop_out_of_memory(self, epoch: int, where: str) -> None:
         """Save what is done (the state before this step is whole) and stop with what to change."""
         output_dir = self.cfg.checkpointer.output_dir
         # Every size down to 1 failed in this step, so no cap is known to be safe: a resume starts from the plan.
-        self.oom_cap, self.split = None, 1
+        self.recovery.give_up()
         if self.global_step == 0:
             saved = "nothing was trained yet, so no checkpoint was written"
         elif self.saved_step != self.global_step:
@@ -759,8 +738,7 @@ class Trainer:
             "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
-            "oom_cap": self.oom_cap,
-            "split": self.split,
+            **self.recovery.state_dict(),
             "token_budget": self.token_budgets[0] if self.token_mode else None,
         }
 

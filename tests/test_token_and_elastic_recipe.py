@@ -146,7 +146,7 @@ def test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model(ru
 def test_growth_scales_the_token_budget(runs: Path, assets: Path) -> None:
     """geometric(factor=2) doubles the requested batch each epoch; in token mode the budget doubles with it."""
     growth = ("batch_increase_function._component_=adaptive_batching.growth.geometric",
-              "+batch_increase_function.factor=2")
+              "batch_increase_function.factor=2")
     output = ok(faulty_run(runs, "tokens-growth", {}, assets, *TOKENS[2:], "use_maximum_batch_size=False",
                            *growth))
     assert "token budget 2048 -> 4096 padded tokens per micro batch" in output
