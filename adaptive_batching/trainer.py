@@ -412,8 +412,7 @@ class Trainer:
         start = time.perf_counter()
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
-        if not self.token_mode:
-            self.recovery.plan(self.batch.micro_batch)
+        self.recovery.plan(self.batch.micro_batch)
         self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
         self.set_step_lr(self.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
