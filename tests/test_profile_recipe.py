@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -105,14 +106,22 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     report = summary["profile"]
-    # About 5.4 MiB per 256-token sample: at most ~74 fit in 400 MiB.
-    assert 50 <= report["max_micro_batch"] <= 76
+    trials = report["trials"]
+    largest = report["max_micro_batch"]
+    ran = {t["micro_batch"] for t in trials if t["ok"]}
+    refused = [t["micro_batch"] for t in trials if not t["ok"]]
+    # The answer is bracketed by this run's own trials: it ran within the budget, and the smallest
+    # refused micro batch above it is within the search tolerance (3%) plus one sample.
+    assert largest in ran and largest > 4
+    assert all(t["peak_bytes"] <= report["budget_bytes"] for t in trials if t["ok"])
+    above = [b for b in refused if b > largest]
+    assert above and min(above) <= math.ceil(largest * 1.03) + 1
     if budget == "null":
         assert "address-space limit" in report["budget_source"]
-        # Warm-up, 2 probes, then verification from an estimate that runs ~5% high on CPU.
-        assert report["trial_steps"] <= 8
+        # Warm-up, 2 probes, then verification from the run's own linear estimate.
+        assert report["trial_steps"] <= 8 and largest >= 0.8 * report["estimate"]
     else:
-        assert any(t["peak_bytes"] is None for t in report["trials"]), "expected real OOMs"
+        assert any(t["peak_bytes"] is None for t in trials), "expected real OOMs"
     assert summary["trained_steps"] == 3 and summary["micro_batch"] == report["micro_batch"]
 
 
