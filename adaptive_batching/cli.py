@@ -8,7 +8,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Optional, Sequence
 
 from adaptive_batching.config import RECIPES, load_config, shipped_config_names, shipped_configs_dir
 

@@ -3,7 +3,6 @@ recipe entry points failing at validation before anything is loaded."""
 
 from __future__ import annotations
 
-import shutil
 import subprocess
 import sys
 from pathlib import Path

@@ -9,11 +9,9 @@ finished optimizer step trained on.
 from __future__ import annotations
 
 import json
-import os
 import random
 import re
 import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any, Optional
@@ -35,7 +33,7 @@ from adaptive_batching.oom_recovery import (
 )
 from adaptive_batching.distributed import ParallelInfo
 from adaptive_batching.tiny_assets import write_tiny_assets
-from recipe_runs import read_metrics
+from recipe_runs import read_metrics, run_command
 
 HERE = Path(__file__).parent
 SAMPLES = 40
@@ -107,12 +105,11 @@ def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overr
                recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
                timeout: int = 600) -> subprocess.CompletedProcess:
     """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``."""
-    launcher = [sys.executable] if nproc is None else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-    cmd = [*launcher, str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
-           "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, cwd=tmp, env=env, capture_output=True, text=True, timeout=timeout)
+    launcher = ("script", []) if nproc is None else \
+        ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    argv = [*launcher[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
+            "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
+    return run_command(launcher[0], argv, cwd=tmp, timeout=timeout)
 
 
 def ok(result: subprocess.CompletedProcess) -> str:

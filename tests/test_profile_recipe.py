@@ -4,21 +4,17 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from adaptive_batching.tiny_assets import write_tiny_assets
-from recipe_runs import FIXED_BATCH_SIZE, TUNE, check, losses, read_metrics, tune_run
+from recipe_runs import FIXED_BATCH_SIZE, check, losses, read_metrics, run_command, tune_run
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
-CLI = str(Path(sys.executable).with_name("adaptive-batching"))
 SHORT = ("epochs=1", "max_steps_per_epoch=2")
 
 
@@ -97,12 +93,10 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     """400 MiB of address space after set-up. With no budget the profiler reads the limit itself;
     with a budget far above it, real ``DefaultCPUAllocator`` errors stop the trials. Either way the
     micro batch it chooses then trains under the same limit."""
-    result = subprocess.run(
-        [sys.executable, str(HERE / "limited_run.py"), "400", "tiny_full", f"assets_dir={assets}",
-         f"output_dir={tmp_path / 'run'}", f"adaptive_batching.memory_budget={budget}",
-         "adaptive_batching.memory_fraction=1.0", "epochs=1", "max_steps_per_epoch=3"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"),
-    )
+    result = run_command(
+        "script", [str(HERE / "limited_run.py"), "400", "tiny_full", f"assets_dir={assets}",
+                   f"output_dir={tmp_path / 'run'}", f"adaptive_batching.memory_budget={budget}",
+                   "adaptive_batching.memory_fraction=1.0", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     report = summary["profile"]
@@ -137,14 +131,13 @@ def test_two_ranks_agree_on_the_micro_batch(assets: Path, tmp_path: Path) -> Non
 def test_profile_and_estimate_commands(assets: Path, tmp_path: Path) -> None:
     """``estimate`` (fake tensors, no real memory) against ``profile`` (real steps), same 512MiB budget."""
     common = [f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}"]
-    profile = subprocess.run([CLI, "profile", "--config", "tiny_full", "--json", str(tmp_path / "p.json"), *common],
-                             capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    profile = run_command("cli", ["profile", "--config", "tiny_full", "--json", str(tmp_path / "p.json"), *common],
+                          cwd=tmp_path)
     assert profile.returncode == 0, profile.stderr[-3000:]
     assert "largest micro batch that ran" in profile.stdout
     real = json.loads((tmp_path / "p.json").read_text())["max_micro_batch"]
-    estimate = subprocess.run([CLI, "estimate", "--config", "tiny_full", "--device-memory", "512MiB",
-                               "--fraction", "1.0", "--json", str(tmp_path / "e.json"), *common],
-                              capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    estimate = run_command("cli", ["estimate", "--config", "tiny_full", "--device-memory", "512MiB",
+                                   "--fraction", "1.0", "--json", str(tmp_path / "e.json"), *common], cwd=tmp_path)
     assert estimate.returncode == 0, estimate.stderr[-3000:]
     predicted = json.loads((tmp_path / "e.json").read_text())["max_micro_batch"]
     assert abs(predicted - real) <= 0.05 * real, (predicted, real)

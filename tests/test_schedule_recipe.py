@@ -3,9 +3,6 @@
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +12,7 @@ from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 from adaptive_batching.tiny_assets import write_tiny_assets
-from recipe_runs import check, read_metrics, tune_run
+from recipe_runs import check, read_metrics, run_command, tune_run
 
 pytestmark = pytest.mark.e2e
 
@@ -123,11 +120,10 @@ def test_mid_epoch_resume_reproduces_the_uninterrupted_run(method: str, assets: 
     whole = tmp_path / "whole"
     run(method, config, assets, whole, profile_cache)
     part = tmp_path / "part"
-    crashed = subprocess.run(
-        [sys.executable, str(HERE / "crashing_run.py"), "7", RECIPES[method][0], "--config", str(config),
-         f"assets_dir={assets}", f"output_dir={part}", f"adaptive_batching.cache_dir={profile_cache}"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1"), cwd=tmp_path,
-    )
+    crashed = run_command(
+        "script", [str(HERE / "crashing_run.py"), "7", RECIPES[method][0], "--config", str(config),
+                   f"assets_dir={assets}", f"output_dir={part}", f"adaptive_batching.cache_dir={profile_cache}"],
+        cwd=tmp_path)
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     assert len(read_metrics(part / "logs")) == 7
     output = run(method, config, assets, part, profile_cache, "resume_from_checkpoint=True")

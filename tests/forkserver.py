@@ -1,0 +1,115 @@
+"""A fork server for the recipe tests: imports torch, torchtune and the library once, then forks
+one child per run (a child of the tests, never used by the product).
+
+A recipe process spends ~5.5 s importing torchtune, torchao and torch._dynamo before its first
+line runs. A forked child starts with those modules loaded, runs the same entry point a user's
+command would (``tune run ...``, ``adaptive-batching ...``, ``python -m module ...`` or
+``python script.py ...``) in a fresh
+address space, and exits. Output goes to files, the exit status is a subprocess-style return code.
+
+Protocol, one JSON object per line. Request on stdin:
+``{"kind": "tune"|"cli"|"module"|"script", "argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path}``.
+Replies on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": R}`` when it ends.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import traceback
+
+
+def preload() -> None:
+    """The imports every recipe run pays for; no tensor is created, so no thread pool starts."""
+    import torch.distributed.run  # noqa: F401
+    import torchtune._cli.tune  # noqa: F401
+    import torchtune.datasets  # noqa: F401
+    import torchtune.models.llama3  # noqa: F401
+    import torchtune.training  # noqa: F401
+
+    import adaptive_batching.cli  # noqa: F401
+    import adaptive_batching.trainer  # noqa: F401
+
+
+def run_entry_point(kind: str, argv: list[str]) -> int:
+    """What the command line would run, in this process; returns its exit code."""
+    import runpy
+
+    try:
+        if kind == "tune":
+            from torchtune._cli.tune import main as tune_main
+            sys.argv = ["tune", *argv]
+            tune_main()
+        elif kind == "cli":
+            from adaptive_batching.cli import main as cli_main
+            sys.argv = ["adaptive-batching", *argv]
+            return int(cli_main() or 0)
+        elif kind == "module":
+            sys.argv = ["-m", *argv[1:]]
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        elif kind == "script":
+            sys.argv = list(argv)
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+        else:
+            raise ValueError(f"unknown kind {kind!r}")
+    except SystemExit as done:
+        code = done.code
+        if code is None:
+            return 0
+        if isinstance(code, int):
+            return code
+        print(code, file=sys.stderr)
+        return 1
+    except BaseException:  # noqa: BLE001 - report like the interpreter does
+        traceback.print_exc()
+        return 1
+    return 0
+
+
+def child(request: dict) -> None:
+    """Become the requested process: its own session, directory, environment, argv and output."""
+    os.setsid()
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    devnull = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(devnull, 0)
+    for fd, path in ((1, request["stdout"]), (2, request["stderr"])):
+        target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(target, fd)
+        os.close(target)
+    sys.stdin = open(0, closefd=False)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)
+    code = 1
+    try:
+        code = run_entry_point(request["kind"], request["argv"])
+    finally:
+        try:
+            import atexit
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code & 0xFF)
+
+
+def serve() -> None:
+    preload()
+    replies = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # stray prints of the server never corrupt the protocol
+    for line in sys.stdin:
+        request = json.loads(line)
+        pid = os.fork()
+        if pid == 0:
+            child(request)
+        replies.write(json.dumps({"pid": pid}) + "\n")
+        _, status = os.waitpid(pid, 0)
+        code = -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        replies.write(json.dumps({"returncode": code}) + "\n")
+
+
+if __name__ == "__main__":
+    serve()
