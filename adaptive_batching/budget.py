@@ -90,6 +90,10 @@ def _per_process_fraction(module: Any, index: int) -> float:
 
 
 def _accelerator_budget(device: torch.device, fraction: float) -> Budget:
+    """``fraction`` of what this process can hold on the device: the smaller of its per-process cap and
+    the memory free now plus what its own caching allocator already reserves (``mem_get_info`` sees
+    memory other processes hold, such as a second job or a monitoring agent, where the device's total
+    does not)."""
     module = getattr(torch, device.type, None)
     if module is None or not hasattr(module, "get_device_properties"):
         raise ConfigError(
@@ -99,10 +103,18 @@ def _accelerator_budget(device: torch.device, fraction: float) -> Budget:
     props = module.get_device_properties(index)
     total = int(props.total_memory)
     per_process = _per_process_fraction(module, index)
-    size = int(total * per_process * fraction)
     name = getattr(props, "name", "unknown device")
-    return Budget(size, f"{device.type}:{index} ({name}) {_gib(total)} x per-process fraction "
-                        f"{per_process:.2f} x memory_fraction {fraction:.2f}")
+    allowed = int(total * per_process)
+    source = f"{device.type}:{index} ({name}) {_gib(total)} x per-process fraction {per_process:.2f}"
+    if hasattr(module, "mem_get_info"):
+        free, _ = module.mem_get_info(index)
+        ours = int(module.memory_reserved(index)) if hasattr(module, "memory_reserved") else 0
+        available = int(free) + ours
+        if available < allowed:
+            allowed = available
+            source = (f"{device.type}:{index} ({name}) {_gib(int(free))} free + {_gib(ours)} this process "
+                      f"reserves, of {_gib(total)} (others hold {_gib(max(total - available, 0))})")
+    return Budget(int(allowed * fraction), f"{source} x memory_fraction {fraction:.2f}")
 
 
 def _read(path: Path) -> Optional[str]:

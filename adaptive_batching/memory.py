@@ -121,6 +121,11 @@ class PeakMeter:
         self.tracked = tracked
         self.start_bytes = 0
         self.peak_bytes = 0
+        # Accelerators only: the caching allocator's peak reservation, and how often it had to free
+        # its cache and retry an allocation during the phase (a sign of thrashing near the limit).
+        self.reserved_peak_bytes: Optional[int] = None
+        self.alloc_retries = 0
+        self._retries_start = 0
         self._tracker: Any = None
         self._resident_start: Optional[int] = None
 
@@ -129,6 +134,7 @@ class PeakMeter:
         if module is not None:
             module.reset_peak_memory_stats(self.device)
             self.start_bytes = int(module.memory_allocated(self.device))
+            self._retries_start = _alloc_retries(module, self.device)
         elif not _fake_mode_active() and _reset_resident_peak():
             self.start_bytes = live_tensor_bytes(*self.tracked)
             self._resident_start = _proc_status_bytes("VmRSS")
@@ -145,6 +151,9 @@ class PeakMeter:
         module = _accelerator(self.device)
         if module is not None:
             self.peak_bytes = int(module.max_memory_allocated(self.device))
+            if hasattr(module, "max_memory_reserved"):
+                self.reserved_peak_bytes = int(module.max_memory_reserved(self.device))
+            self.alloc_retries = _alloc_retries(module, self.device) - self._retries_start
         elif self._resident_start is not None:
             growth = _proc_status_bytes("VmHWM") - self._resident_start
             self.peak_bytes = self.start_bytes + max(0, growth)
@@ -155,6 +164,12 @@ class PeakMeter:
     def _tracked_total(self, kind: str) -> int:
         snapshot = self._tracker.get_tracker_snapshot(kind)
         return int(sum(per_device.get("Total", 0) for per_device in snapshot.values()))
+
+
+def _alloc_retries(module: Any, device: torch.device) -> int:
+    """The caching allocator's count of allocations that failed, emptied its cache and retried."""
+    stats = module.memory_stats(device) if hasattr(module, "memory_stats") else {}
+    return int(stats.get("num_alloc_retries", 0))
 
 
 def _fake_mode_active() -> bool:

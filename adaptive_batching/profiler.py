@@ -41,10 +41,19 @@ class StepMemory:
     forward_backward_peak: int
     optimizer_peak: int
     steady_bytes: int  # memory after the step: what the next step starts from
+    reserved_peak: Optional[int] = None  # the caching allocator's peak reservation (accelerators)
+    alloc_retries: int = 0  # allocations the caching allocator had to retry after freeing its cache
 
     @property
     def peak_bytes(self) -> int:
         return max(self.forward_backward_peak, self.optimizer_peak)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Within the budget by what the tensors hold and by what the allocator reserved for them, with
+        no allocation retried: fragmentation and cache thrashing are what make a profiled micro
+        batch fail later in training."""
+        reserved = self.reserved_peak if self.reserved_peak is not None else 0
+        return self.peak_bytes <= budget_bytes and reserved <= budget_bytes and self.alloc_retries == 0
 
 
 TrialStep = Callable[[int], StepMemory]
@@ -126,13 +135,16 @@ def find_max_micro_batch(
                 raise
         if used is None:
             recover()
-        ok = used is not None and used.peak_bytes <= budget.bytes
-        values = [float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes)] if used else [0.0] * 3
+        ok = used is not None and used.fits(budget.bytes)
+        values = ([float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes),
+                   float(used.reserved_peak if used.reserved_peak is not None else -1), float(used.alloc_retries)]
+                  if used else [0.0, 0.0, 0.0, -1.0, 0.0])
         ok, values = agree(ok, values)
         if used is not None:
             memory[micro_batch] = StepMemory(int(values[1]), used.forward_backward_peak, used.optimizer_peak,
                                              int(values[2]))
-        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase)
+        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase,
+                      reserved_bytes=values[3] if values[3] >= 0 else None, alloc_retries=int(values[4]))
         trials.append(trial)
         ran[micro_batch] = trial
         return trial
@@ -205,8 +217,13 @@ def fit_probes(probed: dict[int, StepMemory]) -> Optional[LinearFit]:
 
 @contextmanager
 def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
-    """Restore trainable weights, optimizer state and every RNG afterwards, exactly."""
-    weights = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+    """Restore trainable weights, optimizer state and every RNG afterwards, exactly.
+
+    The copies live in host memory (pinned for an accelerator's weights): a copy on the device
+    would sit inside every trial's measured peak, and a full fine-tune would be profiled one copy
+    of its weights short of the memory training has.
+    """
+    weights = {n: host_copy(p) for n, p in model.named_parameters() if p.requires_grad}
     optimizer_state = _to_cpu(optimizer.state_dict())
     rng = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
            torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
@@ -217,13 +234,27 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 if name in weights:
-                    param.copy_(weights[name])
+                    _local(param).copy_(weights[name])
         optimizer.load_state_dict(optimizer_state)
         torch.set_rng_state(rng[0])
         np.random.set_state(rng[1])
         random.setstate(rng[2])
         if rng[3] is not None:
             torch.cuda.set_rng_state_all(rng[3])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameter), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s local values in host memory, pinned when they come from an accelerator
+    (so the copy back is a fast DMA and no device memory is spent on it)."""
+    local = _local(tensor.detach())
+    copy = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=local.device.type == "cuda")
+    copy.copy_(local)
+    return copy
 
 
 def _to_cpu(state: Any) -> Any:

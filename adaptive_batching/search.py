@@ -36,6 +36,8 @@ class Trial:
     peak_bytes: Optional[float]  # None when it ran out of memory or the device keeps no statistics
     seconds: float
     phase: str  # "probe" or "verify"
+    reserved_bytes: Optional[float] = None  # the caching allocator's peak reservation (accelerators)
+    alloc_retries: int = 0  # allocations the caching allocator retried after freeing its cache
 
 
 @dataclass(frozen=True)

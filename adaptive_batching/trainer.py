@@ -127,6 +127,10 @@ class Trainer:
     def setup(self) -> None:
         """Load the checkpoint and build model, tokenizer, optimizer, loss and dataset."""
         cfg = self.cfg
+        if self.device.type == "cpu" and self.needs_profile and memory.pin_cpu_allocator():
+            # Before set-up, so the heap it leaves behind is already under the rule the profile runs by.
+            self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+                      "so the address space follows the tensors and the chosen micro batch keeps fitting")
         if self.is_rank_zero:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
@@ -200,9 +204,6 @@ class Trainer:
             self.info(f"Profiler: using the profile saved in the checkpoint "
                       f"(micro batch {self.profile_result.micro_batch})")
             return self.profile_result
-        if self.device.type == "cpu" and memory.pin_cpu_allocator():
-            self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
-                      "so the address space follows the tensors and the chosen micro batch keeps fitting")
         self.profile_result = run_profile(self)
         return self.profile_result
 
@@ -242,6 +243,9 @@ class Trainer:
                 forward_backward_peak=forward_backward.peak_bytes,
                 optimizer_peak=optimizer_step.peak_bytes,
                 steady_bytes=memory.current_bytes(self.device, *meters),
+                reserved_peak=max((m.reserved_peak_bytes for m in (forward_backward, optimizer_step)
+                                   if m.reserved_peak_bytes is not None), default=None),
+                alloc_retries=forward_backward.alloc_retries + optimizer_step.alloc_retries,
             ))
 
         try:

@@ -108,6 +108,8 @@ def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "get_per_process_memory_fraction", per_process)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (80 * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: 0)
     return queried
 
 
@@ -133,6 +135,37 @@ def test_cuda_without_the_per_process_fraction_api_counts_it_as_one(
     budget = memory_budget(torch.device("cuda", 0), explicit=None, fraction=0.5)
     assert budget.bytes == 40 * GIB
     assert "per-process fraction 1.00" in budget.source
+
+
+@pytest.mark.parametrize("free_gib, reserved_gib, expected_gib", [(30, 2, 32), (80, 0, 40), (10, 35, 40)])
+def test_cuda_budget_counts_what_other_processes_hold(fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch,
+                                                      free_gib: int, reserved_gib: int, expected_gib: int) -> None:
+    """The room is the free memory plus what this process's allocator already reserves, capped by the
+    per-process fraction (half of 80 GiB here): another job holding 48 GiB leaves 32."""
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free_gib * GIB, 80 * GIB))
+    monkeypatch.setattr(torch.cuda, "memory_reserved", lambda index: reserved_gib * GIB)
+    budget = memory_budget(torch.device("cuda", 0), explicit=None, fraction=0.5)
+    assert budget.bytes == int(expected_gib * GIB * 0.5)
+    if expected_gib < 40:
+        assert f"{free_gib:.1f} GiB free + {reserved_gib:.1f} GiB this process reserves" in budget.source
+        assert f"others hold {80 - free_gib - reserved_gib:.1f} GiB" in budget.source
+
+
+def test_the_cuda_budget_is_the_minimum_over_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank's own free memory, then the smallest over ranks: one crowded GPU sets everyone's budget."""
+    from adaptive_batching import distributed
+    from adaptive_batching.distributed import ParallelInfo
+
+    reduced: list[str] = []
+
+    def all_reduce(tensor: torch.Tensor, op: object) -> None:
+        reduced.append(str(op))
+        tensor.copy_(torch.minimum(tensor, torch.tensor([12.0 * GIB], dtype=tensor.dtype)))
+
+    monkeypatch.setattr(distributed.dist, "all_reduce", all_reduce)
+    parallel = ParallelInfo(rank=0, world_size=2, local_rank=0)
+    assert distributed.minimum_over_ranks(30 * GIB, parallel, torch.device("cpu")) == 12 * GIB
+    assert reduced == [str(distributed.dist.ReduceOp.MIN)]
 
 
 def test_device_without_a_memory_api_asks_for_an_explicit_budget() -> None:

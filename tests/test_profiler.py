@@ -55,6 +55,34 @@ def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float, max_s
     assert result.bytes_per_sample == pytest.approx(9 * MIB, rel=1e-6)
 
 
+@pytest.mark.parametrize("judged_by", ["reserved", "retries"])
+def test_reserved_memory_and_allocator_retries_count_against_the_budget(judged_by: str) -> None:
+    """A caching allocator can stay within the budget by allocated bytes while its reservation
+    (fragmentation) passes it, or while it frees its cache and retries: both are over budget, so the
+    answer is the largest micro batch below where that starts, not the allocated-bytes maximum."""
+    budget = Budget(4096 * MIB, "test")
+    steady, fixed, per_sample = 300 * MIB, 40 * MIB, 9 * MIB
+    trouble_from = 250  # allocated bytes would allow ~417
+
+    def step(b: int) -> StepMemory:
+        activation = fixed + per_sample * b
+        allocated = steady + activation
+        if judged_by == "reserved":
+            reserved = int(allocated * (1.0 if b < trouble_from else 2.0))
+            return StepMemory(activation, allocated, 500 * MIB, steady, reserved_peak=reserved)
+        return StepMemory(activation, allocated, 500 * MIB, steady, reserved_peak=allocated,
+                          alloc_retries=int(b >= trouble_from))
+
+    result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.0, round_to="none", upper_limit=10_000)
+    assert trouble_from * 0.97 <= result.max_micro_batch < trouble_from
+    refused = [t for t in result.trials if not t["ok"]]
+    assert refused and all(t["micro_batch"] >= trouble_from for t in refused)
+    if judged_by == "retries":
+        assert all(t["alloc_retries"] == 1 for t in refused)
+    else:
+        assert all(t["reserved_bytes"] > budget.bytes for t in refused)
+
+
 def test_optimizer_peak_does_not_distort_the_slope() -> None:
     """At small batches the optimizer step sets the peak; the fit uses the activation part only."""
     budget = Budget(2048 * MIB, "test")
@@ -152,3 +180,25 @@ def test_profiling_leaves_no_trace_bitwise() -> None:
     state = optimizer.state_dict()["state"]
     assert all(torch.equal(opt_state[k][n], state[k][n]) for k in opt_state for n in opt_state[k])
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_the_weight_copies_are_held_in_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The copies the profiler restores from never sit on the model's device (where they would be part
+    of every trial's measured peak): one host tensor per trainable weight, sharing no storage."""
+    import adaptive_batching.profiler as profiler
+
+    model = llama3(**TINY_MODEL_ARGS)
+    model.tok_embeddings.weight.requires_grad_(False)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+    real_copy = profiler.host_copy
+    monkeypatch.setattr(profiler, "host_copy", lambda t: copies.append((t, real_copy(t))) or copies[-1][1])
+    with preserved_training_state(model, optimizer):
+        pass
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(copies) == len(trainable)
+    for param, copy in copies:
+        assert copy.device.type == "cpu" and copy.is_pinned() == (param.device.type == "cuda")
+        assert copy.untyped_storage().data_ptr() != param.untyped_storage().data_ptr()
+        assert torch.equal(copy, param)
+    assert sum(c.nbytes for _, c in copies) == sum(p.nbytes for p in trainable)
