@@ -54,7 +54,14 @@ def init_parallel(device_type: str) -> tuple[torch.device, ParallelInfo]:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     device = device_for(device_type, local_rank)
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend_for(device))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        if attempt in ("", "0"):
+            dist.init_process_group(backend=backend_for(device))
+        else:
+            # A restart may find the job's store still holding the dead attempt's addresses: keep apart.
+            store, rank, world_size = next(dist.rendezvous("env://"))
+            dist.init_process_group(backend=backend_for(device), store=dist.PrefixStore(f"attempt_{attempt}", store),
+                                    rank=rank, world_size=world_size)
     return device, ParallelInfo(dist.get_world_size(), dist.get_rank(), local_rank)
 
 

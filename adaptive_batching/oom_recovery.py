@@ -63,8 +63,11 @@ class StepGuard:
     """Runs a step's forward and backward so that an OOM on any rank abandons it on every rank.
 
     In one process it only catches the error. With several ranks it adds sync points to the FSDP
-    modules (before each all-gather and reduce-scatter); they exchange a flag only while a step
-    runs under :meth:`run`. Each exchange is one small all-reduce.
+    modules (before each all-gather and reduce-scatter); each exchange is one small all-reduce
+    and a host sync. They are attached only inside a *window*, while the micro batch is unproven:
+    during profiling and for ``guard_steps`` optimizer steps after every start, resume and change
+    of micro batch (:meth:`open_window`). Outside a window the hooks are removed, so a step makes
+    no extra collective, and an OOM there is left to the job's restart (see ``restart.py``).
     """
 
     def __init__(self, parallel: ParallelInfo, device: torch.device) -> None:
@@ -73,6 +76,8 @@ class StepGuard:
         self._armed = False
         self._handles: list[RemovableHandle] = []
         self._root: Optional[FSDPModule] = None
+        self._model: Optional[nn.Module] = None
+        self.window = 0  # optimizer steps left in the current window
         self.last_error = ""
         self._final_sync_queued = False
 
@@ -85,15 +90,23 @@ class StepGuard:
     def synced(self) -> bool:
         return self.parallel.is_distributed and bool(self._handles)
 
+    @property
+    def protecting(self) -> bool:
+        """Whether an OOM in a step now is recovered in place: always in one process, inside a window with ranks."""
+        return not self.parallel.is_distributed or bool(self._handles)
+
     def install(self, model: nn.Module) -> None:
-        """Add the sync points to every FSDP module of ``model`` (nothing in a single process)."""
-        if not self.parallel.is_distributed:
+        """Guard ``model``; its sync points are attached while a window is open (never in one process)."""
+        self._model = model
+        self._root = next((m for m in model.modules() if isinstance(m, FSDPModule)), None)
+
+    def attach(self) -> None:
+        """Add the sync points to every FSDP module (idempotent; nothing in a single process)."""
+        if not self.parallel.is_distributed or self._handles or self._model is None:
             return
-        for module in model.modules():
+        for module in self._model.modules():
             if not isinstance(module, FSDPModule):
                 continue
-            if self._root is None:
-                self._root = module
             # Before FSDP's own pre-forward (its all-gather): prepend.
             self._handles.append(module.register_forward_pre_hook(self._before_forward, prepend=True))
             # After FSDP's pre-forward wrapped the inputs: their gradient hook runs before its reduce-scatter.
@@ -105,6 +118,21 @@ class StepGuard:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+
+    def open_window(self, steps: int) -> None:
+        """Guard the next ``steps`` optimizer steps (0: remove the sync points now)."""
+        self.window = steps
+        if steps > 0:
+            self.attach()
+        else:
+            self.remove()
+
+    def step_done(self) -> None:
+        """One optimizer step finished; the last one of a window removes the sync points."""
+        if self.window > 0:
+            self.window -= 1
+            if self.window == 0:
+                self.remove()
 
     def run(self, step: Callable[[], None]) -> int:
         """Run ``step``; return OK, or OUT_OF_MEMORY when it ran out of memory on any rank.

@@ -162,3 +162,13 @@ class OomRecovery:
             grew_back=bool(saved.get("grew_back", False)),
             wait=saved.get("wait", wait),
         )
+
+    def adopt(self, recorded: Mapping[str, Any]) -> bool:
+        """Take a recorded state (a rank's cut before a restart) if it cuts deeper than this one."""
+        other = OomRecovery(self.cuts, None)
+        other.load_state_dict(recorded)
+        deeper = other.state.split > self.state.split or (
+            other.state.oom_cap is not None and (self.state.oom_cap is None or other.state.oom_cap < self.state.oom_cap))
+        if deeper:
+            self.state = other.state
+        return deeper

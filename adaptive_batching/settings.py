@@ -60,6 +60,10 @@ def _pos_int(v: Any) -> Optional[str]:
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an integer >= 1"
 
 
+def _non_neg_int(v: Any) -> Optional[str]:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an integer >= 0"
+
+
 def _opt_pos_int(v: Any) -> Optional[str]:
     return None if v is None else _pos_int(v) and "null or an integer >= 1"
 
@@ -135,6 +139,7 @@ KNOBS: dict[str, Knob] = {
     "elastic": Knob(None, _opt_mapping, True, "elastic global batch sizes"),
     "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
     "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
+    "guard_steps": Knob(4, _non_neg_int, True, "recovery from an out-of-memory error"),
 }
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Optional
 
 import torch
@@ -16,7 +17,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import config, training, utils
 from tqdm import tqdm
 
-from adaptive_batching import checkpointing, memory
+from adaptive_batching import checkpointing, memory, restart
 from adaptive_batching.batch import BatchShape, shape_keeping_global_batch
 from adaptive_batching.config import optional_component
 from adaptive_batching.data import (
@@ -68,6 +69,10 @@ class StepStats:
     samples: int = 0
 
 
+class UnguardedOutOfMemory(RuntimeError):
+    """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
+
+
 class Trainer:
     """Fine-tunes a torchtune model; one instance per run."""
 
@@ -102,6 +107,13 @@ class Trainer:
         self.clip_grad_norm: Optional[float] = cfg.get("clip_grad_norm", None)
         self.log_every_n_steps: int = cfg.get("log_every_n_steps", 1)
         self.resume: bool = cfg.get("resume_from_checkpoint", False)
+        if not self.resume:
+            self.resume, why = restart.resume_after_restart(Path(cfg.checkpointer.output_dir))
+            if why:
+                self.info(why)
+        self.guard_steps: int = settings.knobs["guard_steps"]
+        self.process_group_broken = False
+        self._served: Optional[tuple[int, int, int]] = None  # (micro batch, split, token budget) last served
         self.epochs_run = 0
         self.step_in_epoch = 0
         self.global_step = 0
@@ -224,6 +236,7 @@ class Trainer:
         """
         meters = (self.model, self.optimizer)
         measured: list[StepMemory] = []
+        self.guard.attach()  # profiling is always guarded; training opens its own windows
 
         def step() -> None:
             if self.batch.accumulation > 1:
@@ -383,6 +396,13 @@ class Trainer:
         self.saved_step = self.global_step
         self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
         self.recovery.load_state_dict(self.resumed)
+        recorded = restart.recorded_cut(Path(self.cfg.checkpointer.output_dir))
+        if recorded is not None and self.recovery.adopt(recorded["recovery"]):
+            # The saved loader position was for the old cut; the same samples come from the step index.
+            self.resumed.pop("dataloader", None)
+            self.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
+                      f"{recorded.get('step')}: micro batches run as {self.split} piece(s)"
+                      + (f", micro batch capped at {self.oom_cap}" if self.oom_cap is not None else ""))
         load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
                                   self.parallel, self.device)
         where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
@@ -486,6 +506,10 @@ class Trainer:
                       f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
             state = None
         self.dataloader = self.loader(epoch, self.split, 0 if state else start_step)
+        served = (self.batch.micro_batch, self.split, self.token_budgets[epoch] if self.token_mode else 0)
+        if served != self._served:
+            self._served = served
+            self.guard.open_window(self.guard_steps)
         if start_step and state:
             self.dataloader.load_state_dict(state)
         self.resumed.pop("dataloader", None)
@@ -532,10 +556,14 @@ class Trainer:
         while self.step_in_epoch < steps:
             index = self.step_in_epoch
             layout = self.dataloader.batch_sampler.step_layout()
-            step_stats = self.train_step([next(self.batches) for _ in range(layout[index])])
+            try:
+                step_stats = self.train_step([next(self.batches) for _ in range(layout[index])])
+            except UnguardedOutOfMemory as error:
+                self.stop_for_restart(epoch, index, str(error))
             if step_stats is None:
                 self.after_out_of_memory(epoch, index)
                 continue
+            self.guard.step_done()
             stats = step_stats
             stats.samples = sampler.samples_in_step(index)
             self.lr.advance(stats.samples)
@@ -569,8 +597,13 @@ class Trainer:
                 loss_sum.add_(micro_loss)
                 tokens.add_(micro_tokens)
 
-        if not self.oom_recovery:
-            forward_backward()
+        if not (self.oom_recovery and self.guard.protecting):
+            try:
+                forward_backward()
+            except Exception as error:
+                if self.oom_recovery and is_out_of_memory(error):
+                    raise UnguardedOutOfMemory(str(error).strip().splitlines()[0][:200]) from error
+                raise
         elif self.guard.run(forward_backward) != OK:
             micro_batches.clear()
             self.guard.abandon(self.model, self.optimizer)
@@ -627,6 +660,27 @@ class Trainer:
         else:
             self.info(f"Growing back after {waited} clean steps: micro batch {before} -> "
                       f"{self.micro_piece} (cap {self.oom_cap if self.oom_cap is not None else 'lifted'})")
+
+    def stop_for_restart(self, epoch: int, index: int, error: str) -> None:
+        """An OOM outside a guard window: the other ranks cannot be told, so record the cut the rest of the
+        run needs (output folder and profile cache) and exit; torchrun's agent stops the other ranks and,
+        with ``--max-restarts``, restarts the job, which resumes under the cut."""
+        failed = self.largest_piece(index)
+        self.recovery.out_of_memory(failed, self.batch.micro_batch)
+        output_dir = Path(self.cfg.checkpointer.output_dir)
+        path = restart.record_cut(output_dir, self.recovery.state_dict(), step=self.global_step + 1,
+                                  failed_micro_batch=failed, rank=self.parallel.rank, job_id=restart.job_id())
+        if self.profile_result is not None:
+            remember_out_of_memory(self, self.recovery.cache_cap(self.profile_result.micro_batch))
+        self.process_group_broken = True  # the other ranks wait in a collective this rank never joins
+        where = f"step {index + 1} of epoch {epoch + 1} (optimizer step {self.global_step + 1})"
+        cut = f"micro batch {self.micro_piece}" if not self.token_mode else f"{self.split} piece(s) per micro batch"
+        raise OutOfMemoryStop(
+            f"rank {self.parallel.rank}: out of memory at micro batch {failed} in {where}, outside the guard window "
+            f"({error}). Recorded the cut ({cut}) in {path}. Under torchrun with --max-restarts the job restarts and "
+            f"resumes by itself from the last complete checkpoint (optimizer step {self.saved_step}); otherwise "
+            f"continue with resume_from_checkpoint=True, which resumes under the same cut."
+        )
 
     def stop_out_of_memory(self, epoch: int, where: str) -> None:
         """Save what is done (the state before this step is whole) and stop with what to change."""
@@ -764,7 +818,7 @@ class Trainer:
             folder = checkpointing.save_checkpoint_atomically(
                 self.checkpointer, state, epoch=epoch, adapter_only=self.method.adapter_only,
                 record={"global_step": self.global_step, "epoch": epoch, "step_in_epoch": self.step_in_epoch,
-                        "epochs_run": self.epochs_run},
+                        "epochs_run": self.epochs_run, "job_id": restart.job_id()},
             )
             what = f"step {self.step_in_epoch} of epoch {epoch + 1}" if self.step_in_epoch else f"epoch {epoch + 1}"
             self.info(f"Saved the checkpoint of {what} (optimizer step {self.global_step}) to {folder} "
@@ -775,4 +829,5 @@ class Trainer:
     def close(self) -> None:
         if self.metric_logger is not None:
             self.metric_logger.close()
-        shutdown(self.parallel)
+        if not self.process_group_broken:
+            shutdown(self.parallel)

@@ -10,14 +10,16 @@ FAULT_JSON, all keys optional:
   "above": N         forward/backward: a micro batch of more than N samples runs out of memory (default 0)
   "times": K         optimizer: the first K optimizer.step() calls from step S fail (default 1)
   "rank": R          only this rank fails (default: every rank)
-  "kill_after": S    SIGKILL this process after optimizer step S (before its bookkeeping and save)
+  "kill_after": S    SIGKILL this process (only rank R, if given) after optimizer step S (before its
+                     bookkeeping and save)
   "kill_in_save": N  SIGKILL this process inside its N-th checkpoint save, once torchtune has written
                      every file and before the save is marked complete
   "room_mib": M      no injected error: after set-up, RLIMIT_AS = the process's size + M MiB, so a
                      large enough batch raises torch's real ``DefaultCPUAllocator`` error
 
 The error is torch's own ``torch.OutOfMemoryError``. RECORD_PREFIX + "rank{r}.json" gets, per finished
-optimizer step, the dataset indices of the samples it trained on, written at each step.
+optimizer step, the dataset indices of the samples it trained on, written at each step. Under torchrun
+with ``--max-restarts``, faults hit the first attempt only, and restart N records to "rank{r}-restartN.json".
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ import os
 import resource
 import signal
 import sys
+import time
 import types
 
 import torch
@@ -57,7 +60,12 @@ def main() -> None:
     rank = int(os.environ.get("RANK", 0))
     failing_rank = only_rank is None or int(only_rank) == rank
     state = {"pending": [], "steps": [], "ids": {}}
-    record = f"{record_prefix}rank{rank}.json"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    record = f"{record_prefix}rank{rank}{f'-restart{attempt}' if attempt else ''}.json"
+    with open(f"{record_prefix}rank{rank}-attempt{attempt}.start", "w") as f:
+        f.write(repr(time.time()))
+    if attempt:  # faults hit the first attempt only; a torchrun restart runs clean
+        phase, kill_after, fault = "none", None, {k: v for k, v in fault.items() if k != "kill_in_save"}
 
     def oom(where: str) -> torch.OutOfMemoryError:
         return torch.OutOfMemoryError(f"injected: {where} out of memory (rank {rank})")
@@ -128,7 +136,7 @@ def main() -> None:
             state["steps"].append({"step": self.global_step + 1, "epoch": self.epochs_run, "samples": taken})
             with open(record, "w") as f:
                 json.dump(state["steps"], f)
-            if kill_after is not None and self.global_step + 1 == int(kill_after):
+            if kill_after is not None and self.global_step + 1 == int(kill_after) and failing_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
         return result
 

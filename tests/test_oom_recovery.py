@@ -14,7 +14,7 @@ import re
 import subprocess
 from collections import Counter
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import pytest
 import torch
@@ -103,13 +103,13 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str,
                recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
-               timeout: int = 600) -> subprocess.CompletedProcess:
+               timeout: int = 600, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
     """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``."""
-    launcher = ("script", []) if nproc is None else \
-        ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
-    argv = [*launcher[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
+    how = ("script", []) if nproc is None else \
+        ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher])
+    argv = [*how[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
             "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
-    return run_command(launcher[0], argv, cwd=tmp, timeout=timeout)
+    return run_command(how[0], argv, cwd=tmp, timeout=timeout)
 
 
 def ok(result: subprocess.CompletedProcess) -> str:
@@ -275,8 +275,10 @@ def two_rank_reference(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
 def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
         phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]) -> None:
     name = f"two-{phase}"
+    # Steps 2 and 4 fall in the default window (the first 4 steps); step 8 (epoch 2, same micro batch) needs a longer one.
+    window = [] if step <= 4 else [f"adaptive_batching.guard_steps={step}"]
     output = ok(faulty_run(runs, name, {"phase": phase, "from_step": step, "above": 2, "rank": 1}, assets,
-                           "batch_size=4", nproc=2, timeout=300))
+                           "batch_size=4", *window, nproc=2, timeout=300))
     assert f"Out of memory at micro batch 4 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} " \
            f"(optimizer step {step}) (rank 0: another rank ran out of memory in this step)" in output
     assert "Rank 0: finished at optimizer step 10, micro batch 2" in output

@@ -1,0 +1,127 @@
+#!/usr/bin/env python
+"""The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``).
+
+    python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--json out.json]
+
+Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` started under
+``ulimit -v`` (the limit covers imports and set-up too, unlike ``profiler_vs_peers.py``, which
+limits the room above set-up), with no explicit memory budget and ``memory_fraction=1.0``:
+
+* ours: the recipe profiles (no glibc tunables in its environment; the recipe pins glibc itself
+  at the start of set-up) and trains 2 steps; reported: the largest micro batch that ran, and
+  whether the run trained;
+* fresh-process maximum: bisection over fresh runs at a fixed micro batch (2 training steps each,
+  no profiler) with glibc tuned from process start through ``GLIBC_TUNABLES``
+  (``mmap_threshold`` 128 KiB, one arena: what the recipe pins), the largest that trains.
+
+The figure is ours / fresh-process maximum; the goal is at least 97%.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+TUNE = str(Path(sys.executable).with_name("tune"))
+TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
+
+
+def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[str], tunables: bool,
+                     timeout: int = 600) -> subprocess.CompletedProcess:
+    """``tune run`` in a fresh shell whose whole process is limited to ``limit_kib`` of address space."""
+    cmd = [TUNE, "run", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
+           f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2", "lr_scheduler=null", *overrides]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    env.pop("GLIBC_TUNABLES", None)
+    if tunables:
+        env["GLIBC_TUNABLES"] = TUNABLES
+    shell = f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"
+    return subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int) -> bool:
+    out = work / f"fixed-{micro_batch}"
+    result = tune_under_limit(limit_kib, out, assets, [f"batch_size={micro_batch}", "use_maximum_batch_size=False",
+                                                       "batch_increase_function=null"], tunables=True)
+    ok = result.returncode == 0
+    print(f"  fresh process, micro batch {micro_batch}: {'trains' if ok else 'fails'}", flush=True)
+    return ok
+
+
+def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int) -> tuple[int, list[str]]:
+    """The largest micro batch that trains in a fresh process: double from ``start``, then bisect."""
+    tried: list[str] = []
+    lo, hi = 0, None
+    size = start
+    while hi is None:
+        ok = trains(limit_kib, work, assets, size)
+        tried.append(f"{size}{'' if ok else 'x'}")
+        if ok:
+            lo, size = size, size * 2
+        else:
+            hi = size
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        ok = trains(limit_kib, work, assets, mid)
+        tried.append(f"{mid}{'' if ok else 'x'}")
+        lo, hi = (mid, hi) if ok else (lo, mid)
+    return lo, tried
+
+
+def profiled(limit_kib: int, work: Path, assets: Path, name: str) -> dict[str, Any]:
+    out = work / name
+    result = tune_under_limit(limit_kib, out, assets, ["adaptive_batching.memory_budget=null",
+                                                       "adaptive_batching.memory_fraction=1.0"], tunables=False)
+    report_path = out / "profile" / "profile.json"
+    report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    print(f"  profiled run {name}: exit {result.returncode}, largest that ran {report.get('max_micro_batch')}, "
+          f"chose {report.get('micro_batch')}", flush=True)
+    return {"returncode": result.returncode, "max_micro_batch": report.get("max_micro_batch"),
+            "micro_batch": report.get("micro_batch"), "budget_source": report.get("budget_source"),
+            "stderr_tail": result.stderr[-1500:] if result.returncode else ""}
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--limit-gib", type=float, default=3.5, help="ulimit -v for the whole process (GiB)")
+    parser.add_argument("--repeats", type=int, default=2, help="profiled runs (default 2)")
+    parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    from adaptive_batching.tiny_assets import write_tiny_assets
+
+    limit_kib = int(args.limit_gib * 2**20)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        assets = write_tiny_assets(work / "assets").root
+        runs = [profiled(limit_kib, work, assets, f"profiled-{i}") for i in range(args.repeats)]
+        maximum, tried = fresh_process_maximum(limit_kib, work, assets, args.start)
+    rows = [{"run": i + 1, **r, "percent_of_fresh_max": (100 * r["max_micro_batch"] / maximum
+                                                         if r["max_micro_batch"] and maximum else None)}
+            for i, r in enumerate(runs)]
+    result = {"limit_gib": args.limit_gib, "fresh_process_max": maximum, "fresh_process_trials": tried,
+              "runs": rows, "seconds": time.perf_counter() - started}
+    print(f"\nwhole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB); fresh-process maximum {maximum} "
+          f"(GLIBC_TUNABLES={TUNABLES}; trials {' '.join(tried)})\n")
+    print("| run | largest micro batch that ran | chosen | trained | % of fresh-process max |")
+    print("|---|---|---|---|---|")
+    for row in rows:
+        pct = f"{row['percent_of_fresh_max']:.1f}" if row["percent_of_fresh_max"] is not None else "n/a"
+        print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
+              f"{'yes' if row['returncode'] == 0 else 'no'} | {pct} |")
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
