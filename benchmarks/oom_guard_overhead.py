@@ -1,15 +1,22 @@
 #!/usr/bin/env python
-"""What OOM recovery costs when nothing runs out of memory: steps per second with it on and off.
+"""What OOM recovery costs when nothing runs out of memory: steps per second and collectives per step.
 
-    python benchmarks/oom_guard_overhead.py [--nproc 2] [--steps 60] [--warmup 3] [--repeats 3] [--batch-size 8]
+    python benchmarks/oom_guard_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
 
 Our full fine-tune recipe on the offline tiny model (``tiny_full``, fixed micro batch, no profiler,
-no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) once with
-``adaptive_batching.oom_recovery=True`` (the default: with several ranks, every FSDP module gets
-sync points that exchange a flag, 3 per module per micro batch plus 1 per backward) and once with
-``False``, alternating, ``--repeats`` times each. Each rank-0 child records when each optimizer
-step's metrics are logged; steps per second = ``--steps`` / (time of the last step - time of the
-``--warmup``-th). The table shows the median of each setting and their ratio.
+no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) in three settings,
+alternating, ``--repeats`` times each:
+
+* ``off``: ``adaptive_batching.oom_recovery=False``;
+* ``windows``: the default (``guard_steps`` 4): sync points only in the first 4 optimizer steps, so the
+  timed steps (after ``--warmup``) are the steady state outside any window;
+* ``always``: ``guard_steps`` larger than the run, i.e. every step inside a window (3 sync points per
+  FSDP module per micro batch plus 1 per backward): the cost inside a window.
+
+Each rank-0 child records when each optimizer step's metrics are logged and counts the calls to
+``torch.distributed`` collectives between them (a wrapper around each collective function);
+steps per second = ``--steps`` / (time of the last step - time of the ``--warmup``-th). The table shows
+the median of each setting, its ratio to ``off``, and the collectives per steady-state step.
 """
 
 from __future__ import annotations
@@ -29,15 +36,34 @@ from typing import Any
 HERE = Path(__file__).resolve()
 
 
+COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
+               "reduce_scatter", "barrier", "all_to_all_single")
+
+
 def child(stamps_path: str, module: str, argv: list[str]) -> None:
-    """One rank of a run: the recipe in this process, rank 0 recording when each step is logged."""
+    """One rank of a run: the recipe in this process, rank 0 recording when each step is logged and how
+    many collectives ran since the previous step."""
+    import torch.distributed as dist
     from torchtune.training.metric_logging import DiskLogger
 
     stamps: list[float] = []
+    counts: list[int] = []
+    calls = [0]
+
+    def counted(function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return function(*args, **kwargs)
+        return wrapper
+
+    for name in COLLECTIVES:
+        setattr(dist, name, counted(getattr(dist, name)))
     original = DiskLogger.log_dict
 
     def timed(self: Any, payload: Any, step: int) -> None:
         stamps.append(time.perf_counter())
+        counts.append(calls[0])
+        calls[0] = 0
         original(self, payload, step)
 
     DiskLogger.log_dict = timed
@@ -49,23 +75,31 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
             raise
     finally:
         if int(os.environ.get("RANK", 0)) == 0:
-            Path(stamps_path).write_text(json.dumps(stamps))
+            Path(stamps_path).write_text(json.dumps({"stamps": stamps, "collectives": counts}))
 
 
-def run(args: argparse.Namespace, work: Path, tag: str, recovery: bool) -> float:
+SETTINGS = {"off": ["adaptive_batching.oom_recovery=False"],
+            "windows": ["adaptive_batching.oom_recovery=True"],
+            "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000"]}
+
+
+def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float]:
+    """Steps per second and the median collectives per timed step of one run."""
     stamps = work / f"{tag}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(HERE), "--child", str(stamps), "adaptive_full_finetune", "--config", "tiny_full",
            f"assets_dir={args.assets}", f"output_dir={work / tag}", "use_maximum_batch_size=False",
            "batch_increase_function=null", f"batch_size={args.batch_size}", "gradient_accumulation_steps=1",
            "epochs=1", f"max_steps_per_epoch={args.warmup + args.steps}", "dataset.split=train",
-           f"adaptive_batching.oom_recovery={recovery}", "log_every_n_steps=1"]
+           "log_every_n_steps=1", *SETTINGS[setting]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     result = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1800)
     if result.returncode != 0:
         sys.exit(f"{tag} failed:\n{result.stderr[-3000:]}")
-    times = json.loads(stamps.read_text())
-    return args.steps / (times[args.warmup + args.steps - 1] - times[args.warmup - 1])
+    record = json.loads(stamps.read_text())
+    times, counts = record["stamps"], record["collectives"]
+    speed = args.steps / (times[args.warmup + args.steps - 1] - times[args.warmup - 1])
+    return speed, statistics.median(counts[args.warmup:args.warmup + args.steps])
 
 
 def main() -> None:
@@ -75,29 +109,37 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)
-    p.add_argument("--warmup", type=int, default=3)
-    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=6, help="untimed steps first (more than guard_steps, 4)")
+    p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--batch-size", type=int, default=8, help="micro batch per rank")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
+    p.add_argument("--json", type=Path, default=None)
     args = p.parse_args()
+    speeds: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    collectives: dict[str, list[float]] = {name: [] for name in SETTINGS}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.assets is None:
             from adaptive_batching.tiny_assets import write_tiny_assets
 
             args.assets = write_tiny_assets(work / "assets").root
-        speeds: dict[bool, list[float]] = {True: [], False: []}
         for repeat in range(args.repeats):
-            for recovery in (False, True):
-                speed = run(args, work, f"{'on' if recovery else 'off'}-{repeat}", recovery)
-                speeds[recovery].append(speed)
-                print(f"repeat {repeat + 1}: oom_recovery={recovery}: {speed:.2f} steps/s", flush=True)
-    on, off = statistics.median(speeds[True]), statistics.median(speeds[False])
-    print(f"\n{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps, median of {args.repeats}:")
-    print(f"  oom_recovery=False  {off:.2f} steps/s")
-    print(f"  oom_recovery=True   {on:.2f} steps/s")
-    print(f"  ratio on/off        {on / off:.3f}")
+            for setting in SETTINGS:
+                speed, count = run(args, work, f"{setting}-{repeat}", setting)
+                speeds[setting].append(speed)
+                collectives[setting].append(count)
+                print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step", flush=True)
+    off = statistics.median(speeds["off"])
+    print(f"\n{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
+          f"median of {args.repeats} alternating repeats:\n")
+    print("| setting | steps/s | ratio to off | collectives per step |")
+    print("|---|---|---|---|")
+    for setting in SETTINGS:
+        median = statistics.median(speeds[setting])
+        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {statistics.median(collectives[setting]):g} |")
+    if args.json:
+        args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives}, indent=2))
 
 
 if __name__ == "__main__":

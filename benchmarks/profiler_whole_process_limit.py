@@ -10,9 +10,10 @@ limits the room above set-up), with no explicit memory budget and ``memory_fract
 * ours: the recipe profiles (no glibc tunables in its environment; the recipe pins glibc itself
   at the start of set-up) and trains 2 steps; reported: the largest micro batch that ran, and
   whether the run trained;
-* fresh-process maximum: bisection over fresh runs at a fixed micro batch (2 training steps each,
-  no profiler) with glibc tuned from process start through ``GLIBC_TUNABLES``
-  (``mmap_threshold`` 128 KiB, one arena: what the recipe pins), the largest that trains.
+* fresh-process maximum: bisection over fresh processes, each setting up the same trainer and running
+  2 worst-case training steps (the profiler's trial step: every sample full length) at one micro batch,
+  with glibc tuned from process start through ``GLIBC_TUNABLES`` (``mmap_threshold`` 128 KiB, one
+  arena: what the recipe pins); the largest that trains.
 
 The figure is ours / fresh-process maximum; the goal is at least 97%.
 """
@@ -48,12 +49,31 @@ def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[st
 
 
 def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int) -> bool:
-    out = work / f"fixed-{micro_batch}"
-    result = tune_under_limit(limit_kib, out, assets, [f"batch_size={micro_batch}", "use_maximum_batch_size=False",
-                                                       "batch_increase_function=null"], tunables=True)
+    """Two worst-case training steps (every sample full length, the profiler's own trial step) at
+    ``micro_batch`` in a fresh process under the limit, glibc tuned from its start."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", GLIBC_TUNABLES=TUNABLES)
+    cmd = [sys.executable, __file__, "--child", str(micro_batch), "--assets", str(assets),
+           "--out", str(work / f"fixed-{micro_batch}")]
+    result = subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
+                            capture_output=True, text=True, timeout=600)
     ok = result.returncode == 0
     print(f"  fresh process, micro batch {micro_batch}: {'trains' if ok else 'fails'}", flush=True)
     return ok
+
+
+def child(micro_batch: int, assets: Path, out: Path) -> int:
+    from adaptive_batching.config import load_config
+    from adaptive_batching.methods import method_for
+    from adaptive_batching.settings import validate_config
+    from adaptive_batching.trainer import Trainer
+
+    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",
+                                    "batch_increase_function=null"])
+    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
+    trainer.setup()
+    for _ in range(2):
+        trainer.trial_step(micro_batch)
+    return 0
 
 
 def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int) -> tuple[int, list[str]]:
@@ -95,7 +115,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--repeats", type=int, default=2, help="profiled runs (default 2)")
     parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--assets", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.child is not None:
+        return child(args.child, args.assets, args.out)
     from adaptive_batching.tiny_assets import write_tiny_assets
 
     limit_kib = int(args.limit_gib * 2**20)
