@@ -7,35 +7,24 @@ given by the recipe; how big a batch is comes from :class:`~adaptive_batching.ba
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch.distributed.tensor import DTensor
+from omegaconf import DictConfig
 from torchtune import config, training, utils
 from tqdm import tqdm
 
 from adaptive_batching import checkpointing, memory, restart
 from adaptive_batching.batch import BatchShape, shape_keeping_global_batch
+from adaptive_batching.batching import DataContext, batching_for
 from adaptive_batching.config import optional_component
-from adaptive_batching.data import (
-    DEFAULT_COLLATE,
-    build_collate,
-    build_dataloader,
-    build_dataset,
-    build_token_dataloader,
-    data_files,
-    worst_case_batch,
-)
+from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataset
+from adaptive_batching.distributed import barrier, init_parallel, shutdown
 from adaptive_batching.elastic import shape_at
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.distributed import all_reduce_sum, barrier, init_parallel, shutdown
-from adaptive_batching.loss import summed_token_loss
-from adaptive_batching.lr_scaling import SampleDrivenLR, lr_factor, reference_steps
-from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
-from adaptive_batching.oom_recovery import OK, OutOfMemoryStop, StepGuard, optimizer_step_counts, piece_size
+from adaptive_batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.model import (
     FinetuneMethod,
     ModelOptions,
@@ -44,33 +33,16 @@ from adaptive_batching.model import (
     full_state_dict,
     load_optimizer_state_dict,
 )
-from adaptive_batching.plan_checks import check_plan_against_data, lr_factor_warnings
-from adaptive_batching.profile_cache import default_cache_dir
-from adaptive_batching.recovery import OomRecovery, SampleCuts, TokenCuts
+from adaptive_batching.oom import is_out_of_memory
+from adaptive_batching.oom_recovery import OutOfMemoryStop, StepGuard, piece_size
 from adaptive_batching.profile_run import remember_out_of_memory, run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
-from adaptive_batching.sampler import epoch_extent
+from adaptive_batching.recovery import OomRecovery
 from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason, plan_batches
-from adaptive_batching.sequence_lengths import data_files_digest, sequence_lengths
-from adaptive_batching.token_batching import padding_waste
 from adaptive_batching.settings import AdaptiveSettings
+from adaptive_batching.stepping import StepRunner, StepStats, UnguardedOutOfMemory
 
 log = utils.get_logger("INFO")
-
-
-@dataclass
-class StepStats:
-    """What one optimizer step produced, summed over micro batches and ranks."""
-
-    loss: float
-    tokens: int
-    seconds: float
-    grad_norm: Optional[float] = None
-    samples: int = 0
-
-
-class UnguardedOutOfMemory(RuntimeError):
-    """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
 
 
 class Trainer:
@@ -97,10 +69,7 @@ class Trainer:
             except ValueError as error:
                 raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
         self.batch = self.reference
-        # Token-budget batching: padded tokens per micro batch, per epoch, and every sample's length.
-        self.token_mode = settings.knobs["max_tokens"] is not None
-        self.token_budgets: list[int] = []
-        self.lengths: list[int] = []
+        self.batching = batching_for(settings.knobs)
         self.total_epochs: int = cfg.epochs
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
         self.save_every_n_steps: Optional[int] = cfg.get("save_every_n_steps", None)
@@ -123,8 +92,7 @@ class Trainer:
         self.resumed: dict[str, Any] = {}
         # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
         self.oom_recovery: bool = settings.knobs["oom_recovery"]
-        self.recovery = OomRecovery(TokenCuts() if self.token_mode else SampleCuts(),
-                                    settings.knobs["oom_grow_back_after"])
+        self.recovery = OomRecovery(self.batching.cuts(), settings.knobs["oom_grow_back_after"])
         self.saved_step: Optional[int] = None
         self.guard = StepGuard(self.parallel, self.device)
 
@@ -134,6 +102,10 @@ class Trainer:
 
     def info(self, message: str) -> None:
         utils.log_rank_zero(log, message)
+
+    def warn(self, message: str) -> None:
+        if self.is_rank_zero:
+            log.warning(message)
 
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
@@ -172,28 +144,16 @@ class Trainer:
             training.compile_loss(self.loss_fn, verbose=self.is_rank_zero)
         if self.loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
             self.model.set_num_output_chunks(self.loss_fn.num_output_chunks)
+        self.steps = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
+                                clip_grad_norm=self.clip_grad_norm, oom_recovery=self.oom_recovery, info=self.info,
+                                where=lambda: (self.global_step + 1, self.saved_step, cfg.checkpointer.output_dir))
 
         self.dataset, self.packed = build_dataset(cfg.dataset, self.tokenizer)
         self.collate = build_collate(
             cfg.get("collate_fn", DEFAULT_COLLATE), self.packed, self.tokenizer.pad_id, self.loss_fn.ignore_index
         )
-        if self.token_mode:
-            self.lengths = self.measure_lengths()
-
-    def measure_lengths(self) -> list[int]:
-        """Every sample's token count, cached by a fingerprint of the data, the dataset and the tokenizer config."""
-        cache_dir = self.settings.knobs["cache_dir"]
-        key_parts = {
-            "dataset": OmegaConf.to_container(self.cfg.dataset, resolve=True),
-            "tokenizer": OmegaConf.to_container(self.cfg.tokenizer, resolve=True),
-            "data_files": data_files_digest(data_files(self.cfg.dataset)),
-        }
-        lengths = sequence_lengths(self.dataset, cache_dir=default_cache_dir() if cache_dir is None else cache_dir,
-                                   key_parts=key_parts)
-        ordered = sorted(lengths)
-        self.info(f"Token budget batching: {len(lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
-                  f"(median {ordered[len(ordered) // 2]})")
-        return lengths
+        self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
+                                          seed=self.seed, max_steps=self.max_steps_per_epoch), cfg, self.info)
 
     # ------------------------------------------------------------------ profiling
     @property
@@ -222,53 +182,16 @@ class Trainer:
     @property
     def seq_len(self) -> int:
         """Tokens in a worst-case sample or pack: the longest sample with a token budget, else the maximum."""
-        if self.lengths:
-            return max(self.lengths)
-        return int(self.cfg.tokenizer.get("max_seq_len", None) or self.model.max_seq_len)
+        return self.batching.worst_case_seq_len(int(self.cfg.tokenizer.get("max_seq_len", None)
+                                                    or self.model.max_seq_len))
 
     def samples_per_rank(self) -> int:
         return len(self.dataset) // self.parallel.world_size
 
     def trial_step(self, micro_batch: int, seq_len: Optional[int] = None) -> StepMemory:
-        """One full training step on a worst-case batch, measured; the LR schedule does not move.
-
-        An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
-        """
-        meters = (self.model, self.optimizer)
-        measured: list[StepMemory] = []
-        self.guard.attach()  # profiling is always guarded; training opens its own windows
-
-        def step() -> None:
-            if self.batch.accumulation > 1:
-                # As in every micro batch after the first: the gradients already exist.
-                for param in self.model.parameters():
-                    if param.requires_grad:
-                        param.grad = torch.zeros_like(param)
-            with memory.PeakMeter(self.device, *meters) as forward_backward:
-                batch = worst_case_batch(self.collate, micro_batch=micro_batch, seq_len=seq_len or self.seq_len,
-                                         vocab_size=self.tokenizer.vocab_size, packed=self.packed)
-                _, tokens = self._forward_backward(batch)
-                del batch
-            with memory.PeakMeter(self.device, *meters) as optimizer_step:
-                self._apply_gradients(tokens)
-            measured.append(StepMemory(
-                activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
-                forward_backward_peak=forward_backward.peak_bytes,
-                optimizer_peak=optimizer_step.peak_bytes,
-                steady_bytes=memory.current_bytes(self.device, *meters),
-                reserved_peak=max((m.reserved_peak_bytes for m in (forward_backward, optimizer_step)
-                                   if m.reserved_peak_bytes is not None), default=None),
-                alloc_retries=forward_backward.alloc_retries + optimizer_step.alloc_retries,
-            ))
-
-        try:
-            if self.guard.run(step) != OK:
-                self.guard.abandon(self.model, self.optimizer)
-                raise PeerOutOfMemory(f"micro batch {micro_batch} ran out of memory on at least one rank")
-            return measured[0]
-        finally:
-            self.optimizer.zero_grad(set_to_none=True)
-            memory.release_memory(self.device)
+        """One measured worst-case training step (the profiler's trial step)."""
+        return self.steps.trial_step(micro_batch, seq_len=seq_len or self.seq_len, accumulation=self.batch.accumulation,
+                                     collate=self.collate, vocab_size=self.tokenizer.vocab_size, packed=self.packed)
 
     # ------------------------------------------------------------------ planning
     def make_plan(self) -> list[EpochBatch]:
@@ -298,22 +221,13 @@ class Trainer:
             ranks=self.parallel.world_size, increase=self.settings.batch_increase_function,
             memory_cap=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
         )
-        if not self.token_mode:
-            check_plan_against_data(
-                self.epoch_plan, dataset_size=len(self.dataset),
-                profiled=self.settings.use_maximum_batch_size and self.elastic is None,
-                allow_above_data=self.settings.knobs["allow_global_batch_above_data"],
-                reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling,
-            )
-            warnings = lr_factor_warnings(self.epoch_plan, reference_global_batch=self.reference.global_batch,
-                                          rule=self.settings.lr_scaling)
-            if warnings and self.is_rank_zero:
-                log.warning("\n".join(warnings))
-        if self.token_mode:
-            base = self.resumed.get("token_budget") or self.token_budget_base(start)
-            # Growth scales the budget as it would scale a micro batch of samples.
-            self.token_budgets = [base * entry.shape.micro_batch // start for entry in self.epoch_plan]
-        extents = [self.epoch_extent(epoch) for epoch in range(self.total_epochs)]
+        profiled = start if profile is not None and self.settings.use_maximum_batch_size else None
+        self.batching.plan(self.epoch_plan, start=start, resumed=self.resumed, profiled=profiled,
+                           verify=self._verifying, info=self.info)
+        self.batching.check(profiled=self.settings.use_maximum_batch_size and self.elastic is None,
+                            reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling,
+                            warn=self.warn)
+        extents = [self.batching.extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
         scheduler_cfg = optional_component(self.cfg.get("lr_scheduler", None))
         scheduler = None if scheduler_cfg is None else config.instantiate(
@@ -324,13 +238,7 @@ class Trainer:
         if "lr" in self.resumed:
             self.lr.load_state_dict(self.resumed["lr"])
         header, *rows = describe_plan(self.epoch_plan)
-        if self.token_mode:
-            rows = [f"{row} | token budget {budget} | {steps} steps, {samples} samples, LR x per step by its samples"
-                    for row, budget, (steps, samples) in zip(rows, self.token_budgets, extents)]
-        else:
-            rows = [f"{row} | {steps} steps, {samples} samples, LR x"
-                    f"{lr_factor(entry.shape.global_batch, self.reference.global_batch, self.lr.rule):.3f}"
-                    for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
+        rows = self.batching.plan_rows(rows, extents, self.reference.global_batch, self.lr.rule)
         self.info(
             "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
             f"reference global batch {self.reference.global_batch} from the config; LR scaling '{self.lr.rule}'; "
@@ -339,49 +247,11 @@ class Trainer:
         )
         return self.epoch_plan
 
-    def token_budget_base(self, start: int) -> int:
-        """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
-        value = self.settings.knobs["max_tokens"]
-        profile = self.profile_result
-        if profile is None or not self.settings.use_maximum_batch_size:
-            return int(value)
-        profiled = start * self.seq_len
-        budget = profiled if value == "auto" else min(int(value), profiled)
-        self.info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "
-                  f"the longest sample's {self.seq_len} tokens"
-                  f"{'' if value == 'auto' else f', at most adaptive_batching.max_tokens={value}'})")
-        return self.verify_short_samples(budget)
-
-    def verify_short_samples(self, budget: int) -> int:
-        """Check the budget where it packs the most samples (the shortest ones): memory depends on the
-        tokens and on their length. Halve it until a real step fits."""
-        shortest = min(self.lengths)
+    @contextmanager
+    def _verifying(self) -> Iterator[Callable[[int, int], StepMemory]]:
+        """Trial steps at given samples and lengths, the training state restored afterwards."""
         with preserved_training_state(self.model, self.optimizer):
-            while budget >= self.seq_len:
-                samples = budget // shortest
-                try:
-                    used = self.trial_step(samples, seq_len=shortest)
-                except Exception as error:  # noqa: BLE001 - only an OOM lowers the budget
-                    if not is_out_of_memory(error):
-                        raise
-                    self.info(f"Token budget {budget}: {samples} samples of {shortest} tokens ran out of memory; "
-                              f"trying {budget // 2}")
-                    budget //= 2
-                    continue
-                peak = max(used.forward_backward_peak, used.optimizer_peak)
-                self.info(f"Token budget {budget} verified with {samples} samples of the shortest length, "
-                          f"{shortest} tokens: peak {peak / 2**30:.3f} GiB")
-                return budget
-        raise OutOfMemoryStop(f"no token budget of at least one longest sample ({self.seq_len} tokens) fits "
-                              f"{budget // shortest} samples of {shortest} tokens")
-
-    def epoch_extent(self, epoch: int) -> tuple[int, int]:
-        """Optimizer steps and samples (all ranks) of ``epoch`` as planned."""
-        shape = self.epoch_plan[epoch].shape
-        if not self.token_mode:
-            return epoch_extent(len(self.dataset), shape.global_batch, self.max_steps_per_epoch)
-        sampler = self.loader(epoch, split=1, start_step=0).batch_sampler
-        return sampler.steps, sum(sampler.samples_in_step(i) for i in range(sampler.steps))
+            yield lambda samples, seq_len: self.trial_step(samples, seq_len=seq_len)
 
     def _restore(self, checkpoint: dict[str, Any]) -> None:
         """Continue from the saved recipe state: the end of an epoch, or a step inside one."""
@@ -427,9 +297,7 @@ class Trainer:
                      f"{self.final_batch()}, last loss {last.loss:.6f}")
 
     def final_batch(self) -> str:
-        if self.token_mode:
-            return f"token budget {self.token_budgets[-1]} in {self.split} piece(s)"
-        return f"micro batch {self.micro_piece}"
+        return self.batching.final_batch(self.epochs_run, self.split, self.micro_piece)
 
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
@@ -445,53 +313,20 @@ class Trainer:
             self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {what}, "
                       f"LR {self.lr.lrs()[0]:.3e} (x{self.lr.factor:.3f} for the global batch)")
             return
-        if self.token_mode:
-            change = (f"token budget {self.token_budgets[epoch - 1]} -> {self.token_budgets[epoch]} padded tokens "
-                      f"per micro batch, accumulation {previous.accumulation} -> {self.batch.accumulation}")
-        else:
-            change = (f"micro batch {previous.micro_batch} -> {self.batch.micro_batch}, accumulation "
-                      f"{previous.accumulation} -> {self.batch.accumulation}, global batch "
-                      f"{previous.global_batch} -> {self.batch.global_batch}")
+        change = self.batching.describe_change(epoch, previous, self.batch)
         self.info(
             f"Epoch switch {epoch} -> {epoch + 1}: {change}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
             f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
         )
 
     def describe_batch(self, epoch: int) -> str:
-        if not self.token_mode:
-            return f"{self.batch.describe()}{self.split_note()}"
-        sampler = self.dataloader.batch_sampler
-        waste = padding_waste(self.lengths, [mb for step in sampler.plan() for rank in step for mb in rank])
-        return (f"token budget {self.token_budgets[epoch]} padded tokens per micro batch x accumulation "
-                f"{self.batch.accumulation} x {self.parallel.world_size} rank(s): {sampler.steps} steps of "
-                f"{min(sampler.samples_in_step(i) for i in range(sampler.steps))}-"
-                f"{max(sampler.samples_in_step(i) for i in range(sampler.steps))} samples, "
-                f"padding {100 * waste:.1f}%{self.split_note()}")
+        return self.batching.describe_epoch(epoch, self.batch, self.dataloader.batch_sampler, self.split_note())
 
     def set_step_lr(self, index: int) -> None:
         """The LR of step ``index``: for the planned global batch, or for the samples this step holds."""
-        sampler = self.dataloader.batch_sampler
-        if not self.token_mode:
-            self.lr.set_global_batch(self.batch.global_batch)
-        elif index < sampler.steps:
-            self.lr.set_global_batch(sampler.samples_in_step(index))
-
-    def loader(self, epoch: int, split: int, start_step: int) -> Any:
-        """A dataloader over ``epoch``'s planned batch, each micro batch cut into ``split`` pieces, from ``start_step``."""
-        common = dict(collate_fn=self.collate, parallel=self.parallel, shuffle=self.cfg.get("shuffle", True),
-                      seed=self.seed, epoch=epoch, max_steps=self.max_steps_per_epoch, split=split,
-                      start_step=start_step)
-        if self.token_mode:
-            knobs = self.settings.knobs
-            return build_token_dataloader(
-                self.dataset, self.lengths, max_tokens=self.token_budgets[epoch],
-                picking_order=knobs["picking_order"], min_batch_size=knobs["min_batch_size"],
-                max_batch_size=knobs["max_batch_size"], accumulation=self.epoch_plan[epoch].shape.accumulation,
-                **common,
-            )
-        shape = self.epoch_plan[epoch].shape
-        return build_dataloader(self.dataset, micro_batch=shape.micro_batch, accumulation=shape.accumulation,
-                                **common)
+        global_batch = self.batching.lr_global_batch(self.batch, self.dataloader.batch_sampler, index)
+        if global_batch is not None:
+            self.lr.set_global_batch(global_batch)
 
     def serve(self, epoch: int, start_step: int, state: Optional[dict[str, Any]] = None) -> None:
         """Serve ``epoch`` from ``start_step`` on, each micro batch cut into ``self.split`` pieces.
@@ -505,8 +340,8 @@ class Trainer:
             self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['ranks']}: "
                       f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
             state = None
-        self.dataloader = self.loader(epoch, self.split, 0 if state else start_step)
-        served = (self.batch.micro_batch, self.split, self.token_budgets[epoch] if self.token_mode else 0)
+        self.dataloader = self.batching.loader(epoch, self.split, 0 if state else start_step)
+        served = (self.batch.micro_batch, self.split, self.batching.served(epoch))
         if served != self._served:
             self._served = served
             self.guard.open_window(self.guard_steps)
@@ -532,18 +367,10 @@ class Trainer:
 
     def largest_piece(self, index: int) -> int:
         """The most samples a forward of step ``index`` sees, on any rank."""
-        if not self.token_mode:
-            return self.micro_piece
-        step = self.dataloader.batch_sampler.plan()[index]
-        return piece_size(max(len(micro) for rank in step for micro in rank), self.split)
+        return self.batching.largest_piece(self.dataloader.batch_sampler, index, self.micro_piece, self.split)
 
     def split_note(self) -> str:
-        if self.split == 1:
-            return ""
-        if self.token_mode:
-            return f"; after an OOM each micro batch runs as {self.split} pieces"
-        return (f"; after an OOM each micro batch runs as {self.split} pieces of <= {self.micro_piece} "
-                f"(micro batch {self.micro_piece} x accumulation {self.batch.accumulation * self.split})")
+        return self.batching.split_note(self.split, self.micro_piece, self.batch)
 
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
         """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
@@ -582,39 +409,11 @@ class Trainer:
         return stats
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
-        """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
-
-        Returns None, with nothing changed, when the forward or backward ran out of memory on any rank.
-        """
-        start = time.perf_counter()
-        memory.reset_peak_memory(self.device)
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), device=self.device, dtype=torch.long)
-
-        def forward_backward() -> None:
-            for batch in micro_batches:
-                micro_loss, micro_tokens = self._forward_backward(batch)
-                loss_sum.add_(micro_loss)
-                tokens.add_(micro_tokens)
-
-        if not (self.oom_recovery and self.guard.protecting):
-            try:
-                forward_backward()
-            except Exception as error:
-                if self.oom_recovery and is_out_of_memory(error):
-                    raise UnguardedOutOfMemory(str(error).strip().splitlines()[0][:200]) from error
-                raise
-        elif self.guard.run(forward_backward) != OK:
-            micro_batches.clear()
-            self.guard.abandon(self.model, self.optimizer)
-            memory.release_memory(self.device)
-            return None
-        all_reduce_sum(loss_sum, self.parallel)
-        grad_norm = self._apply_gradients(tokens)
-        n_tokens = int(tokens.item())
-        self.recovery.step_done()
-        return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=grad_norm)
+        """One optimizer step (see :meth:`StepRunner.train_step`); None after an OOM recovered in place."""
+        stats = self.steps.train_step(micro_batches)
+        if stats is not None:
+            self.recovery.step_done()
+        return stats
 
     def after_out_of_memory(self, epoch: int, index: int) -> None:
         """Serve the same step again in smaller micro batches, for the rest of the run; stop if 1 sample is too many."""
@@ -629,17 +428,9 @@ class Trainer:
             memory.release_memory(self.device)
         self.serve(epoch, start_step=index)
         samples = self.dataloader.batch_sampler.samples_in_step(index)
-        if self.token_mode:
-            self.info(f"Out of memory at a micro batch of {failed} samples in {where} ({self.guard.last_error}): "
-                      f"running the same {samples} samples again with each micro batch cut into {self.split} "
-                      "pieces; global batch and LR unchanged, for the rest of the run")
-        else:
-            self.info(
-                f"Out of memory at micro batch {failed} in {where} ({self.guard.last_error}): running the same "
-                f"{samples} samples again as micro batch {self.micro_piece} x accumulation "
-                f"{self.batch.accumulation * self.split} x {self.parallel.world_size} rank(s); global batch "
-                f"{self.batch.global_batch} and LR unchanged; micro batch capped at {cap} for the rest of the run"
-            )
+        self.info(self.batching.oom_line(failed=failed, where=where, error=self.guard.last_error, samples=samples,
+                                         split=self.split, micro_piece=self.micro_piece, batch=self.batch,
+                                         ranks=self.parallel.world_size, cap=cap))
         if self.profile_result is not None:
             limit = self.recovery.cache_cap(self.profile_result.micro_batch)
             self.profile_result.oom_cap = limit
@@ -655,11 +446,8 @@ class Trainer:
         self.recovery.grow_back(self.batch.micro_batch)
         if self.step_in_epoch < self.dataloader.batch_sampler.steps:
             self.serve(epoch, start_step=self.step_in_epoch)
-        if self.token_mode:
-            self.info(f"Growing back after {waited} clean steps: micro batches cut into {self.split} piece(s)")
-        else:
-            self.info(f"Growing back after {waited} clean steps: micro batch {before} -> "
-                      f"{self.micro_piece} (cap {self.oom_cap if self.oom_cap is not None else 'lifted'})")
+        self.info(self.batching.grow_back_line(waited=waited, before=before, micro_piece=self.micro_piece,
+                                               split=self.split, cap=self.oom_cap))
 
     def stop_for_restart(self, epoch: int, index: int, error: str) -> None:
         """An OOM outside a guard window: the other ranks cannot be told, so record the cut the rest of the
@@ -674,7 +462,7 @@ class Trainer:
             remember_out_of_memory(self, self.recovery.cache_cap(self.profile_result.micro_batch))
         self.process_group_broken = True  # the other ranks wait in a collective this rank never joins
         where = f"step {index + 1} of epoch {epoch + 1} (optimizer step {self.global_step + 1})"
-        cut = f"micro batch {self.micro_piece}" if not self.token_mode else f"{self.split} piece(s) per micro batch"
+        cut = self.batching.cut_description(self.split, self.micro_piece)
         raise OutOfMemoryStop(
             f"rank {self.parallel.rank}: out of memory at micro batch {failed} in {where}, outside the guard window "
             f"({error}). Recorded the cut ({cut}) in {path}. Under torchrun with --max-restarts the job restarts and "
@@ -707,54 +495,6 @@ class Trainer:
             "a smaller model) and continue with resume_from_checkpoint=True."
         )
 
-    def _apply_gradients(self, tokens: torch.Tensor) -> Optional[float]:
-        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm."""
-        self.guard.sync_point()
-        all_reduce_sum(tokens, self.parallel)
-        # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
-        training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
-        grad_norm = None
-        if self.clip_grad_norm is not None:
-            self.guard.sync_point()
-            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=float(self.clip_grad_norm))
-            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
-        self._optimizer_step()
-        self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
-
-    def _optimizer_step(self) -> None:
-        """``optimizer.step()``; after an OOM that changed nothing yet, free memory and try once more.
-
-        The gradients are whole and the step is local to each rank, so it is retried alone.
-        """
-        counts = optimizer_step_counts(self.optimizer) if self.oom_recovery and not self.guard.armed else None
-        try:
-            self.optimizer.step()
-            return
-        except Exception as error:  # noqa: BLE001 - only a clean OOM is retried
-            if counts is None or not is_out_of_memory(error) or optimizer_step_counts(self.optimizer) != counts:
-                raise
-        memory.release_memory(self.device)
-        self.info(f"Out of memory in the optimizer step of optimizer step {self.global_step + 1}: "
-                  "memory released, the optimizer step retried with the same gradients")
-        try:
-            self.optimizer.step()
-        except Exception as error:  # noqa: BLE001
-            if not is_out_of_memory(error):
-                raise
-            raise OutOfMemoryStop(
-                f"the optimizer step of optimizer step {self.global_step + 1} runs out of memory even after "
-                f"freeing memory (its state does not depend on the batch); the last complete checkpoint "
-                f"(optimizer step {self.saved_step}) is in {self.cfg.checkpointer.output_dir}"
-            ) from None
-
-    def _forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward of one micro batch; returns its summed loss and token count."""
-        utils.batch_to_device(batch, self.device)
-        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch)
-        loss.backward()
-        return loss.detach(), tokens
-
     def current_lr(self) -> float:
         return training.get_lr(self.optimizer)
 
@@ -768,10 +508,7 @@ class Trainer:
             "global_batch_size": stats.samples,
             "tokens_per_second_per_gpu": stats.tokens / (stats.seconds * self.parallel.world_size),
         }
-        if self.token_mode:
-            metrics["max_tokens"] = self.token_budgets[self.epochs_run] // self.split
-        else:
-            metrics["micro_batch_size"] = self.micro_piece
+        metrics.update(self.batching.metrics(self.epochs_run, self.split, self.micro_piece))
         peak = memory.peak_memory_gb(self.device)
         if peak is not None:
             metrics["peak_memory_gb"] = peak
@@ -796,7 +533,7 @@ class Trainer:
             "profile": self.profile_result.to_dict() if self.profile_result else None,
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
             **self.recovery.state_dict(),
-            "token_budget": self.token_budgets[0] if self.token_mode else None,
+            **self.batching.state_dict(),
         }
 
     def save(self, epoch: int) -> None:

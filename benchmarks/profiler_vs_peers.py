@@ -27,7 +27,7 @@ Methods:
   with that one; the peers always run, and are compared, under default glibc.
 
 Peers and the exhaustive search run the same plain training step: the trainer's own
-``_forward_backward`` (forward, loss over all tokens, backward) and gradient application
+``steps.forward_backward`` (forward, loss over all tokens, backward) and gradient application
 (normalise by tokens, AdamW step, zero grads). The libraries are called, not copied.
 """
 
@@ -139,9 +139,9 @@ def plain_step(trainer: Any, micro_batch: int) -> None:
     try:
         batch = worst_case_batch(trainer.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
                                  vocab_size=trainer.tokenizer.vocab_size, packed=trainer.packed)
-        _, tokens = trainer._forward_backward(batch)
+        _, tokens = trainer.steps.forward_backward(batch)
         del batch
-        trainer._apply_gradients(tokens)
+        trainer.steps.apply_gradients(tokens)
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -320,9 +320,9 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
             self.trials.append(step)
             optimizer = self.optimizers()
             try:
-                _, tokens = trainer._forward_backward(batch)
+                _, tokens = trainer.steps.forward_backward(batch)
                 del batch
-                # What Trainer._apply_gradients does on one rank without clipping, with the
+                # What StepRunner.apply_gradients does on one rank without clipping, with the
                 # optimizer step going through Lightning so that it counts the step.
                 training.scale_grads(self.net, 1 / tokens.clamp(min=1))
                 optimizer.step()

@@ -54,7 +54,7 @@ def main() -> None:
     kill_after = fault.get("kill_after")
     optimizer_failures = [int(fault.get("times", 1))]
 
-    import adaptive_batching.trainer as trainer_module
+    import adaptive_batching.stepping as stepping
     from adaptive_batching.trainer import Trainer
 
     rank = int(os.environ.get("RANK", 0))
@@ -70,7 +70,7 @@ def main() -> None:
     def oom(where: str) -> torch.OutOfMemoryError:
         return torch.OutOfMemoryError(f"injected: {where} out of memory (rank {rank})")
 
-    original_loss = trainer_module.summed_token_loss
+    original_loss = stepping.summed_token_loss
 
     def summed_token_loss(model, loss_fn, batch):  # type: ignore[no-untyped-def]
         self = state["trainer"]
@@ -84,7 +84,7 @@ def main() -> None:
             loss.register_hook(fail)
         return loss, tokens
 
-    trainer_module.summed_token_loss = summed_token_loss
+    stepping.summed_token_loss = summed_token_loss
 
     original_setup = Trainer.setup
 
@@ -103,7 +103,7 @@ def main() -> None:
             state["pending"].extend(ids[key] for sample in samples if (key := tuple(sample["tokens"])) in ids)
             return inner(samples)
 
-        self.collate = collate
+        self.collate = self.batching.data.collate = collate
         if phase == "embedding_backward":
             def hook_embedding(module, args, output):  # type: ignore[no-untyped-def]
                 if failing_rank and from_step <= self.global_step + 1 <= to_step and output.shape[0] > above \

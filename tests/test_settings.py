@@ -218,6 +218,7 @@ NON_DEFAULT_VALID = {
     "elastic": {"max_global_batch": 64, "micro_batches": [2, 4], "max_ranks": 4},
     "oom_recovery": False,
     "oom_grow_back_after": 50,
+    "guard_steps": 0,
 }
 
 
