@@ -1,0 +1,337 @@
+"""The two-batch noise scale estimator against linear regression, whose noise scale is known exactly.
+
+Noisy linear regression ``y = x . w* + eps``, ``x ~ N(0, I_d)``, ``eps ~ N(0, sigma^2)``, loss
+``(x . w - y)^2 / 2``: at ``w`` the per-sample gradient is ``x (x . delta - eps)`` with ``delta = w -
+w*``, so the true gradient is ``G = delta`` and, from Gaussian fourth moments, ``tr(Sigma) = (d + 1)
+|delta|^2 + d sigma^2``: ``B_simple = tr(Sigma) / |G|^2`` in closed form. The tests draw real
+minibatch gradients with torch at a fixed ``w`` and feed the estimator as the trainer would.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+from adaptive_batching.noise_scale import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
+
+D, SIGMA = 64, 0.5  # B_simple = (d + 1) + d sigma^2 = 81 at |delta| = 1
+TOLERANCE = 0.15
+
+
+def true_noise_scale(d: int, sigma: float, delta: torch.Tensor) -> float:
+    """``tr(Sigma) / |G|^2`` of the regression at ``w - w* = delta``."""
+    sq = float(delta.pow(2).sum())
+    return ((d + 1) * sq + d * sigma**2) / sq
+
+
+def unit_delta(d: int, seed: int) -> torch.Tensor:
+    """A random direction of norm 1: ``w - w*``."""
+    delta = torch.randn(d, generator=torch.Generator().manual_seed(seed))
+    return delta / delta.norm()
+
+
+def _loss(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return 0.5 * (x @ w - y).pow(2).mean()
+
+
+_micro_batch_grads = torch.func.vmap(torch.func.grad(_loss), in_dims=(None, 0, 0))
+
+
+def draw(gen: torch.Generator, shape: tuple[int, ...], d: int, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs ``x`` of ``shape + (d,)`` and targets ``y = eps`` (w* = 0, so w = delta)."""
+    return torch.randn(*shape, d, generator=gen), sigma * torch.randn(*shape, generator=gen)
+
+
+def run_single_process(seed: int, *, steps: int, accumulation: int, micro: int, decay: float,
+                       first_only: bool) -> tuple[float, list]:
+    """Feed ``steps`` steps of ``accumulation`` micro batches; the truth and the values reported.
+
+    ``first_only``: the small batch is the first micro batch only (what FSDP2 leaves observable,
+    one draw per step); else the mean over all micro batches of their squared norms.
+    """
+    delta, gen = unit_delta(D, seed), torch.Generator().manual_seed(1000 + seed)
+    estimator, values = NoiseScaleEstimator(decay=decay), []
+    for _ in range(steps):
+        x, y = draw(gen, (accumulation, micro), D, SIGMA)
+        grads = _micro_batch_grads(delta, x, y)  # one mean gradient per micro batch
+        sq = grads.pow(2).sum(-1)
+        small = float(sq[0]) if first_only else float(sq.mean())
+        big = float(grads.mean(0).pow(2).sum())
+        values.append(estimator.update(small, micro, big, micro * accumulation))
+    return true_noise_scale(D, SIGMA, delta), values
+
+
+def relative_errors(truth: float, values: list) -> list[float]:
+    return [abs(v / truth - 1) if v is not None else math.inf for v in values]
+
+
+# --------------------------------------------------------------------------- #
+# Accuracy, one process
+# --------------------------------------------------------------------------- #
+
+
+def test_all_micro_batches_as_small_batches_track_the_true_noise_scale() -> None:
+    truth, values = run_single_process(0, steps=400, accumulation=8, micro=32, decay=0.95, first_only=False)
+    errors = relative_errors(truth, values[100:])
+    print(f"1 process, per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
+          f"error final {errors[-1]:.3f} max over steps 100-400 {max(errors):.3f}")
+    assert max(errors) < TOLERANCE
+
+
+def test_first_micro_batch_only_tracks_it_with_a_longer_average() -> None:
+    # One small draw per step (the FSDP2 case, micro = per-rank micro x ranks): noisier per step,
+    # so a 0.99 decay; unbiased all the same.
+    truth, values = run_single_process(1, steps=1000, accumulation=8, micro=64, decay=0.99, first_only=True)
+    errors = relative_errors(truth, values[500:])
+    print(f"1 process, first micro batch only: truth {truth:.1f}, final {values[-1]:.1f}, "
+          f"error final {errors[-1]:.3f} max over steps 500-1000 {max(errors):.3f}")
+    assert errors[-1] < TOLERANCE
+    assert sum(errors) / len(errors) < TOLERANCE
+
+
+def test_two_batch_estimates_invert_the_expected_squared_norms() -> None:
+    g2, trace, b, B = 2.5, 300.0, 8, 96
+    got = two_batch_estimates(g2 + trace / b, b, g2 + trace / B, B)
+    assert got == pytest.approx((g2, trace))
+
+
+# --------------------------------------------------------------------------- #
+# The estimator's bookkeeping
+# --------------------------------------------------------------------------- #
+
+
+def feed(estimator: NoiseScaleEstimator, g2: float, trace: float, b: float = 4, B: float = 32):
+    """Update with the squared norms whose estimates are exactly ``(g2, trace)``."""
+    return estimator.update(g2 + trace / b, b, g2 + trace / B, B)
+
+
+def test_value_is_the_ratio_of_the_averages_not_the_average_of_the_ratios() -> None:
+    decay, pairs = 0.5, [(1.0, 10.0), (9.0, 10.0), (4.0, 40.0)]
+    estimator = NoiseScaleEstimator(decay=decay, warmup=1)
+    for g2, trace in pairs:
+        value = feed(estimator, g2, trace)
+    weights = [decay ** (len(pairs) - 1 - i) for i in range(len(pairs))]  # newest weighs 1
+    ratio_of_emas = sum(w * t for w, (_, t) in zip(weights, pairs)) / sum(w * g for w, (g, _) in zip(weights, pairs))
+    ema_of_ratios = sum(w * t / g for w, (g, t) in zip(weights, pairs)) / sum(weights)
+    assert value == pytest.approx(ratio_of_emas)
+    assert abs(value - ema_of_ratios) > 0.5
+    # each average is bias-corrected on its own: the weighted mean of what was fed
+    assert estimator.gradient_sq_norm == pytest.approx(
+        sum(w * g for w, (g, _) in zip(weights, pairs)) / sum(weights))
+    assert estimator.trace_sigma == pytest.approx(
+        sum(w * t for w, (_, t) in zip(weights, pairs)) / sum(weights))
+
+
+def test_no_value_before_warm_up_then_one() -> None:
+    estimator = NoiseScaleEstimator(warmup=3)
+    assert estimator.value is None and estimator.gradient_sq_norm is None
+    assert [feed(estimator, 1.0, 50.0) for _ in range(4)][:2] == [None, None]
+    assert estimator.value == pytest.approx(50.0)
+
+
+def test_no_value_while_the_gradient_norm_average_is_not_positive() -> None:
+    estimator = NoiseScaleEstimator(decay=0.9, warmup=1)
+    assert feed(estimator, -2.0, 50.0) is None  # noise swamped the signal
+    assert feed(estimator, 0.0, 50.0) is None
+    assert feed(estimator, 100.0, 50.0) is not None
+
+
+def test_a_negative_trace_average_reads_as_no_noise() -> None:
+    estimator = NoiseScaleEstimator(warmup=1)
+    assert feed(estimator, 1.0, -5.0) == 0.0
+
+
+def test_non_finite_norms_are_skipped_and_counted() -> None:
+    estimator = NoiseScaleEstimator(warmup=1)
+    feed(estimator, 2.0, 20.0)
+    assert estimator.update(math.inf, 4, 1.0, 32) == pytest.approx(10.0)
+    assert estimator.update(1.0, 4, math.nan, 32) == pytest.approx(10.0)
+    assert (estimator.updates, estimator.skipped) == (1, 2)
+
+
+@pytest.mark.parametrize("small, big", [(8, 8), (16, 8), (0, 8), (4, math.inf), (True, 8)])
+def test_sizes_must_be_positive_and_ordered(small, big) -> None:
+    with pytest.raises(ValueError, match="size"):
+        NoiseScaleEstimator().update(1.0, small, 1.0, big)
+
+
+@pytest.mark.parametrize("kwargs, name", [({"decay": 1.0}, "decay"), ({"decay": -0.1}, "decay"),
+                                          ({"warmup": 0}, "warmup"), ({"warmup": 2.0}, "warmup")])
+def test_bad_settings_are_refused_by_name(kwargs, name) -> None:
+    with pytest.raises(ValueError, match=name):
+        NoiseScaleEstimator(**kwargs)
+
+
+def test_state_dict_round_trip_continues_identically() -> None:
+    gen = torch.Generator().manual_seed(3)
+    stream = [(float(torch.rand((), generator=gen)) * 4, float(torch.rand((), generator=gen)) * 90)
+              for _ in range(30)]
+    first, second = NoiseScaleEstimator(decay=0.9, warmup=5), NoiseScaleEstimator(decay=0.9, warmup=5)
+    for g2, trace in stream[:12]:
+        feed(first, g2 + 1.0, trace)
+    state = first.state_dict()
+    assert all(type(v) in (int, float) for v in state.values())
+    second.load_state_dict(json.loads(json.dumps(state)))  # survives a text checkpoint
+    assert second.state_dict() == state and second.value == first.value
+    for g2, trace in stream[12:]:
+        assert feed(first, g2 + 1.0, trace) == feed(second, g2 + 1.0, trace)
+
+
+def test_load_state_dict_names_missing_keys() -> None:
+    state = NoiseScaleEstimator().state_dict()
+    del state["ema_weight"]
+    with pytest.raises(ValueError, match="ema_weight"):
+        NoiseScaleEstimator().load_state_dict(state)
+
+
+def test_squared_grad_norm_sums_all_gradients_and_skips_missing_ones() -> None:
+    a, c = torch.nn.Parameter(torch.zeros(3)), torch.nn.Parameter(torch.zeros(2))
+    b = torch.nn.Parameter(torch.zeros(5, dtype=torch.bfloat16))  # a bf16 model's gradient
+    a.grad, b.grad = torch.arange(3.0), torch.ones(5, dtype=torch.bfloat16)
+    got = squared_grad_norm([a, b, c])
+    assert got.dim() == 0 and got.dtype == torch.float32
+    assert float(got) == pytest.approx(0 + 1 + 4 + 5)
+    assert float(squared_grad_norm([c])) == 0.0
+
+
+# --------------------------------------------------------------------------- #
+# Two ranks (gloo)
+# --------------------------------------------------------------------------- #
+
+RANKS, STEPS, ACCUMULATION, MICRO = 2, 400, 8, 32
+
+
+def _per_rank_noise_scale(rank: int, world: int) -> list:
+    """Per-rank small batches (each rank's micro batches, one scalar all-reduce), big all-reduced."""
+    delta = unit_delta(D, seed=7)
+    w = torch.nn.Parameter(delta.clone())
+    gen = torch.Generator().manual_seed(2000 + rank)
+    estimator, values = NoiseScaleEstimator(decay=0.95), []
+    for _ in range(STEPS):
+        total, small = torch.zeros(D), torch.zeros(())
+        for _ in range(ACCUMULATION):
+            x, y = draw(gen, (MICRO,), D, SIGMA)
+            _loss(w, x, y).backward()
+            small += squared_grad_norm([w])
+            total += w.grad
+            w.grad = None
+        dist.all_reduce(small)  # the one scalar all-reduce for the small batches
+        dist.all_reduce(total)  # the gradient all-reduce a step does anyway
+        big = total / (ACCUMULATION * world)
+        values.append(estimator.update(float(small) / (ACCUMULATION * world), MICRO,
+                                       float(big.pow(2).sum()), MICRO * ACCUMULATION * world))
+    return values
+
+
+class _Regression(torch.nn.Module):
+    """``x . w + z . v``: ``v`` has an odd size, so FSDP2 shards it unevenly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w, self.v = torch.nn.Parameter(torch.randn(D)), torch.nn.Parameter(torch.randn(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x[:, :D] @ self.w + x[:, D:] @ self.v
+
+
+def _fsdp_checks(rank: int, world: int) -> dict:
+    """What FSDP2 leaves after each micro batch, and the squared norm from one batched all-reduce."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)  # same initial weights on every rank
+    model = _Regression()
+    fully_shard(model, mesh=mesh)
+    gen = torch.Generator().manual_seed(3000 + rank)
+    out = {}
+    for step in range(2):
+        tokens = [MICRO - rank - step, MICRO]  # uneven counts, as real token counts are
+        batches = [draw(gen, (n,), D + 3, SIGMA) for n in tokens]
+        for k, (x, y) in enumerate(batches):
+            loss = 0.5 * (model(x) - y).pow(2).sum()  # summed, as the trainer's token loss
+            loss.backward()
+            if k == 0:
+                small = squared_grad_norm(model.parameters())
+                first_full = torch.cat([p.grad.full_tensor() for p in model.parameters()])
+        # the trainer's normalisation: undo FSDP's 1/world, divide by the step's tokens
+        all_tokens = torch.tensor(float(sum(tokens)))
+        dist.all_reduce(all_tokens)
+        for p in model.parameters():
+            p.grad.mul_(world / all_tokens)
+        big = squared_grad_norm(model.parameters())
+        packed = torch.stack([small, big, torch.tensor(float(tokens[0]))])
+        dist.all_reduce(packed)  # ONE all-reduce for the pair and the first micro batch's tokens
+        s_small = float(packed[0]) * (world / float(packed[2])) ** 2
+        # references from the unsharded weights: every rank's first micro batch, pooled
+        full_w = torch.cat([p.full_tensor() for p in model.parameters()]).detach()
+        x0, y0 = batches[0]
+        local_first = x0.T @ (x0 @ full_w - y0)
+        pooled = local_first.clone()
+        dist.all_reduce(pooled)
+        big_full = torch.cat([p.grad.full_tensor() for p in model.parameters()])
+        out[f"step{step}"] = {
+            "first_is_rank_average": torch.allclose(first_full, pooled / world, rtol=1e-4, atol=1e-4),
+            "s_small": s_small, "s_small_ref": float((pooled / float(packed[2])).pow(2).sum()),
+            "s_big": float(packed[1]), "s_big_ref": float(big_full.pow(2).sum()),
+        }
+        for p in model.parameters():
+            p.grad = None
+    full = torch.arange(6.0)
+    replicated = torch.nn.Parameter(DTensor.from_local(full, mesh, [Replicate()]))
+    replicated.grad = DTensor.from_local(full, mesh, [Replicate()])
+    value = squared_grad_norm([replicated])
+    dist.all_reduce(value)
+    out["replicated"] = [float(value), float(full.pow(2).sum())]
+    partial = torch.nn.Parameter(DTensor.from_local(full, mesh, [Replicate()]))
+    partial.grad = DTensor.from_local(full, mesh, [Partial()])
+    with pytest.raises(ValueError, match="Partial"):
+        squared_grad_norm([partial])
+    assert all(isinstance(p, DTensor) and p.placements == (Shard(0),) for p in model.parameters())
+    return out
+
+
+def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    try:
+        result = {"values": _per_rank_noise_scale(rank, world), "fsdp": _fsdp_checks(rank, world)}
+        Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.multiprocess
+def test_two_ranks_track_the_true_noise_scale_and_fsdp_norms_are_exact(tmp_path: Path) -> None:
+    # fork: the children inherit the imported torch (a spawn re-imports it, ~10 s on a busy
+    # machine); they run on one thread each, and a deadline turns a hang into a failure
+    context = mp.start_processes(_worker, args=(RANKS, str(tmp_path / "store"), str(tmp_path)),
+                                 nprocs=RANKS, join=False, start_method="fork")
+    deadline = time.monotonic() + 180
+    while not context.join(timeout=1):
+        if time.monotonic() > deadline:
+            for p in context.processes:
+                p.kill()
+            pytest.fail("the 2-rank noise scale run did not finish in 180 s")
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
+    values = results[0]["values"]
+    assert values == results[1]["values"]  # every rank holds the same estimate
+    truth = true_noise_scale(D, SIGMA, unit_delta(D, seed=7))
+    errors = relative_errors(truth, values[100:])
+    print(f"{RANKS} ranks, per rank per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
+          f"error final {errors[-1]:.3f} max over steps 100-{STEPS} {max(errors):.3f}")
+    assert max(errors) < TOLERANCE
+    for result in results:
+        fsdp = result["fsdp"]
+        for step in ("step0", "step1"):
+            assert fsdp[step]["first_is_rank_average"]
+            assert fsdp[step]["s_small"] == pytest.approx(fsdp[step]["s_small_ref"], rel=1e-4)
+            assert fsdp[step]["s_big"] == pytest.approx(fsdp[step]["s_big_ref"], rel=1e-4)
+        assert fsdp["replicated"][0] == pytest.approx(fsdp["replicated"][1])
