@@ -9,7 +9,7 @@ model only through :meth:`StepRunner.trial_step`, one measured worst-case step.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 import torch
@@ -20,6 +20,7 @@ from adaptive_batching import memory
 from adaptive_batching.data import worst_case_batch
 from adaptive_batching.distributed import ParallelInfo, all_reduce_sum
 from adaptive_batching.loss import summed_token_loss
+from adaptive_batching.noise_scale import NoiseScaleEstimator, squared_grad_norm
 from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
 from adaptive_batching.oom_recovery import OK, OutOfMemoryStop, StepGuard, optimizer_step_counts
 from adaptive_batching.profiler import StepMemory
@@ -34,6 +35,7 @@ class StepStats:
     seconds: float
     grad_norm: Optional[float] = None
     samples: int = 0
+    noise_scale: Optional[float] = None  # the smoothed gradient noise scale after this step, in samples
 
 
 class UnguardedOutOfMemory(RuntimeError):
@@ -54,6 +56,7 @@ class StepRunner:
     oom_recovery: bool
     info: Callable[[str], None]
     where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
+    noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
         """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
@@ -65,12 +68,17 @@ class StepRunner:
         memory.reset_peak_memory(self.device)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), device=self.device, dtype=torch.long)
+        # The first micro batch's gradient against the whole step's (see noise_scale.py): needs >= 2.
+        first: list[torch.Tensor] = []
+        samples = [float(len(b["tokens"])) for b in micro_batches]
 
         def forward_backward() -> None:
-            for batch in micro_batches:
+            for index, batch in enumerate(micro_batches):
                 micro_loss, micro_tokens = self.forward_backward(batch)
                 loss_sum.add_(micro_loss)
                 tokens.add_(micro_tokens)
+                if index == 0 and len(micro_batches) > 1:
+                    first[:] = [squared_grad_norm(self.model.parameters(), self.device), micro_tokens.float()]
 
         if not (self.oom_recovery and self.guard.protecting):
             try:
@@ -85,10 +93,24 @@ class StepRunner:
             memory.release_memory(self.device)
             return None
         all_reduce_sum(loss_sum, self.parallel)
-        grad_norm = self.apply_gradients(tokens)
+        measure = (lambda big: self._measure_noise(first, big, samples)) if first else None
+        grad_norm = self.apply_gradients(tokens, measure)
         n_tokens = int(tokens.item())
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=grad_norm)
+                         seconds=time.perf_counter() - start, grad_norm=grad_norm, noise_scale=self.noise.value)
+
+    def _measure_noise(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> None:
+        """One update of the noise scale: the first micro batch's and the whole step's squared gradient
+        norms, the first micro batch's tokens and both sizes in samples, in one all-reduce over ranks."""
+        small, first_tokens = first
+        ranks = self.parallel.world_size
+        packed = torch.stack([small.float(), big.float(), first_tokens.to(small.device),
+                              torch.tensor(samples[0], device=small.device), torch.tensor(sum(samples), device=small.device)])
+        all_reduce_sum(packed, self.parallel)
+        small_sq, big_sq, first_total, small_size, big_size = packed.tolist()
+        if first_total > 0 and 0 < small_size < big_size:
+            # The first micro batch's gradient is a sum over its tokens, averaged over ranks by FSDP.
+            self.noise.update(small_sq * (ranks / first_total) ** 2, small_size, big_sq, big_size)
 
     def trial_step(self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable,
                    vocab_size: int, packed: bool) -> StepMemory:
@@ -139,12 +161,17 @@ class StepRunner:
         loss.backward()
         return loss.detach(), tokens
 
-    def apply_gradients(self, tokens: torch.Tensor) -> Optional[float]:
-        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm."""
+    def apply_gradients(self, tokens: torch.Tensor,
+                        measure: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[float]:
+        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm.
+
+        ``measure`` receives the step's squared gradient norm (this rank's part) before clipping."""
         self.guard.sync_point()
         all_reduce_sum(tokens, self.parallel)
         # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
         training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
+        if measure is not None:
+            measure(squared_grad_norm(self.model.parameters(), self.device))
         grad_norm = None
         if self.clip_grad_norm is not None:
             self.guard.sync_point()

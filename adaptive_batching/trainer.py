@@ -147,6 +147,8 @@ class Trainer:
         self.steps = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
                                 clip_grad_norm=self.clip_grad_norm, oom_recovery=self.oom_recovery, info=self.info,
                                 where=lambda: (self.global_step + 1, self.saved_step, cfg.checkpointer.output_dir))
+        if self.resumed.get("noise_scale"):
+            self.steps.noise.load_state_dict(self.resumed["noise_scale"])
 
         self.dataset, self.packed = build_dataset(cfg.dataset, self.tokenizer)
         self.collate = build_collate(
@@ -514,6 +516,8 @@ class Trainer:
             metrics["peak_memory_gb"] = peak
         if stats.grad_norm is not None:
             metrics["grad_norm"] = stats.grad_norm
+        if stats.noise_scale is not None:
+            metrics["gradient_noise_scale"] = stats.noise_scale
         self.metric_logger.log_dict(metrics, step=self.global_step)
 
     # ------------------------------------------------------------------ saving
@@ -534,6 +538,7 @@ class Trainer:
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
             **self.recovery.state_dict(),
             **self.batching.state_dict(),
+            "noise_scale": self.steps.noise.state_dict(),
         }
 
     def save(self, epoch: int) -> None:
