@@ -203,3 +203,19 @@ def test_without_restarts_the_job_stops_naming_the_cut_and_the_resume_command(ru
     assert json.loads((latest / MARKER).read_text())["global_step"] == 6
     from safetensors.torch import load_file
     assert load_file(next(latest.glob("model-*.safetensors")))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.e2e
+def test_one_process_under_torchrun_takes_the_same_restart_path(runs: Path, assets: Path) -> None:
+    """``--nproc_per_node 1``: the process group exists, so the window rules and the restart apply too."""
+    fault = {"phase": "forward", "from_step": 7, "to_step": 7, "above": 4}
+    output = ok(faulty_run(runs, "single", fault, assets, "batch_size=8", "save_every_n_steps=2", nproc=1,
+                           timeout=400, launcher=["--max-restarts=1"]))
+    assert "outside the guard window" in output and "torchrun restart 1 of job" in output
+    assert "Rank 0: finished at optimizer step 10, micro batch 4" in output
+    steps = [s for s in json.loads((runs / "single-rank0.json").read_text()) if s["step"] <= 6]
+    steps += json.loads((runs / "single-rank0-restart1.json").read_text())
+    for epoch in (0, 1):
+        counts = Counter(i for s in steps if s["epoch"] == epoch for i in s["samples"])
+        assert sorted(counts) == list(range(SAMPLES)) and set(counts.values()) == {1}, epoch
