@@ -145,8 +145,9 @@ def _swap_in(new: Path, final: Path) -> Path:
 # ---------------------------------------------------------------------------- find
 
 
-def latest_complete_checkpoint(output_dir: Path) -> Optional[Path]:
-    """The complete ``epoch_N`` folder with the largest ``global_step`` (ties: largest N), if any.
+def latest_complete_checkpoint(output_dir: Path, job_id: Optional[str] = None) -> Optional[Path]:
+    """The complete ``epoch_N`` folder with the largest ``global_step`` (ties: largest N), if any;
+    with ``job_id``, only among those that job wrote (its marker's ``job_id``).
 
     Repairs an interrupted save first (see ``_repair``). A folder counts only if its
     ``checkpoint.json`` says complete and every file it lists is there at its size, the recipe
@@ -165,6 +166,8 @@ def latest_complete_checkpoint(output_dir: Path) -> Optional[Path]:
             record, reason = _inspect(path)
             if record is None:
                 log.warning("Skipping checkpoint folder %s: %s", path, reason)
+                continue
+            if job_id is not None and record.get("job_id") != job_id:
                 continue
             key = (record["global_step"], int(match.group(1)))
             if best is None or key > best[0]:
@@ -264,7 +267,7 @@ def _locked(output_dir: Path) -> Iterator[None]:
 # ---------------------------------------------------------------------------- load
 
 
-def resume_config(cfg_checkpointer: DictConfig) -> DictConfig:
+def resume_config(cfg_checkpointer: DictConfig, job_id: Optional[str] = None) -> DictConfig:
     """The checkpointer config (new, resolved) that resumes from the latest complete checkpoint.
 
     torchtune 0.6.1 joins ``recipe_checkpoint``, ``adapter_checkpoint`` and, when resuming a full
@@ -272,7 +275,7 @@ def resume_config(cfg_checkpointer: DictConfig) -> DictConfig:
     run (``adapter_model.pt`` in the folder) keeps its configured base weights.
     """
     output_dir = Path(cfg_checkpointer.output_dir)
-    latest = latest_complete_checkpoint(output_dir)
+    latest = latest_complete_checkpoint(output_dir, job_id)
     if latest is None:
         raise FileNotFoundError(
             f"resume_from_checkpoint=True but {output_dir} holds no complete checkpoint (an epoch_N/ "
@@ -289,10 +292,12 @@ def resume_config(cfg_checkpointer: DictConfig) -> DictConfig:
     return resumed
 
 
-def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool) -> tuple[Any, dict[str, Any]]:
-    """Instantiate the checkpointer and load the weights, plus the recipe state on resume."""
+def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool,
+                    job_id: Optional[str] = None) -> tuple[Any, dict[str, Any]]:
+    """Instantiate the checkpointer and load the weights, plus the recipe state on resume (from the
+    latest checkpoint ``job_id`` wrote, when given)."""
     if resume:
-        cfg_checkpointer = resume_config(cfg_checkpointer)
+        cfg_checkpointer = resume_config(cfg_checkpointer, job_id)
     checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=resume)
     return checkpointer, checkpointer.load_checkpoint()
 

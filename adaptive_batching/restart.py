@@ -41,14 +41,16 @@ def resume_after_restart(output_dir: Path, env: Mapping[str, str] = os.environ) 
     count = restart_count(env)
     if count == 0:
         return False, ""
-    latest = latest_complete_checkpoint(Path(output_dir))
-    if latest is None:
-        return False, f"torchrun restart {count}: no complete checkpoint in {output_dir}, starting from the beginning"
-    record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
     this_job = job_id(env)
-    if this_job is None or record.get("job_id") != this_job:
-        return False, (f"torchrun restart {count}: the checkpoint in {latest} was written by job "
-                       f"{record.get('job_id')!r}, not this job {this_job!r}; not resumed, starting from the beginning")
+    latest = latest_complete_checkpoint(Path(output_dir), this_job) if this_job is not None else None
+    if latest is None:
+        other = latest_complete_checkpoint(Path(output_dir))
+        if other is None:
+            return False, f"torchrun restart {count}: no complete checkpoint in {output_dir}, starting from the beginning"
+        written_by = json.loads((other / MARKER).read_text(encoding="utf-8")).get("job_id")
+        return False, (f"torchrun restart {count}: the checkpoint in {other} was written by job "
+                       f"{written_by!r}, not this job {this_job!r}; not resumed, starting from the beginning")
+    record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
     return True, (f"torchrun restart {count} of job {this_job}: resuming from {latest} "
                   f"(optimizer step {record['global_step']})")
 

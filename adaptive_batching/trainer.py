@@ -76,8 +76,10 @@ class Trainer:
         self.clip_grad_norm: Optional[float] = cfg.get("clip_grad_norm", None)
         self.log_every_n_steps: int = cfg.get("log_every_n_steps", 1)
         self.resume: bool = cfg.get("resume_from_checkpoint", False)
+        self.resume_job: Optional[str] = None  # a torchrun restart resumes only its own job's checkpoints
         if not self.resume:
             self.resume, why = restart.resume_after_restart(Path(cfg.checkpointer.output_dir))
+            self.resume_job = restart.job_id() if self.resume else None
             if why:
                 self.info(why)
         self.guard_steps: int = settings.knobs["guard_steps"]
@@ -118,7 +120,7 @@ class Trainer:
         if self.is_rank_zero:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
-        self.checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume)
+        self.checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
         self.model = build_model(
             cfg.model, self.method, checkpoint,
             device=self.device, dtype=self.dtype, parallel=self.parallel,

@@ -66,8 +66,8 @@ def test_guard_steps_must_be_a_non_negative_integer(base_cfg, value) -> None:  #
 
 
 # ---------------------------------------------------------------- restart decisions
-def complete_checkpoint(output_dir: Path, job: str | None, step: int = 6) -> None:
-    folder = output_dir / "epoch_1"
+def complete_checkpoint(output_dir: Path, job: str | None, step: int = 6, name: str = "epoch_1") -> None:
+    folder = output_dir / name
     folder.mkdir(parents=True)
     (folder / "recipe_state.pt").write_bytes(b"x")
     (folder / "model-00001-of-00001.safetensors").write_bytes(b"w")
@@ -92,6 +92,17 @@ def test_a_new_job_or_another_jobs_checkpoint_is_not_resumed(tmp_path: Path, env
     complete_checkpoint(tmp_path, "job-a")
     resume, why = restart.resume_after_restart(tmp_path, env)
     assert not resume and expected in why
+
+
+def test_a_restart_resumes_its_own_latest_checkpoint_beside_an_older_jobs_later_one(tmp_path: Path) -> None:
+    """Job b reuses job a's folder: a's step-10 checkpoint is later, but b's restart resumes b's step 2."""
+    complete_checkpoint(tmp_path, "job-a", step=10, name="epoch_1")
+    complete_checkpoint(tmp_path, "job-b", step=2, name="epoch_0")
+    resume, why = restart.resume_after_restart(tmp_path, {restart.RESTART_COUNT: "1", restart.RUN_ID: "job-b"})
+    assert resume and "epoch_0" in why and "(optimizer step 2)" in why
+    from adaptive_batching.checkpointing import latest_complete_checkpoint
+    assert latest_complete_checkpoint(tmp_path).name == "epoch_1"
+    assert latest_complete_checkpoint(tmp_path, "job-b").name == "epoch_0"
 
 
 def test_a_restart_without_a_checkpoint_starts_over(tmp_path: Path) -> None:
