@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.tiny_assets import write_tiny_assets
 
 from config_edits import CONFIGS
 
@@ -12,3 +16,15 @@ from config_edits import CONFIGS
 def base_cfg() -> DictConfig:
     """The shipped tiny full config, as loaded from its file."""
     return OmegaConf.load(CONFIGS / "tiny_full.yaml")
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The offline tiny model, tokenizer and data, written once per test module."""
+    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A folder a test module's recipe runs share."""
+    return tmp_path_factory.mktemp("runs")

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, final_weights, ok
 
@@ -17,11 +16,6 @@ pytestmark = pytest.mark.e2e
 
 RECIPES = {"full": ("adaptive_full_finetune", "tiny_full"), "lora": ("adaptive_lora_finetune", "tiny_lora")}
 SAVES = ("batch_size=8", "save_every_n_steps=2")  # 5 steps per epoch: saves after steps 2, 4, 5, 6, 8, 10
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])

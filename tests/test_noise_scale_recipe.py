@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, ok
 
@@ -18,11 +17,6 @@ pytestmark = pytest.mark.e2e
 # step against the whole step gives one measurement per step, reported after 10 (the warm-up).
 RUN = ("batch_size=4", "gradient_accumulation_steps=2", "dataset.split=train[:80]", "epochs=2",
        "max_steps_per_epoch=null", "save_every_n_steps=6")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
 def test_the_noise_scale_is_logged_and_survives_a_kill_and_resume(assets: Path, tmp_path: Path) -> None:

@@ -32,7 +32,6 @@ from adaptive_batching.oom_recovery import (
     split_for,
 )
 from adaptive_batching.distributed import ParallelInfo
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import read_metrics, run_command
 
 HERE = Path(__file__).parent
@@ -96,11 +95,6 @@ def test_a_peer_out_of_memory_counts_as_out_of_memory() -> None:
 
 
 # ---------------------------------------------------------------- recipe runs
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
-
-
 def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str,
                recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
                timeout: int = 600, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
@@ -143,11 +137,6 @@ def assert_every_sample_once_per_epoch(counts: dict[int, Counter], epochs: int =
     for epoch, counter in counts.items():
         assert sorted(counter) == list(range(SAMPLES)), epoch
         assert set(counter.values()) == {1}, (epoch, {k: v for k, v in counter.items() if v != 1})
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runs")
 
 
 @pytest.fixture(scope="module")

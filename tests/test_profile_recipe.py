@@ -9,18 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import FIXED_BATCH_SIZE, check, losses, read_metrics, run_command, tune_run
 
 pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 SHORT = ("epochs=1", "max_steps_per_epoch=2")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
 def profiled(assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> tuple[str, dict]:

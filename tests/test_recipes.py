@@ -8,17 +8,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import FIXED_BATCH_SIZE, check, losses, read_metrics, tune_run
 
 pytestmark = pytest.mark.e2e
 
 RECIPES = {"full": ("adaptive_full_finetune", "tiny_full"), "lora": ("adaptive_lora_finetune", "tiny_lora")}
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
 def run(method: str, assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> Path:

@@ -19,7 +19,6 @@ from adaptive_batching.distributed import ParallelInfo
 from adaptive_batching.oom_recovery import StepGuard
 from adaptive_batching.recovery import OomRecovery, SampleCuts
 from adaptive_batching.settings import ConfigError, validate_config
-from adaptive_batching.tiny_assets import write_tiny_assets
 from config_edits import modified
 from test_oom_recovery import SAMPLES, faulty_run, ok
 
@@ -127,16 +126,6 @@ def test_the_recorded_cut_is_adopted_only_where_it_cuts_deeper(tmp_path: Path) -
 
 
 # ---------------------------------------------------------------- two ranks under torchrun
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runs")
-
-
 # 40 samples, micro batch 4 on each of 2 ranks: 5 steps per epoch, 10 in all; saves after 2, 4, 5, 6, 8, 10.
 TWO_RANKS = ("batch_size=4", "save_every_n_steps=2")
 OOM_AT_7 = {"phase": "forward", "from_step": 7, "to_step": 7, "above": 2, "rank": 1}

@@ -11,7 +11,6 @@ from config_edits import CONFIGS, modified
 from omegaconf import OmegaConf
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import check, read_metrics, run_command, tune_run
 
 pytestmark = pytest.mark.e2e
@@ -19,11 +18,6 @@ pytestmark = pytest.mark.e2e
 HERE = Path(__file__).parent
 RECIPES = {"full": ("adaptive_full_finetune", "tiny_full"), "lora": ("adaptive_lora_finetune", "tiny_lora")}
 BATCH_KEYS = ("micro_batch_size", "gradient_accumulation_steps", "global_batch_size")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
 @pytest.fixture(scope="module")

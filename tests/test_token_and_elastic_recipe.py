@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_batching.tiny_assets import write_tiny_assets
 from recipe_runs import read_metrics
 from test_oom_recovery import assert_close_weights, faulty_run, final_weights, ok
 
@@ -19,16 +18,6 @@ SAMPLES = 120
 TOKENS = ("use_maximum_batch_size=False", "batch_increase_function=null", f"dataset.split=train[:{SAMPLES}]",
           "max_steps_per_epoch=null", "epochs=2", "lr_scheduler=null", "adaptive_batching.max_tokens=2048",
           "adaptive_batching.picking_order=seqlen", "batch_size=16")
-
-
-@pytest.fixture(scope="module")
-def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
-
-
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("runs")
 
 
 def steps_of(runs: Path, name: str) -> list[dict]:
