@@ -193,3 +193,10 @@ def geometric(
         return 0
     new_size = max(1, math.floor(current_batch_size * factor + 0.5))
     return new_size - current_batch_size
+
+
+# Growth functions that read training statistics (the ``stats`` keyword), under the same roof.
+from adaptive_batching import growth_stats as _growth_stats  # noqa: E402
+
+noise_scale = _growth_stats.noise_scale
+seesaw = _growth_stats.seesaw

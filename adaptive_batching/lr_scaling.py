@@ -76,6 +76,10 @@ class SampleDrivenLR:
     def factor(self) -> float:
         return lr_factor(self.global_batch, self.reference_global_batch, self.rule)
 
+    def schedule_shape(self) -> Optional[float]:
+        """The LR schedule's multiplier now (1.0 at its peak), or None without a schedule."""
+        return None if self.scheduler is None else float(self.scheduler.lr_lambdas[0](self.progress))
+
     def lrs(self) -> list[float]:
         """What each param group's LR is now."""
         if self.scheduler is None:

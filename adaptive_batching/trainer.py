@@ -24,6 +24,7 @@ from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataset
 from adaptive_batching.distributed import barrier, init_parallel, shutdown
 from adaptive_batching.elastic import shape_at
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth_stats import accepts_stats, call_increase
 from adaptive_batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.model import (
     FinetuneMethod,
@@ -91,6 +92,7 @@ class Trainer:
         self.metric_logger: Any = None
         self.profile_result: Optional[ProfileResult] = None
         self.epoch_plan: list[EpochBatch] = []
+        self.measured_increments: dict[int, int] = {}  # epoch -> what a statistics-reading growth function returned
         self.resumed: dict[str, Any] = {}
         # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
         self.oom_recovery: bool = settings.knobs["oom_recovery"]
@@ -220,11 +222,11 @@ class Trainer:
             start, accumulation, cap = shape.micro_batch, shape.accumulation, None
         else:
             start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
-        self.epoch_plan = plan_batches(
-            epochs=self.total_epochs, start=start, accumulation=accumulation,
-            ranks=self.parallel.world_size, increase=self.settings.batch_increase_function,
-            memory_cap=cap, grow_past_memory=self.settings.knobs["grow_past_memory"],
-        )
+        self.measured_increments = {int(k): v for k, v in (self.resumed.get("measured_increments") or {}).items()}
+        self._plan_args = dict(epochs=self.total_epochs, start=start, accumulation=accumulation,
+                               ranks=self.parallel.world_size, increase=self._increase, memory_cap=cap,
+                               grow_past_memory=self.settings.knobs["grow_past_memory"])
+        self.epoch_plan = plan_batches(**self._plan_args)
         profiled = start if profile is not None and self.settings.use_maximum_batch_size else None
         self.batching.plan(self.epoch_plan, start=start, resumed=self.resumed, profiled=profiled,
                            verify=self._verifying, info=self.info)
@@ -303,9 +305,39 @@ class Trainer:
     def final_batch(self) -> str:
         return self.batching.final_batch(self.epochs_run, self.split, self.micro_piece)
 
+    def _increase(self, epoch: int, current: int) -> int:
+        """The growth function as the plan calls it: an increment measured at an epoch start, where one was."""
+        if epoch in self.measured_increments:
+            return self.measured_increments[epoch]
+        return self.settings.batch_increase_function(epoch, current)  # type: ignore[misc]
+
+    def grow_from_statistics(self, epoch: int) -> None:
+        """A growth function that reads training statistics decides ``epoch``'s batch now, from what the
+        run measured (gradient noise scale, LR decay); the rest of the plan follows from it."""
+        fn = self.settings.batch_increase_function
+        if fn is None or epoch == 0 or epoch in self.measured_increments or not accepts_stats(fn):
+            return
+        previous, first = self.epoch_plan[epoch - 1], self.epoch_plan[0]
+        shape = self.lr.schedule_shape()
+        stats = {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
+                 "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
+                 "ranks": previous.shape.ranks,
+                 "lr_decay": None if shape is None else shape * previous.shape.global_batch / first.shape.global_batch}
+        self.measured_increments[epoch] = int(call_increase(fn, epoch, previous.requested, stats))
+        self.epoch_plan = plan_batches(**self._plan_args)
+        self.batching.plan(self.epoch_plan, start=self._plan_args["start"],
+                           resumed={**self.resumed, **self.batching.state_dict()}, profiled=None,
+                           verify=self._verifying, info=self.info)
+        noise = stats["noise_scale"]
+        self.info(f"Growth from statistics at epoch {epoch + 1}: gradient noise scale "
+                  f"{'not measured yet' if noise is None else f'{noise:.1f}'}, global batch {previous.shape.global_batch}"
+                  f": the function returned {self.measured_increments[epoch]:+d}")
+
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
         start = time.perf_counter()
+        if switch:
+            self.grow_from_statistics(epoch)
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
         self.recovery.plan(self.batch.micro_batch)
@@ -540,6 +572,7 @@ class Trainer:
             "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
             **self.recovery.state_dict(),
             **self.batching.state_dict(),
+            "measured_increments": {str(k): v for k, v in self.measured_increments.items()},
             "noise_scale": self.steps.noise.state_dict(),
         }
 
