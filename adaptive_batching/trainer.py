@@ -224,7 +224,8 @@ class Trainer:
             start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
         self.measured_increments = {int(k): v for k, v in (self.resumed.get("measured_increments") or {}).items()}
         self._plan_args = dict(epochs=self.total_epochs, start=start, accumulation=accumulation,
-                               ranks=self.parallel.world_size, increase=self._increase, memory_cap=cap,
+                               ranks=self.parallel.world_size, memory_cap=cap,
+                               increase=None if self.settings.batch_increase_function is None else self._increase,
                                grow_past_memory=self.settings.knobs["grow_past_memory"])
         self.epoch_plan = plan_batches(**self._plan_args)
         profiled = start if profile is not None and self.settings.use_maximum_batch_size else None
