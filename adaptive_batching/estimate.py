@@ -2,8 +2,9 @@
 
 The model, optimizer and inputs are built under ``FakeTensorMode`` (shapes and dtypes, no storage);
 torch's ``MemTracker`` counts the bytes a training step would hold. The same probe-and-fit as the
-real profiler then predicts the largest micro batch under ``device memory x fraction``. There is no
-verification step, so allocator overheads the real profiler would meet are not seen here.
+real profiler then predicts the largest micro batch under ``device memory x fraction``, and fake
+steps from that prediction verify it, as the real profiler's real steps do. Allocator overheads
+the real profiler would meet are not seen here.
 
 Two ways to count a step, with the same answer (tested to 2% and the same micro batch):
 
@@ -17,8 +18,8 @@ Two ways to count a step, with the same answer (tested to 2% and the same micro 
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, replace
-from typing import Any, Optional
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -32,6 +33,7 @@ from adaptive_batching.memory import PeakMeter, current_bytes
 from adaptive_batching.memory_fit import max_micro_batch_under
 from adaptive_batching.model import FinetuneMethod
 from adaptive_batching.profiler import StepMemory, fit_probes, probe_until_slope
+from adaptive_batching.search import Trial, search_max_micro_batch
 
 CPU = torch.device("cpu")
 EXTRAPOLATED = "layer extrapolation"
@@ -43,7 +45,8 @@ class Estimate:
     """A prediction for ``device_memory_bytes``; ``max_micro_batch`` is before margin and rounding.
 
     ``method`` says how steps were counted (``layer extrapolation`` or ``full trace``) and
-    ``traced_layers`` how many of the model's ``num_layers`` were traced.
+    ``traced_layers`` how many of the model's ``num_layers`` were traced. ``fit_micro_batch`` is
+    the linear fit's answer; ``verify_steps`` fake steps from it found ``max_micro_batch``.
     """
 
     max_micro_batch: int
@@ -59,6 +62,8 @@ class Estimate:
     method: str
     num_layers: int
     traced_layers: int
+    fit_micro_batch: int
+    verify_steps: int
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -71,6 +76,8 @@ class Estimate:
             how = f"layer extrapolation (traced {self.traced_layers} of {self.num_layers} layers; --full-trace traces all)"
         else:
             how = f"layer extrapolation (all {self.num_layers} layers traced, nothing to extrapolate)"
+        verified = (f"the fit predicted {self.fit_micro_batch}; {self.verify_steps} fake steps from there found "
+                    f"{self.max_micro_batch}" if self.verify_steps else "the fit's prediction, not verified")
         return (
             f"predicted largest micro batch: {self.max_micro_batch} ({self.seq_len}-token samples, "
             f"{self.world_size} rank(s))\n"
@@ -78,6 +85,7 @@ class Estimate:
             f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
             f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
             f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
+            f"{verified}\n"
             f"method: {how}"
         )
 
@@ -147,18 +155,25 @@ def _optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     return config.instantiate(DictConfig(optimizer_cfg), [p for p in model.parameters() if p.requires_grad])
 
 
-def _full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-                max_probe: int) -> tuple[dict[int, StepMemory], int, int]:
-    """Probes that trace every layer of the whole model: exact, and slow for deep models."""
+Measure = Callable[[int], StepMemory]
+"""One more fake training step at a micro batch, on the model a trace built."""
+
+
+def _full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
+                fake: FakeTensorMode) -> tuple[Measure, int, int]:
+    """Steps that trace every layer of the whole model: exact, and slow for deep models."""
     model, loss_fn, num_layers = _build(cfg, method, dtype, fake)
     seq_len = _seq_len(cfg, model)
     vocab_size = model.tok_embeddings.num_embeddings
     with fake:
         optimizer = _optimizer(cfg, model)
-        # The first probe also creates the optimizer state; activations do not depend on it.
-        probed = probe_until_slope(lambda b: _fake_step(model, optimizer, loss_fn, b, seq_len, vocab_size),
-                                   max_probe)
-    return probed, seq_len, num_layers
+
+    def step(micro_batch: int) -> StepMemory:
+        # The first step also creates the optimizer state; activations do not depend on it.
+        with fake:
+            return _fake_step(model, optimizer, loss_fn, micro_batch, seq_len, vocab_size)
+
+    return step, seq_len, num_layers
 
 
 def _optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, list[int]]:
@@ -179,9 +194,9 @@ def _optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return before, current_bytes(CPU, model, optimizer), peaks
 
 
-def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-                  max_probe: int) -> tuple[dict[int, StepMemory], int, int, int]:
-    """Probes whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps."""
+def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
+                  fake: FakeTensorMode) -> tuple[Measure, int, int, int]:
+    """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps."""
     model, _, num_layers = _build(cfg, method, dtype, fake, uniform=True)
     seq_len = _seq_len(cfg, model)
     vocab_size = model.tok_embeddings.num_embeddings
@@ -204,7 +219,7 @@ def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, f
         steps += 1
         return memory
 
-    return probe_until_slope(step, max_probe), seq_len, num_layers, traced
+    return step, seq_len, num_layers, traced
 
 
 def _seq_len(cfg: DictConfig, model: nn.Module) -> int:
@@ -213,7 +228,11 @@ def _seq_len(cfg: DictConfig, model: nn.Module) -> int:
 
 @dataclass(frozen=True)
 class StepTrace:
-    """The probe steps of one trace, for any device: :func:`predict` turns them into an :class:`Estimate`."""
+    """The probe steps of one trace, for any device: :func:`predict` turns them into an :class:`Estimate`.
+
+    ``measure`` runs more fake steps on the same model (to verify a prediction); ``measured``
+    keeps every step it ran, so predictions for several devices share them.
+    """
 
     probes: dict[int, StepMemory]
     seq_len: int
@@ -221,6 +240,8 @@ class StepTrace:
     traced_layers: int
     method: str
     seconds: float
+    measure: Optional[Measure] = field(default=None, repr=False, compare=False)
+    measured: dict[int, StepMemory] = field(default_factory=dict, repr=False, compare=False)
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, exact: bool = False, max_probe: int = 1024) -> StepTrace:
@@ -235,14 +256,15 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, exact: bool = False,
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=CPU)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     if exact:
-        probed, seq_len, num_layers = _full_trace(cfg, method, dtype, fake, max_probe)
+        measure, seq_len, num_layers = _full_trace(cfg, method, dtype, fake)
         traced = num_layers
     else:
-        probed, seq_len, num_layers, traced = _extrapolated(cfg, method, dtype, fake, max_probe)
+        measure, seq_len, num_layers, traced = _extrapolated(cfg, method, dtype, fake)
+    probed = probe_until_slope(measure, max_probe)
     if fit_probes(probed) is None:
         raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
     return StepTrace(probed, seq_len, num_layers, traced, FULL_TRACE if exact else EXTRAPOLATED,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, measure, dict(probed))
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -258,24 +280,36 @@ def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> N
         raise ValueError(f"world_size (--world-size) must be an integer >= 1, got {world_size!r}")
 
 
-def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9, world_size: int = 1) -> Estimate:
+def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9, world_size: int = 1,
+            verify: bool = True) -> Estimate:
     """The largest micro batch under ``device_memory_bytes x fraction`` for the traced steps.
 
-    With ``world_size`` > 1, weights, gradients and optimizer state are divided over the ranks
-    as FSDP shards them; activations are not.
+    The linear fit of the probes predicts it; with ``verify`` (and a trace that can measure),
+    fake steps from there (gallop, then bisect, as the real profiler's verification) find the
+    largest micro batch whose step fits. The fit alone can be far off: a step's peak is the
+    highest of several phases, and which one sets it changes with the micro batch (Llama 3 8B
+    at 8192 tokens: the gradients at 1-2 samples, the logits from 3 on), so a line through the
+    smallest probes can underestimate larger batches. With ``world_size`` > 1, weights,
+    gradients and optimizer state are divided over the ranks as FSDP shards them; activations are not.
     """
     _check_device(device_memory_bytes, fraction, world_size)
+    started = time.perf_counter()
     probed = trace.probes
     fit = fit_probes(probed)
     if fit is None:
         raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
-    model_state = probed[max(probed)].steady_bytes // world_size
-    sharded = probed[max(probed)].steady_bytes - model_state
-    fit = replace(fit, fixed_bytes=fit.fixed_bytes - sharded, plateau_bytes=max(0.0, fit.plateau_bytes - sharded))
+    steady = probed[max(probed)].steady_bytes
+    model_state = steady // world_size
+    fit = replace(fit, fixed_bytes=fit.fixed_bytes - (steady - model_state),
+                  plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)))
     optimizer_peak = max(m.optimizer_peak for m in probed.values()) // world_size
     budget = int(device_memory_bytes * fraction)
+    fit_batch = max_micro_batch_under(fit, budget) if optimizer_peak <= budget else 0
+    largest, steps = fit_batch, 0
+    if verify and trace.measure is not None and fit_batch >= 1:
+        largest, steps = _verify(trace, fit_batch, budget, model_state, world_size)
     return Estimate(
-        max_micro_batch=max_micro_batch_under(fit, budget) if optimizer_peak <= budget else 0,
+        max_micro_batch=largest,
         device_memory_bytes=device_memory_bytes,
         budget_bytes=budget,
         seq_len=trace.seq_len,
@@ -284,11 +318,29 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         bytes_per_sample=fit.bytes_per_sample,
         optimizer_peak_bytes=optimizer_peak,
         world_size=world_size,
-        seconds=trace.seconds,
+        seconds=trace.seconds + time.perf_counter() - started,
         method=trace.method,
         num_layers=trace.num_layers,
         traced_layers=trace.traced_layers,
+        fit_micro_batch=fit_batch,
+        verify_steps=steps,
     )
+
+
+def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_size: int) -> tuple[int, int]:
+    """The largest micro batch whose fake step fits ``budget`` per rank, searched from ``start``;
+    and the number of steps the search looked at (steps already measured cost nothing)."""
+    assert trace.measure is not None
+
+    def run(micro_batch: int) -> Trial:
+        if micro_batch not in trace.measured:
+            trace.measured[micro_batch] = trace.measure(micro_batch)
+        memory = trace.measured[micro_batch]
+        peak = max(model_state + memory.activation_bytes, memory.optimizer_peak // world_size)
+        return Trial(micro_batch, peak <= budget, float(peak), 0.0, "verify")
+
+    result = search_max_micro_batch(run, start, tolerance=0.0, max_steps=16)
+    return result.max_ok, len(result.trials)
 
 
 def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int,

@@ -8,6 +8,7 @@ peaks cannot be extrapolated and that the segment walk is exact for any depth.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,9 +16,11 @@ from torch import nn
 
 from adaptive_batching.cli import main
 from adaptive_batching.config import load_config
-from adaptive_batching.estimate import EXTRAPOLATED, FULL_TRACE, estimate_max_micro_batch, predict, trace_steps
+from adaptive_batching.estimate import (EXTRAPOLATED, FULL_TRACE, StepTrace, estimate_max_micro_batch, predict,
+                                        trace_steps)
 from adaptive_batching.layer_timeline import Segment, decoder_layers, extrapolate_peak, repeats
 from adaptive_batching.methods import method_for
+from adaptive_batching.profiler import StepMemory
 from config_edits import CONFIGS
 
 MiB = 2**20
@@ -75,6 +78,31 @@ def test_the_peak_moves_from_the_head_to_the_gradients_and_is_still_exact() -> N
     assert line < 0.8 * deep
 
 
+def _convex(micro_batch: int) -> StepMemory:
+    """A step whose peak is set by 10 MiB of gradients up to 2 samples, then by 6 MiB of logits per sample."""
+    activation = max(10 * MiB + micro_batch * MiB, 6 * MiB * micro_batch)
+    return StepMemory(activation, 4 * MiB + activation, 5 * MiB, 4 * MiB)
+
+
+def test_fake_steps_correct_a_fit_that_underestimates_larger_batches() -> None:
+    """The line through micro batch 1 and 2 (1 MiB per sample) promises 26 samples in 40 MiB; the
+    steps say 6 (4 + 36 MiB), as 7 needs 46 MiB."""
+    measured = []
+
+    def measure(micro_batch: int) -> StepMemory:
+        measured.append(micro_batch)
+        return _convex(micro_batch)
+
+    trace = StepTrace({1: _convex(1), 2: _convex(2)}, 64, 4, 3, EXTRAPOLATED, 0.0, measure, {})
+    assert predict(trace, device_memory_bytes=40 * MiB, fraction=1.0, verify=False).max_micro_batch == 26
+    estimate = predict(trace, device_memory_bytes=40 * MiB, fraction=1.0)
+    assert (estimate.fit_micro_batch, estimate.max_micro_batch) == (26, 6)
+    assert estimate.verify_steps == len(measured) and 7 in measured
+    assert "the fit predicted 26; " in estimate.describe()
+    again = predict(trace, device_memory_bytes=40 * MiB, fraction=1.0)  # reuses the steps it measured
+    assert again.max_micro_batch == 6 and len(measured) == estimate.verify_steps
+
+
 def test_layers_must_be_identical_to_extrapolate() -> None:
     class Odd(nn.Module):
         def __init__(self) -> None:
@@ -114,47 +142,55 @@ def test_extrapolated_steps_match_the_full_trace(traces: dict, case: str) -> Non
 @pytest.mark.parametrize("device_memory", [48 * MiB, 512 * MiB])
 def test_extrapolation_predicts_the_same_micro_batch(traces: dict, case: str, world_size: int,
                                                      device_memory: int) -> None:
-    fast, full = (predict(t, device_memory_bytes=device_memory, world_size=world_size) for t in traces[case])
+    fast, full = (predict(t, device_memory_bytes=device_memory, world_size=world_size, verify=False)
+                  for t in traces[case])
     assert fast.max_micro_batch == full.max_micro_batch > 0
     at_8 = [e.fixed_bytes + e.bytes_per_sample * 8 for e in (fast, full)]
     assert at_8[0] == pytest.approx(at_8[1], rel=0.02)
     if world_size == 2:  # sharded weights and optimizer state leave room for more samples
-        single = predict(traces[case][1], device_memory_bytes=device_memory)
+        single = predict(traces[case][1], device_memory_bytes=device_memory, verify=False)
         assert full.model_state_bytes < single.model_state_bytes
         assert full.max_micro_batch >= single.max_micro_batch
 
 
-def test_cli_extrapolates_by_default_and_says_so(traces: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
-    name, overrides = FOUR_LAYERS["full, activation checkpointing"]
-    out = tmp_path / "e.json"
-    code = main(["estimate", "--config", str(CONFIGS / name), "--device-memory", "512MiB", "--world-size", "2",
-                 "--json", str(out), *overrides])
-    assert code == 0
-    assert "method: layer extrapolation (traced 3 of 4 layers; --full-trace traces all)" in capsys.readouterr().out
-    written = json.loads(out.read_text())
-    assert (written["method"], written["world_size"], written["traced_layers"]) == (EXTRAPOLATED, 2, 3)
-    full = predict(traces["full, activation checkpointing"][1], device_memory_bytes=512 * MiB, world_size=2)
-    assert written["max_micro_batch"] == full.max_micro_batch
-
-
-def test_cli_full_trace_flag_asks_for_the_exact_trace(traces: dict, monkeypatch: pytest.MonkeyPatch,
-                                                     capsys: pytest.CaptureFixture) -> None:
-    """The flag reaches ``trace_steps``; the trace itself is the fixture's (already compared above)."""
+def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch,
+                                                                  capsys: pytest.CaptureFixture) -> None:
+    """The command and its flags reach ``trace_steps``, which answers with the fixture's traces of the
+    same config (the tracing itself is compared above; ``tests/test_profile_recipe.py`` runs the
+    command end to end); the extrapolated one verifies its prediction with 2 more fake steps."""
     import adaptive_batching.estimate as estimate
 
+    case = "full, activation checkpointing"
+    fast, full = traces[case]
     asked = []
 
-    def recorded(cfg: object, method: object, *, exact: bool, max_probe: int) -> object:
-        asked.append(exact)
-        return traces["LoRA"][1 if exact else 0]
+    def recorded(cfg: object, method: object, *, exact: bool, max_probe: int) -> StepTrace:
+        asked.append((exact, cfg.model.num_layers, method.name))
+        return replace(full, measure=None) if exact else fast  # verifying the full trace costs seconds
 
     monkeypatch.setattr(estimate, "trace_steps", recorded)
-    config = ["--config", str(CONFIGS / "tiny_lora.yaml"), "--device-memory", "512MiB"]
-    assert main(["estimate", *config, "--full-trace"]) == 0
-    assert "method: full trace of all 4 layers" in capsys.readouterr().out
-    assert main(["estimate", *config]) == 0
-    assert "method: layer extrapolation (traced 3 of 4 layers" in capsys.readouterr().out
-    assert asked == [True, False]
+    name, overrides = FOUR_LAYERS[case]
+    out = tmp_path / "e.json"
+    argv = ["estimate", "--config", str(CONFIGS / name), "--device-memory", "512MiB", "--world-size", "2",
+            "--json", str(out), *overrides]
+    assert main(argv) == 0
+    printed = capsys.readouterr().out
+    assert "method: layer extrapolation (traced 3 of 4 layers; --full-trace traces all)" in printed
+    written = json.loads(out.read_text())
+    assert (written["method"], written["world_size"], written["traced_layers"]) == (EXTRAPOLATED, 2, 3)
+    # The tiny model's peaks are linear in the micro batch: the fit is right and 2 fake steps
+    # confirm it (it fits, one more sample does not).
+    exact = predict(full, device_memory_bytes=512 * MiB, world_size=2, verify=False).max_micro_batch
+    assert written["max_micro_batch"] == written["fit_micro_batch"] == exact
+    assert written["verify_steps"] == 2
+    assert f"the fit predicted {exact}; 2 fake steps from there found {exact}" in printed
+
+    assert main([*argv, "--full-trace"]) == 0
+    printed = capsys.readouterr().out
+    assert "method: full trace of all 4 layers" in printed and "the fit's prediction, not verified" in printed
+    assert json.loads(out.read_text())["method"] == FULL_TRACE
+    assert asked == [(False, 4, "full"), (True, 4, "full")]
 
 
 @pytest.mark.parametrize("argv, flag", [
