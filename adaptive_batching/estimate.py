@@ -73,7 +73,8 @@ class Estimate:
         if self.method == FULL_TRACE:
             how = f"full trace of all {self.num_layers} layers"
         elif self.traced_layers < self.num_layers:
-            how = f"layer extrapolation (traced {self.traced_layers} of {self.num_layers} layers; --full-trace traces all)"
+            how = (f"layer extrapolation (traced {self.traced_layers} of {self.num_layers} layers; "
+                   f"--full-trace traces all)")
         else:
             how = f"layer extrapolation (all {self.num_layers} layers traced, nothing to extrapolate)"
         verified = (f"the fit predicted {self.fit_micro_batch}; {self.verify_steps} fake steps from there found "

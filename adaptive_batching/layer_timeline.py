@@ -94,9 +94,10 @@ class LayerTimeline(FrozenAwareMemTracker):
     """``MemTracker`` that also cuts the pass into segments at the layers' boundaries.
 
     A segment starts at a layer's forward (pre-hook on ``layers[i]``; activation checkpointing
-    recomputes the wrapped module inside, which has no such hook) and when the gradient of a layer's output arrives (the start of
-    its backward). Highest points are sampled where ``MemTracker`` samples its own peak, after
-    every op, so the segments' highest point is the tracker's peak.
+    recomputes the wrapped module inside, which has no such hook) and when the gradient of a
+    layer's output arrives (the start of its backward). Highest points are sampled where
+    ``MemTracker`` samples its own peak, after every op, so the segments' highest point is the
+    tracker's peak.
     """
 
     def __init__(self, layers: nn.ModuleList, *tracked: Any) -> None:

@@ -25,7 +25,8 @@ from config_edits import CONFIGS
 
 MiB = 2**20
 FOUR_LAYERS = {
-    "full, activation checkpointing": ("tiny_full.yaml", ["model.num_layers=4", "enable_activation_checkpointing=True"]),
+    "full, activation checkpointing": ("tiny_full.yaml",
+                                       ["model.num_layers=4", "enable_activation_checkpointing=True"]),
     "LoRA": ("tiny_lora.yaml", ["model.num_layers=4", "model.apply_lora_to_mlp=False",
                                 "model.lora_attn_modules=[q_proj,v_proj]"]),
 }
