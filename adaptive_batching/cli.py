@@ -99,9 +99,19 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.methods import method_for
     from adaptive_batching.settings import parse_bytes
 
+    try:
+        device_memory = parse_bytes(args.device_memory)
+    except ValueError as err:
+        print(f"error: --device-memory: {err}", file=sys.stderr)
+        return 2
     cfg = load_config(args.config, args.overrides)
-    estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=parse_bytes(args.device_memory),
-                                        fraction=args.fraction, world_size=args.world_size)
+    try:
+        estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
+                                            fraction=args.fraction, world_size=args.world_size,
+                                            exact=args.full_trace)
+    except ValueError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     print(estimate.describe())
     if args.json:
         Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2, sort_keys=True))
@@ -140,6 +150,8 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device-memory", required=True, help="e.g. 80GiB")
     estimate.add_argument("--fraction", type=float, default=0.9, help="share of device memory to use (default 0.9)")
     estimate.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP)")
+    estimate.add_argument("--full-trace", action="store_true",
+                          help="trace every layer (exact, minutes for an 8B model) instead of 3 layers extrapolated")
     estimate.add_argument("--json", help="also write the estimate as JSON here")
     estimate.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     estimate.set_defaults(func=cmd_estimate)

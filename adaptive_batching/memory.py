@@ -113,7 +113,8 @@ class PeakMeter:
     the live tensors at the start plus the growth of the process's resident memory during the
     phase (the kernel's high-water mark, reset for the phase): it counts every allocation the
     step makes, as a real memory limit does, and holds no reference to any tensor. Where that
-    counter cannot be reset, and for fake tensors, torch's ``MemTracker`` counts tensors instead.
+    counter cannot be reset, and for fake tensors, torch's ``MemTracker`` counts tensors instead
+    (:class:`~adaptive_batching.mem_tracker.FrozenAwareMemTracker`, which also takes LoRA models).
     """
 
     def __init__(self, device: torch.device, *tracked: Any) -> None:
@@ -139,9 +140,9 @@ class PeakMeter:
             self.start_bytes = live_tensor_bytes(*self.tracked)
             self._resident_start = _proc_status_bytes("VmRSS")
         else:
-            from torch.distributed._tools.mem_tracker import MemTracker
+            from adaptive_batching.mem_tracker import FrozenAwareMemTracker
 
-            self._tracker = MemTracker()
+            self._tracker = FrozenAwareMemTracker()
             self._tracker.track_external(*self.tracked)
             self._tracker.__enter__()
             self.start_bytes = self._tracked_total("current")

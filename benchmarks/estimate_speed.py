@@ -1,0 +1,176 @@
+#!/usr/bin/env python
+"""How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace.
+
+    python benchmarks/estimate_speed.py [--models tiny,llama3_2_1b,llama3_8b] [--methods fast,full]
+                                        [--device-memory 80GiB] [--seq-len 8192] [--out-dir DIR]
+
+Every model is estimated at ``--seq-len`` tokens per sample, bf16 weights, AdamW, activation
+checkpointing, for a device of ``--device-memory`` (x 0.9), once with each method, each run in a
+fresh process (one run each: the full trace of Llama 3 8B takes minutes). A run reports the
+fit's prediction, the micro batch its fake verification steps found, how many fake steps it ran
+(probes and verification), the estimate's own wall and CPU time (without the imports) and the
+whole process's wall time. Each run is compared with the full trace of the same model at every
+micro batch both measured: the largest relative difference of a step's peak (weights, optimizer
+state and the forward/backward's activations). Markdown and JSON are written to ``--out-dir``
+(default: the current directory). Needs no weights: the models are built with fake tensors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+CONFIGS = HERE.parents[1] / "configs"
+MODELS = {  # name: (config, model-specific overrides)
+    "tiny": ("tiny_full", ["model.max_seq_len={seq_len}"]),
+    "llama3_2_1b": ("llama3_2_1b", []),
+    "llama3_8b": ("llama3_8b", []),
+}
+COMMON = ["tokenizer.max_seq_len={seq_len}", "dtype=bf16", "enable_activation_checkpointing=True",
+          "optimizer._component_=torch.optim.AdamW"]
+METHODS = {"fast": False, "full": True}  # method: exact
+GIB = 2**30
+
+
+def _config(name: str) -> str:
+    local = CONFIGS / f"{name}.yaml"
+    return str(local) if local.is_file() else name
+
+
+def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -> None:
+    """One estimate in this process; its result, times and probes go to ``out`` as JSON."""
+    from adaptive_batching.config import load_config
+    from adaptive_batching.estimate import predict, trace_steps
+    from adaptive_batching.methods import method_for
+    from adaptive_batching.settings import parse_bytes
+
+    config, extra = MODELS[model]
+    overrides = [o.format(seq_len=seq_len) for o in (*COMMON, *extra)]
+    cfg = load_config(_config(config), overrides)
+    wall, cpu = time.perf_counter(), time.process_time()
+    trace = trace_steps(cfg, method_for(cfg), exact=METHODS[method])
+    estimate = predict(trace, device_memory_bytes=parse_bytes(device_memory))
+    result = {
+        "estimate": estimate.to_dict(),
+        "estimate_wall_s": time.perf_counter() - wall,
+        "estimate_cpu_s": time.process_time() - cpu,
+        "probes": sorted(trace.probes),
+        "steps": {str(b): vars(m) for b, m in sorted(trace.measured.items())},
+        "overrides": overrides,
+    }
+    Path(out).write_text(json.dumps(result, indent=2))
+
+
+def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
+    out = args.out_dir / f"estimate_speed_{model}_{method}.json"
+    cmd = [sys.executable, str(HERE), "--child", model, method, str(args.seq_len), args.device_memory, str(out)]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    started = time.perf_counter()
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if done.returncode != 0:
+        raise RuntimeError(f"{model} {method} failed:\n{done.stderr[-3000:]}")
+    result = json.loads(out.read_text())
+    out.unlink()
+    result.update(model=model, method=method, process_wall_s=time.perf_counter() - started)
+    return result
+
+
+def _step_peak(row: dict[str, Any], micro_batch: int) -> int:
+    """A measured step's forward/backward peak once the optimizer state exists (as the fit sees it)."""
+    step = row["steps"][str(micro_batch)]
+    return step["steady_bytes"] + step["activation_bytes"]
+
+
+def compare(rows: list[dict[str, Any]]) -> None:
+    """Add, to each row, its step peak at its answer and its largest difference to the full trace."""
+    full = {r["model"]: r for r in rows if r["method"] == "full"}
+    for row in rows:
+        answer = row["estimate"]["max_micro_batch"]
+        if str(answer) in row["steps"]:
+            row["step_peak_at_answer_bytes"] = _step_peak(row, answer)
+        reference = full.get(row["model"])
+        if reference is None:
+            continue
+        shared = sorted(set(row["steps"]) & set(reference["steps"]), key=int)
+        row["compared_micro_batches"] = [int(b) for b in shared]
+        row["max_peak_vs_full"] = max(
+            (abs(_step_peak(row, int(b)) - _step_peak(reference, int(b))) / _step_peak(reference, int(b))
+             for b in shared), default=None)
+        row["same_micro_batch"] = answer == reference["estimate"]["max_micro_batch"]
+
+
+def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [
+        f"{args.seq_len}-token samples, bf16, AdamW, activation checkpointing, {args.device_memory} x 0.9, "
+        f"1 rank; {os.cpu_count()} CPU cores, torch {_torch_version()}",
+        "",
+        "| model | layers traced | method | fit predicts | verified micro batch | step peak there | fake steps "
+        "| vs full trace (micro batches) | estimate wall s | estimate CPU s | process wall s |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
+    ]
+    for r in rows:
+        e = r["estimate"]
+        peak = r.get("step_peak_at_answer_bytes")
+        vs = r.get("max_peak_vs_full")
+        compared = ", ".join(str(b) for b in r.get("compared_micro_batches", []))
+        lines.append(
+            f"| {r['model']} | {e['traced_layers']} of {e['num_layers']} | {e['method']} | {e['fit_micro_batch']} "
+            f"| {e['max_micro_batch']} | {'-' if peak is None else f'{peak / GIB:.2f} GiB'} | {len(r['steps'])} "
+            f"| {'-' if vs is None else f'max {vs:.3%} ({compared})'} "
+            f"| {r['estimate_wall_s']:.1f} | {r['estimate_cpu_s']:.1f} | {r['process_wall_s']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+        return
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
+    p.add_argument("--methods", default="fast,full", help="comma-separated, of fast, full")
+    p.add_argument("--device-memory", default="80GiB")
+    p.add_argument("--seq-len", type=int, default=8192)
+    p.add_argument("--out-dir", type=Path, default=Path("."))
+    args = p.parse_args()
+    models = [m for m in args.models.split(",") if m]
+    methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in models if m not in MODELS] + [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"unknown --models/--methods entries {unknown}; models: {list(MODELS)}, methods: {list(METHODS)}")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in models:
+        for method in methods:
+            rows.append(run(model, method, args))
+            r = rows[-1]
+            print(f"{model} {method}: micro batch {r['estimate']['max_micro_batch']} "
+                  f"(fit {r['estimate']['fit_micro_batch']}), "
+                  f"{r['estimate_wall_s']:.1f} s wall, {r['estimate_cpu_s']:.1f} s CPU", flush=True)
+    compare(rows)
+    table = markdown(rows, args)
+    print("\n" + table)
+    (args.out_dir / "estimate_speed.md").write_text(table)
+    meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "platform": platform.platform(),
+            "cpu_count": os.cpu_count(), "torch": _torch_version(), "device_memory": args.device_memory,
+            "seq_len": args.seq_len}
+    (args.out_dir / "estimate_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    print(f"written: {args.out_dir / 'estimate_speed.md'}, {args.out_dir / 'estimate_speed.json'}")
+
+
+if __name__ == "__main__":
+    main()
