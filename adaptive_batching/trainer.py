@@ -24,6 +24,7 @@ from adaptive_batching.data import DEFAULT_COLLATE, build_collate, build_dataset
 from adaptive_batching.distributed import barrier, init_parallel, shutdown
 from adaptive_batching.elastic import shape_at
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth_interval import Segment, parse_growth_interval
 from adaptive_batching.growth_stats import accepts_stats, call_increase
 from adaptive_batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.model import (
@@ -39,7 +40,15 @@ from adaptive_batching.oom_recovery import OutOfMemoryStop, StepGuard, piece_siz
 from adaptive_batching.profile_run import remember_out_of_memory, run_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.recovery import OomRecovery
-from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason, plan_batches
+from adaptive_batching.schedule import (
+    EpochBatch,
+    checked_increment,
+    describe_plan,
+    epoch_switch_reason,
+    grow_entry,
+    plan_batches,
+    seen_size,
+)
 from adaptive_batching.settings import AdaptiveSettings
 from adaptive_batching.stepping import StepRunner, StepStats, UnguardedOutOfMemory
 
@@ -93,6 +102,8 @@ class Trainer:
         self.profile_result: Optional[ProfileResult] = None
         self.epoch_plan: list[EpochBatch] = []
         self.measured_increments: dict[int, int] = {}  # epoch -> what a statistics-reading growth function returned
+        self.growth_interval = parse_growth_interval(settings.knobs["growth_interval"])
+        self.segment = Segment()  # the part of the current epoch the current sampler serves
         self.resumed: dict[str, Any] = {}
         # After an OOM in training: the most samples one forward may see, and each micro batch's pieces.
         self.oom_recovery: bool = settings.knobs["oom_recovery"]
@@ -223,11 +234,18 @@ class Trainer:
         else:
             start = cap if cap is not None and self.settings.use_maximum_batch_size else self.reference.micro_batch
         self.measured_increments = {int(k): v for k, v in (self.resumed.get("measured_increments") or {}).items()}
+        per_epoch = self.settings.batch_increase_function is not None and self.growth_interval.per_epoch
         self._plan_args = dict(epochs=self.total_epochs, start=start, accumulation=accumulation,
                                ranks=self.parallel.world_size, memory_cap=cap,
-                               increase=None if self.settings.batch_increase_function is None else self._increase,
+                               increase=self._increase if per_epoch else None,
                                grow_past_memory=self.settings.knobs["grow_past_memory"])
         self.epoch_plan = plan_batches(**self._plan_args)
+        grown = self.resumed.get("grown")
+        if grown is not None:  # the batch as grown inside epochs before the checkpoint
+            shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.parallel.world_size)
+            self._continue_with(EpochBatch(self.epochs_run, grown["requested"], grown["increment"], shape,
+                                           grown["reason"], cap), self.epochs_run)
+            self.segment = Segment.from_state(self.resumed.get("segment"))
         profiled = start if profile is not None and self.settings.use_maximum_batch_size else None
         self.batching.plan(self.epoch_plan, start=start, resumed=self.resumed, profiled=profiled,
                            verify=self._verifying, info=self.info)
@@ -246,13 +264,20 @@ class Trainer:
             self.lr.load_state_dict(self.resumed["lr"])
         header, *rows = describe_plan(self.epoch_plan)
         rows = self.batching.plan_rows(rows, extents, self.reference.global_batch, self.lr.rule)
+        grows = "" if per_epoch or self.settings.batch_increase_function is None else \
+            f"; the batch grows {self.growth_interval.describe()}, so the rows show where it starts"
         self.info(
             "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
             f"reference global batch {self.reference.global_batch} from the config; LR scaling '{self.lr.rule}'; "
-            f"LR schedule over {total_steps} reference steps):\n"
+            f"LR schedule over {total_steps} reference steps{grows}):\n"
             + "\n".join([header, *rows])
         )
         return self.epoch_plan
+
+    def _continue_with(self, entry: EpochBatch, epoch: int) -> None:
+        """``entry`` is the batch from ``epoch`` on (growth inside epochs); the plan list is changed in place."""
+        self.epoch_plan[epoch:] = [EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason,
+                                              entry.memory_cap) for e in range(epoch, self.total_epochs)]
 
     @contextmanager
     def _verifying(self) -> Iterator[Callable[[int, int], StepMemory]]:
@@ -297,7 +322,7 @@ class Trainer:
         for epoch in range(first, self.total_epochs):
             self.start_epoch(epoch, switch=epoch > first)
             last = self.train_epoch(epoch) or last
-            self.epochs_run, self.step_in_epoch = epoch + 1, 0
+            self.epochs_run, self.step_in_epoch, self.segment = epoch + 1, 0, Segment()
             self.save(epoch)
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {self.global_step}, "
@@ -316,14 +341,11 @@ class Trainer:
         """A growth function that reads training statistics decides ``epoch``'s batch now, from what the
         run measured (gradient noise scale, LR decay); the rest of the plan follows from it."""
         fn = self.settings.batch_increase_function
-        if fn is None or epoch == 0 or epoch in self.measured_increments or not accepts_stats(fn):
+        if fn is None or epoch == 0 or epoch in self.measured_increments or not accepts_stats(fn) \
+                or not self.growth_interval.per_epoch:
             return
-        previous, first = self.epoch_plan[epoch - 1], self.epoch_plan[0]
-        shape = self.lr.schedule_shape()
-        stats = {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
-                 "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
-                 "ranks": previous.shape.ranks,
-                 "lr_decay": None if shape is None else shape * previous.shape.global_batch / first.shape.global_batch}
+        previous = self.epoch_plan[epoch - 1]
+        stats = self.growth_statistics(previous)
         self.measured_increments[epoch] = int(call_increase(fn, epoch, previous.requested, stats))
         self.epoch_plan = plan_batches(**self._plan_args)
         self.batching.plan(self.epoch_plan, start=self._plan_args["start"],
@@ -334,6 +356,56 @@ class Trainer:
                   f"{'not measured yet' if noise is None else f'{noise:.1f}'}, global batch {previous.shape.global_batch}"
                   f": the function returned {self.measured_increments[epoch]:+d}")
 
+    def growth_statistics(self, previous: EpochBatch) -> dict[str, Any]:
+        """What a statistics-reading growth function is given (see ``growth_stats``)."""
+        shape, first = self.lr.schedule_shape(), self.epoch_plan[0]
+        return {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
+                "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
+                "ranks": previous.shape.ranks, "epoch": self.epochs_run,
+                "lr_decay": None if shape is None else shape * previous.shape.global_batch / first.shape.global_batch}
+
+    def grow_inside_epoch(self, epoch: int, period: int) -> None:
+        """Growth period ``period`` starts after this step: ask the growth function, and serve the rest of the
+        epoch at the new batch from the samples not yet served (the epoch's order goes on; the LR follows)."""
+        start, fn = time.perf_counter(), self.settings.batch_increase_function
+        previous = self.epoch_plan[epoch]
+        current = seen_size(previous, self.settings.knobs["grow_past_memory"])
+        stats = self.growth_statistics(previous)
+        inc = checked_increment(lambda p, c: call_increase(fn, p, c, stats), period, current)
+        entry = grow_entry(previous, inc, epoch=epoch, accumulation=self._plan_args["accumulation"],
+                           ranks=self.parallel.world_size, memory_cap=self._plan_args["memory_cap"],
+                           grow_past_memory=self.settings.knobs["grow_past_memory"])
+        self._continue_with(entry, epoch)
+        before, lr_before = self.batch, self.lr.lrs()[0]
+        steps = self.epoch_steps
+        if entry.shape != before and self.step_in_epoch < steps:
+            sampler = self.dataloader.batch_sampler
+            served = sum(sampler.samples_in_step(i) for i in range(self.segment.local(self.step_in_epoch)))
+            self.segment = Segment(self.segment.first_sample + served, self.step_in_epoch)
+            self.batch = entry.shape
+            self.recovery.plan(self.batch.micro_batch)
+            self.serve(epoch, start_step=self.step_in_epoch)
+            self.set_step_lr(self.step_in_epoch)
+        where = "the rest of this epoch" if self.step_in_epoch < steps else "the next epoch"
+        noise = stats["noise_scale"]
+        self.info(f"Growth period {period} ({self.growth_interval.describe()}) after optimizer step {self.global_step}: "
+                  f"{self.batching.describe_change(epoch, before, entry.shape)} for {where}, LR {lr_before:.3e} -> "
+                  f"{self.lr.lrs()[0]:.3e} ({epoch_switch_reason(previous, entry)}; gradient noise scale "
+                  f"{'not measured' if noise is None else f'{noise:.1f}'}) (took {(time.perf_counter() - start) * 1e3:.1f} ms)")
+
+    def growth_period_after_step(self, samples: int) -> Optional[int]:
+        """The growth period that starts after the step just done (``samples`` in it), or None."""
+        if self.settings.batch_increase_function is None or self.growth_interval.per_epoch:
+            return None
+        now = self.growth_interval.period(self.global_step, self.lr.consumed_samples)
+        before = self.growth_interval.period(self.global_step - 1, self.lr.consumed_samples - samples)
+        return now if now > before else None
+
+    @property
+    def epoch_steps(self) -> int:
+        """Optimizer steps in the current epoch (all its segments)."""
+        return self.segment.start_step + self.dataloader.batch_sampler.steps
+
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
         start = time.perf_counter()
@@ -342,6 +414,8 @@ class Trainer:
         entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
         self.recovery.plan(self.batch.micro_batch)
+        if switch:
+            self.segment = Segment()
         self.serve(epoch, start_step=self.step_in_epoch, state=self.resumed.get("dataloader"))
         self.set_step_lr(self.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
@@ -361,7 +435,8 @@ class Trainer:
 
     def set_step_lr(self, index: int) -> None:
         """The LR of step ``index``: for the planned global batch, or for the samples this step holds."""
-        global_batch = self.batching.lr_global_batch(self.batch, self.dataloader.batch_sampler, index)
+        global_batch = self.batching.lr_global_batch(self.batch, self.dataloader.batch_sampler,
+                                                     self.segment.local(index))
         if global_batch is not None:
             self.lr.set_global_batch(global_batch)
 
@@ -377,7 +452,8 @@ class Trainer:
             self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['ranks']}: "
                       f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
             state = None
-        self.dataloader = self.batching.loader(epoch, self.split, 0 if state else start_step)
+        self.dataloader = self.batching.loader(epoch, self.split, 0 if state else self.segment.local(start_step),
+                                               self.segment)
         served = (self.batch.micro_batch, self.split, self.batching.served(epoch))
         if served != self._served:
             self._served = served
@@ -404,7 +480,8 @@ class Trainer:
 
     def largest_piece(self, index: int) -> int:
         """The most samples a forward of step ``index`` sees, on any rank."""
-        return self.batching.largest_piece(self.dataloader.batch_sampler, index, self.micro_piece, self.split)
+        return self.batching.largest_piece(self.dataloader.batch_sampler, self.segment.local(index),
+                                           self.micro_piece, self.split)
 
     def split_note(self) -> str:
         return self.batching.split_note(self.split, self.micro_piece, self.batch)
@@ -412,16 +489,14 @@ class Trainer:
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
         """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
         self.model.train()
-        sampler = self.dataloader.batch_sampler
-        steps = sampler.steps
-        progress = tqdm(total=steps, initial=self.step_in_epoch, disable=not self.is_rank_zero,
+        progress = tqdm(total=self.epoch_steps, initial=self.step_in_epoch, disable=not self.is_rank_zero,
                         desc=f"epoch {epoch + 1}/{self.total_epochs}")
         stats = None
-        while self.step_in_epoch < steps:
+        while self.step_in_epoch < self.epoch_steps:
             index = self.step_in_epoch
             layout = self.dataloader.batch_sampler.step_layout()
             try:
-                step_stats = self.train_step([next(self.batches) for _ in range(layout[index])])
+                step_stats = self.train_step([next(self.batches) for _ in range(layout[self.segment.local(index)])])
             except UnguardedOutOfMemory as error:
                 self.stop_for_restart(epoch, index, str(error))
             if step_stats is None:
@@ -429,7 +504,7 @@ class Trainer:
                 continue
             self.guard.step_done()
             stats = step_stats
-            stats.samples = sampler.samples_in_step(index)
+            stats.samples = self.dataloader.batch_sampler.samples_in_step(self.segment.local(index))
             self.lr.advance(stats.samples)
             self.set_step_lr(index + 1)
             self.global_step += 1
@@ -438,8 +513,12 @@ class Trainer:
             progress.set_postfix_str(f"global batch {stats.samples} lr {self.current_lr():.2e} loss {stats.loss:.4f}")
             if self.global_step % self.log_every_n_steps == 0:
                 self.log_step(stats)
+            period = self.growth_period_after_step(stats.samples)
+            if period is not None:
+                self.grow_inside_epoch(epoch, period)
+                progress.total = self.epoch_steps
             if self.save_every_n_steps and self.global_step % self.save_every_n_steps == 0 \
-                    and self.step_in_epoch < steps:
+                    and self.step_in_epoch < self.epoch_steps:
                 self.save(epoch)
             self.maybe_grow_back(epoch)
         progress.close()
@@ -464,7 +543,7 @@ class Trainer:
             self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
         self.serve(epoch, start_step=index)
-        samples = self.dataloader.batch_sampler.samples_in_step(index)
+        samples = self.dataloader.batch_sampler.samples_in_step(self.segment.local(index))
         self.info(self.batching.oom_line(failed=failed, where=where, error=self.guard.last_error, samples=samples,
                                          split=self.split, micro_piece=self.micro_piece, batch=self.batch,
                                          ranks=self.parallel.world_size, cap=cap))
@@ -481,7 +560,7 @@ class Trainer:
             return
         waited, before = self.recovery.state.wait, self.micro_piece
         self.recovery.grow_back(self.batch.micro_batch)
-        if self.step_in_epoch < self.dataloader.batch_sampler.steps:
+        if self.step_in_epoch < self.epoch_steps:
             self.serve(epoch, start_step=self.step_in_epoch)
         self.info(self.batching.grow_back_line(waited=waited, before=before, micro_piece=self.micro_piece,
                                                split=self.split, cap=self.oom_cap))
@@ -574,8 +653,18 @@ class Trainer:
             **self.recovery.state_dict(),
             **self.batching.state_dict(),
             "measured_increments": {str(k): v for k, v in self.measured_increments.items()},
+            "grown": None if self.growth_interval.per_epoch else self._grown_entry(),
+            "segment": self.segment.state_dict(),
             "noise_scale": self.steps.noise.state_dict(),
         }
+
+    def _grown_entry(self) -> Optional[dict[str, Any]]:
+        """The batch in force from the epoch the run stands in (grown inside epochs), as saved."""
+        if self.epochs_run >= len(self.epoch_plan):
+            return None
+        entry = self.epoch_plan[self.epochs_run]
+        return {"requested": entry.requested, "increment": entry.increment, "reason": entry.reason,
+                "micro_batch": entry.shape.micro_batch, "accumulation": entry.shape.accumulation}
 
     def save(self, epoch: int) -> None:
         """Write the weights and the full recipe state, at the end of an epoch or inside one.
