@@ -19,12 +19,12 @@ class Growing:
     def grow_from_statistics(self, epoch: int) -> None:
         """A growth function that reads training statistics decides ``epoch``'s batch now, from what the
         run measured (gradient noise scale, LR decay); the rest of the plan follows from it."""
-        previous = self.epoch_plan[epoch - 1] if epoch else None
+        previous = self.plan.entries[epoch - 1] if epoch else None
         stats = self.growth_statistics(previous) if previous else {}
         increment = self.plan.measure_at_epoch_start(epoch, stats)
         if increment is None or previous is None:
             return
-        self.batching.plan(self.epoch_plan, start=self.plan.start,
+        self.batching.plan(self.plan.entries, start=self.plan.start,
                            resumed={**self.resumed, **self.batching.state_dict()}, profiled=None,
                            verify=self._verifying, info=self.info)
         noise = stats["noise_scale"]
@@ -34,7 +34,7 @@ class Growing:
 
     def growth_statistics(self, previous: EpochBatch) -> dict[str, Any]:
         """What a statistics-reading growth function is given (see ``growth_stats``)."""
-        shape, first = self.lr.schedule_shape(), self.epoch_plan[0]
+        shape, first = self.lr.schedule_shape(), self.plan.entries[0]
         return {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
                 "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
                 "ranks": previous.shape.ranks, "epoch": self.epochs_run,
@@ -44,7 +44,7 @@ class Growing:
         """Growth period ``period`` starts after this step: ask the growth function, and serve the rest of the
         epoch at the new batch from the samples not yet served (the epoch's order goes on; the LR follows)."""
         start = time.perf_counter()
-        stats = self.growth_statistics(self.epoch_plan[epoch])
+        stats = self.growth_statistics(self.plan.entries[epoch])
         previous, entry = self.plan.grow_in_period(epoch, period, stats)
         before, lr_before = self.batch, self.lr.lrs()[0]
         steps = self.epoch_steps

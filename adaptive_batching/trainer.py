@@ -29,12 +29,12 @@ from adaptive_batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.model import FinetuneMethod
 from adaptive_batching.oom_handling import OomHandling
 from adaptive_batching.oom_recovery import StepGuard
+from adaptive_batching.planning import BatchPlan, starting_batch
 from adaptive_batching.profile_run import ProfileContext, run_profile, saved_profile
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.recovery import OomRecovery
 from adaptive_batching.run_state import RunState
-from adaptive_batching.planning import BatchPlan, starting_batch
-from adaptive_batching.schedule import EpochBatch, describe_plan, epoch_switch_reason
+from adaptive_batching.schedule import describe_plan, epoch_switch_reason
 from adaptive_batching.settings import AdaptiveSettings
 from adaptive_batching.stepping import StepRunner, StepStats, UnguardedOutOfMemory, step_metrics
 
@@ -81,9 +81,7 @@ class Trainer(Growing, OomHandling, RunState):
         self.guard_steps: int = settings.knobs["guard_steps"]
         self.process_group_broken = False
         self._served: Optional[tuple[int, int, int]] = None  # (micro batch, split, token budget) last served
-        self.epochs_run = 0
-        self.step_in_epoch = 0
-        self.global_step = 0
+        self.epochs_run = self.step_in_epoch = self.global_step = 0
         self.metric_logger: Any = None
         self.profile_result: Optional[ProfileResult] = None
         self.plan = BatchPlan(settings, self.total_epochs, self.parallel.world_size)
@@ -169,7 +167,7 @@ class Trainer(Growing, OomHandling, RunState):
                                      collate=self.collate, vocab_size=self.tokenizer.vocab_size, packed=self.packed)
 
     # ------------------------------------------------------------------ planning
-    def make_plan(self) -> list[EpochBatch]:
+    def make_plan(self) -> BatchPlan:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
         profile = self.profile_result
         start = starting_batch(self.settings, self.reference, self.parallel.world_size,
@@ -179,7 +177,7 @@ class Trainer(Growing, OomHandling, RunState):
                        resumed=self.resumed, epochs_run=self.epochs_run)
         self.segment = Segment.from_state(self.resumed.get("segment"))
         profiled = start.micro_batch if profile is not None and self.settings.use_maximum_batch_size else None
-        self.batching.plan(self.epoch_plan, start=start.micro_batch, resumed=self.resumed, profiled=profiled,
+        self.batching.plan(self.plan.entries, start=start.micro_batch, resumed=self.resumed, profiled=profiled,
                            verify=self._verifying, info=self.info)
         self.batching.check(profiled=self.settings.use_maximum_batch_size and self.elastic is None,
                             reference_global_batch=self.reference.global_batch, rule=self.settings.lr_scaling,
@@ -189,7 +187,7 @@ class Trainer(Growing, OomHandling, RunState):
         self.lr = SampleDrivenLR.from_config(self.cfg.get("lr_scheduler", None), self.optimizer, self.base_lrs,
                                              total_steps=total_steps, reference_global_batch=self.reference.global_batch,
                                              rule=self.settings.lr_scaling, state=self.resumed.get("lr"))
-        header, *rows = describe_plan(self.epoch_plan)
+        header, *rows = describe_plan(self.plan.entries)
         rows = self.batching.plan_rows(rows, extents, self.reference.global_batch, self.lr.rule)
         grows = f"; the batch grows {self.plan.interval.describe()}, so the rows show where it starts" \
             if self.plan.grows_inside_epochs else ""
@@ -199,11 +197,7 @@ class Trainer(Growing, OomHandling, RunState):
             f"LR schedule over {total_steps} reference steps{grows}):\n"
             + "\n".join([header, *rows])
         )
-        return self.epoch_plan
-
-    @property
-    def epoch_plan(self) -> list[EpochBatch]:
-        return self.plan.entries
+        return self.plan
 
     @contextmanager
     def _verifying(self) -> Iterator[Callable[[int, int], StepMemory]]:
@@ -212,8 +206,10 @@ class Trainer(Growing, OomHandling, RunState):
             yield lambda samples, seq_len: self.trial_step(samples, seq_len=seq_len)
 
     # ------------------------------------------------------------------ training
-    def train(self) -> None:
-        """Train the remaining epochs at the planned batches, saving a checkpoint at the end of each."""
+    def train(self, plan: BatchPlan) -> None:
+        """Train the remaining epochs at ``plan``'s batches (it grows as it says), saving a checkpoint at the
+        end of each epoch and every ``save_every_n_steps``."""
+        self.plan = plan
         memory.release_memory(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         last: Optional[StepStats] = None
@@ -233,7 +229,7 @@ class Trainer(Growing, OomHandling, RunState):
         start = time.perf_counter()
         if switch:
             self.grow_from_statistics(epoch)
-        entry, previous, lr_before = self.epoch_plan[epoch], self.batch, self.lr.lrs()[0]
+        entry, previous, lr_before = self.plan.entries[epoch], self.batch, self.lr.lrs()[0]
         self.batch = entry.shape
         self.recovery.plan(self.batch.micro_batch)
         if switch:
@@ -249,7 +245,7 @@ class Trainer(Growing, OomHandling, RunState):
         change = self.batching.describe_change(epoch, previous, self.batch)
         self.info(
             f"Epoch switch {epoch} -> {epoch + 1}: {change}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
-            f"({epoch_switch_reason(self.epoch_plan[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
+            f"({epoch_switch_reason(self.plan.entries[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
         )
 
     def set_step_lr(self, index: int) -> None:
@@ -338,7 +334,14 @@ class Trainer(Growing, OomHandling, RunState):
                                batching=self.batching.metrics(self.epochs_run, self.split, self.micro_piece))
         self.metric_logger.log_dict(metrics, step=self.global_step)
 
+    def __enter__(self) -> "Trainer":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
+        """Close the metric logger and leave the process group (unless a rank broke it); runs after any error."""
         if self.metric_logger is not None:
             self.metric_logger.close()
         if not self.process_group_broken:

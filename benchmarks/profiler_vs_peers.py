@@ -198,7 +198,8 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
     from adaptive_batching.sampler import epoch_extent
 
-    first = trainer.make_plan()[0].shape
+    plan = trainer.make_plan()
+    first = plan.entries[0].shape
     epoch: dict[str, Any] = {"micro_batch": first.micro_batch, "capped": False,
                              "steps_planned": epoch_extent(len(trainer.dataset), first.global_batch, None)[0]}
     if args.epoch_time_cap > 0:
@@ -206,7 +207,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         signal.setitimer(signal.ITIMER_REAL, args.epoch_time_cap)
     t0 = time.perf_counter()
     try:
-        trainer.train()
+        trainer.train(plan)
         epoch.update(ok=True, steps=trainer.global_step)
     except EpochTimeCap:
         epoch.update(ok=True, capped=True, steps=trainer.global_step)

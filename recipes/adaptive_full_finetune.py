@@ -21,16 +21,13 @@ from adaptive_batching.trainer import Trainer
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train."""
+    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
+    saving as it goes. Every weight trains."""
     settings = validate_config(cfg)
-    trainer = Trainer(cfg, settings, FullFinetune())
-    try:
+    with Trainer(cfg, settings, FullFinetune()) as trainer:
         trainer.setup()
         trainer.profile()
-        trainer.make_plan()
-        trainer.train()
-    finally:
-        trainer.close()
+        trainer.train(trainer.make_plan())
 
 
 if __name__ == "__main__":

@@ -21,17 +21,14 @@ from adaptive_batching.trainer import Trainer
 
 @parse
 def recipe_main(cfg: DictConfig) -> None:
-    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train."""
+    """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
+    saving as it goes. Only the adapters train."""
     settings = validate_config(cfg)
-    method = LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
-    trainer = Trainer(cfg, settings, method)
-    try:
+    adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
+    with Trainer(cfg, settings, adapters) as trainer:
         trainer.setup()
         trainer.profile()
-        trainer.make_plan()
-        trainer.train()
-    finally:
-        trainer.close()
+        trainer.train(trainer.make_plan())
 
 
 if __name__ == "__main__":

@@ -34,8 +34,7 @@ def main() -> int:
     limit = virtual_size_bytes() + int(room_mib) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     result = trainer.profile()
-    trainer.make_plan()
-    trainer.train()
+    trainer.train(trainer.make_plan())
     print(json.dumps({"profile": result.to_dict(), "trained_steps": trainer.global_step,
                       "micro_batch": trainer.batch.micro_batch}))
     return 0
