@@ -74,31 +74,11 @@ def build_dataloader(
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 
 
-def build_token_dataloader(
-    dataset: Dataset,
-    lengths: list[int],
-    *,
-    max_tokens: int,
-    picking_order: str,
-    min_batch_size: Optional[int],
-    max_batch_size: Optional[int],
-    accumulation: int,
-    collate_fn: Callable,
-    parallel: ParallelInfo,
-    shuffle: bool,
-    seed: int,
-    epoch: int,
-    max_steps: Optional[int],
-    split: int = 1,
-    start_step: int = 0,
-) -> StatefulDataLoader:
-    """Like :func:`build_dataloader`, with micro batches cut by a padded-token budget (see token_batching)."""
-    sampler = TokenBudgetBatchSampler(
-        lengths, max_tokens=max_tokens, picking_order=picking_order, min_batch_size=min_batch_size,
-        max_batch_size=max_batch_size, accumulation=accumulation, rank=parallel.rank,
-        world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
-        split=split, start_step=start_step,
-    )
+def build_token_dataloader(dataset: Dataset, lengths: list[int], *, collate_fn: Callable, parallel: ParallelInfo,
+                           **sampler_args: Any) -> StatefulDataLoader:
+    """Like :func:`build_dataloader`, with micro batches cut by a padded-token budget: ``sampler_args`` are
+    :class:`~adaptive_batching.token_batching.TokenBudgetBatchSampler`'s, less the rank and the ranks."""
+    sampler = TokenBudgetBatchSampler(lengths, rank=parallel.rank, world_size=parallel.world_size, **sampler_args)
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 
 

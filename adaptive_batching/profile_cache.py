@@ -48,23 +48,31 @@ def cache_file(cache_dir: Path | str | None, key: str) -> Path:
     return directory / f"{key[:16]}.json"
 
 
+def read_json_cache(path: Path, what: str) -> Optional[Any]:
+    """A cache file's JSON content, or None when absent, unreadable or not JSON (the latter two logged as
+    ``what``): a bad cache is never an error, the cached thing is simply made again."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        log.warning("ignoring unreadable %s %s: %s", what, path, error)
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        log.warning("ignoring corrupt %s %s: not JSON (%s)", what, path, error)
+        return None
+
+
 def load_profile(path: Path, key: str) -> Optional[dict]:
     """The cached result for ``key``, or None when absent, corrupt or stale (the latter two logged).
 
     Bad content is never an error: the profiler simply runs again and overwrites the file.
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as error:
-        log.warning("ignoring unreadable profile cache %s: %s", path, error)
-        return None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        log.warning("ignoring corrupt profile cache %s: not JSON (%s)", path, error)
+    record = read_json_cache(path, "profile cache")
+    if record is None:
         return None
     if not isinstance(record, dict) or not isinstance(record.get("result"), dict):
         log.warning("ignoring corrupt profile cache %s: not a profile record", path)
@@ -88,7 +96,11 @@ def save_profile(path: Path, key: str, result: Mapping[str, Any]) -> None:
         "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "result": dict(result),
     }
-    text = json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    write_atomically(path, json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a mix."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:

@@ -35,7 +35,7 @@ def epoch_extent(dataset_size: int, global_batch: int, max_steps: int | None) ->
 
 def check_step_arguments(*, accumulation: int, rank: int, world_size: int, epoch: int,
                          max_steps: int | None) -> None:
-    """The arguments every step sampler takes, checked alike."""
+    """The arguments every step sampler takes, checked alike (see :meth:`StepSampler._take_step_arguments`)."""
     if accumulation < 1:
         raise ValueError(f"accumulation must be >= 1, got {accumulation}")
     if world_size < 1:
@@ -62,6 +62,14 @@ class StepSampler(Sampler[list[int]]):
     state_defaults: Mapping[str, Any] = {}
     resume_advice = "the same batch settings"
     epoch: int
+
+    def _take_step_arguments(self, *, accumulation: int, rank: int, world_size: int, shuffle: bool, seed: int,
+                             epoch: int, max_steps: int | None, split: int) -> None:
+        """Check and keep the arguments every step sampler takes."""
+        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
+                             max_steps=max_steps)
+        self.accumulation, self.rank, self.world_size = accumulation, rank, world_size
+        self.shuffle, self.seed, self.epoch, self.max_steps, self.split = shuffle, seed, epoch, max_steps, split
 
     def _start_at(self, start_step: int) -> None:
         self._yielded = 0
@@ -204,23 +212,13 @@ class StepBatchSampler(StepSampler):
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
-                             max_steps=max_steps)
+        self._take_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, shuffle=shuffle,
+                                  seed=seed, epoch=epoch, max_steps=max_steps, split=split)
         if not 1 <= split <= micro_batch:
             raise ValueError(f"split must be in [1, micro_batch={micro_batch}], got {split}")
         if not 0 <= first_sample <= dataset_size:
             raise ValueError(f"first_sample must be in [0, dataset_size={dataset_size}], got {first_sample}")
-        self.dataset_size = dataset_size
-        self.first_sample = first_sample
-        self.micro_batch = micro_batch
-        self.accumulation = accumulation
-        self.rank = rank
-        self.world_size = world_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.max_steps = max_steps
-        self.split = split
-        self.epoch = epoch
+        self.dataset_size, self.first_sample, self.micro_batch = dataset_size, first_sample, micro_batch
         self._start_at(start_step)
 
     @property

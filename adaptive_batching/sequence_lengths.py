@@ -11,13 +11,11 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from adaptive_batching.profile_cache import _fsync_dir, fingerprint
+from adaptive_batching.profile_cache import fingerprint, read_json_cache, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -44,18 +42,7 @@ def lengths_cache_file(cache_dir: Path | str, key: str) -> Path:
 
 def _load(path: Path, key: str, size: int) -> Optional[list[int]]:
     """The cached lengths, or None when absent, unreadable, corrupt or stale (all but absent logged)."""
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as error:
-        log.warning("ignoring unreadable sequence-length cache %s: %s", path, error)
-        return None
-    try:
-        record = json.loads(text)
-    except json.JSONDecodeError as error:
-        log.warning("ignoring corrupt sequence-length cache %s: not JSON (%s)", path, error)
-        return None
+    record = read_json_cache(path, "sequence-length cache")
     lengths = record.get("lengths") if isinstance(record, dict) else None
     if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
         log.warning("ignoring corrupt sequence-length cache %s: not a list of lengths", path)
@@ -71,19 +58,8 @@ def _load(path: Path, key: str, size: int) -> Optional[list[int]]:
 
 def _save(path: Path, key: str, lengths: list[int]) -> None:
     """Write atomically: readers see the old file or the new one, never a mix."""
-    text = json.dumps({"schema": LENGTHS_SCHEMA, "key": key, "lengths": lengths}, separators=(",", ":")) + "\n"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    write_atomically(path, json.dumps({"schema": LENGTHS_SCHEMA, "key": key, "lengths": lengths},
+                                      separators=(",", ":")) + "\n")
 
 
 def sequence_lengths(dataset: Any, *, cache_dir: Optional[Path], key_parts: Mapping[str, Any]) -> list[int]:

@@ -19,7 +19,7 @@ from typing import Iterator, Optional, Sequence
 
 import torch
 
-from adaptive_batching.sampler import StepSampler, _ceil_div, _pieces, check_step_arguments
+from adaptive_batching.sampler import StepSampler, _ceil_div, _pieces
 
 PICKING_ORDERS = ("dataloader", "seqlen", "random")
 
@@ -204,25 +204,15 @@ class TokenBudgetBatchSampler(StepSampler):
         _check_bounds(max_tokens, min_batch_size, max_batch_size)
         if picking_order not in PICKING_ORDERS:
             raise ValueError(f"unknown picking order {picking_order!r}; expected {' | '.join(PICKING_ORDERS)}")
-        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
-                             max_steps=max_steps)
+        self._take_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, shuffle=shuffle,
+                                  seed=seed, epoch=epoch, max_steps=max_steps, split=split)
         if split < 1:
             raise ValueError(f"split must be >= 1, got {split}")
         self.lengths = list(map(int, lengths))
         self.dataset_size = len(self.lengths)
         self.lengths_digest = _lengths_digest(self.lengths)
-        self.max_tokens = max_tokens
-        self.picking_order = picking_order
-        self.min_batch_size = min_batch_size
-        self.max_batch_size = max_batch_size
-        self.accumulation = accumulation
-        self.rank = rank
-        self.world_size = world_size
-        self.shuffle = shuffle
-        self.seed = seed
-        self.max_steps = max_steps
-        self.split = split
-        self.epoch = epoch
+        self.max_tokens, self.picking_order = max_tokens, picking_order
+        self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
         self._plans: dict[int, list[list[list[list[int]]]]] = {}
         # Fails here, on every rank alike, when a sample or the bounds cannot fit max_tokens.
         self.plan()
