@@ -240,6 +240,7 @@ class Trainer:
                                increase=self._increase if per_epoch else None,
                                grow_past_memory=self.settings.knobs["grow_past_memory"])
         self.epoch_plan = plan_batches(**self._plan_args)
+        self.start_global_batch = self.epoch_plan[0].shape.global_batch  # before any growth inside an epoch
         grown = self.resumed.get("grown")
         if grown is not None:  # the batch as grown inside epochs before the checkpoint
             shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.parallel.world_size)
@@ -358,11 +359,14 @@ class Trainer:
 
     def growth_statistics(self, previous: EpochBatch) -> dict[str, Any]:
         """What a statistics-reading growth function is given (see ``growth_stats``)."""
-        shape, first = self.lr.schedule_shape(), self.epoch_plan[0]
+        # Seesaw's lr_decay (growth_stats.seesaw): shape now / peak shape so far x the batch's growth since the
+        # start. Not epoch_plan[0]: growth inside the first epoch overwrites it with the grown batch.
+        shape, peak = self.lr.schedule_shape(), self.lr.peak_shape
         return {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
                 "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
                 "ranks": previous.shape.ranks, "epoch": self.epochs_run,
-                "lr_decay": None if shape is None else shape * previous.shape.global_batch / first.shape.global_batch}
+                "lr_decay": None if shape is None else
+                (shape / peak if peak else 1.0) * previous.shape.global_batch / self.start_global_batch}
 
     def grow_inside_epoch(self, epoch: int, period: int) -> None:
         """Growth period ``period`` starts after this step: ask the growth function, and serve the rest of the
