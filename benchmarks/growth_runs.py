@@ -298,7 +298,10 @@ def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, p
         axes[0].axhline(target, color="grey", lw=0.8, ls="--")
         axes[0].annotate(f"target ({label})", (0, target), fontsize=7, color="grey", va="bottom")
     axes[0].set_ylabel(f"training loss\n(mean over the last {window:.0f} samples)")
-    axes[0].set_ylim(top=min(8.0, axes[0].get_ylim()[1]))
+    low = min(min(v for v in smooth_by_samples([r["loss"] for r in run["rows"]],
+                                               [r["global_batch_size"] for r in run["rows"]], window) if v is not None)
+              for run in runs)
+    axes[0].set_ylim(low - 0.1, low + 2.5)  # the late part, where the runs differ; the early fall is cut off
     axes[0].legend(fontsize=8)
     axes[1].set_ylabel("global batch (samples)")
     axes[1].set_yscale("log", base=2)
@@ -332,7 +335,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written under --work if absent)")
     p.add_argument("--work", type=Path, default=None, help="keep run outputs here (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="no runs: re-analyse and re-plot the runs of an earlier growth_runs.json")
     return p.parse_args(argv)
+
+
+def load_runs(path: Path) -> tuple[str, float, list[dict[str, Any]], dict[str, Any]]:
+    """The command, wall time and runs of a growth_runs.json, as :func:`run_one` returns runs (times from 0)."""
+    data = json.loads(path.read_text())
+    runs = [{"name": r["name"], "command": r["command"], "child_seconds": r["child_seconds"],
+             "growth_log": r["growth_log"], "rows": r["steps"], "train_start": 0.0,
+             "train_end": data["summaries"][r["name"]]["train_seconds"]} for r in data["runs"]]
+    return data["command"], data["wall_seconds"], runs, data["setup"]
 
 
 def main(argv: Optional[list[str]] = None) -> None:
@@ -341,6 +355,10 @@ def main(argv: Optional[list[str]] = None) -> None:
         tune_child(argv[1], argv[2:])
         return
     args = parse_args(argv)
+    if args.from_json is not None:
+        command, wall, runs, setup = load_runs(args.from_json)
+        report(args, command, wall, runs, work=None, setup=setup)
+        return
     command = shlex.join(["python", "benchmarks/growth_runs.py", *argv])
     print(f"$ {command}", flush=True)
     started = time.perf_counter()
@@ -361,6 +379,13 @@ def main(argv: Optional[list[str]] = None) -> None:
             rows = run["rows"]
             print(f"{name}: {len(rows)} steps, {sum(r['global_batch_size'] for r in rows):.0f} samples, "
                   f"last loss {rows[-1]['loss']:.4f}, {run['child_seconds']:.1f} s", flush=True)
+        wall = time.perf_counter() - started
+        report(args, command, wall, runs, work)
+
+
+def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[str, Any]],
+           work: Optional[Path], setup: Optional[dict[str, Any]] = None) -> None:
+    """Targets, summaries, the table, the figure and the JSON, from the runs (the first is fixed small)."""
     base = runs[0]
     base_batches = [r["global_batch_size"] for r in base["rows"]]
     base_samples = cumulative(base_batches)
@@ -368,17 +393,18 @@ def main(argv: Optional[list[str]] = None) -> None:
     targets = {f"fixed small at {int(round(100 * f))}%": value_at_samples(base_samples, base_smooth, f * base_samples[-1])
                for f in (args.target_at, 0.5)}
     summaries = {run["name"]: summarise(run, targets, args.window) for run in runs}
-    wall = time.perf_counter() - started
     table = markdown_table(summaries, targets)
     print("\n" + table)
     print(f"\ntotal wall time {wall:.0f} s")
     args.out.mkdir(parents=True, exist_ok=True)
     plot(runs, targets, args.window, args.out / "growth_runs.png")
-    setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items() if k not in ("out", "work")}
-    setup["assets"] = "written by adaptive_batching.tiny_assets.write_tiny_assets (seed 0, 3000 samples)"
+    if setup is None:
+        setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k not in ("out", "work", "from_json")}
+        setup["assets"] = f"{setup['assets']}: adaptive_batching.tiny_assets.write_tiny_assets (seed 0, 3000 samples)"
     (args.out / "growth_runs.json").write_text(json.dumps({
         "command": command, "wall_seconds": wall, "setup": setup, "targets": targets, "summaries": summaries,
-        "runs": [{"name": r["name"], "command": r["command"].replace(str(work), "<work>"),
+        "runs": [{"name": r["name"], "command": r["command"].replace(str(work), "<work>") if work else r["command"],
                   "child_seconds": r["child_seconds"], "growth_log": r["growth_log"],
                   "steps": [{k: v for k, v in row.items() if k != "t"} | {"t": row["t"] - r["train_start"]}
                             for row in r["rows"]]} for r in runs],
