@@ -34,11 +34,14 @@ class Growing:
 
     def growth_statistics(self, previous: EpochBatch) -> dict[str, Any]:
         """What a statistics-reading growth function is given (see ``growth_stats``)."""
-        shape, first = self.lr.schedule_shape(), self.plan.entries[0]
+        # Seesaw's lr_decay (growth_stats.seesaw): the schedule now over its peak so far, times the batch's growth
+        # since the start (not entries[0]: growth inside the first epoch overwrites it with the grown batch).
+        shape, peak = self.lr.schedule_shape(), self.lr.peak_shape
         return {"noise_scale": self.steps.noise.value, "global_batch": previous.shape.global_batch,
                 "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
                 "ranks": previous.shape.ranks, "epoch": self.epochs_run,
-                "lr_decay": None if shape is None else shape * previous.shape.global_batch / first.shape.global_batch}
+                "lr_decay": None if shape is None else
+                (shape / peak if peak else 1.0) * previous.shape.global_batch / self.plan.start_global_batch}
 
     def grow_inside_epoch(self, epoch: int, period: int) -> None:
         """Growth period ``period`` starts after this step: ask the growth function, and serve the rest of the

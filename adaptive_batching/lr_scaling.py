@@ -65,6 +65,7 @@ class SampleDrivenLR:
         self.rule = rule
         self.consumed_samples = 0
         self.global_batch = reference_global_batch
+        self.peak_shape = self.schedule_shape()  # the schedule's largest multiplier so far (Seesaw's reference)
         self.apply()
 
     @classmethod
@@ -117,12 +118,17 @@ class SampleDrivenLR:
     def advance(self, samples: int) -> None:
         """After an optimizer step over ``samples`` samples (all ranks)."""
         self.consumed_samples += samples
+        shape = self.schedule_shape()
+        if shape is not None:
+            self.peak_shape = shape if self.peak_shape is None else max(self.peak_shape, shape)
         self.apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "global_batch": self.global_batch}
+        return {"consumed_samples": self.consumed_samples, "global_batch": self.global_batch,
+                "peak_shape": self.peak_shape}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed_samples = int(state["consumed_samples"])
         self.global_batch = int(state["global_batch"])
+        self.peak_shape = state.get("peak_shape", self.schedule_shape())  # older checkpoints: the shape now
         self.apply()

@@ -21,7 +21,14 @@ from adaptive_batching.elastic import shape_at
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth_interval import parse_growth_interval
 from adaptive_batching.growth_stats import accepts_stats, call_increase
-from adaptive_batching.schedule import EpochBatch, checked_increment, grow_entry, plan_batches, seen_size
+from adaptive_batching.schedule import (
+    EpochBatch,
+    checked_increment,
+    epoch_switch_reason,
+    grow_entry,
+    plan_batches,
+    seen_size,
+)
 from adaptive_batching.settings import AdaptiveSettings
 
 
@@ -69,6 +76,7 @@ class BatchPlan:
         self.entries: list[EpochBatch] = []
         self.measured: dict[int, int] = {}  # epoch -> what a statistics-reading function returned at its start
         self.start, self.accumulation, self.memory_cap = 1, 1, None
+        self.start_global_batch = 1
 
     @property
     def grows_per_epoch(self) -> bool:
@@ -84,6 +92,7 @@ class BatchPlan:
         self.start, self.accumulation, self.memory_cap = start, accumulation, memory_cap
         self.measured = {int(k): v for k, v in (resumed.get("measured_increments") or {}).items()}
         self.entries = self._plan()
+        self.start_global_batch = self.entries[0].shape.global_batch  # before any growth inside an epoch
         grown = resumed.get("grown")
         if grown is not None:
             shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.ranks)
@@ -134,6 +143,12 @@ class BatchPlan:
         """``entry`` is the batch from ``epoch`` on; the list is changed in place."""
         self.entries[epoch:] = [EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason,
                                            entry.memory_cap) for e in range(epoch, self.epochs)]
+
+    def switch_reason(self, epoch: int) -> str:
+        """Why ``epoch`` starts at its batch, for the epoch-switch log line."""
+        if self.grows_inside_epochs:
+            return f"the batch grows {self.interval.describe()}, not at epoch starts"
+        return epoch_switch_reason(self.entries[epoch - 1], self.entries[epoch])
 
     def state_dict(self, epochs_run: int) -> dict[str, Any]:
         """The decisions made while training: measured increments, and the batch grown inside epochs."""

@@ -34,7 +34,7 @@ from adaptive_batching.profile_run import ProfileContext, run_profile, saved_pro
 from adaptive_batching.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.recovery import OomRecovery
 from adaptive_batching.run_state import RunState
-from adaptive_batching.schedule import describe_plan, epoch_switch_reason
+from adaptive_batching.schedule import describe_plan
 from adaptive_batching.settings import AdaptiveSettings
 from adaptive_batching.stepping import StepRunner, StepStats, UnguardedOutOfMemory, step_metrics
 
@@ -245,7 +245,7 @@ class Trainer(Growing, OomHandling, RunState):
         change = self.batching.describe_change(epoch, previous, self.batch)
         self.info(
             f"Epoch switch {epoch} -> {epoch + 1}: {change}, LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} "
-            f"({epoch_switch_reason(self.plan.entries[epoch - 1], entry)}){self.split_note()} (took {took_ms:.1f} ms)"
+            f"({self.plan.switch_reason(epoch)}){self.split_note()} (took {took_ms:.1f} ms)"
         )
 
     def set_step_lr(self, index: int) -> None:

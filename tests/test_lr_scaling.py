@@ -113,6 +113,24 @@ def test_state_round_trip() -> None:
     assert fresh_opt.param_groups[0]["lr"] == opt.param_groups[0]["lr"]
 
 
+def test_peak_shape_follows_the_warmup_then_holds() -> None:
+    """Seesaw's reference: the schedule's largest multiplier so far (not its value now), saved for resume."""
+    opt = optimizer(1e-3)
+    lr = SampleDrivenLR(opt, [1e-3], cosine(opt, total=40, warmup=8), reference_global_batch=8, rule="sqrt")
+    assert lr.peak_shape == 0.0
+    lr.advance(32)  # progress 4: half-way up the warm-up
+    assert lr.peak_shape == pytest.approx(0.5)
+    for _ in range(10):
+        lr.advance(32)  # past the warm-up and into the decay
+    assert lr.peak_shape == pytest.approx(1.0)
+    assert lr.schedule_shape() < 0.5
+    fresh_opt = optimizer(1e-3)
+    fresh = SampleDrivenLR(fresh_opt, [1e-3], cosine(fresh_opt, total=40, warmup=8), reference_global_batch=8,
+                           rule="sqrt")
+    fresh.load_state_dict(lr.state_dict())
+    assert fresh.peak_shape == lr.peak_shape
+
+
 def test_only_lambda_schedulers() -> None:
     opt = optimizer(1e-3)
     with pytest.raises(TypeError, match="LambdaLR"):

@@ -1,0 +1,420 @@
+#!/usr/bin/env python
+"""Batch-growth strategies compared by real training runs on CPU, at equal samples.
+
+    python benchmarks/growth_runs.py [--samples 1024] [--epochs 3] [--seq-len 128] [--threads 1]
+                                     [--only NAME ...] [--out benchmarks/results] [--work DIR]
+
+Six runs of ``tune run adaptive_full_finetune --config tiny_full`` (the offline tiny Llama-3 on its
+synthetic alpaca data), one after the other, each in its own child process. Every run sees the same
+samples: the first ``--samples`` of the data set, ``--epochs`` epochs, every sample once per epoch
+(the recipe's step sampler keeps an epoch's remainder as a smaller last step), same seed, same
+order within an epoch. What differs is only how the batch is cut into optimizer steps:
+
+1. ``fixed small``: global batch 8 throughout (micro batch 8, no growth);
+2. ``fixed large``: global batch 64 throughout;
+3. ``per-epoch x2``: ``adaptive_batching.growth.geometric`` factor 2 at every epoch start: 8, 16, 32;
+4. ``linear ramp``: ``adaptive_batching.growth.linear_ramp`` +8 every ``--ramp-every`` optimizer steps
+   (``adaptive_batching.growth_interval='N steps'``; ``start_epoch: 1``: the first boundary; the
+   function's first argument is the growth period's index);
+5. ``noise scale``: ``adaptive_batching.growth.noise_scale`` (fraction 0.5, max_factor 2) every
+   ``--noise-every`` steps, from micro batch 4 x accumulation 2 (the estimator needs >= 2 micro batches
+   per step); global batch 8 at the start like the others;
+6. ``seesaw``: ``adaptive_batching.growth.seesaw`` (factor 2, at most one doubling per call) every
+   ``--seesaw-every`` steps: doubles the batch wherever the cosine schedule has halved.
+
+The LR is the same function of (samples consumed, global batch) in every run: AdamW, LR 1e-3 for the
+reference global batch 8, ``lr_scaling: sqrt``, torchtune's cosine schedule with 128 samples of
+warm-up, decaying to 0 at the last sample, driven by consumed samples. The fixed-large run writes its
+config for a reference batch of 64 (``batch_size: 64``), so its LR is written as 1e-3 x sqrt(64/8)
+and its warm-up as 2 steps of 64: the same LR at every sample as the sqrt rule gives the other runs.
+``use_maximum_batch_size: False`` and a fixed memory budget (``--budget``, profiled once into a
+shared cache) with ``grow_past_memory: accumulate``: the runs are deterministic and comparable.
+
+Measured per run, from the metrics every step logs (timed by a wrapper, ``--tune-child``, that
+patches torchtune's ``DiskLogger.log_dict`` to stamp each call and ``Trainer.train`` to stamp its
+start, then runs ``tune run`` in-process):
+
+* the loss smoothed over samples: at each step, the sample-weighted mean of the step losses of the
+  last ``--window`` samples (the same window in samples for every run, so batch size does not change
+  how much is averaged); ``None`` until a whole window was seen;
+* the target loss: the fixed-small run's smoothed loss at ``--target-at`` (0.8) of its samples: a loss
+  the baseline reaches late but reaches, well above its final loss; also the one at 0.5;
+* optimizer steps, samples and wall time (from the start of training: start-up and the profiler
+  excluded, epoch switches and checkpoint saves included) until the smoothed loss first is at or below
+  the target (``None``: never);
+* the final loss (smoothed over the last window) and the total steps and training wall time;
+* the gradient noise scale where measured (metric ``gradient_noise_scale``).
+
+Writes ``growth_runs.json`` (every step of every run), ``growth_runs.md`` (the table) and
+``growth_runs.png`` (loss, global batch, LR and noise scale against samples) under ``--out``.
+Wall times on a shared 2-core machine move with other jobs' load; steps and losses are deterministic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Iterable, Optional, Sequence
+
+HERE = Path(__file__).resolve()
+RESULTS = HERE.parent / "results"
+RECIPE, CONFIG = "adaptive_full_finetune", "tiny_full"
+BASE_LR, REFERENCE_BATCH, LARGE_BATCH, WARMUP_SAMPLES = 1e-3, 8, 64, 128
+
+
+# --------------------------------------------------------------------------- the runs
+def common_overrides(args: argparse.Namespace, work: Path) -> list[str]:
+    """What every run shares: data, epochs, sequence length, seed, LR rule, memory budget, profile cache."""
+    return [f"assets_dir={args.assets}", f"dataset.split=train[:{args.samples}]", f"epochs={args.epochs}",
+            "max_steps_per_epoch=null", f"tokenizer.max_seq_len={args.seq_len}", "seed=0", "shuffle=True",
+            "use_maximum_batch_size=False", "lr_scaling=sqrt", f"optimizer.lr={BASE_LR}",
+            f"batch_size={REFERENCE_BATCH}", "gradient_accumulation_steps=1",
+            f"lr_scheduler.num_warmup_steps={WARMUP_SAMPLES // REFERENCE_BATCH}",
+            f"adaptive_batching.memory_budget={args.budget}", f"adaptive_batching.cache_dir={work / 'profile_cache'}",
+            "adaptive_batching.grow_past_memory=accumulate", "log_every_n_steps=1"]
+
+
+def run_overrides(args: argparse.Namespace) -> dict[str, list[str]]:
+    """Each run's own overrides, applied after the common ones."""
+    return {
+        "fixed small": ["batch_increase_function=null"],
+        "fixed large": ["batch_increase_function=null", f"batch_size={LARGE_BATCH}",
+                        f"optimizer.lr={BASE_LR * math.sqrt(LARGE_BATCH / REFERENCE_BATCH)!r}",
+                        f"lr_scheduler.num_warmup_steps={WARMUP_SAMPLES // LARGE_BATCH}"],
+        "per-epoch x2": ["batch_increase_function._component_=adaptive_batching.growth.geometric",
+                         "batch_increase_function.factor=2", "adaptive_batching.growth_interval=epoch"],
+        "linear ramp": ["batch_increase_function._component_=adaptive_batching.growth.linear_ramp",
+                        "~batch_increase_function.factor", f"batch_increase_function.increment={REFERENCE_BATCH}",
+                        "batch_increase_function.start_epoch=1",
+                        f"adaptive_batching.growth_interval={args.ramp_every} steps"],
+        "noise scale": ["batch_size=4", "gradient_accumulation_steps=2",
+                        "batch_increase_function._component_=adaptive_batching.growth.noise_scale",
+                        "~batch_increase_function.factor", "batch_increase_function.fraction=0.5",
+                        "batch_increase_function.max_factor=2",
+                        f"adaptive_batching.growth_interval={args.noise_every} steps"],
+        "seesaw": ["batch_increase_function._component_=adaptive_batching.growth.seesaw",
+                   "batch_increase_function.factor=2", "batch_increase_function.max_steps=1",
+                   f"adaptive_batching.growth_interval={args.seesaw_every} steps"],
+    }
+
+
+def tune_child(stamps_path: str, tune_args: list[str]) -> None:
+    """Run ``tune TUNE_ARGS`` in this process, stamping the start of training and every metric row."""
+    import torch
+    from torchtune.training.metric_logging import DiskLogger
+
+    from adaptive_batching.trainer import Trainer
+
+    threads = os.environ.get("BENCH_THREADS")
+    if threads:
+        torch.set_num_threads(int(threads))
+    record: dict[str, Any] = {"rows": [], "train_start": None}
+    log_dict, train = DiskLogger.log_dict, Trainer.train
+
+    def timed_log_dict(self: Any, payload: Any, step: int) -> None:
+        row = {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
+        record["rows"].append({"step": int(step), "t": time.perf_counter(), **row})
+        log_dict(self, payload, step)
+
+    def timed_train(self: Any) -> None:
+        record["train_start"] = time.perf_counter()
+        train(self)
+        record["train_end"] = time.perf_counter()
+
+    DiskLogger.log_dict, Trainer.train = timed_log_dict, timed_train
+    from torchtune._cli.tune import main as tune_main
+
+    sys.argv = ["tune", *tune_args]
+    try:
+        tune_main()
+    finally:
+        Path(stamps_path).write_text(json.dumps(record))
+
+
+def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str]) -> dict[str, Any]:
+    tag = name.replace(" ", "_").replace("-", "").replace("x2", "x2")
+    out = work / tag
+    stamps = work / f"{tag}.json"
+    tune_args = ["run", RECIPE, "--config", CONFIG, *common_overrides(args, work), *overrides, f"output_dir={out}"]
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
+               BENCH_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    started = time.perf_counter()
+    with open(work / f"{tag}.log", "w") as log:
+        code = subprocess.run([sys.executable, str(HERE), "--tune-child", str(stamps), *tune_args], cwd=work,
+                              env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    seconds = time.perf_counter() - started
+    text = (work / f"{tag}.log").read_text(errors="replace")
+    if code != 0:
+        sys.exit(f"{name} failed (exit {code}); log {work / f'{tag}.log'}:\n{text[-4000:]}")
+    record = json.loads(stamps.read_text())
+    growth_lines = [line for line in split_log_lines(text) if line.startswith(("Growth period", "Epoch switch"))]
+    return {"name": name, "command": "tune " + shlex.join(tune_args), "child_seconds": seconds,
+            "train_start": record["train_start"], "train_end": record.get("train_end"), "rows": record["rows"],
+            "growth_log": growth_lines}
+
+
+def split_log_lines(text: str) -> list[str]:
+    """The log's lines, with tqdm's carriage-return redraws split off (log lines can share one with a bar)."""
+    lines: list[str] = []
+    for chunk in text.replace("\r", "\n").split("\n"):
+        for marker in ("Growth period", "Epoch switch"):
+            at = chunk.find(marker)
+            if at > 0:
+                chunk = chunk[at:]
+        lines.append(chunk.strip())
+    return [line for line in lines if line]
+
+
+# --------------------------------------------------------------------------- analysis (pure; tests/test_growth_runs.py)
+def cumulative(values: Iterable[float]) -> list[float]:
+    total, out = 0.0, []
+    for v in values:
+        total += v
+        out.append(total)
+    return out
+
+
+def smooth_by_samples(losses: Sequence[float], batches: Sequence[float], window: float) -> list[Optional[float]]:
+    """At each step, the sample-weighted mean loss of the steps in the last ``window`` samples.
+
+    A step's loss is the mean over its own samples' tokens; it enters with the weight of its samples,
+    the oldest step in the window only with the part of it inside the window. None until the steps so
+    far hold ``window`` samples.
+    """
+    if window <= 0:
+        raise ValueError(f"window must be > 0, got {window}")
+    if len(losses) != len(batches):
+        raise ValueError(f"{len(losses)} losses for {len(batches)} batches")
+    out: list[Optional[float]] = []
+    for i in range(len(losses)):
+        need, total, weighted = window, 0.0, 0.0
+        for j in range(i, -1, -1):
+            take = min(batches[j], need)
+            weighted += losses[j] * take
+            total += take
+            need -= take
+            if need <= 0:
+                break
+        out.append(weighted / total if need <= 1e-9 else None)
+    return out
+
+
+def value_at_samples(samples: Sequence[float], values: Sequence[Optional[float]], at: float) -> Optional[float]:
+    """The value at the first step whose cumulative samples reach ``at`` (None past the end)."""
+    for s, v in zip(samples, values):
+        if s >= at - 1e-9:
+            return v
+    return None
+
+
+def first_at_or_below(values: Sequence[Optional[float]], target: float) -> Optional[int]:
+    """The 0-based index of the first value at or below ``target`` (None values skipped), or None."""
+    for i, v in enumerate(values):
+        if v is not None and v <= target:
+            return i
+    return None
+
+
+def summarise(run: dict[str, Any], targets: dict[str, float], window: float) -> dict[str, Any]:
+    """Steps, samples and seconds to each target; final smoothed loss; totals; noise-scale trace."""
+    rows = run["rows"]
+    batches = [r["global_batch_size"] for r in rows]
+    samples = cumulative(batches)
+    smooth = smooth_by_samples([r["loss"] for r in rows], batches, window)
+    start = run["train_start"]
+    out: dict[str, Any] = {"steps": len(rows), "samples": samples[-1] if samples else 0,
+                           "train_seconds": (run["train_end"] or rows[-1]["t"]) - start,
+                           "final_loss": smooth[-1], "to_target": {}}
+    for label, target in targets.items():
+        i = first_at_or_below(smooth, target)
+        out["to_target"][label] = None if i is None else {
+            "target": target, "steps": i + 1, "samples": samples[i], "seconds": rows[i]["t"] - start}
+    noise = [(s, r["gradient_noise_scale"]) for s, r in zip(samples, rows) if "gradient_noise_scale" in r]
+    out["noise_scale"] = {"measured_steps": len(noise), "first": noise[0][1] if noise else None,
+                          "last": noise[-1][1] if noise else None,
+                          "max": max(v for _, v in noise) if noise else None}
+    out["global_batches"] = sorted({int(b) for b in batches[:-1]} | ({int(batches[-1])} if batches else set()))
+    return out
+
+
+def fmt(value: Optional[float], spec: str, none: str = "never") -> str:
+    return none if value is None else format(value, spec)
+
+
+def markdown_table(summaries: dict[str, dict[str, Any]], targets: dict[str, float]) -> str:
+    (main_label, main), *rest = targets.items()
+    head = (f"| run | global batch | steps | train time (s) | steps to {main:.3f} | samples to {main:.3f} | "
+            f"time to {main:.3f} (s) |")
+    extra = "".join(f" steps to {t:.3f} |" for _, t in rest)
+    lines = [head + extra + " final loss | noise scale (first -> last, max) |",
+             "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(rest) + " ---: | --- |"]
+    for name, s in summaries.items():
+        hit = s["to_target"][main_label]
+        batches = s["global_batches"]
+        span = f"{batches[0]}" if len(batches) == 1 else f"{batches[0]} -> {max(batches)}"
+        ns = s["noise_scale"]
+        noise = "not measured" if not ns["measured_steps"] else \
+            f"{ns['first']:.1f} -> {ns['last']:.1f}, max {ns['max']:.1f} ({ns['measured_steps']} steps)"
+        cells = [name, span, str(s["steps"]), f"{s['train_seconds']:.1f}",
+                 fmt(hit and hit["steps"], "d"), fmt(hit and hit["samples"], ".0f"),
+                 fmt(hit and hit["seconds"], ".1f")]
+        cells += [fmt(s["to_target"][label] and s["to_target"][label]["steps"], "d") for label, _ in rest]
+        cells += [fmt(s["final_loss"], ".3f", "n/a"), noise]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------- figure
+def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(4, 1, figsize=(9, 13), sharex=True)
+    for run in runs:
+        rows = run["rows"]
+        batches = [r["global_batch_size"] for r in rows]
+        samples = cumulative(batches)
+        smooth = smooth_by_samples([r["loss"] for r in rows], batches, window)
+        line, = axes[0].plot([s for s, v in zip(samples, smooth) if v is not None],
+                             [v for v in smooth if v is not None], label=run["name"], lw=1.4)
+        axes[1].step(samples, batches, where="pre", color=line.get_color(), lw=1.4)
+        axes[2].plot(samples, [r["lr"] for r in rows], color=line.get_color(), lw=1.4)
+        noise = [(s, r["gradient_noise_scale"]) for s, r in zip(samples, rows) if "gradient_noise_scale" in r]
+        if noise:
+            axes[3].plot(*zip(*noise), color=line.get_color(), lw=1.4, label=run["name"])
+            axes[3].step(samples, batches, where="pre", color=line.get_color(), lw=0.8, ls=":",
+                         label=f"{run['name']}: its global batch")
+    for label, target in targets.items():
+        axes[0].axhline(target, color="grey", lw=0.8, ls="--")
+        axes[0].annotate(f"target ({label})", (0, target), fontsize=7, color="grey", va="bottom")
+    axes[0].set_ylabel(f"training loss\n(mean over the last {window:.0f} samples)")
+    low = min(min(v for v in smooth_by_samples([r["loss"] for r in run["rows"]],
+                                               [r["global_batch_size"] for r in run["rows"]], window) if v is not None)
+              for run in runs)
+    axes[0].set_ylim(low - 0.1, low + 2.5)  # the late part, where the runs differ; the early fall is cut off
+    axes[0].legend(fontsize=8)
+    axes[1].set_ylabel("global batch (samples)")
+    axes[1].set_yscale("log", base=2)
+    axes[2].set_ylabel("learning rate")
+    axes[3].set_ylabel("gradient noise scale\n(samples; where measured)")
+    axes[3].set_yscale("log")
+    if axes[3].has_data():
+        axes[3].legend(fontsize=8)
+    axes[3].set_xlabel("samples consumed")
+    fig.suptitle("Batch-growth strategies at equal samples (tiny Llama-3, CPU)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- main
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--samples", type=int, default=1024, help="samples per epoch: the first N of the data set")
+    p.add_argument("--epochs", type=int, default=3)
+    p.add_argument("--seq-len", type=int, default=128, help="tokenizer.max_seq_len (samples are truncated)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per run (runs are sequential)")
+    p.add_argument("--budget", default="512MiB", help="adaptive_batching.memory_budget (the memory cap)")
+    p.add_argument("--window", type=float, default=256, help="loss smoothing window, in samples")
+    p.add_argument("--target-at", type=float, default=0.8,
+                   help="target = fixed small's smoothed loss at this fraction of its samples")
+    p.add_argument("--ramp-every", type=int, default=32, help="linear ramp: optimizer steps per growth period")
+    p.add_argument("--noise-every", type=int, default=16, help="noise scale: optimizer steps per growth period")
+    p.add_argument("--seesaw-every", type=int, default=8, help="seesaw: optimizer steps per growth period")
+    p.add_argument("--only", nargs="*", default=None, help="run only these (the fixed-small baseline always runs)")
+    p.add_argument("--assets", type=Path, default=None, help="tiny assets (written under --work if absent)")
+    p.add_argument("--work", type=Path, default=None, help="keep run outputs here (default: a temporary folder)")
+    p.add_argument("--out", type=Path, default=RESULTS)
+    p.add_argument("--from-json", type=Path, default=None,
+                   help="no runs: re-analyse and re-plot the runs of an earlier growth_runs.json")
+    return p.parse_args(argv)
+
+
+def load_runs(path: Path) -> tuple[str, float, list[dict[str, Any]], dict[str, Any]]:
+    """The command, wall time and runs of a growth_runs.json, as :func:`run_one` returns runs (times from 0)."""
+    data = json.loads(path.read_text())
+    runs = [{"name": r["name"], "command": r["command"], "child_seconds": r["child_seconds"],
+             "growth_log": r["growth_log"], "rows": r["steps"], "train_start": 0.0,
+             "train_end": data["summaries"][r["name"]]["train_seconds"]} for r in data["runs"]]
+    return data["command"], data["wall_seconds"], runs, data["setup"]
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--tune-child"]:
+        tune_child(argv[1], argv[2:])
+        return
+    args = parse_args(argv)
+    if args.from_json is not None:
+        command, wall, runs, setup = load_runs(args.from_json)
+        report(args, command, wall, runs, work=None, setup=setup)
+        return
+    command = shlex.join(["python", "benchmarks/growth_runs.py", *argv])
+    print(f"$ {command}", flush=True)
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        work = (args.work or Path(tmp)).resolve()
+        work.mkdir(parents=True, exist_ok=True)
+        if args.assets is None:
+            from adaptive_batching.tiny_assets import write_tiny_assets
+
+            args.assets = write_tiny_assets(work / "assets").root
+        args.assets = Path(args.assets).resolve()
+        runs = []
+        for name, overrides in run_overrides(args).items():
+            if args.only and name not in args.only and name != "fixed small":
+                continue
+            run = run_one(args, work, name, overrides)
+            runs.append(run)
+            rows = run["rows"]
+            print(f"{name}: {len(rows)} steps, {sum(r['global_batch_size'] for r in rows):.0f} samples, "
+                  f"last loss {rows[-1]['loss']:.4f}, {run['child_seconds']:.1f} s", flush=True)
+        wall = time.perf_counter() - started
+        report(args, command, wall, runs, work)
+
+
+def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[str, Any]],
+           work: Optional[Path], setup: Optional[dict[str, Any]] = None) -> None:
+    """Targets, summaries, the table, the figure and the JSON, from the runs (the first is fixed small)."""
+    base = runs[0]
+    base_batches = [r["global_batch_size"] for r in base["rows"]]
+    base_samples = cumulative(base_batches)
+    base_smooth = smooth_by_samples([r["loss"] for r in base["rows"]], base_batches, args.window)
+    targets = {f"fixed small at {int(round(100 * f))}%": value_at_samples(base_samples, base_smooth, f * base_samples[-1])
+               for f in (args.target_at, 0.5)}
+    summaries = {run["name"]: summarise(run, targets, args.window) for run in runs}
+    table = markdown_table(summaries, targets)
+    print("\n" + table)
+    print(f"\ntotal wall time {wall:.0f} s")
+    args.out.mkdir(parents=True, exist_ok=True)
+    plot(runs, targets, args.window, args.out / "growth_runs.png")
+    if setup is None:
+        setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                 if k not in ("out", "work", "from_json")}
+        setup["assets"] = f"{setup['assets']}: adaptive_batching.tiny_assets.write_tiny_assets (seed 0, 3000 samples)"
+    (args.out / "growth_runs.json").write_text(json.dumps({
+        "command": command, "wall_seconds": wall, "setup": setup, "targets": targets, "summaries": summaries,
+        "runs": [{"name": r["name"], "command": r["command"].replace(str(work), "<work>") if work else r["command"],
+                  "child_seconds": r["child_seconds"], "growth_log": r["growth_log"],
+                  "steps": [{k: v for k, v in row.items() if k != "t"} | {"t": row["t"] - r["train_start"]}
+                            for row in r["rows"]]} for r in runs],
+    }, indent=1))
+    (args.out / "growth_runs.md").write_text(
+        f"`{command}`: {wall:.0f} s wall time in all ({len(runs)} runs, one after the other).\n\n"
+        f"Targets: {', '.join(f'{label}: {t:.3f}' for label, t in targets.items())} (loss smoothed over the "
+        f"last {args.window:.0f} samples).\n\n{table}\n")
+    print(f"wrote {args.out / 'growth_runs.png'}, growth_runs.json, growth_runs.md", flush=True)
+
+
+if __name__ == "__main__":
+    main()
