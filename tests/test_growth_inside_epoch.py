@@ -49,6 +49,7 @@ def test_the_batch_grows_every_3_steps_inside_the_epoch_and_every_sample_is_trai
     output = grown["straight"]
     assert "Growth period 1 (every 3 steps) after optimizer step 3: micro batch 2 -> 4" in output
     assert "for the rest of this epoch" in output
+    assert "(the batch grows every 3 steps, not at epoch starts)" in output  # the epoch switch calls nothing
     recorded = steps(runs, "straight")
     assert_every_sample_once(recorded)
     batches = [len(s["samples"]) for s in recorded]
