@@ -59,9 +59,9 @@ CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
            "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora"}}
 RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
 DEFAULTS = {  # per device type: model, seq len, budget, steps, long samples, token-phase samples, launcher
-    "cpu": dict(model="tiny", seq_len=128, budget="48MiB", steps=5, long_samples=400, token_samples=240,
+    "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=400, token_samples=240,
                 launcher="fork"),
-    "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, steps=50, long_samples=4096, token_samples=2000,
+    "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096, token_samples=2000,
                  launcher="spawn"),
 }
 
@@ -104,7 +104,8 @@ class Validation:
             raise SystemExit(f"{tag} failed: {record['error']} (log {record['log']})")
         return record["value"]
 
-    def overrides(self, method: str, ac: bool, out: Path, *, long_data: bool = True) -> list[str]:
+    def overrides(self, method: str, ac: bool, out: Path, *, long_data: bool = True,
+                  compiled: bool = False) -> list[str]:
         """The config overrides every run of a setting shares."""
         a = self.args
         if a.model == "tiny":
@@ -117,18 +118,19 @@ class Validation:
                     f"device={self.device['type']}"]
         if long_data:
             base.append(f"dataset.data_files={self.long_data}")
-        budget = [f"adaptive_batching.memory_budget={a.budget}"] if a.budget else []
+        chosen = a.compile_budget if compiled else a.budget
+        budget = [f"adaptive_batching.memory_budget={chosen}"] if chosen else []
         return [*base, "dtype=bf16", f"enable_activation_checkpointing={ac}", "epochs=1",
                 "gradient_accumulation_steps=1", "batch_increase_function=null", "lr_scaling=null",
                 "lr_scheduler=null", "seed=0", "compile=False", "log_every_n_steps=1", "save_every_n_steps=null",
                 f"output_dir={out}", f"adaptive_batching.cache_dir={out / 'cache'}", *budget]
 
     def recipe(self, tag: str, method: str, ac: bool, extra: list[str], *, long_data: bool = True,
-               cap: Optional[int] = None, pin: bool = False) -> tuple[dict[str, Any], Path]:
+               cap: Optional[int] = None, pin: bool = False, compiled: bool = False) -> tuple[dict[str, Any], Path]:
         out = self.work / "runs" / tag
         shutil.rmtree(out, ignore_errors=True)
         argv = ["run", RECIPES[method], "--config", CONFIGS[self.args.model][method],
-                *self.overrides(method, ac, out, long_data=long_data), *extra]
+                *self.overrides(method, ac, out, long_data=long_data, compiled=compiled), *extra]
         spec = {"kind": "tune", "argv": argv, "no_save": True, "cap_bytes": cap,
                 "pin_cpu_allocator": pin and self.device["type"] == "cpu"}
         return self.launch(tag, spec), out
@@ -149,7 +151,8 @@ class Validation:
         tag = key.replace("/", "-")
         entry: dict[str, Any] = {"method": method, "activation_checkpointing": ac, "compile": compiled}
         extra = ["use_maximum_batch_size=True", f"max_steps_per_epoch={self.args.steps}"]
-        record, out = self.recipe(f"{tag}-profile", method, ac, [*extra, f"compile={compiled}"], pin=True)
+        record, out = self.recipe(f"{tag}-profile", method, ac, [*extra, f"compile={compiled}"], pin=True,
+                                  compiled=compiled)
         profile_path = out / "profile" / "profile.json"
         if not profile_path.exists():
             entry["error"] = f"no profile report ({record.get('error')}; log {record['log']})"
@@ -316,6 +319,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", choices=tuple(CONFIGS), help="default: llama3_2_1b on CUDA, tiny on CPU")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: 2048 on CUDA, 128 on CPU)")
     p.add_argument("--budget", help="adaptive_batching.memory_budget (default: the profiler's own on CUDA, 48MiB on CPU)")
+    p.add_argument("--compile-budget", help="budget of the compile phase (default: --budget on CUDA; 128MiB on CPU, "
+                   "where inductor's own memory while compiling counts in the resident-memory peak)")
     p.add_argument("--steps", type=int, help="training steps at the chosen micro batch (default: 50 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of tokens/s (default 1)")
     p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 400 CPU)")
