@@ -67,7 +67,7 @@ def render(results: dict[str, Any]) -> str:
     for key, entry in sorted(results.get("settings", {}).items()):
         profile = entry.get("profile")
         if profile is None:
-            lines.append(f"| {key} | - | {entry.get('error', 'no profile')} | | | | | | | |")
+            lines.append(f"| {key} | - | {str(entry.get('error', 'no profile'))[:160]} | | | | | | | |")
             continue
         chosen = entry.get("steps", {}).get("tokens_per_second")
         stock = (entry.get("stock") or {}).get("tokens_per_second")
