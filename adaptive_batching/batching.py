@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.data import build_dataloader, build_token_dataloader, data_files
 from adaptive_batching.distributed import ParallelInfo
+from adaptive_batching.growth_interval import Segment
 from adaptive_batching.lr_scaling import lr_factor
 from adaptive_batching.oom import is_out_of_memory
 from adaptive_batching.oom_recovery import OutOfMemoryStop, piece_size
@@ -82,11 +83,16 @@ class SampleBatching:
         if warnings:
             warn("\n".join(warnings))
 
-    def loader(self, epoch: int, split: int, start_step: int) -> Any:
+    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
+        """``epoch``'s loader from the sampler's step ``start_step``, serving ``segment`` of the epoch."""
         assert self.data is not None
+        segment = segment or Segment()
         shape = self.epoch_plan[epoch].shape
+        common = self.data.common(epoch, split, start_step)
+        if common["max_steps"] is not None:
+            common["max_steps"] = max(1, common["max_steps"] - segment.start_step)
         return build_dataloader(self.data.dataset, micro_batch=shape.micro_batch, accumulation=shape.accumulation,
-                                **self.data.common(epoch, split, start_step))
+                                first_sample=segment.first_sample, **common)
 
     def extent(self, epoch: int) -> tuple[int, int]:
         """Optimizer steps and samples (all ranks) of ``epoch`` as planned."""
@@ -230,7 +236,7 @@ class TokenBatching(SampleBatching):
     def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
         """Steps hold as many samples as the budget packs: the sample-count rails do not apply."""
 
-    def loader(self, epoch: int, split: int, start_step: int) -> Any:
+    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
         assert self.data is not None
         return build_token_dataloader(
             self.data.dataset, self.lengths, max_tokens=self.budgets[epoch],

@@ -59,6 +59,7 @@ def build_dataloader(
     max_steps: Optional[int],
     split: int = 1,
     start_step: int = 0,
+    first_sample: int = 0,
 ) -> StatefulDataLoader:
     """A resumable dataloader of this rank's micro batches for one epoch, in optimizer steps.
 
@@ -68,7 +69,7 @@ def build_dataloader(
     sampler = StepBatchSampler(
         len(dataset), micro_batch=micro_batch, accumulation=accumulation, rank=parallel.rank,
         world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
-        split=split, start_step=start_step,
+        split=split, start_step=start_step, first_sample=first_sample,
     )
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 

@@ -22,6 +22,8 @@ from torchtune.modules.peft import (
 
 from adaptive_batching.model import FinetuneMethod
 
+_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
+
 
 class FullFinetune:
     """Train every weight; save the whole model."""
@@ -75,7 +77,8 @@ class LoRAFinetune:
         return [checkpoint[training.MODEL_KEY]] + ([adapter] if adapter else [])
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
-        not_adapter = [k for k in missing if k not in self._adapter_names]
+        # Activation checkpointing wraps each layer after the adapter was found: its keys gain the wrapper's name.
+        not_adapter = [k for k in missing if k.replace(_CHECKPOINT_WRAPPER, "") not in self._adapter_names]
         if not_adapter or unexpected:
             raise RuntimeError(
                 f"Checkpoint does not match the LoRA model: missing {not_adapter}, unexpected {list(unexpected)}"

@@ -17,7 +17,8 @@ from torch.utils.data import Sampler
 
 Batch = dict[str, torch.Tensor]
 
-_CHECKED_KEYS = ("dataset_size", "micro_batch", "accumulation", "split", "world_size", "seed", "shuffle")
+_CHECKED_KEYS = ("dataset_size", "micro_batch", "accumulation", "split", "world_size", "seed", "shuffle",
+                 "first_sample")
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -172,11 +173,15 @@ class StepBatchSampler(StepSampler):
     out-of-memory error): the same samples in the same steps, in smaller forwards. ``start_step``
     makes the first iteration begin at that optimizer step of the epoch.
 
+    ``first_sample`` serves only the epoch's order from that position on: after the batch grew inside
+    an epoch, the new sampler continues where the old one stopped, so no sample is skipped or repeated.
+    Its steps are counted from there.
+
     Stateful (torchdata's protocol), so a ``StatefulDataLoader`` resumes exactly mid-epoch.
     """
 
     checked_keys = _CHECKED_KEYS
-    state_defaults = {"split": 1}  # states saved before pieces existed
+    state_defaults = {"split": 1, "first_sample": 0}  # states saved before pieces and in-epoch growth existed
     resume_advice = "the same batch size, gradient accumulation, ranks, dataset, seed and shuffle"
 
     def __init__(
@@ -193,6 +198,7 @@ class StepBatchSampler(StepSampler):
         max_steps: int | None = None,
         split: int = 1,
         start_step: int = 0,
+        first_sample: int = 0,
     ) -> None:
         if dataset_size < 0:
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
@@ -202,7 +208,10 @@ class StepBatchSampler(StepSampler):
                              max_steps=max_steps)
         if not 1 <= split <= micro_batch:
             raise ValueError(f"split must be in [1, micro_batch={micro_batch}], got {split}")
+        if not 0 <= first_sample <= dataset_size:
+            raise ValueError(f"first_sample must be in [0, dataset_size={dataset_size}], got {first_sample}")
         self.dataset_size = dataset_size
+        self.first_sample = first_sample
         self.micro_batch = micro_batch
         self.accumulation = accumulation
         self.rank = rank
@@ -224,8 +233,13 @@ class StepBatchSampler(StepSampler):
         """Samples in one full step, over all ranks."""
         return self.micro_batch * self.accumulation * self.world_size
 
+    @property
+    def remaining(self) -> int:
+        """Samples this sampler serves per epoch: the order from ``first_sample`` on."""
+        return self.dataset_size - self.first_sample
+
     def _step_layout(self) -> list[int]:
-        full, remainder = divmod(self.dataset_size, self.global_batch)
+        full, remainder = divmod(self.remaining, self.global_batch)
         layout = [self.accumulation] * full
         if remainder:
             layout.append(_ceil_div(_ceil_div(remainder, self.world_size), self.micro_batch))
@@ -234,7 +248,7 @@ class StepBatchSampler(StepSampler):
 
     def samples_in_step(self, step: int) -> int:
         """Samples the ``step``-th step of the epoch trains on, over all ranks."""
-        return min(self.global_batch, self.dataset_size - step * self.global_batch)
+        return min(self.global_batch, self.remaining - step * self.global_batch)
 
     def order(self) -> list[int]:
         """The current epoch's order of all dataset indices, before it is cut into steps."""
@@ -248,9 +262,9 @@ class StepBatchSampler(StepSampler):
         layout = self.step_layout()
         if start >= sum(layout):
             return
-        order = self.order()
+        order = self.order()[self.first_sample:]
         share = self.micro_batch * self.accumulation
-        full = self.dataset_size // self.global_batch
+        full = self.remaining // self.global_batch
         skip = start
         for step, count in enumerate(layout):
             count //= self.split
@@ -262,7 +276,7 @@ class StepBatchSampler(StepSampler):
                 offset = begin + self.rank * share
                 mine = order[offset: offset + share]
             else:
-                remainder = self.dataset_size - begin
+                remainder = self.remaining - begin
                 base, extra = divmod(remainder, self.world_size)
                 offset = begin + self.rank * base + min(self.rank, extra)
                 mine = order[offset: offset + base + (1 if self.rank < extra else 0)]

@@ -179,6 +179,11 @@ def _call(increase: IncreaseFunction, epoch: int, current: int) -> int:
     return inc
 
 
+def checked_increment(increase: IncreaseFunction, period: int, current: int) -> int:
+    """``increase(period, current)`` at a growth boundary inside an epoch, checked as at an epoch start."""
+    return _call(increase, period, current)
+
+
 def plan_batches(
     *,
     epochs: int,
@@ -218,24 +223,31 @@ def plan_batches(
             f"config key 'adaptive_batching.grow_past_memory' = {grow_past_memory!r} is invalid: "
             f"expected {' | '.join(GROW_PAST_MEMORY)}"
         )
-    skip = grow_past_memory == "skip"
-
     shape, capped = _realise(start, accumulation, ranks, memory_cap, grow_past_memory)
     plan = [EpochBatch(0, start, 0, shape, capped or "start", memory_cap)]
-    current = shape.micro_batch if skip else start
     for epoch in range(1, epochs):
+        current = seen_size(plan[-1], grow_past_memory)
         inc = 0 if increase is None else _call(increase, epoch, current)
-        requested = current + inc
-        if skip and inc > 0 and memory_cap is not None and requested > memory_cap:
-            plan.append(EpochBatch(epoch, current, inc, plan[-1].shape, "capped", memory_cap))
-            continue
-        shape, capped = _realise(
-            requested, accumulation, ranks, memory_cap, grow_past_memory
-        )
-        reason = "unchanged" if inc == 0 else capped or "function"
-        plan.append(EpochBatch(epoch, requested, inc, shape, reason, memory_cap))
-        current = shape.micro_batch if skip else requested
+        plan.append(grow_entry(plan[-1], inc, epoch=epoch, accumulation=accumulation, ranks=ranks,
+                               memory_cap=memory_cap, grow_past_memory=grow_past_memory))
     return plan
+
+
+def seen_size(entry: EpochBatch, grow_past_memory: str) -> int:
+    """The ``current_batch_size`` a growth function sees after ``entry``: the micro batch that ran
+    under ``skip``, the size it asked for under ``accumulate``."""
+    return entry.shape.micro_batch if grow_past_memory == "skip" else entry.requested
+
+
+def grow_entry(previous: EpochBatch, inc: int, *, epoch: int, accumulation: int, ranks: int,
+               memory_cap: Optional[int], grow_past_memory: str) -> EpochBatch:
+    """The batch after a growth function returned ``inc`` following ``previous`` (see :func:`plan_batches`)."""
+    current = seen_size(previous, grow_past_memory)
+    requested = current + inc
+    if grow_past_memory == "skip" and inc > 0 and memory_cap is not None and requested > memory_cap:
+        return EpochBatch(epoch, current, inc, previous.shape, "capped", memory_cap)
+    shape, capped = _realise(requested, accumulation, ranks, memory_cap, grow_past_memory)
+    return EpochBatch(epoch, requested, inc, shape, "unchanged" if inc == 0 else capped or "function", memory_cap)
 
 
 def describe_plan(plan: list[EpochBatch]) -> list[str]:

@@ -22,6 +22,7 @@ from torchtune import config, utils
 from adaptive_batching.config_keys import check_top_level_keys
 from adaptive_batching.elastic import ElasticSpec
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth_interval import KEY as GROWTH_KEY, growth_interval_error
 from adaptive_batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.schedule import load_increase_function, plan_batches
 
@@ -129,6 +130,7 @@ KNOBS: dict[str, Knob] = {
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
+    "growth_interval": Knob("epoch", growth_interval_error, True, "batch growth inside an epoch"),
     "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
     "keep_global_batch": Knob(False, _bool, True, "the fixed-global-batch mode"),
     "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
@@ -255,6 +257,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     _check_token_budget(cfg, knobs, use_max)
     _check_elastic(knobs, increase)
     _check_keep_global_batch(knobs, increase, use_max)
+    _check_growth_interval(knobs, increase)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
@@ -316,6 +319,20 @@ def _check_keep_global_batch(knobs: dict[str, Any], increase: Any, use_max: bool
     for other, default in (("max_tokens", None), ("elastic", None)):
         if knobs[other] != default:
             raise ConfigError(f"{key} cannot be combined with adaptive_batching.{other} (set it to null)")
+
+
+def _check_growth_interval(knobs: dict[str, Any], increase: Any) -> None:
+    """Growth inside an epoch needs a growth function and sample-count batching."""
+    value = knobs["growth_interval"]
+    if value == "epoch":
+        return
+    key = f"config key '{GROWTH_KEY}' = {value!r}"
+    if increase is None:
+        raise ConfigError(f"{key} says when the batch grows, but batch_increase_function is null: set one, "
+                          "or remove the key")
+    if knobs["max_tokens"] is not None:
+        raise ConfigError(f"{key} needs sample-count batching; token-budget batching "
+                          "(adaptive_batching.max_tokens) grows at epoch starts only: set growth_interval to 'epoch'")
 
 
 def _check_lr_scheduler(cfg: DictConfig) -> None:

@@ -42,6 +42,27 @@ class UnguardedOutOfMemory(RuntimeError):
     """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
 
 
+def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,
+                 batching: dict[str, float]) -> dict[str, float]:
+    """One optimizer step's metrics as logged: what ran (micro batch and accumulation after any cut)."""
+    metrics: dict[str, float] = {
+        "loss": stats.loss,
+        "lr": lr,
+        "gradient_accumulation_steps": accumulation,
+        "global_batch_size": stats.samples,
+        "tokens_per_second_per_gpu": stats.tokens / (stats.seconds * ranks),
+        **batching,
+    }
+    peak = memory.peak_memory_gb(device)
+    if peak is not None:
+        metrics["peak_memory_gb"] = peak
+    if stats.grad_norm is not None:
+        metrics["grad_norm"] = stats.grad_norm
+    if stats.noise_scale is not None:
+        metrics["gradient_noise_scale"] = stats.noise_scale
+    return metrics
+
+
 @dataclass
 class StepRunner:
     """Runs optimizer steps on ``model``; ``where`` names the next optimizer step and the last save for messages."""

@@ -70,6 +70,9 @@ def scenarios(out: Path, assets: Path) -> dict[str, Callable[[], Path]]:
         "two_ranks": lambda: (faulty(out, "two_ranks", {}, assets, "batch_increase_function=null", "batch_size=2",
                                      data, "epochs=2", "max_steps_per_epoch=null", nproc=2), out / "two_ranks")[1],
         "kill_and_resume": lambda: kill_and_resume(out, assets, data),
+        "growth_in_epoch": lambda: (faulty(out, "growth_in_epoch", {}, assets, "batch_size=2", data, "epochs=2",
+                                           "max_steps_per_epoch=null", "adaptive_batching.growth_interval=3 steps",
+                                           "adaptive_batching.memory_budget=1GiB"), out / "growth_in_epoch")[1],
     }
 
 

@@ -129,3 +129,29 @@ def test_keeping_the_global_batch_takes_the_largest_even_micro_batch_that_fits(
     got, why = shape_keeping_global_batch(global_batch, ranks, cap)
     assert (got.micro_batch, got.accumulation, got.ranks) == (*shape, ranks)
     assert got.global_batch == global_batch and got.micro_batch <= cap and note in why
+
+
+def test_a_lora_model_with_activation_checkpointing_loads_base_weights() -> None:
+    """Activation checkpointing wraps the layers after the adapter is found: the adapter's missing keys then carry
+    the wrapper's name and must still count as the adapter (they once stopped every LoRA run with it on)."""
+    from torchtune import training
+    from torchtune.models.llama3 import llama3
+
+    from adaptive_batching.methods import LoRAFinetune
+    from adaptive_batching.model import ModelOptions, build_model
+
+    lora = dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8)
+    cfg = OmegaConf.create({"_component_": "torchtune.models.llama3.lora_llama3", **lora, **TINY_MODEL_ARGS})
+    base = llama3(**TINY_MODEL_ARGS).state_dict()
+    method = LoRAFinetune(cfg, save_adapter_weights_only=False)
+    model = build_model(cfg, method, {training.MODEL_KEY: base}, device=torch.device("cpu"), dtype=torch.float32,
+                        parallel=ParallelInfo(), options=ModelOptions(activation_checkpointing=True))
+    wrapped = [name for name, _ in model.named_parameters() if "_checkpoint_wrapped_module" in name]
+    assert wrapped and any("lora_a" in name for name in wrapped)
+    loaded = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()}
+    assert all(torch.equal(loaded[k], v) for k, v in base.items())
+    with pytest.raises(RuntimeError, match="does not match the LoRA model"):
+        build_model(cfg, LoRAFinetune(cfg, save_adapter_weights_only=False),
+                    {training.MODEL_KEY: {k: v for k, v in base.items() if "q_proj" not in k}},
+                    device=torch.device("cpu"), dtype=torch.float32, parallel=ParallelInfo(),
+                    options=ModelOptions(activation_checkpointing=True))

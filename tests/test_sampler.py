@@ -288,7 +288,7 @@ def test_sampler_state_round_trip_without_a_loader() -> None:
     [next(iterator) for _ in range(3)]
     state = pickle.loads(pickle.dumps(sampler.state_dict()))
     assert state == {"epoch": 1, "yielded": 3, "dataset_size": 40, "micro_batch": 3, "accumulation": 2, "split": 1,
-                     "world_size": 2, "seed": 7, "shuffle": True}
+                     "world_size": 2, "seed": 7, "shuffle": True, "first_sample": 0}
     fresh = make(40, 3, 2, 1, 2)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -454,3 +454,36 @@ def test_the_step_layout_is_computed_once_per_epoch() -> None:
     sampler.set_epoch(1)
     assert sampler.steps == 7 and len(sampler) == 13
     assert calls == [0, 1]
+
+
+# ---------------------------------------------------------------- growth inside an epoch
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("cut_after", [1, 2, 3])
+def test_a_sampler_from_first_sample_continues_the_epoch_so_every_sample_is_seen_once(world: int,
+                                                                                         cut_after: int) -> None:
+    """The batch grows after ``cut_after`` steps: a new, larger sampler starts at the samples the old one served."""
+    n, small = 37, make(37, 2, 1, 0, world, epoch=3)
+    served = sum(small.samples_in_step(i) for i in range(cut_after))
+    before = [split_steps(list(make(n, 2, 1, r, world, epoch=3)), small.step_layout())[:cut_after]
+              for r in range(world)]
+    after = rank_batches(n, 5, 2, world, epoch=3, first_sample=served)
+    per_rank = [[b for step in before[r] for b in step] + after[r] for r in range(world)]
+    assert_covers_once(per_rank, n)
+    grown = make(n, 5, 2, 0, world, epoch=3, first_sample=served)
+    assert grown.remaining == n - served and sum(grown.samples_in_step(i) for i in range(grown.steps)) == n - served
+    order = small.order()
+    assert sorted(i for r in range(world) for b in after[r] for i in b) == sorted(order[served:])
+
+
+def test_a_state_from_another_first_sample_is_refused_and_an_old_state_means_0() -> None:
+    grown = make(40, 3, 1, 0, 1, first_sample=6)
+    it = iter(grown)
+    next(it)
+    state = grown.state_dict()
+    assert state["first_sample"] == 6
+    with pytest.raises(ValueError, match="first_sample 6 \\(saved\\) != 0"):
+        make(40, 3, 1, 0, 1).load_state_dict(state)
+    old = {k: v for k, v in make(40, 3, 1, 0, 1).state_dict().items() if k != "first_sample"}
+    make(40, 3, 1, 0, 1).load_state_dict(old)
+    with pytest.raises(ValueError, match="first_sample"):
+        make(40, 3, 1, 0, 1, first_sample=41)

@@ -209,6 +209,7 @@ NON_DEFAULT_VALID = {
     "reprofile": True,
     "cache_dir": "/tmp/profile-cache",
     "grow_past_memory": "accumulate",
+    "growth_interval": "50 steps",
     "allow_global_batch_above_data": True,
     "keep_global_batch": True,
     "max_tokens": 4096,
