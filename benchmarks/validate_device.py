@@ -22,8 +22,13 @@ checkpointing off and on, the checks are:
    --fraction 1``) against the profile's largest micro batch;
 5. tokens/s at the chosen micro batch against the stock torchtune config's batch (4 x 1);
 6. (phase ``tokens``) a token budget against fixed batches on the long-tailed data: padding waste and
-   tokens per second of the training loop;
+   tokens per second of the training loop (both take the full/ac_off profile from its cache when
+   phase ``full`` ran it: same model, length and budget);
 7. (phase ``compile``) checks 1, 3 and 5 with ``compile=True`` (full, checkpointing off).
+
+On CPU every run uses one intra-op thread (``--threads``): with more threads than free cores, as on a
+shared machine, every run slows down several times. The stock-batch runs of check 5 and the trials of
+check 2 follow the allocator rules the recipe sets when it profiles on CPU, so only the batch differs.
 
 Every training sample of checks 1-3 and 5 is longer than the sequence length (``validate_data``), so
 each micro batch has the profiler's worst-case shape. Results accumulate in one JSON per device
@@ -59,10 +64,10 @@ CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
            "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora"}}
 RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
 DEFAULTS = {  # per device type: model, seq len, budget, steps, long samples, token-phase samples, launcher
-    "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=400, token_samples=240,
-                launcher="fork"),
-    "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096, token_samples=2000,
-                 launcher="spawn"),
+    "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=1000,
+                token_samples=240, launcher="fork", threads=1, max_trials=4),
+    "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096,
+                 token_samples=2000, launcher="spawn", threads=0, max_trials=6),
 }
 
 
@@ -82,6 +87,8 @@ class Validation:
         self.results.setdefault("settings", {})
         self.results["device"] = device
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if args.threads:  # every child: OpenMP/MKL pools and torch.set_num_threads (validate_runs)
+            self.env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         self.count = 0
 
     # ------------------------------------------------------------------ plumbing
@@ -93,6 +100,7 @@ class Validation:
         self.count += 1
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
+        spec = dict(spec, threads=self.args.threads)
         record = launch(spec, log=log, launcher=self.args.launcher, env=self.env, timeout=self.args.timeout)
         status = "ok" if record["exit_code"] == 0 else f"FAILED ({record.get('error') or record['exit_code']})"
         print(f"  {tag}: {status}, {record['wall_seconds']:.1f} s", flush=True)
@@ -166,7 +174,8 @@ class Validation:
         if not compiled:
             entry["true_max"] = self.bisect(tag, method, ac, profile["max_micro_batch"], budget)
             stock, _ = self.recipe(f"{tag}-stock", method, ac, [
-                "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"])
+                "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"],
+                pin=True)  # on CPU the allocator rules of the profiled run, so only the batch differs
             entry["stock"] = dict(summarise_steps(stock, self.args.steps, budget, self.args.warmup), batch=STOCK_BATCH)
         self.results["settings"][key] = entry
 
@@ -243,8 +252,13 @@ class Validation:
     def phase_tokens(self) -> None:
         """Fixed micro batches (profiled) against a token budget (auto, similar lengths), one epoch each."""
         a = self.args
+        cache = self.work / "runs" / "tokens-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        profiled = self.work / "runs" / f"{setting_key('full', False).replace('/', '-')}-profile" / "cache"
+        if profiled.is_dir():  # the full/ac_off profile fits these runs too (same model, length, budget)
+            shutil.copytree(profiled, cache)
         shared = [f"dataset.split=train[:{a.token_samples}]", "max_steps_per_epoch=null", "use_maximum_batch_size=True",
-                  f"adaptive_batching.cache_dir={self.work / 'runs' / 'tokens-cache'}"]
+                  f"adaptive_batching.cache_dir={cache}"]
         modes = {"fixed": [], "token budget": ["adaptive_batching.max_tokens=auto",
                                                "adaptive_batching.picking_order=seqlen"]}
         runs: dict[str, Any] = {}
@@ -259,6 +273,7 @@ class Validation:
             chosen = re.search(r"chosen micro batch (\d+);", text)
             budget = re.search(r"Token budget: (\d+) padded tokens", text)
             runs[mode]["micro_batch"] = int(chosen.group(1)) if chosen else None
+            runs[mode]["profile_from_cache"] = "Profiler: using the cached profile" in text
             runs[mode]["max_tokens"] = int(budget.group(1)) if budget else None
         cfg_overrides = self.overrides("full", False, self.work / "runs" / "tokens-padding", long_data=False)
         micro, max_tokens = runs["fixed"]["micro_batch"], runs["token budget"]["max_tokens"]
@@ -323,11 +338,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    "where inductor's own memory while compiling counts in the resident-memory peak)")
     p.add_argument("--steps", type=int, help="training steps at the chosen micro batch (default: 50 on CUDA, 5 on CPU)")
     p.add_argument("--warmup", type=int, default=1, help="first steps left out of tokens/s (default 1)")
-    p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 400 CPU)")
+    p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 1000 CPU)")
     p.add_argument("--token-samples", type=int, help="samples of the token-budget phase (default: 2000 CUDA, 240 CPU)")
     p.add_argument("--tolerance", type=float, default=0.03, help="bisection stops at this gap (default 0.03)")
-    p.add_argument("--max-trials", type=int, default=6, help="fresh processes per bisection (default 6)")
+    p.add_argument("--max-trials", type=int, help="fresh processes per bisection (default 6 on CUDA, 4 on CPU)")
     p.add_argument("--launcher", choices=("fork", "spawn"), help="default: spawn on CUDA, fork on CPU")
+    p.add_argument("--threads", type=int, help="intra-op CPU threads of every run (OMP_NUM_THREADS, MKL_NUM_THREADS "
+                   "and torch.set_num_threads in the child; default 1 on CPU, where more threads than free cores "
+                   "slow every run down, and torch's own choice on CUDA; 0: torch's own choice)")
     p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed (default 600)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/adaptive-batching/validate"))
     p.add_argument("--assets", type=Path, help="existing assets folder (default: written to WORKDIR/assets)")
@@ -341,6 +359,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     wrong = [x for x in args.settings if x not in ALL_SETTINGS]
     if wrong or not args.settings:
         p.error(f"--settings: unknown {wrong or args.settings!r}; use some of {', '.join(ALL_SETTINGS)}")
+    if args.threads is not None and args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
     for name in ("seq_len", "steps", "long_samples", "token_samples", "max_trials", "timeout"):
         value = getattr(args, name)
         if value is not None and value < 1:

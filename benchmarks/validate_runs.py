@@ -90,6 +90,10 @@ def run_in_child(spec: dict[str, Any]) -> int:
     record: dict[str, Any] = {"steps": [], "oom_errors": 0, "epoch_seconds": [], "error": None}
     code = 1
     try:
+        if spec.get("threads"):
+            import torch
+
+            torch.set_num_threads(int(spec["threads"]))  # a forked child's pool follows its parent's, not the env
         if spec.get("pin_cpu_allocator"):
             # The recipe does this itself whenever it profiles on CPU; runs without a profile do it here,
             # so their memory follows the same allocator rules as the profiler's trial steps.

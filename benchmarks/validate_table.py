@@ -90,5 +90,7 @@ def render(results: dict[str, Any]) -> str:
                          f"| {_num(run['tokens_per_second'])} |")
     phases = results.get("phases", {})
     if phases:
-        lines += ["", "Phases (s): " + ", ".join(f"{k} {v['seconds']:.0f}" for k, v in phases.items())]
+        order = ("assets", "full", "lora", "estimate", "tokens", "compile")
+        names = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
+        lines += ["", "Phases (s): " + ", ".join(f"{k} {phases[k]['seconds']:.0f}" for k in names)]
     return "\n".join(lines) + "\n"
