@@ -170,7 +170,10 @@ class Validation:
         budget = int(profile["budget_bytes"])
         entry["profile"] = {k: profile[k] for k in ("micro_batch", "max_micro_batch", "estimate", "budget_bytes",
                                                     "budget_source", "trial_steps", "seconds", "seq_len")}
-        entry["steps"] = summarise_steps(record, self.args.steps, budget, self.args.warmup)
+        # The epoch ends when the long data set does: at a large micro batch that is before --steps steps.
+        requested = min(self.args.steps, math.ceil(self.args.long_samples / max(1, profile["micro_batch"])))
+        entry["steps"] = dict(summarise_steps(record, requested, budget, self.args.warmup),
+                              data_limited=requested < self.args.steps)
         if not compiled:
             entry["true_max"] = self.bisect(tag, method, ac, profile["max_micro_batch"], budget)
             stock, _ = self.recipe(f"{tag}-stock", method, ac, [

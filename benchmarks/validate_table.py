@@ -38,7 +38,8 @@ def _steps(steps: Optional[dict[str, Any]]) -> str:
     if not steps:
         return "-"
     ok = steps["exit_code"] == 0 and steps["oom_errors"] == 0 and steps["ran"] == steps["requested"]
-    return (f"{steps['ran']}/{steps['requested']} {'ok' if ok else 'FAILED'}, {steps['oom_errors']} OOM, "
+    limit = " (all the data)" if steps.get("data_limited") else ""
+    return (f"{steps['ran']}/{steps['requested']}{limit} {'ok' if ok else 'FAILED'}, {steps['oom_errors']} OOM, "
             f"{steps['alloc_retries']} retries, peak {_gib(steps['max_peak_bytes'])}")
 
 
