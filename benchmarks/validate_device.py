@@ -65,9 +65,9 @@ CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
 RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
 DEFAULTS = {  # per device type: model, seq len, budget, steps, long samples, token-phase samples, launcher
     "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=1000,
-                token_samples=240, launcher="fork", threads=1, max_trials=4),
+                token_samples=240, launcher="fork", threads=1),
     "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096,
-                 token_samples=2000, launcher="spawn", threads=0, max_trials=6),
+                 token_samples=2000, launcher="spawn", threads=0),
 }
 
 
@@ -344,7 +344,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 1000 CPU)")
     p.add_argument("--token-samples", type=int, help="samples of the token-budget phase (default: 2000 CUDA, 240 CPU)")
     p.add_argument("--tolerance", type=float, default=0.03, help="bisection stops at this gap (default 0.03)")
-    p.add_argument("--max-trials", type=int, help="fresh processes per bisection (default 6 on CUDA, 4 on CPU)")
+    p.add_argument("--max-trials", type=int, default=6, help="fresh processes per bisection (default 6)")
     p.add_argument("--launcher", choices=("fork", "spawn"), help="default: spawn on CUDA, fork on CPU")
     p.add_argument("--threads", type=int, help="intra-op CPU threads of every run (OMP_NUM_THREADS, MKL_NUM_THREADS "
                    "and torch.set_num_threads in the child; default 1 on CPU, where more threads than free cores "
