@@ -13,10 +13,10 @@ import pytest
 from recipe_runs import check, run_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.py"
-# Every phase, so every check runs here once, on one setting (the token-budget phase takes its profile).
-# The other settings run the same code of this script with another config; each costs about 30 s on a
-# 2-core machine (measured), so CI leaves them to the command's CPU run (VALIDATE_README_SECTION.md) and
-# the library's own tests (LoRA with checkpointing: test_components).
+# Every phase, so every check runs here once, on one setting (the token phase takes its profile). A second
+# setting runs the same code of this script with another config and cost 25-35 s more here (lora/ac_on,
+# 2 cores under load); the command's own CPU run covers all four (VALIDATE_README_SECTION.md), and LoRA with
+# checkpointing has a test of its own (test_components).
 SETTINGS = ("full/ac_off",)
 STEPS = 3
 TRIALS = 2  # the largest size the profile ran, then one step of the gallop: the bracket's machinery, cheaply
