@@ -13,9 +13,16 @@
 # the GPU machine has them. Everything is downloaded with --no-deps for CPython $PYTHON_VERSION on
 # manylinux x86_64 (binary wheels only); this project's own wheel is built with `pip wheel --no-deps .`.
 # matplotlib is left out on purpose (only the profiler's PNG needs it; without it the PNG is skipped
-# with a warning). SKIP="numpy pandas" leaves out distributions the GPU machine already has (numpy, 16 MB,
-# usually comes with torch). OUT_DIR is ignored by git (.gitignore: /.whl/ and *.whl).
+# with a warning). OUT_DIR is ignored by git (.gitignore: /.whl/ and *.whl).
+#
+# SKIP: distributions the GPU machine already has, left out. Default "numpy pandas pyarrow": torchtune
+# imports HF `datasets` when it is imported (torchtune.datasets, torchtune.data), and `datasets` imports
+# pandas and pyarrow (>= 24.0 for datasets 5.2) at its own import, so all three are needed; but they are
+# 81 of the set's 101 MB, and the lent GPU image lists all three among its packages. SKIP="" brings them
+# too (about 100 MB, over a 64 MiB transfer limit: carry pyarrow's wheel in a call of its own that
+# installs it into the same --target, then the rest).
 set -euo pipefail
+SKIP=${SKIP-numpy pandas pyarrow}
 
 OUT=${1:-.whl}
 PYVER=${2:-3.12}
@@ -47,7 +54,7 @@ echo "distributions: $(echo "$REQS" | tr '\n' ' ')"
 # Binary wheels for the target interpreter; a pure-Python package with only an sdist is built here.
 for req in $REQS; do
   name=${req%%==*}
-  if [[ " ${SKIP:-} " == *" $name "* ]]; then echo "skipped: $req (SKIP)"; continue; fi
+  if [[ " $SKIP " == *" $name "* ]]; then echo "skipped: $req (SKIP)"; continue; fi
   if ! "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
         --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
         --platform manylinux_2_17_x86_64 --platform any -d "$OUT" "$req"; then
@@ -60,3 +67,5 @@ done
 echo "wheels in $OUT:"
 ls -1sh "$OUT"/*.whl
 du -ch "$OUT"/*.whl | tail -1
+[ -z "$SKIP" ] || echo "left out (SKIP, the GPU machine must have them): $SKIP; check there with" \
+  "python3 -c 'import numpy, pandas, pyarrow; print(pyarrow.__version__)' (datasets needs pyarrow >= 24)"
