@@ -63,7 +63,7 @@ STOCK_BATCH = 4  # torchtune's llama3_2/1B_full and 1B_lora configs: batch_size 
 CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
            "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora"}}
 RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
-DEFAULTS = {  # per device type: model, seq len, budget, steps, long samples, token-phase samples, launcher
+DEFAULTS = {  # per device type: model, seq len, budgets, steps, long and token-phase samples, launcher, threads
     "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=1000,
                 token_samples=240, launcher="fork", threads=1),
     "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096,

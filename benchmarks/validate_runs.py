@@ -159,8 +159,8 @@ def preload() -> None:
     collector's sight. With torch, torchtune and datasets imported, one full ``gc.collect()`` walks
     millions of them, about 0.5 s on a CPU here; the library collects around every profiler trial step
     and when it releases memory, so a 2-step run took 2.5 s and takes 1.2 s frozen. In a forked child
-    the collector then also leaves the parent's pages alone (no copy-on-write), so the child's resident
-    memory is its own allocations. Objects created later (the run's tensors) are collected as before.
+    the collector also stops writing to the parent's objects, so fewer of their pages are copied into
+    the child's resident memory. Objects created later (the run's tensors) are collected as before.
     """
     import gc
 
