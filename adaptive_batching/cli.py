@@ -26,6 +26,13 @@ def _configs_for(recipe: str) -> list[str]:
 
 
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
+    if args.model != "tiny":
+        # A real architecture, randomly initialised, next to the tiny tokenizer and data (model_assets).
+        from adaptive_batching.model_assets import describe_model_assets, write_model_assets
+
+        paths = write_model_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
+        print(describe_model_assets(paths))
+        return 0
     from adaptive_batching.tiny_assets import describe, write_tiny_assets
 
     paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
@@ -119,6 +126,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from adaptive_batching.model_assets import CHOICES
     from adaptive_batching.tiny_assets import DEFAULT_TINY_DIR
 
     parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
@@ -128,6 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--output-dir", default=DEFAULT_TINY_DIR, help=f"default: {DEFAULT_TINY_DIR}")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-samples", type=int, default=3000)
+    tiny.add_argument("--model", choices=CHOICES, default="tiny",
+                      help="tiny (default), or a real architecture randomly initialised, written as bf16 "
+                           "safetensors to OUTPUT_DIR/MODEL next to the tiny tokenizer and data")
     tiny.set_defaults(func=cmd_tiny_assets)
 
     ls = sub.add_parser("ls", help="list the shipped recipes and configs")

@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# Wheels for a GPU machine that has torch + CUDA but neither torchtune nor this project, and no registry.
+#
+#   benchmarks/gpu_wheels.sh [OUT_DIR=.whl] [PYTHON_VERSION=3.12]     # here, with the registry and .venv
+#   # copy the repository (with .whl/) to the GPU machine, then there:
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
+#   python3 benchmarks/validate_device.py --phase assets        # then the other phases, see --help
+#
+# Which distributions: every one a recipe run, the validation and `adaptive-batching estimate` import,
+# found by importing those modules in this project's virtualenv (.venv, `make install`) and mapping the
+# imported top-level modules to their distributions, at the versions installed there. torch and what
+# torch itself requires (filelock, typing-extensions, sympy, networkx, jinja2, fsspec, ...) are left out:
+# the GPU machine has them. Everything is downloaded with --no-deps for CPython $PYTHON_VERSION on
+# manylinux x86_64 (binary wheels only); this project's own wheel is built with `pip wheel --no-deps .`.
+# matplotlib is left out on purpose (only the profiler's PNG needs it; without it the PNG is skipped
+# with a warning). OUT_DIR is ignored by git (.gitignore: /.whl/ and *.whl).
+#
+# SKIP: distributions the GPU machine already has, left out. Default "numpy pandas pyarrow": torchtune
+# imports HF `datasets` when it is imported (torchtune.datasets, torchtune.data), and `datasets` imports
+# pandas and pyarrow (>= 24.0 for datasets 5.2) at its own import, so all three are needed; but they are
+# 81 of the set's 101 MB, and the lent GPU image lists all three among its packages. SKIP="" brings them
+# too (about 100 MB, over a 64 MiB transfer limit: carry pyarrow's wheel in a call of its own that
+# installs it into the same --target, then the rest).
+set -euo pipefail
+SKIP=${SKIP-numpy pandas pyarrow}
+
+OUT=${1:-.whl}
+PYVER=${2:-3.12}
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+VENV_PY=${VENV_PY:-$ROOT/.venv/bin/python}
+[ -x "$VENV_PY" ] || { echo "error: $VENV_PY not found: run 'make install' first (or set VENV_PY)" >&2; exit 2; }
+mkdir -p "$OUT"
+
+# name==version of every imported distribution but torch's own (one a line).
+REQS=$("$VENV_PY" - <<'EOF' 2>/dev/null
+import importlib, importlib.metadata as md, sys
+for module in ("torchtune._cli.tune", "torchtune._cli.run", "torchtune._cli.download", "torchtune.datasets",
+               "torchtune.models.llama3", "torchtune.models.llama3_2", "torchtune.training", "torchtune.modules.loss",
+               "adaptive_batching.cli", "adaptive_batching.trainer", "adaptive_batching.estimate",
+               "adaptive_batching.model_assets", "adaptive_full_finetune", "adaptive_lora_finetune",
+               "safetensors.torch"):
+    importlib.import_module(module)
+torch_own = {"torch", "triton", "filelock", "typing-extensions", "typing_extensions", "sympy", "mpmath", "networkx",
+             "jinja2", "markupsafe", "fsspec", "setuptools", "adaptive-batching", "adaptive_batching"}
+names = md.packages_distributions()
+found = {d for m in list(sys.modules) for d in names.get(m.split(".")[0], [])}
+for dist in sorted(found, key=str.lower):
+    if dist.lower() not in torch_own and not dist.lower().startswith("nvidia-"):
+        print(f"{dist}=={md.version(dist)}")
+EOF
+)
+echo "distributions: $(echo "$REQS" | tr '\n' ' ')"
+
+# Binary wheels for the target interpreter; a pure-Python package with only an sdist is built here.
+for req in $REQS; do
+  name=${req%%==*}
+  if [[ " $SKIP " == *" $name "* ]]; then echo "skipped: $req (SKIP)"; continue; fi
+  if ! "$VENV_PY" -m pip download -q --no-deps --only-binary=:all: --python-version "$PYVER" \
+        --implementation cp --platform manylinux2014_x86_64 --platform manylinux_2_28_x86_64 \
+        --platform manylinux_2_17_x86_64 --platform any -d "$OUT" "$req"; then
+    echo "no binary wheel for $req: building it (pure Python only)" >&2
+    "$VENV_PY" -m pip wheel -q --no-deps -w "$OUT" "$req"
+  fi
+done
+"$VENV_PY" -m pip wheel -q --no-deps -w "$OUT" "$ROOT"
+
+echo "wheels in $OUT:"
+ls -1sh "$OUT"/*.whl
+du -ch "$OUT"/*.whl | tail -1
+[ -z "$SKIP" ] || echo "left out (SKIP, the GPU machine must have them): $SKIP; check there with" \
+  "python3 -c 'import numpy, pandas, pyarrow; print(pyarrow.__version__)' (datasets needs pyarrow >= 24)"

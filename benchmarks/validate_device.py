@@ -1,0 +1,427 @@
+#!/usr/bin/env python
+"""Validate the profiler on this device in one command: a JSON of every check and a Markdown table.
+
+    python benchmarks/validate_device.py                      # every phase; the tiny model on CPU
+    python benchmarks/validate_device.py --phase full         # one phase (a GPU run fits each in 10 min)
+    python benchmarks/validate_device.py --table              # print the Markdown table of the JSON
+
+On a GPU the model is Llama 3.2 1B (randomly initialised, written locally, no hub), on CPU the tiny
+model; both train on the tiny tokenizer and data. For full and LoRA fine-tuning, bf16, activation
+checkpointing off and on, the checks are:
+
+1. profile: ``use_maximum_batch_size=True``; the chosen micro batch and the largest that ran, read from
+   the run's ``profile/profile.json``;
+2. true maximum: gallop from the profile's largest micro batch, then bisect, each size a fresh process
+   of 2 steps with ``use_maximum_batch_size=False batch_size=N`` under the same budget (CUDA: the
+   allocator capped at it; CPU: the explicit ``adaptive_batching.memory_budget``); a size fits if both
+   steps ran without an out-of-memory error or allocator retry and the second step's peak (the first
+   creates the optimizer state, as the profiler's warm-up does) and reservation are within the budget;
+3. steps: the profile's run trains ``--steps`` steps at the chosen micro batch; out-of-memory errors
+   and ``num_alloc_retries`` (CUDA) are counted around every step from outside the library;
+4. estimate: ``adaptive-batching estimate`` for the profile's budget (``--device-memory BUDGET
+   --fraction 1``) against the profile's largest micro batch;
+5. tokens/s at the chosen micro batch against the stock torchtune config's batch (4 x 1);
+6. (phase ``tokens``) a token budget against fixed batches on the long-tailed data: padding waste and
+   tokens per second of the training loop (both take the full/ac_off profile from its cache when
+   phase ``full`` ran it: same model, length and budget);
+7. (phase ``compile``) checks 1, 3 and 5 with ``compile=True`` (full, checkpointing off).
+
+On CPU every run uses one intra-op thread (``--threads``): with more threads than free cores, as on a
+shared machine, every run slows down several times. The stock-batch runs of check 5 and the trials of
+check 2 follow the allocator rules the recipe sets when it profiles on CPU, so only the batch differs.
+
+Every training sample of checks 1-3 and 5 is longer than the sequence length (``validate_data``), so
+each micro batch has the profiler's worst-case shape. Results accumulate in one JSON per device
+(``benchmarks/results/validation-<device>.json``); each phase replaces only its own entries.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import re
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA must not initialise it here
+
+import validate_data  # noqa: E402
+import validate_table  # noqa: E402
+from validate_runs import launch, preload  # noqa: E402
+
+PHASES = ("assets", "full", "lora", "estimate", "tokens", "compile")
+SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True))}
+ALL_SETTINGS = tuple(f"{m}/ac_{'on' if ac else 'off'}" for pairs in SETTINGS.values() for m, ac in pairs)
+STOCK_BATCH = 4  # torchtune's llama3_2/1B_full and 1B_lora configs: batch_size 4 (x 1 here)
+CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
+           "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora"}}
+RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
+DEFAULTS = {  # per device type: model, seq len, budgets, steps, long and token-phase samples, launcher, threads
+    "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=1000,
+                token_samples=240, launcher="fork", threads=1),
+    "cuda": dict(model="llama3_2_1b", seq_len=2048, budget=None, compile_budget=None, steps=50, long_samples=4096,
+                 token_samples=2000, launcher="spawn", threads=0),
+}
+
+
+def setting_key(method: str, ac: bool, compiled: bool = False) -> str:
+    return f"{method}/ac_{'on' if ac else 'off'}" + ("/compile" if compiled else "")
+
+
+class Validation:
+    """The checks of one device, run in child processes, accumulated in one JSON file."""
+
+    def __init__(self, args: argparse.Namespace, device: dict[str, Any]) -> None:
+        self.args, self.device = args, device
+        self.work = args.workdir
+        self.assets = args.assets or self.work / "assets"
+        self.long_data = self.work / "data" / f"long_{args.seq_len}.json"
+        self.results: dict[str, Any] = json.loads(args.json.read_text()) if args.json.exists() else {}
+        self.results.setdefault("settings", {})
+        self.results["device"] = device
+        self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
+        if args.threads:  # every child: OpenMP/MKL pools and torch.set_num_threads (validate_runs)
+            self.env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+        self.count = 0
+
+    # ------------------------------------------------------------------ plumbing
+    def save(self) -> None:
+        self.args.json.parent.mkdir(parents=True, exist_ok=True)
+        self.args.json.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
+
+    def launch(self, tag: str, spec: dict[str, Any]) -> dict[str, Any]:
+        self.count += 1
+        log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        spec = dict(spec, threads=self.args.threads)
+        record = launch(spec, log=log, launcher=self.args.launcher, env=self.env, timeout=self.args.timeout)
+        status = "ok" if record["exit_code"] == 0 else f"FAILED ({record.get('error') or record['exit_code']})"
+        print(f"  {tag}: {status}, {record['wall_seconds']:.1f} s", flush=True)
+        return record
+
+    def function(self, tag: str, name: str, *args: Any) -> Any:
+        record = self.launch(tag, {"kind": "function", "function": name, "args": list(args)})
+        if record["exit_code"] != 0:
+            raise SystemExit(f"{tag} failed: {record['error']} (log {record['log']})")
+        return record["value"]
+
+    def overrides(self, method: str, ac: bool, out: Path, *, long_data: bool = True,
+                  compiled: bool = False) -> list[str]:
+        """The config overrides every run of a setting shares."""
+        a = self.args
+        if a.model == "tiny":
+            base = [f"assets_dir={self.assets}", "device=cpu" if self.device["type"] == "cpu" else "device=cuda",
+                    f"tokenizer.max_seq_len={a.seq_len}"]
+        else:
+            from adaptive_batching.model_assets import ModelAssetPaths, recipe_overrides
+
+            base = [*recipe_overrides(ModelAssetPaths.from_root(self.assets, a.model), a.seq_len),
+                    f"device={self.device['type']}"]
+        if long_data:
+            base.append(f"dataset.data_files={self.long_data}")
+        chosen = a.compile_budget if compiled else a.budget
+        budget = [f"adaptive_batching.memory_budget={chosen}"] if chosen else []
+        return [*base, "dtype=bf16", f"enable_activation_checkpointing={ac}", "epochs=1",
+                "gradient_accumulation_steps=1", "batch_increase_function=null", "lr_scaling=null",
+                "lr_scheduler=null", "seed=0", "compile=False", "log_every_n_steps=1", "save_every_n_steps=null",
+                f"output_dir={out}", f"adaptive_batching.cache_dir={out / 'cache'}", *budget]
+
+    def recipe(self, tag: str, method: str, ac: bool, extra: list[str], *, long_data: bool = True,
+               cap: Optional[int] = None, pin: bool = False, compiled: bool = False) -> tuple[dict[str, Any], Path]:
+        out = self.work / "runs" / tag
+        shutil.rmtree(out, ignore_errors=True)
+        argv = ["run", RECIPES[method], "--config", CONFIGS[self.args.model][method],
+                *self.overrides(method, ac, out, long_data=long_data, compiled=compiled), *extra]
+        spec = {"kind": "tune", "argv": argv, "no_save": True, "cap_bytes": cap,
+                "pin_cpu_allocator": pin and self.device["type"] == "cpu"}
+        return self.launch(tag, spec), out
+
+    # ------------------------------------------------------------------ phases
+    def phase_assets(self) -> None:
+        a = self.args
+        marker = (self.assets / a.model / "model.safetensors") if a.model != "tiny" else (
+            self.assets / "model" / "model.safetensors")
+        if a.assets is None or not marker.exists():
+            self.results["assets"] = self.function("assets", "write_assets", str(self.assets), a.model)
+        self.results["long_data"] = self.function(
+            "long-data", "write_long_dataset", str(self.assets / "data" / "alpaca_tiny.json"), str(self.long_data),
+            a.seq_len, a.long_samples)
+
+    def phase_setting(self, method: str, ac: bool, compiled: bool = False) -> None:
+        key = setting_key(method, ac, compiled)
+        tag = key.replace("/", "-")
+        entry: dict[str, Any] = {"method": method, "activation_checkpointing": ac, "compile": compiled}
+        extra = ["use_maximum_batch_size=True", f"max_steps_per_epoch={self.args.steps}"]
+        record, out = self.recipe(f"{tag}-profile", method, ac, [*extra, f"compile={compiled}"], pin=True,
+                                  compiled=compiled)
+        profile_path = out / "profile" / "profile.json"
+        if not profile_path.exists():
+            entry["error"] = f"no profile report ({record.get('error')}; log {record['log']})"
+            self.results["settings"][key] = entry
+            return
+        profile = json.loads(profile_path.read_text())
+        budget = int(profile["budget_bytes"])
+        entry["profile"] = {k: profile[k] for k in ("micro_batch", "max_micro_batch", "estimate", "budget_bytes",
+                                                    "budget_source", "trial_steps", "seconds", "seq_len")}
+        # The epoch ends when the long data set does: at a large micro batch that is before --steps steps.
+        requested = min(self.args.steps, math.ceil(self.args.long_samples / max(1, profile["micro_batch"])))
+        entry["steps"] = dict(summarise_steps(record, requested, budget, self.args.warmup),
+                              data_limited=requested < self.args.steps)
+        if not compiled:
+            entry["true_max"] = self.bisect(tag, method, ac, profile["max_micro_batch"], budget)
+            stock, _ = self.recipe(f"{tag}-stock", method, ac, [
+                "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"],
+                pin=True)  # on CPU the allocator rules of the profiled run, so only the batch differs
+            entry["stock"] = dict(summarise_steps(stock, self.args.steps, budget, self.args.warmup), batch=STOCK_BATCH)
+        self.results["settings"][key] = entry
+
+    def fits(self, tag: str, method: str, ac: bool, n: int, budget: int) -> dict[str, Any]:
+        """One fresh process of 2 steps at micro batch ``n``: did it fit the budget?"""
+        record, _ = self.recipe(f"{tag}-trial-{n}", method, ac, [
+            "use_maximum_batch_size=False", f"batch_size={n}", "max_steps_per_epoch=2",
+            "adaptive_batching.oom_recovery=False"], cap=budget if self.device["type"] == "cuda" else None, pin=True)
+        steps = record["steps"]
+        later = steps[1:]
+        peak = max((s["peak_bytes"] for s in later), default=None)
+        reserved = max((s["reserved_peak_bytes"] or 0 for s in later), default=0)
+        retries = sum(s["alloc_retries"] for s in steps)
+        ok = (record["exit_code"] == 0 and record["oom_errors"] == 0 and len(steps) == 2 and retries == 0
+              and peak is not None and peak <= budget and reserved <= budget)
+        return {"micro_batch": n, "fits": ok, "peak_bytes": peak, "reserved_peak_bytes": reserved or None,
+                "alloc_retries": retries, "oom_errors": record["oom_errors"], "exit_code": record["exit_code"],
+                "seconds": round(record["wall_seconds"], 2)}
+
+    def bisect(self, tag: str, method: str, ac: bool, start: int, budget: int) -> dict[str, Any]:
+        """Gallop up (or halve down) from ``start`` to a bracket [fits, fails), then bisect it until the
+        gap is within ``--tolerance`` of the lower end or ``--max-trials`` processes have run."""
+        limit = max(1, self.args.long_samples // 2)  # 2 steps of n samples from the long data set
+        trials: list[dict[str, Any]] = []
+        lo: Optional[int] = None
+        hi: Optional[int] = None
+        n = min(start, limit)
+
+        def gap_ok() -> bool:
+            return lo is not None and hi is not None and hi - lo <= max(1, math.floor(self.args.tolerance * lo))
+
+        step = max(1, math.ceil(self.args.tolerance * n))
+        while len(trials) < self.args.max_trials and not gap_ok():
+            trial = self.fits(tag, method, ac, n, budget)
+            trials.append(trial)
+            if trial["fits"]:
+                lo = n
+            else:
+                hi = n
+            if hi is None:  # gallop up
+                if n >= limit:
+                    break
+                n, step = min(limit, n + step), step * 2
+            elif lo is None:  # halve down
+                if n == 1:
+                    break
+                n = max(1, n // 2)
+            else:
+                n = (lo + hi) // 2
+                if n in (lo, hi):
+                    break
+        return {"largest_fit": lo, "smallest_fail": hi, "limit": limit, "trials": trials,
+                "resolved": gap_ok() or (lo is not None and hi == lo + 1)}
+
+    def phase_estimate(self) -> None:
+        for key, entry in sorted(self.results["settings"].items()):
+            if entry.get("compile") or "profile" not in entry:
+                continue
+            method, ac = entry["method"], entry["activation_checkpointing"]
+            out = self.work / "runs" / f"{key.replace('/', '-')}-estimate"
+            out.mkdir(parents=True, exist_ok=True)
+            budget = entry["profile"]["budget_bytes"]
+            argv = ["estimate", "--config", CONFIGS[self.args.model][method], "--device-memory", str(budget),
+                    "--fraction", "1.0", "--json", str(out / "estimate.json"), *self.overrides(method, ac, out)]
+            record = self.launch(f"{key.replace('/', '-')}-estimate", {"kind": "cli", "argv": argv})
+            if record["exit_code"] == 0 and (out / "estimate.json").exists():
+                est = json.loads((out / "estimate.json").read_text())
+                entry["estimate"] = {"max_micro_batch": est["max_micro_batch"], "budget_bytes": est["budget_bytes"],
+                                     "fit_micro_batch": est["fit_micro_batch"], "method": est["method"],
+                                     "seconds": est["seconds"], "wall_seconds": round(record["wall_seconds"], 2)}
+            else:
+                entry["estimate"] = {"error": f"{record.get('error')} (log {record['log']})"}
+
+    def phase_tokens(self) -> None:
+        """Fixed micro batches (profiled) against a token budget (auto, similar lengths), one epoch each."""
+        a = self.args
+        cache = self.work / "runs" / "tokens-cache"
+        shutil.rmtree(cache, ignore_errors=True)
+        profiled = self.work / "runs" / f"{setting_key('full', False).replace('/', '-')}-profile" / "cache"
+        if profiled.is_dir():  # the full/ac_off profile fits these runs too (same model, length, budget)
+            shutil.copytree(profiled, cache)
+        shared = [f"dataset.split=train[:{a.token_samples}]", "max_steps_per_epoch=null", "use_maximum_batch_size=True",
+                  f"adaptive_batching.cache_dir={cache}"]
+        modes = {"fixed": [], "token budget": ["adaptive_batching.max_tokens=auto",
+                                               "adaptive_batching.picking_order=seqlen"]}
+        runs: dict[str, Any] = {}
+        for mode, extra in modes.items():
+            tag = "tokens-" + mode.replace(" ", "-")
+            record, out = self.recipe(tag, "full", False, [*shared, *extra], long_data=False, pin=True)
+            text = Path(record["log"]).read_text(errors="replace")
+            seconds = sum(record["epoch_seconds"])
+            runs[mode] = {"exit_code": record["exit_code"], "steps": len(record["steps"]), "epoch_seconds": seconds,
+                          "tokens": sum(s["tokens"] for s in record["steps"]), "oom_errors": record["oom_errors"]}
+            runs[mode]["tokens_per_second"] = runs[mode]["tokens"] / seconds if seconds > 0 else None
+            chosen = re.search(r"chosen micro batch (\d+);", text)
+            budget = re.search(r"Token budget: (\d+) padded tokens", text)
+            runs[mode]["micro_batch"] = int(chosen.group(1)) if chosen else None
+            runs[mode]["profile_from_cache"] = "Profiler: using the cached profile" in text
+            runs[mode]["max_tokens"] = int(budget.group(1)) if budget else None
+        cfg_overrides = self.overrides("full", False, self.work / "runs" / "tokens-padding", long_data=False)
+        micro, max_tokens = runs["fixed"]["micro_batch"], runs["token budget"]["max_tokens"]
+        waste = self.function("tokens-padding", "padding", CONFIGS[a.model]["full"],
+                              [*cfg_overrides, shared[0]], micro or 1, max_tokens) if micro else {}
+        for mode in modes:
+            if mode in waste:
+                runs[mode].update(waste[mode])
+        self.results["token_budget"] = {"samples": a.token_samples, "real_tokens": waste.get("real_tokens"),
+                                        "runs": runs}
+
+    def phase(self, name: str) -> None:
+        print(f"phase {name}", flush=True)
+        started = time.perf_counter()
+        if name == "assets":
+            self.phase_assets()
+        elif name in SETTINGS:
+            for method, ac in SETTINGS[name]:
+                if setting_key(method, ac) in self.args.settings:
+                    self.phase_setting(method, ac)
+        elif name == "estimate":
+            self.phase_estimate()
+        elif name == "tokens":
+            self.phase_tokens()
+        elif name == "compile":
+            self.phase_setting("full", False, compiled=True)
+        self.results.setdefault("phases", {})[name] = {"seconds": round(time.perf_counter() - started, 1),
+                                                       "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
+        self.save()
+
+
+def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup: int) -> dict[str, Any]:
+    """What a run's training steps did: count, out-of-memory errors, allocator retries, peaks, tokens/s
+    (the steps after the first ``warmup``, from the library's own step timer)."""
+    steps = record["steps"]
+    timed = steps[warmup:] if len(steps) > warmup else steps
+    seconds = sum(s["seconds"] for s in timed)
+    peaks = [s["peak_bytes"] for s in steps if s["peak_bytes"] is not None]
+    reserved = [s["reserved_peak_bytes"] for s in steps if s["reserved_peak_bytes"] is not None]
+    return {"requested": requested, "ran": len(steps), "exit_code": record["exit_code"], "error": record.get("error"),
+            "oom_errors": record["oom_errors"], "alloc_retries": sum(s["alloc_retries"] for s in steps),
+            "max_peak_bytes": max(peaks, default=None), "max_reserved_bytes": max(reserved, default=None),
+            "budget_bytes": budget, "micro_batch": steps[0]["samples"] if steps else None,
+            "tokens_per_second": sum(s["tokens"] for s in timed) / seconds if seconds > 0 else None,
+            "wall_seconds": round(record["wall_seconds"], 2)}
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p.add_argument("--phase", default="all", help=f"all (default), or comma-separated of: {', '.join(PHASES)}")
+    p.add_argument("--settings", default=",".join(ALL_SETTINGS),
+                   help=f"comma-separated subset of {', '.join(ALL_SETTINGS)} for phases full and lora (default: all)")
+    p.add_argument("--table", action="store_true", help="only print the Markdown table of the JSON")
+    p.add_argument("--json", type=Path, help="results file (default benchmarks/results/validation-<device>.json)")
+    p.add_argument("--markdown", type=Path, help="table file (default: the JSON's path with .md)")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    p.add_argument("--model", choices=tuple(CONFIGS), help="default: llama3_2_1b on CUDA, tiny on CPU")
+    p.add_argument("--seq-len", type=int, help="tokens per sample (default: 2048 on CUDA, 128 on CPU)")
+    p.add_argument("--budget", help="adaptive_batching.memory_budget (default: the profiler's own on CUDA, 48MiB on CPU)")
+    p.add_argument("--compile-budget", help="budget of the compile phase (default: --budget on CUDA; 128MiB on CPU, "
+                   "where inductor's own memory while compiling counts in the resident-memory peak)")
+    p.add_argument("--steps", type=int, help="training steps at the chosen micro batch (default: 50 on CUDA, 5 on CPU)")
+    p.add_argument("--warmup", type=int, default=1, help="first steps left out of tokens/s (default 1)")
+    p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 1000 CPU)")
+    p.add_argument("--token-samples", type=int, help="samples of the token-budget phase (default: 2000 CUDA, 240 CPU)")
+    p.add_argument("--tolerance", type=float, default=0.03, help="bisection stops at this gap (default 0.03)")
+    p.add_argument("--max-trials", type=int, default=6, help="fresh processes per bisection (default 6)")
+    p.add_argument("--launcher", choices=("fork", "spawn"), help="default: spawn on CUDA, fork on CPU")
+    p.add_argument("--threads", type=int, help="intra-op CPU threads of every run (OMP_NUM_THREADS, MKL_NUM_THREADS "
+                   "and torch.set_num_threads in the child; default 1 on CPU, where more threads than free cores "
+                   "slow every run down, and torch's own choice on CUDA; 0: torch's own choice)")
+    p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed (default 600)")
+    p.add_argument("--workdir", type=Path, default=Path("/tmp/adaptive-batching/validate"))
+    p.add_argument("--assets", type=Path, help="existing assets folder (default: written to WORKDIR/assets)")
+    args = p.parse_args(argv)
+    phases = PHASES if args.phase == "all" else tuple(x for x in args.phase.split(",") if x)
+    unknown = [x for x in phases if x not in PHASES]
+    if unknown or not phases:
+        p.error(f"--phase: unknown {unknown or args.phase!r}; use all or some of {', '.join(PHASES)}")
+    args.phases = phases
+    args.settings = tuple(x for x in args.settings.split(",") if x)
+    wrong = [x for x in args.settings if x not in ALL_SETTINGS]
+    if wrong or not args.settings:
+        p.error(f"--settings: unknown {wrong or args.settings!r}; use some of {', '.join(ALL_SETTINGS)}")
+    if args.threads is not None and args.threads < 0:
+        p.error(f"--threads must be >= 0, got {args.threads}")
+    for name in ("seq_len", "steps", "long_samples", "token_samples", "max_trials", "timeout"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if not 0 <= args.tolerance < 1:
+        p.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
+    if args.warmup < 0:
+        p.error(f"--warmup must be >= 0, got {args.warmup}")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = parse_args(argv)
+    import torch
+
+    kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    if kind == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda: torch sees no CUDA device")
+    for name, value in DEFAULTS[kind].items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    if args.launcher == "fork" and kind == "cuda":
+        sys.exit("--launcher fork: not on CUDA (a CUDA context cannot cross a fork); use spawn")
+    device = validate_data.device_info() if kind == "cuda" else {"type": "cpu", **_cpu_info()}
+    device["type"] = kind
+    slug = re.sub(r"[^a-z0-9]+", "-", f"{kind} {device['name'] if kind == 'cuda' else ''}".lower()).strip("-")
+    args.json = args.json or HERE.parent / "results" / f"validation-{slug}.json"
+    args.markdown = args.markdown or args.json.with_suffix(".md")
+    if args.table:
+        print(validate_table.render(json.loads(args.json.read_text())))
+        return 0
+    args.workdir = args.workdir.resolve()
+    args.assets = args.assets.resolve() if args.assets else None
+    if args.launcher == "fork":
+        preload()
+    validation = Validation(args, device)
+    validation.results["meta"] = {"command": " ".join([Path(sys.executable).name, *sys.argv]),
+                                  **{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
+                                     if k not in ("table", "phases")}}
+    started = time.perf_counter()
+    for name in args.phases:
+        validation.phase(name)
+    validation.results["meta"]["seconds"] = round(time.perf_counter() - started, 1)
+    validation.save()
+    table = validate_table.render(validation.results)
+    args.markdown.write_text(table)
+    print("\n" + table)
+    print(f"written: {args.json}, {args.markdown}")
+    return 0
+
+
+def _cpu_info() -> dict[str, Any]:
+    import platform
+
+    return {"name": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
+            "torch": __import__("torch").__version__, "platform": platform.platform()}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,246 @@
+"""Runs for ``validate_device.py``: each recipe run in its own process, instrumented from outside.
+
+A run is ``tune run RECIPE --config CONFIG OVERRIDES`` (or an ``adaptive-batching`` command, or a
+function of this module) executed inside a child process, which writes what it measured to a JSON
+file. Two ways to start the child:
+
+* ``spawn``: a fresh interpreter (``python validate_runs.py --child SPEC``). Used on CUDA: a CUDA
+  context never crosses a ``fork``.
+* ``fork``: a fork of the parent, which has torch, torchtune and the library imported already
+  (about 5 s saved per run on a CPU). The child is still a new address space, so its memory
+  figures are its own. The parent never creates a tensor, so no thread pool is forked half-started.
+
+The instrumentation patches classes of the library in the child only (nothing in the library is
+edited): every training step (``StepRunner.train_step``) is wrapped in the library's own
+``memory.PeakMeter``, which gives the step's peak tensor memory (on CPU: live tensors plus the growth
+of resident memory), the caching allocator's peak reservation and its ``num_alloc_retries`` count
+(CUDA), plus the step's tokens and seconds; an out-of-memory error, raised or recovered in place, is
+counted. ``Trainer.save`` and the profile's plot can be skipped (validation needs no checkpoints: a 1B
+save is seconds and gigabytes per run; the plot is a Python process per profile). With ``cap_bytes`` on
+CUDA, ``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator refuse to reserve more
+than the budget, so a run over it fails for real.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+
+
+# --------------------------------------------------------------------------- child side
+def _instrument(record: dict[str, Any], no_save: bool) -> None:
+    """Patch the library's step runner (and the trainer's save) in this process only."""
+    from adaptive_batching import memory
+    from adaptive_batching.oom import is_out_of_memory
+    from adaptive_batching.stepping import StepRunner
+    from adaptive_batching.trainer import Trainer
+
+    original_step = StepRunner.train_step
+
+    def measured_step(self: Any, micro_batches: list) -> Any:
+        samples = sum(len(b["tokens"]) for b in micro_batches)
+        try:
+            with memory.PeakMeter(self.device, self.model, self.optimizer) as meter:
+                stats = original_step(self, micro_batches)
+        except Exception as error:
+            if is_out_of_memory(error):
+                record["oom_errors"] += 1
+            raise
+        if stats is None:  # out of memory, recovered in place by the library
+            record["oom_errors"] += 1
+            return stats
+        record["steps"].append({"samples": samples, "tokens": stats.tokens, "seconds": stats.seconds,
+                                "peak_bytes": meter.peak_bytes, "reserved_peak_bytes": meter.reserved_peak_bytes,
+                                "alloc_retries": meter.alloc_retries})
+        return stats
+
+    StepRunner.train_step = measured_step
+    if no_save:  # neither checkpoints nor the profile's plot (a Python process with matplotlib per profile)
+        from adaptive_batching import profile_report, profile_run
+
+        Trainer.save = lambda self, epoch: None
+        profile_run.write_report = lambda result, directory: {
+            "json": profile_report.write_json(result, Path(directory) / "profile.json"), "png": "(not drawn)"}
+
+    original_epoch = Trainer.train_epoch
+
+    def timed_epoch(self: Any, epoch: int) -> Any:
+        start = time.perf_counter()
+        try:
+            return original_epoch(self, epoch)
+        finally:
+            record["epoch_seconds"].append(time.perf_counter() - start)
+
+    Trainer.train_epoch = timed_epoch
+
+
+def _cap_cuda_memory(cap_bytes: int) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, cap_bytes / total), 0)
+
+
+def run_in_child(spec: dict[str, Any]) -> int:
+    """Run ``spec`` in this process and write its record to ``spec['result']``; returns the exit code."""
+    record: dict[str, Any] = {"steps": [], "oom_errors": 0, "epoch_seconds": [], "error": None}
+    code = 1
+    try:
+        if spec.get("threads"):
+            import torch
+
+            torch.set_num_threads(int(spec["threads"]))  # a forked child's pool follows its parent's, not the env
+        if spec.get("pin_cpu_allocator"):
+            # The recipe does this itself whenever it profiles on CPU; runs without a profile do it here,
+            # so their memory follows the same allocator rules as the profiler's trial steps.
+            from adaptive_batching import memory
+
+            memory.pin_cpu_allocator()
+        if spec.get("cap_bytes"):
+            _cap_cuda_memory(int(spec["cap_bytes"]))
+        if spec["kind"] == "function":  # a helper of validate_data.py, away from the parent's memory
+            import validate_data
+
+            record["value"] = getattr(validate_data, spec["function"])(*spec.get("args", []))
+            code = 0
+        else:
+            _instrument(record, spec.get("no_save", True))
+            code = _entry_point(spec["kind"], spec["argv"])
+    except BaseException as error:  # noqa: BLE001 - recorded, then reported as the exit code
+        from adaptive_batching.oom import is_out_of_memory
+
+        if isinstance(error, Exception) and is_out_of_memory(error):
+            record["oom_errors"] += 1
+        record["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        traceback.print_exc()
+        code = 1
+    finally:
+        record["exit_code"] = code
+        Path(spec["result"]).write_text(json.dumps(record))
+    return code
+
+
+def _entry_point(kind: str, argv: list[str]) -> int:
+    """``tune ARGV`` or ``adaptive-batching ARGV`` in this process; a SystemExit becomes the exit code."""
+    try:
+        if kind == "tune":
+            from torchtune._cli.tune import main as tune_main
+
+            sys.argv = ["tune", *argv]
+            tune_main()
+            return 0
+        from adaptive_batching.cli import main as cli_main
+
+        sys.argv = ["adaptive-batching", *argv]
+        return int(cli_main(argv) or 0)
+    except SystemExit as stop:
+        if stop.code is None or stop.code == 0:
+            return 0
+        if not isinstance(stop.code, int):
+            print(stop.code, file=sys.stderr)
+            return 1
+        return stop.code
+
+
+# --------------------------------------------------------------------------- parent side
+def preload() -> None:
+    """Import what every run needs once, before forking (no tensor is created), then freeze those objects.
+
+    ``gc.freeze()`` moves every object alive now (modules, classes, functions: never garbage) out of the
+    collector's sight. With torch, torchtune and datasets imported, one full ``gc.collect()`` walks
+    millions of them, about 0.5 s on a CPU here; the library collects around every profiler trial step
+    and when it releases memory, so a 2-step run took 2.5 s and takes 1.2 s frozen. In a forked child
+    the collector also stops writing to the parent's objects, so fewer of their pages are copied into
+    the child's resident memory. Objects created later (the run's tensors) are collected as before.
+    """
+    import gc
+
+    import torchtune._cli.tune  # noqa: F401
+    import torchtune.datasets  # noqa: F401
+    import torchtune.models.llama3  # noqa: F401
+    import torchtune.training  # noqa: F401
+
+    import adaptive_batching.cli  # noqa: F401
+    import adaptive_batching.estimate  # noqa: F401
+    import adaptive_batching.trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
+def launch(spec: dict[str, Any], *, log: Path, launcher: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run ``spec`` in a child (``fork`` or ``spawn``) and return its record with ``wall_seconds`` and ``log``.
+
+    A child past ``timeout`` seconds is killed and recorded as timed out."""
+    spec = dict(spec, result=str(log.with_suffix(".json")))
+    Path(spec["result"]).unlink(missing_ok=True)
+    started = time.perf_counter()
+    with open(log, "w") as out:
+        if launcher == "spawn":
+            spec_path = log.with_suffix(".spec.json")
+            spec_path.write_text(json.dumps(spec))
+            try:
+                subprocess.run([sys.executable, str(HERE), "--child", str(spec_path)], stdout=out,
+                               stderr=subprocess.STDOUT, env=env, timeout=timeout, cwd=log.parent)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+        else:
+            timed_out = _fork_and_wait(spec, out, env, timeout, log.parent)
+    record = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else \
+        {"steps": [], "oom_errors": 0, "epoch_seconds": [], "exit_code": None, "error": "no result written"}
+    if timed_out:
+        record.update(exit_code=None, error=f"timed out after {timeout:.0f} s")
+    record["wall_seconds"] = time.perf_counter() - started
+    record["log"] = str(log)
+    return record
+
+
+def _fork_and_wait(spec: dict[str, Any], out: Any, env: dict[str, str], timeout: float, cwd: Path) -> bool:
+    """Fork; the child runs the spec with its output in ``out``; True if it was killed for the timeout."""
+    import signal
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.setsid()
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            code = run_in_child(spec)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code & 0xFF)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, _ = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return False
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return True
+        time.sleep(0.05)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        sys.path.insert(0, str(HERE.parent))
+        preload()  # the imports the run makes anyway, frozen, as in a forked child
+        sys.exit(run_in_child(json.loads(Path(sys.argv[2]).read_text())))
+    sys.exit("usage: validate_runs.py --child SPEC.json (started by validate_device.py)")

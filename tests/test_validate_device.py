@@ -1,0 +1,101 @@
+"""``benchmarks/validate_device.py`` end to end on CPU (the tiny model): one shared run of every phase on
+one setting (full fine-tuning, checkpointing off), then its JSON and Markdown checked for every check
+with values that agree with each other. No figure of this machine's speed is
+asserted."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from recipe_runs import check, run_command
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.py"
+# Every phase, so every check runs here once, on one setting (the token phase takes its profile). A second
+# setting runs the same code of this script with another config and cost 25-35 s more here (lora/ac_on,
+# 2 cores under load); the command's own CPU run covers all four (VALIDATE_README_SECTION.md), and LoRA with
+# checkpointing has a test of its own (test_components).
+SETTINGS = ("full/ac_off",)
+STEPS = 3
+TRIALS = 2  # the largest size the profile ran, then one step of the gallop: the bracket's machinery, cheaply
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture(scope="module")
+def validation(assets: Path, runs: Path) -> dict:
+    out = runs / "validation.json"
+    check(run_command("script", [str(SCRIPT), "--workdir", str(runs / "work"), "--assets", str(assets),
+                                 "--json", str(out), "--settings", ",".join(SETTINGS), "--steps", str(STEPS),
+                                 "--max-trials", str(TRIALS), "--token-samples", "120", "--long-samples", "400"],
+                      cwd=runs, timeout=900))
+    return json.loads(out.read_text())
+
+
+def test_the_runs_are_single_threaded_by_default(validation: dict) -> None:
+    assert validation["meta"]["threads"] == 1
+
+
+@pytest.mark.parametrize("key", SETTINGS)
+def test_the_chosen_micro_batch_fits_fresh_processes_and_trains(validation: dict, key: str) -> None:
+    entry = validation["settings"][key]
+    profile, true, steps = entry["profile"], entry["true_max"], entry["steps"]
+    assert 1 <= profile["micro_batch"] <= profile["max_micro_batch"]
+    assert profile["budget_source"].startswith("explicit")
+    # Check 2: the bracket is real (each end measured in a fresh process) and the chosen size is below it.
+    by_size = {t["micro_batch"]: t for t in true["trials"]}
+    assert true["largest_fit"] is not None and by_size[true["largest_fit"]]["fits"]
+    assert by_size[true["largest_fit"]]["peak_bytes"] <= profile["budget_bytes"]
+    if true["smallest_fail"] is not None:
+        assert true["smallest_fail"] > true["largest_fit"] and not by_size[true["smallest_fail"]]["fits"]
+    assert profile["micro_batch"] <= true["largest_fit"]
+    assert 1 <= len(true["trials"]) <= TRIALS
+    # Check 3: every step ran at the chosen micro batch, none out of memory.
+    assert steps["exit_code"] == 0 and steps["ran"] == STEPS and steps["oom_errors"] == 0
+    assert steps["alloc_retries"] == 0 and steps["micro_batch"] == profile["micro_batch"]
+    assert steps["tokens_per_second"] > 0 and 0 < steps["max_peak_bytes"]
+    # Checks 4 and 5: the estimate for the same budget, and the stock batch's speed.
+    assert entry["estimate"]["max_micro_batch"] >= 1 and entry["estimate"]["budget_bytes"] == profile["budget_bytes"]
+    stock = entry["stock"]
+    assert stock["batch"] == 4 and stock["micro_batch"] == 4 and stock["ran"] == STEPS and stock["tokens_per_second"] > 0
+
+
+def test_token_budget_against_fixed_batches(validation: dict) -> None:
+    tokens = validation["token_budget"]
+    fixed, budget = tokens["runs"]["fixed"], tokens["runs"]["token budget"]
+    for run in (fixed, budget):
+        assert run["exit_code"] == 0 and run["oom_errors"] == 0 and run["tokens_per_second"] > 0
+        assert 0 <= run["waste"] < 1
+    # Every sample trained once in both: the same tokens in the loss.
+    assert fixed["tokens"] == budget["tokens"] > 0
+    # Both take the full/ac_off profile (same model, length and budget) instead of measuring it again.
+    assert fixed["profile_from_cache"] and budget["profile_from_cache"]
+    assert fixed["micro_batch"] == validation["settings"]["full/ac_off"]["profile"]["micro_batch"]
+    assert budget["max_tokens"] >= fixed["micro_batch"]
+    assert budget["waste"] < fixed["waste"]  # similar lengths together pad less, by construction
+
+
+def test_compile_runs_the_profile_and_the_steps(validation: dict) -> None:
+    entry = validation["settings"]["full/ac_off/compile"]
+    assert entry["compile"] is True
+    assert "error" not in entry, entry.get("error")
+    assert 1 <= entry["profile"]["micro_batch"] <= entry["profile"]["max_micro_batch"]
+    assert entry["steps"]["ran"] == STEPS and entry["steps"]["oom_errors"] == 0
+
+
+def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
+    table = (runs / "validation.md").read_text()
+    for key in (*SETTINGS, "full/ac_off/compile"):
+        assert f"| {key} |" in table
+    assert "| token budget |" in table and "NO" not in table.split("|")
+    assert set(validation["phases"]) == {"assets", "full", "lora", "estimate", "tokens", "compile"}
+
+
+def test_bad_options_are_named(runs: Path) -> None:
+    for argv, option in ((["--phase", "nope"], "--phase"), (["--settings", "full/ac_maybe"], "--settings"),
+                         (["--steps", "0"], "--steps"), (["--tolerance", "2"], "--tolerance"),
+                         (["--threads", "-1"], "--threads")):
+        result = run_command("script", [str(SCRIPT), *argv], cwd=runs)
+        assert result.returncode == 2 and option in result.stderr, result.stderr
