@@ -169,7 +169,6 @@ def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "
     paths = ModelAssetPaths.from_root(output_dir, model)
     state = hf_state_dict(build_model(args, seed=seed), args)
     _replace(paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    del state
     config = json.dumps(hf_config(args), sort_keys=True, indent=2) + "\n"
     _replace(paths.model_dir / "config.json", lambda tmp: Path(tmp).write_text(config))
     return paths
