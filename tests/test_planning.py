@@ -1,0 +1,81 @@
+"""The batch over the run (planning.py), without a model: where it starts, and the growth state machine."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import pytest
+import torch
+
+from adaptive_batching.batch import BatchShape
+from adaptive_batching.lr_scaling import SampleDrivenLR
+from adaptive_batching.planning import BatchPlan, starting_batch
+from adaptive_batching.settings import KNOBS, AdaptiveSettings
+
+REFERENCE = BatchShape(4, 2, 1)  # batch_size 4 x accumulation 2: global batch 8
+
+
+def settings(use_max: bool = False, fn: Any = None, **knobs: Any) -> AdaptiveSettings:
+    return AdaptiveSettings(use_max, fn, "sqrt", {**{k: v.default for k, v in KNOBS.items()}, **knobs})
+
+
+def test_the_profiled_micro_batch_starts_the_plan_and_the_lr_follows_it() -> None:
+    """``use_maximum_batch_size`` alone changes the batch: 16 x 2 = 32 samples, so the LR is x2 under sqrt."""
+    start = starting_batch(settings(use_max=True), REFERENCE, 1, 16, lambda _: None)
+    assert (start.micro_batch, start.accumulation, start.memory_cap, start.reference) == (16, 2, 16, REFERENCE)
+    plan = BatchPlan(settings(use_max=True), epochs=2, ranks=1)
+    entries = plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap,
+                        resumed={}, epochs_run=0)
+    optimizer = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=1e-3)
+    lr = SampleDrivenLR(optimizer, [1e-3], None, reference_global_batch=REFERENCE.global_batch, rule="sqrt")
+    lr.set_global_batch(entries[0].shape.global_batch)
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
+    off = starting_batch(settings(), REFERENCE, 1, 16, lambda _: None)
+    assert (off.micro_batch, off.memory_cap) == (4, 16)  # profiled only for the cap on growth
+
+
+def test_keeping_the_global_batch_starts_at_the_profiled_micro_batch_with_the_rest_as_accumulation() -> None:
+    said: list[str] = []
+    start = starting_batch(settings(use_max=True, keep_global_batch=True), BatchShape(4, 4, 1), 1, 8, said.append)
+    assert start.micro_batch * start.accumulation == 16 and start.micro_batch <= 8 and start.memory_cap is None
+    assert "Keeping the config's global batch 16" in said[0]
+
+
+def double(epoch: int, current: int) -> int:
+    return current
+
+
+def test_growth_periods_inside_epochs_change_the_batch_from_there_on_and_survive_a_resume() -> None:
+    plan = BatchPlan(settings(fn=double, growth_interval="3 steps"), epochs=3, ranks=2)
+    plan.make(start=2, accumulation=1, memory_cap=None, resumed={}, epochs_run=0)
+    assert [e.shape.global_batch for e in plan.entries] == [4, 4, 4]  # the plan made before training: no growth
+    assert [plan.period_after_step(s, 4 * s, 4) for s in (1, 2, 3, 4, 6)] == [None, None, 1, None, 2]
+    previous, entry = plan.grow_in_period(0, 1, stats={})
+    assert previous.shape.micro_batch == 2 and entry.shape.micro_batch == 4
+    assert [e.shape.micro_batch for e in plan.entries] == [4, 4, 4] and [e.epoch for e in plan.entries] == [0, 1, 2]
+    assert plan.start_global_batch == 4  # what the run started at, whatever entries[0] holds now
+    saved = plan.state_dict(epochs_run=1)
+    again = BatchPlan(settings(fn=double, growth_interval="3 steps"), epochs=3, ranks=2)
+    again.make(start=2, accumulation=1, memory_cap=None, resumed=saved, epochs_run=1)
+    assert [e.shape.micro_batch for e in again.entries] == [2, 4, 4]
+    assert "not at epoch starts" in again.switch_reason(1)
+
+
+def test_a_statistics_reading_function_decides_at_the_epoch_start_and_the_decision_is_saved() -> None:
+    seen: list[Optional[float]] = []
+
+    def grow(epoch: int, current: int, *, stats: Any = None) -> int:
+        seen.append(None if stats is None else stats.get("noise_scale"))
+        return 0 if stats is None else 3
+
+    plan = BatchPlan(settings(fn=grow), epochs=3, ranks=1)
+    plan.make(start=2, accumulation=1, memory_cap=None, resumed={}, epochs_run=0)
+    assert [e.shape.micro_batch for e in plan.entries] == [2, 2, 2]
+    entries = plan.entries
+    assert plan.measure_at_epoch_start(1, {"noise_scale": 12.5}) == 3
+    assert plan.entries is entries and [e.shape.micro_batch for e in plan.entries] == [2, 5, 5]
+    assert 12.5 in seen and plan.measure_at_epoch_start(1, {"noise_scale": 99.0}) is None  # decided once
+    again = BatchPlan(settings(fn=grow), epochs=3, ranks=1)
+    again.make(start=2, accumulation=1, memory_cap=None, resumed=plan.state_dict(epochs_run=1), epochs_run=1)
+    assert [e.shape.micro_batch for e in again.entries] == [2, 5, 5]
+    assert plan.period_after_step(5, 10, 2) is None  # per-epoch growth has no periods inside epochs
