@@ -4,6 +4,7 @@ with the epoch's order, and a run killed after an in-epoch switch resumes exactl
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from pathlib import Path
 
@@ -50,6 +51,9 @@ def test_the_batch_grows_every_3_steps_inside_the_epoch_and_every_sample_is_trai
     assert "Growth period 1 (every 3 steps) after optimizer step 3: micro batch 2 -> 4" in output
     assert "for the rest of this epoch" in output
     assert "(the batch grows every 3 steps, not at epoch starts)" in output  # the epoch switch calls nothing
+    # The progress bar names the epoch, the global batch it trains at, the LR and the loss.
+    assert re.search(r"epoch 1/2: .*global batch 4 lr \d\.\d\de[-+]\d\d loss \d+\.\d{4}", output)
+    assert re.search(r"epoch 2/2: .*global batch \d+ lr ", output)
     recorded = steps(runs, "straight")
     assert_every_sample_once(recorded)
     batches = [len(s["samples"]) for s in recorded]
