@@ -132,6 +132,7 @@ class Trainer(Growing, OomHandling, RunState):
             self.steps.noise.load_state_dict(self.resumed["noise_scale"])
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch), cfg, self.info)
+        memory.freeze_long_lived_objects()
 
     # ------------------------------------------------------------------ profiling
     @property
