@@ -64,7 +64,7 @@ class StepSampler(Sampler[list[int]]):
     epoch: int
 
     def _take_step_arguments(self, *, accumulation: int, rank: int, world_size: int, shuffle: bool, seed: int,
-                             epoch: int, max_steps: int | None, split: int) -> None:
+                             epoch: int = 0, max_steps: int | None = None, split: int = 1) -> None:
         """Check and keep the arguments every step sampler takes."""
         check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
                              max_steps=max_steps)

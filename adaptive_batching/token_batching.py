@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Iterator, Optional, Sequence
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -183,31 +183,16 @@ class TokenBudgetBatchSampler(StepSampler):
     resume_advice = ("the same max_tokens, picking order, batch size bounds, gradient accumulation, split, ranks, "
                      "dataset and sequence lengths, seed and shuffle")
 
-    def __init__(
-        self,
-        lengths: Sequence[int],
-        *,
-        max_tokens: int,
-        picking_order: str,
-        min_batch_size: Optional[int],
-        max_batch_size: Optional[int],
-        accumulation: int,
-        rank: int,
-        world_size: int,
-        shuffle: bool,
-        seed: int,
-        epoch: int = 0,
-        max_steps: Optional[int] = None,
-        split: int = 1,
-        start_step: int = 0,
-    ) -> None:
+    def __init__(self, lengths: Sequence[int], *, max_tokens: int, picking_order: str, min_batch_size: Optional[int],
+                 max_batch_size: Optional[int], start_step: int = 0, **step_arguments: Any) -> None:
+        """``step_arguments``: accumulation, rank, world_size, shuffle, seed and optionally epoch (0),
+        max_steps (None) and split (1), as every step sampler takes them (:meth:`_take_step_arguments`)."""
         _check_bounds(max_tokens, min_batch_size, max_batch_size)
         if picking_order not in PICKING_ORDERS:
             raise ValueError(f"unknown picking order {picking_order!r}; expected {' | '.join(PICKING_ORDERS)}")
-        self._take_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, shuffle=shuffle,
-                                  seed=seed, epoch=epoch, max_steps=max_steps, split=split)
-        if split < 1:
-            raise ValueError(f"split must be >= 1, got {split}")
+        self._take_step_arguments(**step_arguments)
+        if self.split < 1:
+            raise ValueError(f"split must be >= 1, got {self.split}")
         self.lengths = list(map(int, lengths))
         self.dataset_size = len(self.lengths)
         self.lengths_digest = _lengths_digest(self.lengths)
