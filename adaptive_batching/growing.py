@@ -19,10 +19,12 @@ class Growing:
     def grow_from_statistics(self, epoch: int) -> None:
         """A growth function that reads training statistics decides ``epoch``'s batch now, from what the
         run measured (gradient noise scale, LR decay); the rest of the plan follows from it."""
-        previous = self.plan.entries[epoch - 1] if epoch else None
-        stats = self.growth_statistics(previous) if previous else {}
+        if epoch == 0:
+            return
+        previous = self.plan.entries[epoch - 1]
+        stats = self.growth_statistics(previous)
         increment = self.plan.measure_at_epoch_start(epoch, stats)
-        if increment is None or previous is None:
+        if increment is None:
             return
         self.batching.plan(self.plan.entries, start=self.plan.start,
                            resumed={**self.resumed, **self.batching.state_dict()}, profiled=None,

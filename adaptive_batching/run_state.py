@@ -46,7 +46,6 @@ class RunState:
         cap = "" if self.oom_cap is None else f"; micro batch capped at {self.oom_cap} after an earlier OOM"
         self.info(f"Resuming at {where} (optimizer step {self.global_step}){cap}")
 
-
     def adaptive_state(self) -> dict[str, Any]:
         """The adaptive part of the recipe state: enough to continue exactly where the run stands."""
         return {

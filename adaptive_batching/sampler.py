@@ -33,21 +33,6 @@ def epoch_extent(dataset_size: int, global_batch: int, max_steps: int | None) ->
     return steps, min(dataset_size, steps * global_batch)
 
 
-def check_step_arguments(*, accumulation: int, rank: int, world_size: int, epoch: int,
-                         max_steps: int | None) -> None:
-    """The arguments every step sampler takes, checked alike (see :meth:`StepSampler._take_step_arguments`)."""
-    if accumulation < 1:
-        raise ValueError(f"accumulation must be >= 1, got {accumulation}")
-    if world_size < 1:
-        raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if not 0 <= rank < world_size:
-        raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
-    if epoch < 0:
-        raise ValueError(f"epoch must be >= 0, got {epoch}")
-    if max_steps is not None and max_steps < 1:
-        raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
-
-
 class StepSampler(Sampler[list[int]]):
     """What the step samplers share: this rank's forwards of one epoch, a position within it that
     torchdata's ``StatefulDataLoader`` saves and restores, and the check that a restored position
@@ -66,8 +51,16 @@ class StepSampler(Sampler[list[int]]):
     def _take_step_arguments(self, *, accumulation: int, rank: int, world_size: int, shuffle: bool, seed: int,
                              epoch: int = 0, max_steps: int | None = None, split: int = 1) -> None:
         """Check and keep the arguments every step sampler takes."""
-        check_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, epoch=epoch,
-                             max_steps=max_steps)
+        if accumulation < 1:
+            raise ValueError(f"accumulation must be >= 1, got {accumulation}")
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        if epoch < 0:
+            raise ValueError(f"epoch must be >= 0, got {epoch}")
+        if max_steps is not None and max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1 or None, got {max_steps}")
         self.accumulation, self.rank, self.world_size = accumulation, rank, world_size
         self.shuffle, self.seed, self.epoch, self.max_steps, self.split = shuffle, seed, epoch, max_steps, split
 
