@@ -85,6 +85,14 @@ def optional_component(node: Any) -> Optional[DictConfig]:
     return node
 
 
+_GIVEN_ARGV: list[str] = []
+
+
+def given_argv() -> list[str]:
+    """The program's arguments as its command line gave them, before :func:`parse` resolved ``--config``."""
+    return list(_GIVEN_ARGV or sys.argv)
+
+
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """Like ``torchtune.config.parse``, with ``--config`` resolved by :func:`resolve_config`
     and a config error, or an out-of-memory stop, reported in one line instead of a traceback."""
@@ -100,6 +108,7 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:
+        _GIVEN_ARGV[:] = sys.argv
         try:
             sys.argv = resolve_config_argument(sys.argv)
         except FileNotFoundError as err:

@@ -7,7 +7,10 @@ these helpers answer ``None`` or do nothing where the device keeps no statistics
 from __future__ import annotations
 
 import gc
-from typing import Any, Optional
+import os
+import resource
+import sys
+from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
@@ -196,9 +199,13 @@ def current_bytes(device: torch.device, *tracked: Any) -> int:
 
 M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
 M_ARENA_MAX = -8
+MMAP_THRESHOLD_BYTES = 128 * 1024
+# The same two settings as glibc's environment tunables, read once when a process starts.
+PINNED_TUNABLES = {"glibc.malloc.mmap_threshold": str(MMAP_THRESHOLD_BYTES), "glibc.malloc.arena_max": "1"}
+RESTARTED_ENV = "ADAPTIVE_BATCHING_RESTARTED_FOR_GLIBC"
 
 
-def pin_cpu_allocator(threshold_bytes: int = 128 * 1024) -> bool:
+def pin_cpu_allocator(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     """Make a CPU process's address space follow its tensors; True if it could (Linux glibc).
 
     By default glibc raises its mmap threshold as blocks are freed, so later tensors come from
@@ -214,3 +221,59 @@ def pin_cpu_allocator(threshold_bytes: int = 128 * 1024) -> bool:
         return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
     except (OSError, AttributeError):
         return False
+
+
+def _tunables(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(":") if "=" in item)
+
+
+def pinned_from_start(env: Mapping[str, str]) -> bool:
+    """Whether this process started with both allocator settings in ``GLIBC_TUNABLES`` (any values:
+    a user's own choice is kept)."""
+    return PINNED_TUNABLES.keys() <= _tunables(env.get("GLIBC_TUNABLES", "")).keys()
+
+
+def restart_for_glibc(env: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str],
+                      address_space_limited: bool) -> Optional[tuple[list[str], dict[str, str]]]:
+    """The arguments and environment that run this command again with glibc pinned from its start,
+    or None when that is not needed or not safe.
+
+    Needed only under an address-space limit (``ulimit -v``): every thread that calls malloc before
+    the recipe can pin glibc (pyarrow's jemalloc thread starts when torchtune is imported) reserves
+    a 64 MiB arena that the limit counts for the rest of the run. Safe only when the original
+    command line ends with this program's arguments (``tune run``, ``torchrun``, ``python -m``), so
+    running it again runs this recipe again, and only once (``RESTARTED_ENV``).
+    """
+    args = list(argv[1:])
+    if not address_space_limited or env.get(RESTARTED_ENV) or pinned_from_start(env):
+        return None
+    if not args or len(orig_argv) <= len(args) or list(orig_argv[-len(args):]) != args:
+        return None
+    tunables = {**PINNED_TUNABLES, **_tunables(env.get("GLIBC_TUNABLES", ""))}
+    merged = ":".join(f"{key}={value}" for key, value in tunables.items())
+    return list(orig_argv[1:]), {**env, "GLIBC_TUNABLES": merged, RESTARTED_ENV: "1"}
+
+
+def address_space_limited() -> bool:
+    """Whether this process runs under a finite soft RLIMIT_AS."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return soft != resource.RLIM_INFINITY and soft >= 0
+
+
+def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) -> None:
+    """Run this command again, in this process, with glibc pinned from its start (see
+    :func:`restart_for_glibc`; ``argv`` as the command line gave it); returns only when no restart
+    is needed or it failed."""
+    restart = restart_for_glibc(os.environ, argv, sys.orig_argv, address_space_limited())
+    if restart is None:
+        return
+    args, env = restart
+    info(f"Profiler: an address-space limit is set, so this process starts again with "
+         f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
+         f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # log handlers flush every record; buffered prints would be lost
+    try:
+        os.execve(sys.executable, [sys.executable, *args], env)
+    except OSError as error:
+        info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")

@@ -159,7 +159,8 @@ def _packed(dataset: Any) -> bool:
 
 def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.device, device_name: str,
                              device_memory_bytes: int, torch_version: str) -> dict[str, Any]:
-    """Everything in a run that changes the largest micro batch that fits, as plain JSON-able values.
+    """Everything in a run that changes the largest micro batch that fits, or how closely the search
+    found it, as plain JSON-able values.
 
     Left out on purpose: the learning rate and other optimizer scalars, and the profiler knobs
     applied after the search (safety_margin, round_to, reprofile, cache_dir).
@@ -189,4 +190,7 @@ def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.
             _select(cfg, "adaptive_batching.memory_budget", KNOBS["memory_budget"].default)),
         "adaptive_batching.memory_fraction": _fraction_setting(
             _select(cfg, "adaptive_batching.memory_fraction", KNOBS["memory_fraction"].default)),
+        # Not memory, but how close to the largest that fits the search went.
+        "adaptive_batching.search_tolerance": float(
+            _select(cfg, "adaptive_batching.search_tolerance", KNOBS["search_tolerance"].default)),
     }

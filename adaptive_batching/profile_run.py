@@ -139,6 +139,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
         result = find_max_micro_batch(
             trial_step, budget, seq_len=context.seq_len, safety_margin=knobs["safety_margin"],
             round_to=knobs["round_to"], upper_limit=max(1, context.samples_per_rank),
+            tolerance=knobs["search_tolerance"],
             agree=agree_on_trial(context.parallel, context.device),
             recover=lambda: memory.release_memory(context.device),
         )

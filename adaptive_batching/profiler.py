@@ -110,7 +110,7 @@ def find_max_micro_batch(
     upper_limit: int,
     agree: Agree = agree_locally,
     recover: Callable[[], None] = lambda: None,
-    tolerance: float = 0.03,
+    tolerance: float = 0.02,
     max_verify_steps: int = 12,
 ) -> ProfileResult:
     """Probe, fit, verify, choose (see the module docstring).

@@ -6,6 +6,7 @@ given by the recipe; how big a batch is comes from :class:`~adaptive_batching.ba
 
 from __future__ import annotations
 
+import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -20,6 +21,7 @@ from adaptive_batching import checkpointing, memory, restart
 from adaptive_batching.batch import BatchShape
 from adaptive_batching.batching import DataContext, batching_for
 from adaptive_batching.components import build_components
+from adaptive_batching.config import given_argv
 from adaptive_batching.distributed import init_parallel, shutdown
 from adaptive_batching.elastic import shape_at
 from adaptive_batching.errors import ConfigError
@@ -48,6 +50,9 @@ class Trainer(Growing, OomHandling, RunState):
         self.cfg = cfg
         self.settings = settings
         self.method = method
+        if cfg.get("device", "cpu") == "cpu" and self.needs_profile:
+            # Before any rank joins the process group: a restart replaces this process.
+            memory.restart_with_glibc_pinned(given_argv(), self.info)
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
         self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
@@ -108,10 +113,8 @@ class Trainer(Growing, OomHandling, RunState):
     def setup(self) -> None:
         """Load the checkpoint and build model, tokenizer, optimizer, loss and dataset."""
         cfg = self.cfg
-        if self.device.type == "cpu" and self.needs_profile and memory.pin_cpu_allocator():
-            # Before set-up, so the heap it leaves behind is already under the rule the profile runs by.
-            self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
-                      "so the address space follows the tensors and the chosen micro batch keeps fitting")
+        if self.device.type == "cpu" and self.needs_profile:
+            self._pin_glibc()
         if self.is_rank_zero:
             self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
@@ -135,6 +138,15 @@ class Trainer(Growing, OomHandling, RunState):
         memory.freeze_long_lived_objects()
 
     # ------------------------------------------------------------------ profiling
+    def _pin_glibc(self) -> None:
+        """Before set-up, so the heap it leaves behind is already under the rule the profile runs by."""
+        if memory.pinned_from_start(os.environ):
+            self.info("Profiler: glibc pinned from process start by GLIBC_TUNABLES "
+                      f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors")
+        elif memory.pin_cpu_allocator():
+            self.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+                      "so the address space follows the tensors and the chosen micro batch keeps fitting")
+
     @property
     def needs_profile(self) -> bool:
         """The profile gives the starting micro batch (``use_maximum_batch_size``) and the cap on growth."""

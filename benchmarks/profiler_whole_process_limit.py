@@ -1,15 +1,16 @@
 #!/usr/bin/env python
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``).
 
-    python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--json out.json]
+    python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--tolerance 0.02]
+                                                      [--json out.json]
 
 Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` started under
 ``ulimit -v`` (the limit covers imports and set-up too, unlike ``profiler_vs_peers.py``, which
 limits the room above set-up), with no explicit memory budget and ``memory_fraction=1.0``:
 
-* ours: the recipe profiles (no glibc tunables in its environment; the recipe pins glibc itself
-  at the start of set-up) and trains 2 steps; reported: the largest micro batch that ran, and
-  whether the run trained;
+* ours: the recipe profiles (no glibc tunables in its environment: under the limit the recipe starts
+  its command again with them, see README "Measuring on CPU") and trains 2 steps; reported: the
+  largest micro batch that ran, the profile's trial steps and seconds, and whether the run trained;
 * fresh-process maximum: bisection over fresh processes, each setting up the same trainer and running
   2 worst-case training steps (the profiler's trial step: every sample full length) at one micro batch,
   with glibc tuned from process start through ``GLIBC_TUNABLES`` (``mmap_threshold`` 128 KiB, one
@@ -96,16 +97,22 @@ def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int) 
     return lo, tried
 
 
-def profiled(limit_kib: int, work: Path, assets: Path, name: str) -> dict[str, Any]:
+def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float]) -> dict[str, Any]:
     out = work / name
-    result = tune_under_limit(limit_kib, out, assets, ["adaptive_batching.memory_budget=null",
-                                                       "adaptive_batching.memory_fraction=1.0"], tunables=False)
+    overrides = ["adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0"]
+    if tolerance is not None:
+        overrides.append(f"adaptive_batching.search_tolerance={tolerance}")
+    result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False)
     report_path = out / "profile" / "profile.json"
     report = json.loads(report_path.read_text()) if report_path.exists() else {}
+    trials = " ".join(f"{t['micro_batch']}{'' if t['ok'] else 'x'}" for t in report.get("trials", []))
+    restarted = "this process starts again with GLIBC_TUNABLES" in result.stdout + result.stderr
     print(f"  profiled run {name}: exit {result.returncode}, largest that ran {report.get('max_micro_batch')}, "
-          f"chose {report.get('micro_batch')}", flush=True)
+          f"chose {report.get('micro_batch')}, trials {trials}, restarted {restarted}", flush=True)
     return {"returncode": result.returncode, "max_micro_batch": report.get("max_micro_batch"),
             "micro_batch": report.get("micro_batch"), "budget_source": report.get("budget_source"),
+            "budget_bytes": report.get("budget_bytes"), "trial_steps": report.get("trial_steps"),
+            "profile_seconds": report.get("seconds"), "trials": trials, "restarted": restarted,
             "stderr_tail": result.stderr[-1500:] if result.returncode else ""}
 
 
@@ -114,6 +121,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--limit-gib", type=float, default=3.5, help="ulimit -v for the whole process (GiB)")
     parser.add_argument("--repeats", type=int, default=2, help="profiled runs (default 2)")
     parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
+    parser.add_argument("--tolerance", type=float, default=None,
+                        help="adaptive_batching.search_tolerance for the profiled runs (default: the recipe's)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, default=None, help=argparse.SUPPRESS)
@@ -128,21 +137,24 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets = write_tiny_assets(work / "assets").root
-        runs = [profiled(limit_kib, work, assets, f"profiled-{i}") for i in range(args.repeats)]
+        runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance) for i in range(args.repeats)]
         maximum, tried = fresh_process_maximum(limit_kib, work, assets, args.start)
     rows = [{"run": i + 1, **r, "percent_of_fresh_max": (100 * r["max_micro_batch"] / maximum
                                                          if r["max_micro_batch"] and maximum else None)}
             for i, r in enumerate(runs)]
-    result = {"limit_gib": args.limit_gib, "fresh_process_max": maximum, "fresh_process_trials": tried,
-              "runs": rows, "seconds": time.perf_counter() - started}
+    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "fresh_process_max": maximum,
+              "fresh_process_trials": tried, "runs": rows, "seconds": time.perf_counter() - started}
     print(f"\nwhole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB); fresh-process maximum {maximum} "
           f"(GLIBC_TUNABLES={TUNABLES}; trials {' '.join(tried)})\n")
-    print("| run | largest micro batch that ran | chosen | trained | % of fresh-process max |")
-    print("|---|---|---|---|---|")
+    print("| run | largest micro batch that ran | chosen | trained | % of fresh-process max | trial steps "
+          "| profile seconds | trials (x: failed) |")
+    print("|---|---|---|---|---|---|---|---|")
     for row in rows:
         pct = f"{row['percent_of_fresh_max']:.1f}" if row["percent_of_fresh_max"] is not None else "n/a"
+        seconds = f"{row['profile_seconds']:.1f}" if row["profile_seconds"] is not None else "n/a"
         print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
-              f"{'yes' if row['returncode'] == 0 else 'no'} | {pct} |")
+              f"{'yes' if row['returncode'] == 0 else 'no'} | {pct} | {row['trial_steps']} | {seconds} "
+              f"| {row['trials']} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -46,6 +46,7 @@ def test_knob_defaults_are_the_documented_ones() -> None:
     assert defaults["memory_fraction"] == 0.9
     assert defaults["safety_margin"] == 0.05
     assert defaults["round_to"] == "none"
+    assert defaults["search_tolerance"] == 0.02
     assert defaults["reprofile"] is False
     assert defaults["picking_order"] == "dataloader"
     assert defaults["oom_recovery"] is True
@@ -118,6 +119,10 @@ BAD_INPUTS = [
      "1.5", ("(0, 1]",)),
     ("memory_fraction_zero", {"adaptive_batching.memory_fraction": 0}, "'adaptive_batching.memory_fraction'",
      "0", ("(0, 1]",)),
+    ("search_tolerance_negative", {"adaptive_batching.search_tolerance": -0.01},
+     "'adaptive_batching.search_tolerance'", "-0.01", ("[0, 0.25]",)),
+    ("search_tolerance_string", {"adaptive_batching.search_tolerance": "2%"},
+     "'adaptive_batching.search_tolerance'", "'2%'", ("[0, 0.25]",)),
     ("oom_recovery_string", {"adaptive_batching.oom_recovery": "on"}, "'adaptive_batching.oom_recovery'",
      "'on'", ("true or false",)),
     ("oom_grow_back_zero", {"adaptive_batching.oom_grow_back_after": 0}, "'adaptive_batching.oom_grow_back_after'",
@@ -206,6 +211,7 @@ NON_DEFAULT_VALID = {
     "memory_fraction": 0.5,
     "safety_margin": 0.1,
     "round_to": "power_of_two",
+    "search_tolerance": 0.0,
     "reprofile": True,
     "cache_dir": "/tmp/profile-cache",
     "grow_past_memory": "accumulate",
