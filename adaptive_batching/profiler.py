@@ -111,7 +111,7 @@ def find_max_micro_batch(
     agree: Agree = agree_locally,
     recover: Callable[[], None] = lambda: None,
     tolerance: float = 0.02,
-    max_verify_steps: int = 12,
+    max_verify_steps: int = 16,
 ) -> ProfileResult:
     """Probe, fit, verify, choose (see the module docstring).
 
