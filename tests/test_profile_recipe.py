@@ -126,12 +126,14 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     assert summary["trained_steps"] == 3 and summary["micro_batch"] == report["micro_batch"]
 
 
-def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start(assets: Path,
+@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
+def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start(ranks: int, assets: Path,
                                                                                    tmp_path: Path) -> None:
     """A user's ``ulimit -v`` and ``tune run``, as a shell starts it (not forked from the test's server,
-    whose command line is another program's): the recipe runs its own command again once, with
-    ``GLIBC_TUNABLES`` set, then profiles and trains."""
-    command = [TUNE, "run", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
+    whose command line is another program's): the recipe runs its own command again once per rank (each
+    torchrun worker before it joins the process group), with ``GLIBC_TUNABLES`` set, then profiles and trains."""
+    launcher = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
+    command = [TUNE, "run", *launcher, "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
                f"output_dir={tmp_path / 'run'}", *SHORT, "adaptive_batching.memory_budget=96MiB"]
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", RESTARTED_ENV)}
     result = subprocess.run(["bash", "-c", f"ulimit -v {16 * 2**20} && exec {shlex.join(command)}"], cwd=tmp_path,
@@ -139,10 +141,11 @@ def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start
                             text=True, timeout=300)
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
-    assert output.count("this process starts again with GLIBC_TUNABLES=") == 1
-    assert output.count("glibc pinned from process start by GLIBC_TUNABLES") == 1
+    assert output.count("this process starts again with GLIBC_TUNABLES=") == ranks
+    assert output.count("glibc pinned from process start by GLIBC_TUNABLES") == 1  # rank 0 logs set-up
     assert "glibc set to return freed" not in output
     assert output.index("starts again") < output.index("pinned from process start") < output.index("finished at")
+    assert output.count("finished at optimizer step 2") == ranks
 
 
 @pytest.mark.multiprocess
