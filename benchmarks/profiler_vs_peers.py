@@ -21,9 +21,9 @@ Methods:
   training step (the start is the user's guess; it multiplies the size by 0.9 after each OOM).
 * exhaustive: the true maximum, by bisection over fresh children that each run 2 training steps
   at one micro batch (the first creates the optimizer state), then both sides of the boundary
-  run once more (outcomes there are noisy). When ours' ``profile()`` changes glibc's malloc
+  run once more (outcomes there are noisy). When ours' set-up or ``profile()`` changes glibc's malloc
   settings (``adaptive_batching.memory.pin_cpu_allocator``; observed, not forced), the true
-  maximum is also searched with those settings applied at the same point, and ours is compared
+  maximum is also searched with those settings applied before set-up, as ours does, and ours is compared
   with that one; the peers always run, and are compared, under default glibc.
 
 Peers and the exhaustive search run the same plain training step: the trainer's own
@@ -168,16 +168,16 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     from adaptive_batching import memory
 
-    trainer = build_trainer(args, "ours")
     pinned: list[bool] = []
     original_pin = getattr(memory, "pin_cpu_allocator", None)
-    if original_pin is not None:  # observe only: record whether profile() changes glibc's settings
+    if original_pin is not None:  # observe only: record whether set-up or profile() changes glibc's settings
         def observed_pin(*a: Any, **k: Any) -> bool:
             answer = original_pin(*a, **k)
             pinned.append(bool(answer))
             return answer
 
         memory.pin_cpu_allocator = observed_pin
+    trainer = build_trainer(args, "ours")
     limits = limit_address_space(args.room)
     out: dict[str, Any] = {"limits": limits, "pinned_allocator": pinned}
     t0 = time.perf_counter()
@@ -221,13 +221,13 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
-    trainer = build_trainer(args, f"exhaustive_{args.micro_batch}")
-    limits = limit_address_space(args.room)
-    if args.pinned:  # the allocator settings ours applies at the start of profile(), same place
+    if args.pinned:  # the allocator settings ours applies at the start of set-up, same place
         from adaptive_batching import memory
 
         if not memory.pin_cpu_allocator():
             raise RuntimeError("pin_cpu_allocator() failed in the exhaustive child")
+    trainer = build_trainer(args, f"exhaustive_{args.micro_batch}")
+    limits = limit_address_space(args.room)
     t0 = time.perf_counter()
     steps_done = 0
     try:
@@ -474,7 +474,7 @@ def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -
         note = (f"trains at {ours['chosen']} (5% margin); estimate {ours['estimate']}; "
                 f"trials: {_trial_list(ours['trials'])}")
         if ours_pinned(ours):
-            note += "; profile() set glibc mallopt (true max measured the same way)"
+            note += "; set-up set glibc mallopt (true max measured the same way)"
     else:
         note = ours.get("error") or ours.get("crashed", "")
     rows.append({"method": "ours (adaptive_batching profiler)", "found": ours.get("found"),
@@ -599,7 +599,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         regimes = ["default"]
         if args.exhaustive_regimes == "both" or (args.exhaustive_regimes == "auto" and ours_pinned(ours)):
             regimes.append("pinned")
-            log("ours' profile() changed glibc's malloc settings: the true maximum is searched both with default "
+            log("ours' set-up changed glibc's malloc settings: the true maximum is searched both with default "
                 "glibc (the peers' setting) and with ours' settings")
         log("running the exhaustive search for the true maximum ...")
         exhaustive = {r: exhaustive_search(args, pinned=(r == "pinned")) for r in regimes}
