@@ -85,7 +85,7 @@ def _margin(v: Any) -> Optional[str]:
 
 def _tolerance(v: Any) -> Optional[str]:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 0.25
-    return None if ok else "a number in [0, 0.25] (0.02: the search stops within 2% of the largest that fits)"
+    return None if ok else "a number in [0, 0.25] (0.01: the search stops within 1% of the largest that fits)"
 
 
 def _round_to(v: Any) -> Optional[str]:
@@ -132,7 +132,7 @@ KNOBS: dict[str, Knob] = {
     "memory_fraction": Knob(0.9, _fraction, True, "the start-up batch-size profiler"),
     "safety_margin": Knob(0.05, _margin, True, "the start-up batch-size profiler"),
     "round_to": Knob("none", _round_to, True, "the start-up batch-size profiler"),
-    "search_tolerance": Knob(0.02, _tolerance, True, "the start-up batch-size profiler"),
+    "search_tolerance": Knob(0.01, _tolerance, True, "the start-up batch-size profiler"),
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
     "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),

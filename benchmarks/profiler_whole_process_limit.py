@@ -14,7 +14,9 @@ limits the room above set-up), with no explicit memory budget and ``memory_fract
 * fresh-process maximum: bisection over fresh processes, each setting up the same trainer and running
   2 worst-case training steps (the profiler's trial step: every sample full length) at one micro batch,
   with glibc tuned from process start through ``GLIBC_TUNABLES`` (``mmap_threshold`` 128 KiB, one
-  arena: what the recipe pins); the largest that trains.
+  arena: what the recipe pins); the largest that trains. Twice: in ``python`` processes running this
+  file, and in ``tune run`` processes, launched as the recipe is (``tune``'s own imports and objects
+  take address space that no profile inside it can have).
 
 The figure is ours / fresh-process maximum; the goal is at least 97%.
 """
@@ -49,16 +51,23 @@ def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[st
     return subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=timeout)
 
 
-def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int) -> bool:
+LAUNCHERS = ("python", "tune")
+
+
+def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str) -> bool:
     """Two worst-case training steps (every sample full length, the profiler's own trial step) at
-    ``micro_batch`` in a fresh process under the limit, glibc tuned from its start."""
+    ``micro_batch`` in a fresh process under the limit, glibc tuned from its start. The process is
+    ``python this_file.py`` or, as a user's run, ``tune run`` (its CLI's imports and objects included)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLIBC_TUNABLES=TUNABLES)
-    cmd = [sys.executable, __file__, "--child", str(micro_batch), "--assets", str(assets),
-           "--out", str(work / f"fixed-{micro_batch}")]
+    child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}")]
+    if launcher == "tune":  # ``tune run`` runs a module from the working directory, and wants a --config
+        cmd = [TUNE, "run", Path(__file__).stem, "--config", "tiny_full", *child_args]
+    else:
+        cmd = [sys.executable, __file__, *child_args]
     result = subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
-                            capture_output=True, text=True, timeout=600)
+                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
     ok = result.returncode == 0
-    print(f"  fresh process, micro batch {micro_batch}: {'trains' if ok else 'fails'}", flush=True)
+    print(f"  fresh {launcher} process, micro batch {micro_batch}: {'trains' if ok else 'fails'}", flush=True)
     return ok
 
 
@@ -77,13 +86,14 @@ def child(micro_batch: int, assets: Path, out: Path) -> int:
     return 0
 
 
-def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int) -> tuple[int, list[str]]:
+def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int,
+                          launcher: str) -> tuple[int, list[str]]:
     """The largest micro batch that trains in a fresh process: double from ``start``, then bisect."""
     tried: list[str] = []
     lo, hi = 0, None
     size = start
     while hi is None:
-        ok = trains(limit_kib, work, assets, size)
+        ok = trains(limit_kib, work, assets, size, launcher)
         tried.append(f"{size}{'' if ok else 'x'}")
         if ok:
             lo, size = size, size * 2
@@ -91,7 +101,7 @@ def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int) 
             hi = size
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ok = trains(limit_kib, work, assets, mid)
+        ok = trains(limit_kib, work, assets, mid, launcher)
         tried.append(f"{mid}{'' if ok else 'x'}")
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo, tried
@@ -127,6 +137,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--config", default=None, help=argparse.SUPPRESS)  # what ``tune run`` requires
     args = parser.parse_args(argv)
     if args.child is not None:
         return child(args.child, args.assets, args.out)
@@ -138,22 +149,35 @@ def main(argv: Optional[list[str]] = None) -> int:
         work = Path(tmp)
         assets = write_tiny_assets(work / "assets").root
         runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance) for i in range(args.repeats)]
-        maximum, tried = fresh_process_maximum(limit_kib, work, assets, args.start)
-    rows = [{"run": i + 1, **r, "percent_of_fresh_max": (100 * r["max_micro_batch"] / maximum
-                                                         if r["max_micro_batch"] and maximum else None)}
+        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher)
+                  for launcher in LAUNCHERS}
+
+    def percent(found: Optional[int], launcher: str) -> Optional[float]:
+        maximum = maxima[launcher][0]
+        return 100 * found / maximum if found and maximum else None
+
+    rows = [{"run": i + 1, **r, **{f"percent_of_fresh_{launcher}_max": percent(r["max_micro_batch"], launcher)
+                                   for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
-    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "fresh_process_max": maximum,
-              "fresh_process_trials": tried, "runs": rows, "seconds": time.perf_counter() - started}
-    print(f"\nwhole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB); fresh-process maximum {maximum} "
-          f"(GLIBC_TUNABLES={TUNABLES}; trials {' '.join(tried)})\n")
-    print("| run | largest micro batch that ran | chosen | trained | % of fresh-process max | trial steps "
-          "| profile seconds | trials (x: failed) |")
-    print("|---|---|---|---|---|---|---|---|")
+    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance,
+              **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in LAUNCHERS},
+              **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in LAUNCHERS},
+              "runs": rows, "seconds": time.perf_counter() - started}
+    print(f"\nwhole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
+          "the fresh processes")
+    for launcher in LAUNCHERS:
+        print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
+    print("\n| run | largest micro batch that ran | chosen | trained | % of fresh python max | % of fresh tune max "
+          "| trial steps | profile seconds | trials (x: failed) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+
+    def shown(value: Optional[float]) -> str:
+        return f"{value:.1f}" if value is not None else "n/a"
+
     for row in rows:
-        pct = f"{row['percent_of_fresh_max']:.1f}" if row["percent_of_fresh_max"] is not None else "n/a"
-        seconds = f"{row['profile_seconds']:.1f}" if row["profile_seconds"] is not None else "n/a"
         print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
-              f"{'yes' if row['returncode'] == 0 else 'no'} | {pct} | {row['trial_steps']} | {seconds} "
+              f"{'yes' if row['returncode'] == 0 else 'no'} | {shown(row['percent_of_fresh_python_max'])} | "
+              f"{shown(row['percent_of_fresh_tune_max'])} | {row['trial_steps']} | {shown(row['profile_seconds'])} "
               f"| {row['trials']} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))

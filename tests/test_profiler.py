@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import numpy as np
@@ -11,6 +12,7 @@ from torchtune.models.llama3 import llama3
 
 from adaptive_batching.budget import Budget
 from adaptive_batching.profiler import ProfileError, StepMemory, find_max_micro_batch, preserved_training_state
+from adaptive_batching.settings import KNOBS
 from adaptive_batching.tiny_assets import TINY_MODEL_ARGS
 
 MIB = 2**20
@@ -18,14 +20,16 @@ OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 byt
 
 
 def simulated_step(*, steady: int, fixed: int, per_sample: int, optimizer_peak: int, capacity: int,
-                   noise: float = 0.0, seed: int = 0):
-    """A step whose forward/backward peak is steady + fixed + per_sample x b; real OOM above ``capacity``."""
+                   noise: float = 0.0, seed: int = 0, small_batch_extra: dict[int, int] | None = None):
+    """A step whose forward/backward peak is steady + fixed + per_sample x b (+ ``small_batch_extra[b]``);
+    real OOM above ``capacity``."""
     rng = random.Random(seed)
     calls: list[int] = []
+    extra = small_batch_extra or {}
 
     def step(b: int) -> StepMemory:
         calls.append(b)
-        activation = int((fixed + per_sample * b) * (1 + rng.uniform(-noise, noise)))
+        activation = int((fixed + per_sample * b + extra.get(b, 0)) * (1 + rng.uniform(-noise, noise)))
         if steady + activation > capacity:
             raise RuntimeError(OOM)
         return StepMemory(activation, steady + activation, optimizer_peak, steady)
@@ -37,10 +41,13 @@ def true_max(steady: int, fixed: int, per_sample: int, limit: int) -> int:
     return (limit - steady - fixed) // per_sample
 
 
-@pytest.mark.parametrize("capacity_share, max_steps", [(1.0, 5), (0.97, 7), (0.9, 9)])
-def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float, max_steps: int) -> None:
+@pytest.mark.parametrize("capacity_share", [1.0, 0.97, 0.9])
+def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float) -> None:
     """The allocator may fail below the budget (fragmentation): the search still lands within 3%,
-    at about two more steps each time the estimate's error doubles. Steps: a warm-up, 2 probes, verification."""
+    at about two more steps each time the estimate's error doubles past the tolerance. Steps: a warm-up,
+    2 probes, the far probe, verification."""
+    error = 1 / capacity_share - 1  # how far the estimate (from the budget) lies above what fits
+    max_steps = 4 + 2 + 2 * math.ceil(math.log2(max(1.0, error / KNOBS["search_tolerance"].default)))
     budget = Budget(4096 * MIB, "test")
     capacity = int(budget.bytes * capacity_share)
     step, calls = simulated_step(steady=300 * MIB, fixed=40 * MIB, per_sample=9 * MIB, optimizer_peak=500 * MIB,
@@ -92,7 +99,24 @@ def test_optimizer_peak_does_not_distort_the_slope() -> None:
     best = true_max(600 * MIB, 10 * MIB, 5 * MIB, budget.bytes)
     assert result.estimate == best
     assert result.max_micro_batch == best
-    assert result.trial_steps <= 5
+    assert result.trial_steps <= 6
+
+
+def test_the_far_probe_corrects_a_slope_measured_on_few_samples() -> None:
+    """As on CPU: micro batch 2 peaks higher than the line (5.47 MiB per sample measured from 4 up, 5.15 from
+    2 and 4), so the first estimate is 6% high; the far probe at an eighth of it brings the estimate within 1%,
+    and verification then takes 2 steps."""
+    budget = Budget(1600 * MIB, "test")
+    step, calls = simulated_step(steady=0, fixed=int(0.9 * MIB), per_sample=int(5.47 * MIB), optimizer_peak=0,
+                                 capacity=budget.bytes, small_batch_extra={2: int(0.65 * MIB)})
+    result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.0, round_to="none", upper_limit=10_000)
+    best = true_max(0, int(0.9 * MIB), int(5.47 * MIB), budget.bytes)
+    first_estimate = 311  # the line through micro batches 2 and 4
+    assert calls[:4] == [1, 2, 4, first_estimate // 8]
+    assert [t["phase"] for t in result.trials[:4]] == ["warmup", "probe", "probe", "probe"]
+    assert abs(result.estimate - best) <= 0.01 * best
+    assert best - 1 <= result.max_micro_batch <= best
+    assert result.trial_steps == 6
 
 
 def test_noisy_measurements_never_exceed_the_true_maximum() -> None:

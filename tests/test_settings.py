@@ -46,7 +46,7 @@ def test_knob_defaults_are_the_documented_ones() -> None:
     assert defaults["memory_fraction"] == 0.9
     assert defaults["safety_margin"] == 0.05
     assert defaults["round_to"] == "none"
-    assert defaults["search_tolerance"] == 0.02
+    assert defaults["search_tolerance"] == 0.01
     assert defaults["reprofile"] is False
     assert defaults["picking_order"] == "dataloader"
     assert defaults["oom_recovery"] is True
