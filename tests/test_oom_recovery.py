@@ -229,14 +229,18 @@ def test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resum
 def test_a_real_cpu_oom_mid_epoch_under_an_address_space_limit(tmp_path: Path, assets: Path) -> None:
     """32 short samples, then 32 long ones, in order: the first long step at micro batch 16 exceeds
     RLIMIT_AS (torch's DefaultCPUAllocator error); the run shrinks, finishes, and equals the run
-    that used the smaller micro batch from the start."""
+    that used the smaller micro batch from the start.
+
+    The room: a long step at 16 took more than 100 MiB of new address space in every run measured, and
+    fitted in 120 MiB once in three (glibc's heap and threads vary), so 80 MiB leaves no chance to fit;
+    at 8 it fitted in 80 MiB, at 4 in 60, and the test holds whichever size the run ends at."""
     rows = json.loads((assets / "data" / "alpaca_tiny.json").read_text())
     length = lambda r: sum(len(r.get(k, "")) for k in ("instruction", "input", "output"))  # noqa: E731
     ordered = sorted(rows, key=length)
     data = tmp_path / "short_then_long.json"
     data.write_text(json.dumps(ordered[:32] + ordered[-32:]))
     limited = ("batch_size=16", "epochs=1", f"dataset.data_files={data}", "dataset.split=train", "shuffle=False")
-    output = ok(faulty_run(tmp_path, "limited", {"room_mib": 120}, assets, *limited))
+    output = ok(faulty_run(tmp_path, "limited", {"room_mib": 80}, assets, *limited))
     shrinks = re.findall(r"Out of memory at micro batch (\d+) in step (\d) of epoch 1 \(optimizer step \d\) "
                          r"\(.*DefaultCPUAllocator: can't allocate memory", output)
     assert shrinks, output[-3000:]
