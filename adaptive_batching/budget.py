@@ -11,13 +11,13 @@ from __future__ import annotations
 import math
 import os
 import re
-import resource
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
 import torch
 
+from adaptive_batching.memory import address_space_limit
 from adaptive_batching.settings import ConfigError, parse_bytes
 
 GIB = 1024**3
@@ -199,8 +199,8 @@ def cgroup_room_bytes(root: Path = Path("/")) -> Optional[tuple[int, str]]:
 
 def address_space_room_bytes(root: Path = Path("/")) -> Optional[int]:
     """Room under the soft RLIMIT_AS (limit - current virtual size), or None when unlimited or unknown."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    if soft == resource.RLIM_INFINITY or soft < 0:
+    soft = address_space_limit()
+    if soft is None:
         return None
     status = _read(root / "proc/self/status")
     vm_size = None if status is None else proc_field_bytes(status, "VmSize")

@@ -254,17 +254,17 @@ def restart_for_glibc(env: Mapping[str, str], argv: Sequence[str], orig_argv: Se
     return list(orig_argv[1:]), {**env, "GLIBC_TUNABLES": merged, RESTARTED_ENV: "1"}
 
 
-def address_space_limited() -> bool:
-    """Whether this process runs under a finite soft RLIMIT_AS."""
+def address_space_limit() -> Optional[int]:
+    """This process's soft RLIMIT_AS in bytes, or None when it is unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
-    return soft != resource.RLIM_INFINITY and soft >= 0
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
 
 
 def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) -> None:
     """Run this command again, in this process, with glibc pinned from its start (see
     :func:`restart_for_glibc`; ``argv`` as the command line gave it); returns only when no restart
     is needed or it failed."""
-    restart = restart_for_glibc(os.environ, argv, sys.orig_argv, address_space_limited())
+    restart = restart_for_glibc(os.environ, argv, sys.orig_argv, address_space_limit() is not None)
     if restart is None:
         return
     args, env = restart

@@ -11,7 +11,6 @@ from typing import Optional
 import pytest
 import torch
 
-from adaptive_batching import budget as budget_module
 from adaptive_batching.budget import Budget, cpu_room_bytes, memory_budget
 from adaptive_batching.settings import ConfigError
 
@@ -23,7 +22,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def no_address_space_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real rlimit of the test process must not leak into the fake hosts."""
-    monkeypatch.setattr(budget_module.resource, "getrlimit",
+    monkeypatch.setattr(resource, "getrlimit",
                         lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
@@ -54,7 +53,7 @@ def fake_host(root: Path, *, vm_size: int = 2 * GIB, available: int = 64 * GIB,
 
 
 def set_address_space_limit(monkeypatch: pytest.MonkeyPatch, soft: int) -> None:
-    monkeypatch.setattr(budget_module.resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (soft, resource.RLIM_INFINITY))
 
 
 # --- explicit -----------------------------------------------------------------------------------
