@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from adaptive_batching.config import RECIPES, load_config, shipped_config_names, shipped_configs_dir
+from adaptive_batching.config.loading import RECIPES, load_config, shipped_config_names, shipped_configs_dir
 
 
 def _recipe_file(name: str) -> Path:
@@ -28,12 +28,12 @@ def _configs_for(recipe: str) -> list[str]:
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
     if args.model != "tiny":
         # A real architecture, randomly initialised, next to the tiny tokenizer and data (model_assets).
-        from adaptive_batching.model_assets import describe_model_assets, write_model_assets
+        from adaptive_batching.assets.models import describe_model_assets, write_model_assets
 
         paths = write_model_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
         print(describe_model_assets(paths))
         return 0
-    from adaptive_batching.tiny_assets import describe, write_tiny_assets
+    from adaptive_batching.assets.tiny import describe, write_tiny_assets
 
     paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
     print(describe(paths))
@@ -77,10 +77,10 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from adaptive_batching.methods import method_for
-    from adaptive_batching.profile_report import format_table, write_json
-    from adaptive_batching.settings import ConfigError, validate_config
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.profiling.report import format_table, write_json
+    from adaptive_batching.config.settings import ConfigError, validate_config
+    from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
     try:
@@ -102,9 +102,9 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
-    from adaptive_batching.estimate import estimate_max_micro_batch
-    from adaptive_batching.methods import method_for
-    from adaptive_batching.settings import parse_bytes
+    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.config.settings import parse_bytes
 
     try:
         device_memory = parse_bytes(args.device_memory)
@@ -126,8 +126,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from adaptive_batching.model_assets import CHOICES
-    from adaptive_batching.tiny_assets import DEFAULT_TINY_DIR
+    from adaptive_batching.assets.models import CHOICES
+    from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR
 
     parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)

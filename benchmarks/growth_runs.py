@@ -111,7 +111,7 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> None:
     import torch
     from torchtune.training.metric_logging import DiskLogger
 
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.training.trainer import Trainer
 
     threads = os.environ.get("BENCH_THREADS")
     if threads:
@@ -366,7 +366,7 @@ def main(argv: Optional[list[str]] = None) -> None:
         work = (args.work or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
         if args.assets is None:
-            from adaptive_batching.tiny_assets import write_tiny_assets
+            from adaptive_batching.assets.tiny import write_tiny_assets
 
             args.assets = write_tiny_assets(work / "assets").root
         args.assets = Path(args.assets).resolve()

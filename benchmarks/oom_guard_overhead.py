@@ -121,7 +121,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.assets is None:
-            from adaptive_batching.tiny_assets import write_tiny_assets
+            from adaptive_batching.assets.tiny import write_tiny_assets
 
             args.assets = write_tiny_assets(work / "assets").root
         for repeat in range(args.repeats):

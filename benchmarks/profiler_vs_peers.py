@@ -105,10 +105,10 @@ def limit_address_space(room_gib: float) -> dict[str, int]:
 
 
 def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
-    from adaptive_batching.methods import method_for
-    from adaptive_batching.config import load_config
-    from adaptive_batching.settings import validate_config
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.trainer import Trainer
 
     work = args.workdir
     overrides = [
@@ -134,7 +134,7 @@ def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
 
 def plain_step(trainer: Any, micro_batch: int) -> None:
     """One training step on a worst-case batch, as the trainer trains (no measuring); raises on OOM."""
-    from adaptive_batching.data import worst_case_batch
+    from adaptive_batching.batching.data import worst_case_batch
 
     try:
         batch = worst_case_batch(trainer.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
@@ -152,7 +152,7 @@ def _describe_error(error: BaseException) -> str:
 
 
 def _is_oom(error: BaseException) -> bool:
-    from adaptive_batching.oom import is_out_of_memory
+    from adaptive_batching.faults.oom import is_out_of_memory
 
     return is_out_of_memory(error)
 
@@ -166,7 +166,7 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 
 
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
-    from adaptive_batching import memory
+    from adaptive_batching.runtime import memory
 
     pinned: list[bool] = []
     original_pin = getattr(memory, "pin_cpu_allocator", None)
@@ -196,7 +196,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
     )
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
-    from adaptive_batching.sampler import epoch_extent
+    from adaptive_batching.batching.sampler import epoch_extent
 
     plan = trainer.make_plan()
     first = plan.entries[0].shape
@@ -222,7 +222,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
     if args.pinned:  # the allocator settings ours applies at the start of set-up, same place
-        from adaptive_batching import memory
+        from adaptive_batching.runtime import memory
 
         if not memory.pin_cpu_allocator():
             raise RuntimeError("pin_cpu_allocator() failed in the exhaustive child")
@@ -584,7 +584,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir = Path(tempfile.mkdtemp(prefix="profiler_vs_peers_")) if temporary else args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
-        from adaptive_batching.tiny_assets import write_tiny_assets
+        from adaptive_batching.assets.tiny import write_tiny_assets
 
         write_tiny_assets(args.workdir / "assets")
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")

@@ -72,10 +72,10 @@ def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher:
 
 
 def child(micro_batch: int, assets: Path, out: Path) -> int:
-    from adaptive_batching.config import load_config
-    from adaptive_batching.methods import method_for
-    from adaptive_batching.settings import validate_config
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",
                                     "batch_increase_function=null"])
@@ -141,7 +141,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.child is not None:
         return child(args.child, args.assets, args.out)
-    from adaptive_batching.tiny_assets import write_tiny_assets
+    from adaptive_batching.assets.tiny import write_tiny_assets
 
     limit_kib = int(args.limit_gib * 2**20)
     started = time.perf_counter()

@@ -170,7 +170,7 @@ def log(message: str) -> None:
 
 
 def ensure_assets(root: Path) -> Path:
-    from adaptive_batching.tiny_assets import TinyAssetPaths, write_tiny_assets
+    from adaptive_batching.assets.tiny import TinyAssetPaths, write_tiny_assets
 
     paths = TinyAssetPaths.from_root(root)
     needed = [paths.model_dir / "config.json", paths.model_dir / "model.safetensors", paths.tokenizer_path,
@@ -185,7 +185,7 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
     """``tiny_full`` as our recipe reads it, with this benchmark's settings, fully resolved."""
     from omegaconf import OmegaConf
 
-    from adaptive_batching.config import load_config
+    from adaptive_batching.config.loading import load_config
 
     cfg = load_config(CONFIG, [
         f"assets_dir={args.assets}",

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve()
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
     """A run that records the wall time of its training loop."""
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.training.trainer import Trainer
 
     timing: dict[str, Any] = {}
     original = Trainer.train_epoch
@@ -87,10 +87,10 @@ def padding(args: argparse.Namespace, work: Path, micro_batch: int, budget: int)
     """Both modes' epoch micro batches over the real lengths, as the runs cut them."""
     from torchtune import config
 
-    from adaptive_batching.config import load_config
-    from adaptive_batching.data import build_dataset
-    from adaptive_batching.sampler import StepBatchSampler
-    from adaptive_batching.token_batching import TokenBudgetBatchSampler, padding_waste
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.batching.data import build_dataset
+    from adaptive_batching.batching.sampler import StepBatchSampler
+    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
 
     cfg = load_config("tiny_full", common(args, work))
     dataset, _ = build_dataset(cfg.dataset, config.instantiate(cfg.tokenizer))
@@ -118,7 +118,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.assets is None:
-            from adaptive_batching.tiny_assets import write_tiny_assets
+            from adaptive_batching.assets.tiny import write_tiny_assets
 
             args.assets = write_tiny_assets(work / "assets").root
         seconds: dict[str, list[float]] = {mode: [] for mode in MODES}

@@ -30,11 +30,11 @@ def device_info() -> dict[str, Any]:
 def write_assets(root: str, model: str) -> dict[str, Any]:
     """The tiny assets, or ``model``'s random-initialised checkpoint next to them (as the CLI writes them)."""
     if model == "tiny":
-        from adaptive_batching.tiny_assets import write_tiny_assets
+        from adaptive_batching.assets.tiny import write_tiny_assets
 
         paths = write_tiny_assets(root)
         return {"root": str(paths.root), "model_dir": str(paths.model_dir)}
-    from adaptive_batching.model_assets import write_model_assets
+    from adaptive_batching.assets.models import write_model_assets
 
     paths = write_model_assets(root, model)
     size = (paths.model_dir / "model.safetensors").stat().st_size
@@ -64,8 +64,8 @@ def token_lengths(config: str, overrides: list[str]) -> list[int]:
     """Every sample's token count as the recipe's data pipeline gives it (truncated to max_seq_len)."""
     from torchtune import config as tune_config
 
-    from adaptive_batching.config import load_config
-    from adaptive_batching.data import build_dataset
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.batching.data import build_dataset
 
     cfg = load_config(config, overrides)
     dataset, _ = build_dataset(cfg.dataset, tune_config.instantiate(cfg.tokenizer))
@@ -75,8 +75,8 @@ def token_lengths(config: str, overrides: list[str]) -> list[int]:
 def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
     """Padding waste of one epoch cut by both samplers the runs use: fixed micro batches of ``micro_batch``
     samples (shuffled), and ``max_tokens`` padded tokens per micro batch (similar lengths together)."""
-    from adaptive_batching.sampler import StepBatchSampler
-    from adaptive_batching.token_batching import TokenBudgetBatchSampler, padding_waste
+    from adaptive_batching.batching.sampler import StepBatchSampler
+    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
 
     lengths = token_lengths(config, overrides)
     fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,

@@ -120,7 +120,7 @@ class Validation:
             base = [f"assets_dir={self.assets}", "device=cpu" if self.device["type"] == "cpu" else "device=cuda",
                     f"tokenizer.max_seq_len={a.seq_len}"]
         else:
-            from adaptive_batching.model_assets import ModelAssetPaths, recipe_overrides
+            from adaptive_batching.assets.models import ModelAssetPaths, recipe_overrides
 
             base = [*recipe_overrides(ModelAssetPaths.from_root(self.assets, a.model), a.seq_len),
                     f"device={self.device['type']}"]

@@ -38,10 +38,10 @@ HERE = Path(__file__).resolve()
 # --------------------------------------------------------------------------- child side
 def _instrument(record: dict[str, Any], no_save: bool) -> None:
     """Patch the library's step runner (and the trainer's save) in this process only."""
-    from adaptive_batching import memory
-    from adaptive_batching.oom import is_out_of_memory
-    from adaptive_batching.stepping import StepRunner
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.runtime import memory
+    from adaptive_batching.faults.oom import is_out_of_memory
+    from adaptive_batching.training.stepping import StepRunner
+    from adaptive_batching.training.trainer import Trainer
 
     original_step = StepRunner.train_step
 
@@ -64,7 +64,8 @@ def _instrument(record: dict[str, Any], no_save: bool) -> None:
 
     StepRunner.train_step = measured_step
     if no_save:  # neither checkpoints nor the profile's plot (a Python process with matplotlib per profile)
-        from adaptive_batching import profile_report, profile_run
+        from adaptive_batching.profiling import report as profile_report
+        from adaptive_batching.profiling import run as profile_run
 
         Trainer.save = lambda self, epoch: None
         profile_run.write_report = lambda result, directory: {
@@ -102,7 +103,7 @@ def run_in_child(spec: dict[str, Any]) -> int:
         if spec.get("pin_cpu_allocator"):
             # The recipe does this itself whenever it profiles on CPU; runs without a profile do it here,
             # so their memory follows the same allocator rules as the profiler's trial steps.
-            from adaptive_batching import memory
+            from adaptive_batching.runtime import memory
 
             memory.pin_cpu_allocator()
         if spec.get("cap_bytes"):
@@ -116,7 +117,7 @@ def run_in_child(spec: dict[str, Any]) -> int:
             _instrument(record, spec.get("no_save", True))
             code = _entry_point(spec["kind"], spec["argv"])
     except BaseException as error:  # noqa: BLE001 - recorded, then reported as the exit code
-        from adaptive_batching.oom import is_out_of_memory
+        from adaptive_batching.faults.oom import is_out_of_memory
 
         if isinstance(error, Exception) and is_out_of_memory(error):
             record["oom_errors"] += 1
@@ -170,8 +171,8 @@ def preload() -> None:
     import torchtune.training  # noqa: F401
 
     import adaptive_batching.cli  # noqa: F401
-    import adaptive_batching.estimate  # noqa: F401
-    import adaptive_batching.trainer  # noqa: F401
+    import adaptive_batching.profiling.estimate  # noqa: F401
+    import adaptive_batching.training.trainer  # noqa: F401
 
     gc.collect()
     gc.freeze()

@@ -13,10 +13,10 @@ import sys
 
 from omegaconf import DictConfig
 
-from adaptive_batching.config import parse
-from adaptive_batching.methods import FullFinetune
-from adaptive_batching.settings import validate_config
-from adaptive_batching.trainer import Trainer
+from adaptive_batching.config.loading import parse
+from adaptive_batching.training.methods import FullFinetune
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.training.trainer import Trainer
 
 
 @parse

@@ -94,7 +94,7 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
 
 
 def record(out: Path, only: list[str]) -> None:
-    from adaptive_batching.tiny_assets import write_tiny_assets
+    from adaptive_batching.assets.tiny import write_tiny_assets
 
     out.mkdir(parents=True, exist_ok=True)
     assets = write_tiny_assets(out / "assets").root

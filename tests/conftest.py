@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.tiny_assets import write_tiny_assets
+from adaptive_batching.assets.tiny import write_tiny_assets
 
 from config_edits import CONFIGS
 

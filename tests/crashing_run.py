@@ -16,7 +16,7 @@ import sys
 
 def main() -> None:
     crash_after, module_name, *argv = sys.argv[1:]
-    from adaptive_batching.trainer import Trainer
+    from adaptive_batching.training.trainer import Trainer
 
     original = Trainer.train_step
 

@@ -54,8 +54,8 @@ def main() -> None:
     kill_after = fault.get("kill_after")
     optimizer_failures = [int(fault.get("times", 1))]
 
-    import adaptive_batching.stepping as stepping
-    from adaptive_batching.trainer import Trainer
+    import adaptive_batching.training.stepping as stepping
+    from adaptive_batching.training.trainer import Trainer
 
     rank = int(os.environ.get("RANK", 0))
     failing_rank = only_rank is None or int(only_rank) == rank
@@ -142,7 +142,7 @@ def main() -> None:
 
     Trainer.train_step = train_step
     if "kill_in_save" in fault:
-        import adaptive_batching.checkpointing as checkpointing
+        import adaptive_batching.faults.checkpoints as checkpointing
 
         write_marker, saves = checkpointing._write_marker, [0]
 

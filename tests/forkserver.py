@@ -29,7 +29,7 @@ def preload() -> None:
     import torchtune.training  # noqa: F401
 
     import adaptive_batching.cli  # noqa: F401
-    import adaptive_batching.trainer  # noqa: F401
+    import adaptive_batching.training.trainer  # noqa: F401
 
 
 def run_entry_point(kind: str, argv: list[str]) -> int:

@@ -11,8 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
-from adaptive_batching.budget import Budget, cpu_room_bytes, memory_budget
-from adaptive_batching.settings import ConfigError
+from adaptive_batching.profiling.budget import Budget, cpu_room_bytes, memory_budget
+from adaptive_batching.config.settings import ConfigError
 
 GIB = 2**30
 MIB = 2**20
@@ -152,8 +152,8 @@ def test_cuda_budget_counts_what_other_processes_hold(fake_cuda: list[int], monk
 
 def test_the_cuda_budget_is_the_minimum_over_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Each rank's own free memory, then the smallest over ranks: one crowded GPU sets everyone's budget."""
-    from adaptive_batching import distributed
-    from adaptive_batching.distributed import ParallelInfo
+    from adaptive_batching.runtime import distributed
+    from adaptive_batching.runtime.distributed import ParallelInfo
 
     reduced: list[str] = []
 

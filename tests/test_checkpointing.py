@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import training
 from torchtune.models.llama3 import lora_llama3
 
-from adaptive_batching import checkpointing
-from adaptive_batching.checkpointing import (
+from adaptive_batching.faults import checkpoints as checkpointing
+from adaptive_batching.faults.checkpoints import (
     ADAPTIVE_KEY,
     latest_complete_checkpoint,
     load_checkpoint,
@@ -30,7 +30,7 @@ from adaptive_batching.checkpointing import (
     resume_config,
     save_checkpoint_atomically,
 )
-from adaptive_batching.tiny_assets import TINY_MODEL_ARGS, write_tiny_assets
+from adaptive_batching.assets.tiny import TINY_MODEL_ARGS, write_tiny_assets
 from config_edits import CONFIGS, modified
 
 
@@ -112,7 +112,7 @@ def test_a_full_save_resumes_to_its_weights_and_recipe_state(assets: Path, tmp_p
 @pytest.mark.parametrize("adapter_only", [False, True])
 def test_a_lora_save_resumes_to_its_adapter_over_the_base_weights(assets: Path, tmp_path: Path,
                                                                    adapter_only: bool) -> None:
-    from adaptive_batching.methods import LoRAFinetune
+    from adaptive_batching.training.methods import LoRAFinetune
 
     out = tmp_path / "run"
     cfg = checkpointer_cfg(assets, out, "lora")
@@ -256,7 +256,7 @@ import os, sys
 from pathlib import Path
 import torch
 from omegaconf import OmegaConf
-from adaptive_batching import checkpointing
+from adaptive_batching.faults import checkpoints as checkpointing
 import torchtune.training.checkpointing._checkpointer as torchtune_checkpointer
 
 stage, cfg_path, state_path, epoch, step = sys.argv[1:]
@@ -332,7 +332,7 @@ def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path
 def test_a_resume_waits_for_a_save_under_way(tmp_path: Path) -> None:
     """The lock: ranks resuming (and repairing) never delete the staging folder of a live save."""
     (tmp_path / ".incomplete-epoch_0-1").mkdir()
-    code = ("import sys; from pathlib import Path; from adaptive_batching import checkpointing as c; "
+    code = ("import sys; from pathlib import Path; from adaptive_batching.faults import checkpoints as c; "
             "print('start', flush=True); print(c.latest_complete_checkpoint(Path(sys.argv[1])), flush=True)")
     with checkpointing._locked(tmp_path):
         child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from adaptive_batching.cli import main
-from adaptive_batching.config import RECIPES, shipped_config_names, shipped_configs_dir
-from adaptive_batching.tiny_assets import TinyAssetPaths
+from adaptive_batching.config.loading import RECIPES, shipped_config_names, shipped_configs_dir
+from adaptive_batching.assets.tiny import TinyAssetPaths
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,14 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 from torchtune.models.llama3 import lora_llama3
 
-from adaptive_batching.batch import BatchShape
-from adaptive_batching.checkpointing import resume_config
-from adaptive_batching.config import optional_component
-from adaptive_batching.data import build_dataloader
-from adaptive_batching.distributed import ParallelInfo
-from adaptive_batching.memory import peak_memory_gb, release_memory
-from adaptive_batching.model import full_state_dict
-from adaptive_batching.tiny_assets import TINY_MODEL_ARGS
+from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.faults.checkpoints import resume_config
+from adaptive_batching.config.loading import optional_component
+from adaptive_batching.batching.data import build_dataloader
+from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.runtime.memory import peak_memory_gb, release_memory
+from adaptive_batching.training.model import full_state_dict
+from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 
 
 class Numbers(Dataset):
@@ -52,7 +52,7 @@ def test_two_ranks_split_the_epoch_without_overlap() -> None:
 
 def test_lora_checkpoint_entries_leave_the_live_model_untouched() -> None:
     """Merging LoRA for a save must not write into the training weights (``.cpu()`` aliases on CPU)."""
-    from adaptive_batching.methods import LoRAFinetune
+    from adaptive_batching.training.methods import LoRAFinetune
 
     cfg = OmegaConf.create(dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8))
     model = lora_llama3(["q_proj", "v_proj"], lora_rank=4, lora_alpha=8, **TINY_MODEL_ARGS)
@@ -124,7 +124,7 @@ def test_the_library_never_imports_the_recipes() -> None:
 ])
 def test_keeping_the_global_batch_takes_the_largest_even_micro_batch_that_fits(
         global_batch: int, ranks: int, cap: int, shape: tuple[int, int], note: str) -> None:
-    from adaptive_batching.batch import shape_keeping_global_batch
+    from adaptive_batching.batching.shape import shape_keeping_global_batch
 
     got, why = shape_keeping_global_batch(global_batch, ranks, cap)
     assert (got.micro_batch, got.accumulation, got.ranks) == (*shape, ranks)
@@ -137,8 +137,8 @@ def test_a_lora_model_with_activation_checkpointing_loads_base_weights() -> None
     from torchtune import training
     from torchtune.models.llama3 import llama3
 
-    from adaptive_batching.methods import LoRAFinetune
-    from adaptive_batching.model import ModelOptions, build_model
+    from adaptive_batching.training.methods import LoRAFinetune
+    from adaptive_batching.training.model import ModelOptions, build_model
 
     lora = dict(lora_attn_modules=["q_proj", "v_proj"], lora_rank=4, lora_alpha=8)
     cfg = OmegaConf.create({"_component_": "torchtune.models.llama3.lora_llama3", **lora, **TINY_MODEL_ARGS})

@@ -8,9 +8,9 @@ import pytest
 from config_edits import CONFIGS, modified
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config import load_config
-from adaptive_batching.config_keys import check_top_level_keys, interpolated_keys, meant_key
-from adaptive_batching.settings import ConfigError, validate_config
+from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.keys import check_top_level_keys, interpolated_keys, meant_key
+from adaptive_batching.config.settings import ConfigError, validate_config
 
 
 @pytest.mark.parametrize("name", ["tiny_full", "tiny_lora", "llama3_2_1b", "llama3_2_1b_lora", "llama3_8b",

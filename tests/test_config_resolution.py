@@ -1,4 +1,4 @@
-"""``--config`` resolution, torchtune's overrides through ``adaptive_batching.config.parse``, and the
+"""``--config`` resolution, torchtune's overrides through ``adaptive_batching.config.loading.parse``, and the
 recipe entry points failing at validation before anything is loaded."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config import (
+from adaptive_batching.config.loading import (
     parse,
     resolve_config,
     resolve_config_argument,
     shipped_config_names,
     shipped_configs_dir,
 )
-from adaptive_batching.settings import KNOBS, ConfigError, validate_config
+from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
 TUNE = Path(sys.executable).parent / "tune"

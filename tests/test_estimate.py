@@ -15,12 +15,12 @@ import pytest
 from torch import nn
 
 from adaptive_batching.cli import main
-from adaptive_batching.config import load_config
-from adaptive_batching.estimate import (EXTRAPOLATED, FULL_TRACE, StepTrace, estimate_max_micro_batch, predict,
+from adaptive_batching.config.loading import load_config
+from adaptive_batching.profiling.estimate import (EXTRAPOLATED, FULL_TRACE, StepTrace, estimate_max_micro_batch, predict,
                                         trace_steps)
-from adaptive_batching.layer_timeline import Segment, decoder_layers, extrapolate_peak, repeats
-from adaptive_batching.methods import method_for
-from adaptive_batching.profiler import StepMemory
+from adaptive_batching.profiling.layer_timeline import Segment, decoder_layers, extrapolate_peak, repeats
+from adaptive_batching.training.methods import method_for
+from adaptive_batching.profiling.profiler import StepMemory
 from config_edits import CONFIGS
 
 MiB = 2**20
@@ -160,7 +160,7 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     """The command and its flags reach ``trace_steps``, which answers with the fixture's traces of the
     same config (the tracing itself is compared above; ``tests/test_profile_recipe.py`` runs the
     command end to end); the extrapolated one verifies its prediction with 2 more fake steps."""
-    import adaptive_batching.estimate as estimate
+    import adaptive_batching.profiling.estimate as estimate
 
     case = "full, activation checkpointing"
     fast, full = traces[case]

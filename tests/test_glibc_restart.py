@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_batching.memory import PINNED_TUNABLES, RESTARTED_ENV, pinned_from_start, restart_for_glibc
+from adaptive_batching.runtime.memory import PINNED_TUNABLES, RESTARTED_ENV, pinned_from_start, restart_for_glibc
 
 PINNED = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
 # ``tune run`` as the shell started it, and the recipe's arguments as ``tune`` hands them on.

@@ -5,11 +5,11 @@ from __future__ import annotations
 import pytest
 from omegaconf import DictConfig
 
-from adaptive_batching.batch import BatchShape
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth_interval import GrowthInterval, Segment, parse_growth_interval
-from adaptive_batching.schedule import EpochBatch, grow_entry, plan_batches
-from adaptive_batching.settings import validate_config
+from adaptive_batching.growth.interval import GrowthInterval, Segment, parse_growth_interval
+from adaptive_batching.batching.schedule import EpochBatch, grow_entry, plan_batches
+from adaptive_batching.config.settings import validate_config
 from config_edits import modified
 
 

@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from adaptive_batching.growth import linear_ramp
-from adaptive_batching.growth_stats import (
+from adaptive_batching.growth.functions import linear_ramp
+from adaptive_batching.growth.statistics import (
     accepts_stats,
     call_increase,
     noise_scale,
@@ -16,8 +16,8 @@ from adaptive_batching.growth_stats import (
     seesaw_doublings,
     seesaw_lr_factor,
 )
-from adaptive_batching.lr_scaling import lr_factor
-from adaptive_batching.schedule import load_increase_function, plan_batches
+from adaptive_batching.growth.lr_scaling import lr_factor
+from adaptive_batching.batching.schedule import load_increase_function, plan_batches
 
 
 def stats_for(noise: float | None, micro: int = 8, accumulation: int = 4, ranks: int = 2) -> dict:

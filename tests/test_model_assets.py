@@ -13,8 +13,8 @@ from torchtune.models.llama3_2 import llama3_2, llama3_2_1b
 from torchtune.training import FullModelHFCheckpointer
 
 from adaptive_batching.cli import main as cli_main
-from adaptive_batching.config import load_config
-from adaptive_batching.model_assets import (
+from adaptive_batching.config.loading import load_config
+from adaptive_batching.assets.models import (
     ModelAssetPaths,
     build_model,
     hf_config,
@@ -23,7 +23,7 @@ from adaptive_batching.model_assets import (
     recipe_overrides,
     write_model_assets,
 )
-from adaptive_batching.tiny_assets import load_tiny_tokenizer
+from adaptive_batching.assets.tiny import load_tiny_tokenizer
 
 SHRUNK = {"num_layers": 1, "embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_dim": 128}
 

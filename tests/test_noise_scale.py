@@ -22,7 +22,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
-from adaptive_batching.noise_scale import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
+from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
 
 D, SIGMA = 64, 0.5  # B_simple = (d + 1) + d sigma^2 = 81 at |delta| = 1
 TOLERANCE = 0.15

@@ -12,15 +12,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from adaptive_batching.oom import is_out_of_memory
+from adaptive_batching.faults.oom import is_out_of_memory
 
 ROOM_MIB = 300
 
 CHILD = textwrap.dedent(f"""
     import json, resource, sys
     import torch
-    from adaptive_batching.budget import cpu_room_bytes, proc_field_bytes
-    from adaptive_batching.oom import is_out_of_memory
+    from adaptive_batching.profiling.budget import cpu_room_bytes, proc_field_bytes
+    from adaptive_batching.faults.oom import is_out_of_memory
 
     room = {ROOM_MIB} * 2**20
     with open("/proc/self/status") as f:

@@ -20,8 +20,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from adaptive_batching.oom import PeerOutOfMemory, is_out_of_memory
-from adaptive_batching.oom_recovery import (
+from adaptive_batching.faults.oom import PeerOutOfMemory, is_out_of_memory
+from adaptive_batching.faults.guard import (
     OK,
     OUT_OF_MEMORY,
     StepGuard,
@@ -31,7 +31,7 @@ from adaptive_batching.oom_recovery import (
     smaller_cap,
     split_for,
 )
-from adaptive_batching.distributed import ParallelInfo
+from adaptive_batching.runtime.distributed import ParallelInfo
 from recipe_runs import read_metrics, run_command
 
 HERE = Path(__file__).parent

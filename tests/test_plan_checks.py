@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_batching.plan_checks import ALLOW_KEY, check_plan_against_data, lr_factor_warnings
-from adaptive_batching.schedule import plan_batches
-from adaptive_batching.settings import ConfigError
+from adaptive_batching.batching.checks import ALLOW_KEY, check_plan_against_data, lr_factor_warnings
+from adaptive_batching.batching.schedule import plan_batches
+from adaptive_batching.config.settings import ConfigError
 
 
 def plan(start: int, accumulation: int, ranks: int = 1, epochs: int = 1):  # type: ignore[no-untyped-def]
@@ -55,7 +55,7 @@ def test_the_recipe_refuses_a_profiled_global_batch_above_the_data(tmp_path_fact
     """The stock-config case on a small data set: the profiler's micro batch x accumulation 8 > 40 samples."""
     from recipe_runs import tune_run
 
-    from adaptive_batching.tiny_assets import write_tiny_assets
+    from adaptive_batching.assets.tiny import write_tiny_assets
 
     assets = write_tiny_assets(tmp_path_factory.mktemp("assets"), num_samples=40).root
     out = tmp_path_factory.mktemp("run")

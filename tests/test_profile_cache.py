@@ -13,8 +13,8 @@ from config_edits import modified
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching import profile_cache
-from adaptive_batching.profile_cache import (
+from adaptive_batching.profiling import cache as profile_cache
+from adaptive_batching.profiling.cache import (
     CACHE_SCHEMA,
     cache_file,
     default_cache_dir,

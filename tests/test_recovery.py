@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_batching.recovery import OomRecovery, SampleCuts, TokenCuts
+from adaptive_batching.faults.recovery import OomRecovery, SampleCuts, TokenCuts
 
 MODES = {"samples": SampleCuts, "tokens": TokenCuts}
 

@@ -13,12 +13,14 @@ import pytest
 import torch
 from torch import nn
 
-from adaptive_batching import oom_recovery, restart
-from adaptive_batching.checkpointing import MARKER
-from adaptive_batching.distributed import ParallelInfo
-from adaptive_batching.oom_recovery import StepGuard
-from adaptive_batching.recovery import OomRecovery, SampleCuts
-from adaptive_batching.settings import ConfigError, validate_config
+from adaptive_batching.faults import guard as oom_recovery
+
+from adaptive_batching.faults import restart
+from adaptive_batching.faults.checkpoints import MARKER
+from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.faults.guard import StepGuard
+from adaptive_batching.faults.recovery import OomRecovery, SampleCuts
+from adaptive_batching.config.settings import ConfigError, validate_config
 from config_edits import modified
 from test_oom_recovery import SAMPLES, faulty_run, ok
 
@@ -99,7 +101,7 @@ def test_a_restart_resumes_its_own_latest_checkpoint_beside_an_older_jobs_later_
     complete_checkpoint(tmp_path, "job-b", step=2, name="epoch_0")
     resume, why = restart.resume_after_restart(tmp_path, {restart.RESTART_COUNT: "1", restart.RUN_ID: "job-b"})
     assert resume and "epoch_0" in why and "(optimizer step 2)" in why
-    from adaptive_batching.checkpointing import latest_complete_checkpoint
+    from adaptive_batching.faults.checkpoints import latest_complete_checkpoint
     assert latest_complete_checkpoint(tmp_path).name == "epoch_1"
     assert latest_complete_checkpoint(tmp_path, "job-b").name == "epoch_0"
 

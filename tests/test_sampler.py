@@ -14,7 +14,7 @@ from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune.data import padded_collate_packed, padded_collate_sft
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 
-from adaptive_batching.sampler import StepBatchSampler, collate_allowing_empty, epoch_extent
+from adaptive_batching.batching.sampler import StepBatchSampler, collate_allowing_empty, epoch_extent
 
 IGNORE = -100
 PAD = 0

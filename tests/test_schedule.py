@@ -8,16 +8,16 @@ from typing import Any, Callable
 
 import pytest
 
-from adaptive_batching.batch import BatchShape
-from adaptive_batching.growth import geometric, linear_ramp
-from adaptive_batching.schedule import (
+from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.growth.functions import geometric, linear_ramp
+from adaptive_batching.batching.schedule import (
     EpochBatch,
     describe_plan,
     epoch_switch_reason,
     load_increase_function,
     plan_batches,
 )
-from adaptive_batching.settings import ConfigError
+from adaptive_batching.config.settings import ConfigError
 
 USER_MODULE = "ab_schedule_user_fns"
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 import pytest
 
-from adaptive_batching.search import SearchResult, Trial, choose_micro_batch, search_max_micro_batch
+from adaptive_batching.profiling.search import SearchResult, Trial, choose_micro_batch, search_max_micro_batch
 
 
 def oracle(fits: Callable[[int], bool]) -> Callable[[int], Trial]:

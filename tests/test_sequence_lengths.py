@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from adaptive_batching.sequence_lengths import data_files_digest, lengths_cache_file, sequence_lengths
+from adaptive_batching.batching.sequence_lengths import data_files_digest, lengths_cache_file, sequence_lengths
 
 KEY = {"dataset": {"source": "json", "data_files": "train.json"}, "tokenizer": {"max_seq_len": 64},
        "data_files": "abc123"}
@@ -80,7 +80,7 @@ def test_a_corrupt_or_stale_file_is_ignored_with_a_warning_and_rewritten(
     else:
         path.write_text(content)
     dataset = CountingDataset([3, 1, 4])
-    with caplog.at_level(logging.WARNING, logger="adaptive_batching.sequence_lengths"):
+    with caplog.at_level(logging.WARNING, logger="adaptive_batching.batching.sequence_lengths"):
         assert sequence_lengths(dataset, cache_dir=tmp_path, key_parts=KEY) == [3, 1, 4]
     assert dataset.reads == 3
     assert "ignoring" in caplog.text and str(path) in caplog.text
@@ -94,7 +94,7 @@ def test_a_file_for_another_key_under_the_same_name_is_stale(tmp_path: Path,
     record = json.loads(path.read_text())
     path.write_text(json.dumps({**record, "key": "0" * 64, "lengths": [7, 7, 7]}))
     dataset = CountingDataset([3, 1, 4])
-    with caplog.at_level(logging.WARNING, logger="adaptive_batching.sequence_lengths"):
+    with caplog.at_level(logging.WARNING, logger="adaptive_batching.batching.sequence_lengths"):
         assert sequence_lengths(dataset, cache_dir=tmp_path, key_parts=KEY) == [3, 1, 4]
     assert "stale" in caplog.text and dataset.reads == 3
 
@@ -112,7 +112,7 @@ def test_without_a_cache_dir_nothing_is_stored(tmp_path: Path, monkeypatch: pyte
 def test_an_unwritable_cache_dir_still_gives_the_lengths(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("")
-    with caplog.at_level(logging.WARNING, logger="adaptive_batching.sequence_lengths"):
+    with caplog.at_level(logging.WARNING, logger="adaptive_batching.batching.sequence_lengths"):
         assert sequence_lengths(CountingDataset([5]), cache_dir=blocker / "sub", key_parts=KEY) == [5]
     assert "could not write" in caplog.text
 

@@ -9,8 +9,8 @@ import pytest
 from config_edits import CONFIGS, DELETE, modified
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.elastic import ElasticSpec
-from adaptive_batching.settings import KNOBS, ConfigError, parse_bytes, validate_config
+from adaptive_batching.batching.elastic import ElasticSpec
+from adaptive_batching.config.settings import KNOBS, ConfigError, parse_bytes, validate_config
 
 
 

@@ -15,7 +15,7 @@ from torchtune.models.llama3 import llama3
 from torchtune.models.llama3._tokenizer import LLAMA3_SPECIAL_TOKENS
 from torchtune.training import FullModelHFCheckpointer
 
-from adaptive_batching.tiny_assets import (
+from adaptive_batching.assets.tiny import (
     DEFAULT_TINY_DIR,
     TINY_MODEL_ARGS,
     TinyAssetPaths,

@@ -11,7 +11,7 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from adaptive_batching.token_batching import (
+from adaptive_batching.batching.token_sampler import (
     PICKING_ORDERS,
     TokenBudgetBatchSampler,
     balance_over_ranks,

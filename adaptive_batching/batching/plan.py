@@ -1,0 +1,160 @@
+"""The batch over the whole run: the plan made before training, and its growth while training.
+
+One state machine for growth. The plan fixes every epoch's batch from the growth function and the memory
+cap (:func:`~adaptive_batching.batching.schedule.plan_batches`). While training it changes in two ways only:
+
+* at an epoch start, a growth function that reads training statistics decides that epoch's increment
+  from what the run measured, and the epochs from there are planned again;
+* with ``adaptive_batching.growth_interval`` in steps or samples, at each growth period the function
+  decides the batch in force from then on (the rest of this epoch and the later ones).
+
+Both decisions are saved (``state_dict``) so a resumed run plans the same batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_batch
+from adaptive_batching.batching.elastic import shape_at
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth.interval import parse_growth_interval
+from adaptive_batching.growth.statistics import accepts_stats, call_increase
+from adaptive_batching.batching.schedule import (
+    EpochBatch,
+    checked_increment,
+    epoch_switch_reason,
+    grow_entry,
+    plan_batches,
+    seen_size,
+)
+from adaptive_batching.config.settings import AdaptiveSettings
+
+
+@dataclass(frozen=True)
+class Start:
+    """Where the plan starts: epoch 1's micro batch and accumulation, the memory cap on growth, and the
+    reference batch for LR scaling (the config's, or the elastic choice for these ranks)."""
+
+    micro_batch: int
+    accumulation: int
+    memory_cap: Optional[int]
+    reference: BatchShape
+
+
+def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Optional[int],
+                   info: Callable[[str], None]) -> Start:
+    """Epoch 1's batch from the mode asked for: an elastic global batch, the config's global batch kept
+    (``keep_global_batch``), the profiled micro batch (``use_maximum_batch_size``), or ``batch_size``."""
+    elastic = settings.knobs["elastic"]
+    if elastic is not None:
+        try:
+            choice, reference = shape_at(elastic, ranks, memory_cap=profiled)
+        except ValueError as error:
+            raise ConfigError(f"config key 'adaptive_batching.elastic' with the profiled micro batch "
+                              f"{profiled}: {error}") from None
+        info(f"{choice.describe()}; this run: {reference.describe()} "
+             "(batch_size and gradient_accumulation_steps in the config are not used)")
+        return Start(reference.micro_batch, reference.accumulation, None, reference)
+    if settings.knobs["keep_global_batch"]:
+        shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
+        info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged")
+        return Start(shape.micro_batch, shape.accumulation, None, reference)
+    use_profile = profiled is not None and settings.use_maximum_batch_size
+    return Start(profiled if use_profile else reference.micro_batch, reference.accumulation, profiled, reference)
+
+
+class BatchPlan:
+    """Every epoch's batch, and how it grows (see the module docstring)."""
+
+    def __init__(self, settings: AdaptiveSettings, epochs: int, ranks: int) -> None:
+        self.fn = settings.batch_increase_function
+        self.grow_past_memory: str = settings.knobs["grow_past_memory"]
+        self.interval = parse_growth_interval(settings.knobs["growth_interval"])
+        self.epochs, self.ranks = epochs, ranks
+        self.entries: list[EpochBatch] = []
+        self.measured: dict[int, int] = {}  # epoch -> what a statistics-reading function returned at its start
+        self.start, self.accumulation, self.memory_cap = 1, 1, None
+        self.start_global_batch = 1
+
+    @property
+    def grows_per_epoch(self) -> bool:
+        return self.fn is not None and self.interval.per_epoch
+
+    @property
+    def grows_inside_epochs(self) -> bool:
+        return self.fn is not None and not self.interval.per_epoch
+
+    def make(self, *, start: int, accumulation: int, memory_cap: Optional[int], resumed: Mapping[str, Any],
+             epochs_run: int) -> list[EpochBatch]:
+        """The plan from ``start`` (micro batch) and ``accumulation``, with what a resumed run had decided."""
+        self.start, self.accumulation, self.memory_cap = start, accumulation, memory_cap
+        self.measured = {int(k): v for k, v in (resumed.get("measured_increments") or {}).items()}
+        self.entries = self._plan()
+        self.start_global_batch = self.entries[0].shape.global_batch  # before any growth inside an epoch
+        grown = resumed.get("grown")
+        if grown is not None:
+            shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.ranks)
+            self.continue_with(EpochBatch(epochs_run, grown["requested"], grown["increment"], shape,
+                                          grown["reason"], memory_cap), epochs_run)
+        return self.entries
+
+    def _plan(self) -> list[EpochBatch]:
+        return plan_batches(epochs=self.epochs, start=self.start, accumulation=self.accumulation, ranks=self.ranks,
+                            memory_cap=self.memory_cap, increase=self._increase if self.grows_per_epoch else None,
+                            grow_past_memory=self.grow_past_memory)
+
+    def _increase(self, epoch: int, current: int) -> int:
+        """The growth function as the plan calls it: an increment measured at an epoch start, where one was."""
+        if epoch in self.measured:
+            return self.measured[epoch]
+        return self.fn(epoch, current)  # type: ignore[misc]
+
+    def measure_at_epoch_start(self, epoch: int, stats: Mapping[str, Any]) -> Optional[int]:
+        """Let a statistics-reading function decide ``epoch``'s increment now and plan the epochs again
+        (the list is changed in place); the increment, or None when nothing was asked."""
+        if not self.grows_per_epoch or epoch == 0 or epoch in self.measured or not accepts_stats(self.fn):
+            return None
+        self.measured[epoch] = int(call_increase(self.fn, epoch, self.entries[epoch - 1].requested, stats))
+        self.entries[:] = self._plan()
+        return self.measured[epoch]
+
+    def period_after_step(self, steps: int, samples: int, step_samples: int) -> Optional[int]:
+        """The growth period that starts after a step of ``step_samples`` samples that brought the run to
+        ``steps`` optimizer steps and ``samples`` samples, or None."""
+        if not self.grows_inside_epochs:
+            return None
+        now = self.interval.period(steps, samples)
+        return now if now > self.interval.period(steps - 1, samples - step_samples) else None
+
+    def grow_in_period(self, epoch: int, period: int, stats: Mapping[str, Any]) -> tuple[EpochBatch, EpochBatch]:
+        """The batch from growth period ``period`` on (inside ``epoch``): the entry before and the new one."""
+        previous = self.entries[epoch]
+        fn = self.fn
+        inc = checked_increment(lambda p, c: call_increase(fn, p, c, stats), period,
+                                seen_size(previous, self.grow_past_memory))
+        entry = grow_entry(previous, inc, epoch=epoch, accumulation=self.accumulation, ranks=self.ranks,
+                           memory_cap=self.memory_cap, grow_past_memory=self.grow_past_memory)
+        self.continue_with(entry, epoch)
+        return previous, entry
+
+    def continue_with(self, entry: EpochBatch, epoch: int) -> None:
+        """``entry`` is the batch from ``epoch`` on; the list is changed in place."""
+        self.entries[epoch:] = [EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason,
+                                           entry.memory_cap) for e in range(epoch, self.epochs)]
+
+    def switch_reason(self, epoch: int) -> str:
+        """Why ``epoch`` starts at its batch, for the epoch-switch log line."""
+        if self.grows_inside_epochs:
+            return f"the batch grows {self.interval.describe()}, not at epoch starts"
+        return epoch_switch_reason(self.entries[epoch - 1], self.entries[epoch])
+
+    def state_dict(self, epochs_run: int) -> dict[str, Any]:
+        """The decisions made while training: measured increments, and the batch grown inside epochs."""
+        grown = None
+        if self.grows_inside_epochs and epochs_run < len(self.entries):
+            entry = self.entries[epochs_run]
+            grown = {"requested": entry.requested, "increment": entry.increment, "reason": entry.reason,
+                     "micro_batch": entry.shape.micro_batch, "accumulation": entry.shape.accumulation}
+        return {"measured_increments": {str(k): v for k, v in self.measured.items()}, "grown": grown}

@@ -1,0 +1,305 @@
+"""Batching policies: how an epoch's samples become micro batches, one interface, two implementations.
+
+:class:`SampleBatching` puts a fixed number of samples in each micro batch; :class:`TokenBatching`
+fills each micro batch up to a token budget (padded tokens). Each builds the epoch's sampler and
+loader, knows its steps and the samples in each, says how to cut and grow back after an OOM (its
+``cuts``), describes itself for the plan, the logs and the metrics, and saves and loads its state.
+The trainer never asks which one it holds.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Callable, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.batching.data import build_dataloader, build_token_dataloader, data_files
+from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.growth.interval import Segment
+from adaptive_batching.growth.lr_scaling import lr_factor
+from adaptive_batching.faults.oom import is_out_of_memory
+from adaptive_batching.faults.guard import OutOfMemoryStop, piece_size
+from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
+from adaptive_batching.profiling.cache import default_cache_dir
+from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.faults.recovery import Cuts, SampleCuts, TokenCuts
+from adaptive_batching.batching.sampler import epoch_extent
+from adaptive_batching.batching.schedule import EpochBatch
+from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
+from adaptive_batching.batching.token_sampler import padding_waste
+
+
+@dataclass
+class DataContext:
+    """What a policy builds loaders from: the data set, how it is collated, and the run's order."""
+
+    dataset: Any
+    collate: Callable
+    parallel: ParallelInfo
+    shuffle: bool
+    seed: int
+    max_steps: Optional[int]
+
+    def common(self, epoch: int, split: int, start_step: int) -> dict[str, Any]:
+        return dict(collate_fn=self.collate, parallel=self.parallel, shuffle=self.shuffle, seed=self.seed,
+                    epoch=epoch, max_steps=self.max_steps, split=split, start_step=start_step)
+
+
+class SampleBatching:
+    """A fixed number of samples per micro batch: the plan's micro batch, cut into ``split`` after an OOM."""
+
+    uses_plan_checks = True
+
+    def __init__(self, knobs: dict[str, Any]) -> None:
+        self.knobs = knobs
+        self.data: Optional[DataContext] = None
+        self.epoch_plan: list[EpochBatch] = []
+
+    def cuts(self) -> Cuts:
+        return SampleCuts()
+
+    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None]) -> None:
+        self.data = data
+
+    def worst_case_seq_len(self, configured: int) -> int:
+        return configured
+
+    def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
+             profiled: Optional[int], verify: "Verifier", info: Callable[[str], None]) -> None:
+        self.epoch_plan = epoch_plan
+
+    def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
+        """The plan's guard rails (see ``plan_checks``)."""
+        assert self.data is not None
+        check_plan_against_data(
+            self.epoch_plan, dataset_size=len(self.data.dataset), profiled=profiled,
+            allow_above_data=self.knobs["allow_global_batch_above_data"],
+            reference_global_batch=reference_global_batch, rule=rule,
+        )
+        warnings = lr_factor_warnings(self.epoch_plan, reference_global_batch=reference_global_batch, rule=rule)
+        if warnings:
+            warn("\n".join(warnings))
+
+    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
+        """``epoch``'s loader from the sampler's step ``start_step``, serving ``segment`` of the epoch."""
+        assert self.data is not None
+        segment = segment or Segment()
+        shape = self.epoch_plan[epoch].shape
+        common = self.data.common(epoch, split, start_step)
+        if common["max_steps"] is not None:
+            common["max_steps"] = max(1, common["max_steps"] - segment.start_step)
+        return build_dataloader(self.data.dataset, micro_batch=shape.micro_batch, accumulation=shape.accumulation,
+                                first_sample=segment.first_sample, **common)
+
+    def extent(self, epoch: int) -> tuple[int, int]:
+        """Optimizer steps and samples (all ranks) of ``epoch`` as planned."""
+        assert self.data is not None
+        return epoch_extent(len(self.data.dataset), self.epoch_plan[epoch].shape.global_batch, self.data.max_steps)
+
+    def plan_rows(self, rows: list[str], extents: list[tuple[int, int]], reference_global_batch: int,
+                  rule: str) -> list[str]:
+        return [f"{row} | {steps} steps, {samples} samples, LR x"
+                f"{lr_factor(entry.shape.global_batch, reference_global_batch, rule):.3f}"
+                for row, entry, (steps, samples) in zip(rows, self.epoch_plan, extents)]
+
+    def lr_global_batch(self, batch: BatchShape, sampler: Any, index: int) -> Optional[int]:
+        """The global batch the LR is set for at step ``index`` (None: leave it)."""
+        return batch.global_batch
+
+    def served(self, epoch: int) -> int:
+        """What, besides micro batch and split, a change of which opens a guard window."""
+        return 0
+
+    def largest_piece(self, sampler: Any, index: int, micro_piece: int, split: int) -> int:
+        """The most samples a forward of step ``index`` sees, on any rank."""
+        return micro_piece
+
+    def split_note(self, split: int, micro_piece: int, batch: BatchShape) -> str:
+        if split == 1:
+            return ""
+        return (f"; after an OOM each micro batch runs as {split} pieces of <= {micro_piece} "
+                f"(micro batch {micro_piece} x accumulation {batch.accumulation * split})")
+
+    def describe_epoch(self, epoch: int, batch: BatchShape, sampler: Any, note: str) -> str:
+        return f"{batch.describe()}{note}"
+
+    def describe_change(self, epoch: int, previous: BatchShape, batch: BatchShape) -> str:
+        return (f"micro batch {previous.micro_batch} -> {batch.micro_batch}, accumulation "
+                f"{previous.accumulation} -> {batch.accumulation}, global batch "
+                f"{previous.global_batch} -> {batch.global_batch}")
+
+    def final_batch(self, epoch: int, split: int, micro_piece: int) -> str:
+        return f"micro batch {micro_piece}"
+
+    def metrics(self, epoch: int, split: int, micro_piece: int) -> dict[str, float]:
+        return {"micro_batch_size": micro_piece}
+
+    def oom_line(self, *, failed: int, where: str, error: str, samples: int, split: int, micro_piece: int,
+                 batch: BatchShape, ranks: int, cap: Optional[int]) -> str:
+        return (f"Out of memory at micro batch {failed} in {where} ({error}): running the same "
+                f"{samples} samples again as micro batch {micro_piece} x accumulation "
+                f"{batch.accumulation * split} x {ranks} rank(s); global batch "
+                f"{batch.global_batch} and LR unchanged; micro batch capped at {cap} for the rest of the run")
+
+    def grow_back_line(self, *, waited: int, before: int, micro_piece: int, split: int, cap: Optional[int]) -> str:
+        return (f"Growing back after {waited} clean steps: micro batch {before} -> "
+                f"{micro_piece} (cap {cap if cap is not None else 'lifted'})")
+
+    def cut_description(self, split: int, micro_piece: int) -> str:
+        return f"micro batch {micro_piece}"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"token_budget": None}
+
+
+# Opens a context (training state preserved) that yields ``trial_step(samples, seq_len) -> StepMemory``.
+Verifier = Callable[[], AbstractContextManager[Callable[[int, int], StepMemory]]]
+
+
+class TokenBatching(SampleBatching):
+    """Micro batches filled up to a token budget (padded tokens); the budget grows as a micro batch would,
+    and after an OOM each micro batch runs as ``split`` pieces."""
+
+    uses_plan_checks = False
+
+    def __init__(self, knobs: dict[str, Any]) -> None:
+        super().__init__(knobs)
+        self.lengths: list[int] = []
+        self.budgets: list[int] = []
+
+    def cuts(self) -> Cuts:
+        return TokenCuts()
+
+    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None]) -> None:
+        """Every sample's token count, cached by a fingerprint of the data, the dataset and the tokenizer config."""
+        self.data = data
+        cache_dir = self.knobs["cache_dir"]
+        key_parts = {
+            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
+            "tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True),
+            "data_files": data_files_digest(data_files(cfg.dataset)),
+        }
+        self.lengths = sequence_lengths(data.dataset, cache_dir=default_cache_dir() if cache_dir is None else cache_dir,
+                                        key_parts=key_parts)
+        ordered = sorted(self.lengths)
+        info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
+             f"(median {ordered[len(ordered) // 2]})")
+
+    def worst_case_seq_len(self, configured: int) -> int:
+        return max(self.lengths) if self.lengths else configured
+
+    def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
+             profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> None:
+        self.epoch_plan = epoch_plan
+        base = resumed.get("token_budget") or self._base(start, profiled, verify, info)
+        # Growth scales the budget as it would scale a micro batch of samples.
+        self.budgets = [base * entry.shape.micro_batch // start for entry in epoch_plan]
+
+    def _base(self, start: int, profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> int:
+        """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
+        value = self.knobs["max_tokens"]
+        if profiled is None:
+            return int(value)
+        seq_len = self.worst_case_seq_len(0)
+        from_profile = start * seq_len
+        budget = from_profile if value == "auto" else min(int(value), from_profile)
+        info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "
+             f"the longest sample's {seq_len} tokens"
+             f"{'' if value == 'auto' else f', at most adaptive_batching.max_tokens={value}'})")
+        return self._verify_short_samples(budget, verify, info)
+
+    def _verify_short_samples(self, budget: int, verify: Verifier, info: Callable[[str], None]) -> int:
+        """Check the budget where it packs the most samples (the shortest ones): memory depends on the
+        tokens and on their length. Halve it until a real step fits."""
+        shortest, seq_len = min(self.lengths), max(self.lengths)
+        with verify() as trial_step:
+            while budget >= seq_len:
+                samples = budget // shortest
+                try:
+                    used = trial_step(samples, shortest)
+                except Exception as error:  # noqa: BLE001 - only an OOM lowers the budget
+                    if not is_out_of_memory(error):
+                        raise
+                    info(f"Token budget {budget}: {samples} samples of {shortest} tokens ran out of memory; "
+                         f"trying {budget // 2}")
+                    budget //= 2
+                    continue
+                info(f"Token budget {budget} verified with {samples} samples of the shortest length, "
+                     f"{shortest} tokens: peak {used.peak_bytes / 2**30:.3f} GiB")
+                return budget
+        raise OutOfMemoryStop(f"no token budget of at least one longest sample ({seq_len} tokens) fits "
+                              f"{budget // shortest} samples of {shortest} tokens")
+
+    def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
+        """Steps hold as many samples as the budget packs: the sample-count rails do not apply."""
+
+    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
+        assert self.data is not None
+        return build_token_dataloader(
+            self.data.dataset, self.lengths, max_tokens=self.budgets[epoch],
+            picking_order=self.knobs["picking_order"], min_batch_size=self.knobs["min_batch_size"],
+            max_batch_size=self.knobs["max_batch_size"], accumulation=self.epoch_plan[epoch].shape.accumulation,
+            **self.data.common(epoch, split, start_step),
+        )
+
+    def extent(self, epoch: int) -> tuple[int, int]:
+        sampler = self.loader(epoch, split=1, start_step=0).batch_sampler
+        return sampler.steps, sum(sampler.samples_in_step(i) for i in range(sampler.steps))
+
+    def plan_rows(self, rows: list[str], extents: list[tuple[int, int]], reference_global_batch: int,
+                  rule: str) -> list[str]:
+        return [f"{row} | token budget {budget} | {steps} steps, {samples} samples, LR x per step by its samples"
+                for row, budget, (steps, samples) in zip(rows, self.budgets, extents)]
+
+    def lr_global_batch(self, batch: BatchShape, sampler: Any, index: int) -> Optional[int]:
+        return sampler.samples_in_step(index) if index < sampler.steps else None
+
+    def served(self, epoch: int) -> int:
+        return self.budgets[epoch]
+
+    def largest_piece(self, sampler: Any, index: int, micro_piece: int, split: int) -> int:
+        step = sampler.plan()[index]
+        return piece_size(max(len(micro) for rank in step for micro in rank), split)
+
+    def split_note(self, split: int, micro_piece: int, batch: BatchShape) -> str:
+        return "" if split == 1 else f"; after an OOM each micro batch runs as {split} pieces"
+
+    def describe_epoch(self, epoch: int, batch: BatchShape, sampler: Any, note: str) -> str:
+        waste = padding_waste(self.lengths, [mb for step in sampler.plan() for rank in step for mb in rank])
+        samples = [sampler.samples_in_step(i) for i in range(sampler.steps)]
+        return (f"token budget {self.budgets[epoch]} padded tokens per micro batch x accumulation "
+                f"{batch.accumulation} x {batch.ranks} rank(s): {sampler.steps} steps of "
+                f"{min(samples)}-{max(samples)} samples, padding {100 * waste:.1f}%{note}")
+
+    def describe_change(self, epoch: int, previous: BatchShape, batch: BatchShape) -> str:
+        return (f"token budget {self.budgets[epoch - 1]} -> {self.budgets[epoch]} padded tokens "
+                f"per micro batch, accumulation {previous.accumulation} -> {batch.accumulation}")
+
+    def final_batch(self, epoch: int, split: int, micro_piece: int) -> str:
+        return f"token budget {self.budgets[-1]} in {split} piece(s)"
+
+    def metrics(self, epoch: int, split: int, micro_piece: int) -> dict[str, float]:
+        return {"max_tokens": self.budgets[epoch] // split}
+
+    def oom_line(self, *, failed: int, where: str, error: str, samples: int, split: int, micro_piece: int,
+                 batch: BatchShape, ranks: int, cap: Optional[int]) -> str:
+        return (f"Out of memory at a micro batch of {failed} samples in {where} ({error}): "
+                f"running the same {samples} samples again with each micro batch cut into {split} "
+                "pieces; global batch and LR unchanged, for the rest of the run")
+
+    def grow_back_line(self, *, waited: int, before: int, micro_piece: int, split: int, cap: Optional[int]) -> str:
+        return f"Growing back after {waited} clean steps: micro batches cut into {split} piece(s)"
+
+    def cut_description(self, split: int, micro_piece: int) -> str:
+        return f"{split} piece(s) per micro batch"
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"token_budget": self.budgets[0] if self.budgets else None}
+
+
+def batching_for(knobs: dict[str, Any]) -> SampleBatching:
+    """The policy ``adaptive_batching.max_tokens`` asks for: a token budget when set, else samples."""
+    return TokenBatching(knobs) if knobs["max_tokens"] is not None else SampleBatching(knobs)

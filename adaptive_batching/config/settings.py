@@ -1,0 +1,361 @@
+"""The adaptive config keys and the recipe keys they depend on, validated before any model loads.
+
+Top-level keys: ``use_maximum_batch_size``, ``batch_increase_function``, ``lr_scaling``.
+Knobs live under ``adaptive_batching:``; a misspelt knob is an error naming the known ones.
+A knob whose feature is not available in this version fails when set to a non-default value,
+so a config never silently asks for something that does not happen.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from torch.optim.lr_scheduler import LambdaLR
+from torchtune import config, utils
+
+from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.batching.elastic import ElasticSpec
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth.interval import KEY as GROWTH_KEY, growth_interval_error
+from adaptive_batching.growth.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.batching.schedule import load_increase_function, plan_batches
+
+
+ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
+_BYTES_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_bytes(value: Any) -> int:
+    """``12GiB``, ``500MB``, ``1.5GiB`` or a plain number of bytes, as an int."""
+    if isinstance(value, bool):
+        raise ValueError(f"{value!r} is not a memory size")
+    if isinstance(value, (int, float)):
+        number = float(value)
+    else:
+        match = _BYTES_PATTERN.match(str(value))
+        if not match:
+            raise ValueError(f"{value!r} is not a memory size like '12GiB', '500MB' or 1073741824")
+        number = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
+    if not math.isfinite(number) or number < 1:
+        raise ValueError(f"{value!r} is not a positive, finite memory size")
+    return int(number)
+
+
+# A check returns None when the value is fine, else a description of what is allowed.
+Check = Callable[[Any], Optional[str]]
+
+
+def _bool(v: Any) -> Optional[str]:
+    return None if isinstance(v, bool) else "true or false"
+
+
+def _pos_int(v: Any) -> Optional[str]:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an integer >= 1"
+
+
+def _non_neg_int(v: Any) -> Optional[str]:
+    return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an integer >= 0"
+
+
+def _opt_pos_int(v: Any) -> Optional[str]:
+    return None if v is None else _pos_int(v) and "null or an integer >= 1"
+
+
+def _choice(*allowed: str) -> Check:
+    return lambda v: None if v in allowed else " | ".join(allowed)
+
+
+def _fraction(v: Any) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
+    return None if ok else "a number in (0, 1]"
+
+
+def _margin(v: Any) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 0.5
+    return None if ok else "a number in [0, 0.5)"
+
+
+def _tolerance(v: Any) -> Optional[str]:
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 0.25
+    return None if ok else "a number in [0, 0.25] (0.01: the search stops within 1% of the largest that fits)"
+
+
+def _round_to(v: Any) -> Optional[str]:
+    ok = isinstance(v, str) and ROUND_TO_PATTERN.match(v)
+    return None if ok else "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
+
+
+def _memory(v: Any) -> Optional[str]:
+    if v is None:
+        return None
+    try:
+        parse_bytes(v)
+    except ValueError:
+        return "null or a memory size such as '12GiB', '500MB' or a number of bytes"
+    return None
+
+
+def _opt_str(v: Any) -> Optional[str]:
+    return None if v is None or isinstance(v, str) else "null or a path"
+
+
+def _max_tokens(v: Any) -> Optional[str]:
+    if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+        return None
+    return "null, 'auto' (the profiler sets it) or an integer >= 1 (padded tokens per micro batch)"
+
+
+def _opt_mapping(v: Any) -> Optional[str]:
+    return None if v is None or isinstance(v, Mapping) else "null or a mapping"
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One key under ``adaptive_batching:``."""
+
+    default: Any
+    check: Check
+    available: bool
+    feature: str
+
+
+KNOBS: dict[str, Knob] = {
+    "memory_budget": Knob(None, _memory, True, "the start-up batch-size profiler"),
+    "memory_fraction": Knob(0.9, _fraction, True, "the start-up batch-size profiler"),
+    "safety_margin": Knob(0.05, _margin, True, "the start-up batch-size profiler"),
+    "round_to": Knob("none", _round_to, True, "the start-up batch-size profiler"),
+    "search_tolerance": Knob(0.01, _tolerance, True, "the start-up batch-size profiler"),
+    "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
+    "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
+    "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
+    "growth_interval": Knob("epoch", growth_interval_error, True, "batch growth inside an epoch"),
+    "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
+    "keep_global_batch": Knob(False, _bool, True, "the fixed-global-batch mode"),
+    "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
+    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), True,
+                          "token-budget batching"),
+    "min_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
+    "max_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
+    "elastic": Knob(None, _opt_mapping, True, "elastic global batch sizes"),
+    "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
+    "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
+    "guard_steps": Knob(4, _non_neg_int, True, "recovery from an out-of-memory error"),
+}
+
+
+@dataclass(frozen=True)
+class AdaptiveSettings:
+    """The validated adaptive configuration of one run."""
+
+    use_maximum_batch_size: bool = False
+    batch_increase_function: Optional[Callable[[int, int], int]] = None
+    lr_scaling: str = "sqrt"
+    knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
+
+
+def _fail(key: str, value: Any, allowed: str) -> ConfigError:
+    return ConfigError(f"config key '{key}' = {value!r} is invalid: expected {allowed}")
+
+
+def _not_available(key: str, value: Any, feature: str) -> ConfigError:
+    return ConfigError(
+        f"config key '{key}' = {value!r} asks for {feature}, which this version of "
+        f"adaptive-batching does not provide yet; remove the key or set it to its default"
+    )
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _check_recipe_keys(cfg: DictConfig) -> None:
+    """The standard torchtune keys whose values the adaptive machinery relies on."""
+    checks: dict[str, tuple[Check, bool]] = {
+        "batch_size": (_pos_int, True),
+        "gradient_accumulation_steps": (_pos_int, False),
+        "epochs": (_pos_int, True),
+        "max_steps_per_epoch": (_opt_pos_int, False),
+        "save_every_n_steps": (_opt_pos_int, False),
+        "log_every_n_steps": (_pos_int, False),
+        "compile": (_bool, False),
+        "enable_activation_checkpointing": (_bool, False),
+        "resume_from_checkpoint": (_bool, False),
+        "shuffle": (_bool, False),
+        "dtype": (_choice("fp32", "bf16"), False),
+    }
+    for key, (check, required) in checks.items():
+        if key not in cfg:
+            if required:
+                raise ConfigError(f"config key '{key}' is missing")
+            continue
+        value = _plain(cfg[key])
+        allowed = check(value)
+        if allowed:
+            raise _fail(key, value, allowed)
+    seed = _plain(cfg.get("seed", None))
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
+        raise _fail("seed", seed, "null or an integer >= 0")
+    clip = _plain(cfg.get("clip_grad_norm", None))
+    if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
+        raise _fail("clip_grad_norm", clip, "null or a number > 0")
+    unsupported = {  # key: (values that mean "off", why)
+        "optimizer_in_bwd": ((None, False), "it cannot accumulate gradients, which the adaptive batch relies on"),
+        "enable_activation_offloading": ((None, False), "use enable_activation_checkpointing"),
+        "tensor_parallel_dim": ((None, 1), "these recipes are data parallel (FSDP2) only"),
+        "profiler.enabled": ((None, False), "the torch profiler is not wired into these recipes"),
+    }
+    for key, (off, why) in unsupported.items():
+        value = _plain(OmegaConf.select(cfg, key, default=None))
+        if not any(value is v or (type(value) is type(v) and value == v) for v in off):
+            raise ConfigError(f"config key '{key}' = {value!r} is not supported: {why}; remove it or set it to false")
+    for key in ("model", "tokenizer", "dataset", "optimizer", "loss", "checkpointer"):
+        if key not in cfg or cfg[key] is None:
+            raise ConfigError(f"config key '{key}' is missing")
+
+
+def validate_config(cfg: DictConfig) -> AdaptiveSettings:
+    """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key."""
+    unread = check_top_level_keys(cfg)
+    if unread and os.environ.get("RANK", "0") == "0":
+        utils.get_logger("INFO").warning(f"config keys not read by the recipes (ignored): {', '.join(unread)}")
+    _check_recipe_keys(cfg)
+
+    use_max = _plain(cfg.get("use_maximum_batch_size", False))
+    if not isinstance(use_max, bool):
+        raise _fail("use_maximum_batch_size", use_max, "true or false")
+
+    increase = load_increase_function(_plain(cfg.get("batch_increase_function", None)))
+
+    lr_scaling = _plain(cfg.get("lr_scaling", None))
+    if lr_scaling is not None and lr_scaling not in LR_SCALING_RULES:
+        raise _fail("lr_scaling", lr_scaling, " | ".join(LR_SCALING_RULES) + " (or null for the default)")
+    if lr_scaling is None:
+        lr_scaling = default_rule(str(cfg.optimizer.get("_component_", "")))
+    _check_lr_scheduler(cfg)
+
+    section = _plain(cfg.get("adaptive_batching", None))
+    section = {} if section is None else section
+    if not isinstance(section, Mapping):
+        raise _fail("adaptive_batching", section, f"a mapping with keys {', '.join(KNOBS)}")
+    unknown = sorted(str(k) for k in section if k not in KNOBS)
+    if unknown:
+        raise ConfigError(
+            f"unknown config key(s) {', '.join('adaptive_batching.' + k for k in unknown)}; "
+            f"known keys under 'adaptive_batching': {', '.join(KNOBS)}"
+        )
+    knobs = {name: knob.default for name, knob in KNOBS.items()}
+    for name, value in section.items():
+        knob = KNOBS[name]
+        allowed = knob.check(value)
+        if allowed:
+            raise _fail(f"adaptive_batching.{name}", value, allowed)
+        if value != knob.default and not knob.available:
+            raise _not_available(f"adaptive_batching.{name}", value, knob.feature)
+        knobs[name] = value
+    _check_token_budget(cfg, knobs, use_max)
+    _check_elastic(knobs, increase)
+    _check_keep_global_batch(knobs, increase, use_max)
+    _check_growth_interval(knobs, increase)
+    if increase is not None:
+        # Every epoch's call, made now: a bad return value stops the run before any model loads.
+        plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
+                     ranks=1, increase=increase, memory_cap=None)
+    return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
+
+
+def _dataset_packed(cfg: DictConfig) -> bool:
+    dataset = _plain(cfg.get("dataset", None))
+    parts = dataset if isinstance(dataset, list) else [dataset]
+    return any(isinstance(d, Mapping) and bool(d.get("packed", False)) for d in parts)
+
+
+def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -> None:
+    """The token-budget keys go together, on unpacked data; their bounds must not contradict."""
+    budget = knobs["max_tokens"]
+    if budget is None:
+        for name, default in (("picking_order", "dataloader"), ("min_batch_size", None), ("max_batch_size", None)):
+            if knobs[name] != default:
+                raise ConfigError(f"config key 'adaptive_batching.{name}' = {knobs[name]!r} only applies to "
+                                  "token-budget batching; set adaptive_batching.max_tokens too, or remove it")
+        return
+    if _dataset_packed(cfg):
+        raise ConfigError(f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
+                          "(a packed dataset's samples are already full packs of max_seq_len tokens); "
+                          "set dataset.packed=False or adaptive_batching.max_tokens=null")
+    if budget == "auto" and not use_max:
+        raise ConfigError("config key 'adaptive_batching.max_tokens' = 'auto' asks the profiler for the budget; "
+                          "set use_maximum_batch_size=True, or give a number of tokens")
+    low, high = knobs["min_batch_size"], knobs["max_batch_size"]
+    if low is not None and high is not None and low > high:
+        raise ConfigError(f"config keys 'adaptive_batching.min_batch_size' = {low} and "
+                          f"'adaptive_batching.max_batch_size' = {high} contradict: expected min <= max")
+
+
+def _check_elastic(knobs: dict[str, Any], increase: Any) -> None:
+    node = knobs["elastic"]
+    if node is None:
+        return
+    knobs["elastic"] = ElasticSpec.from_config(node)
+    if increase is not None:
+        raise ConfigError("config key 'adaptive_batching.elastic' fixes one global batch for the whole run; "
+                          "it cannot be combined with batch_increase_function (set it to null)")
+    if knobs["max_tokens"] is not None:
+        raise ConfigError("config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
+                          "it cannot be combined with adaptive_batching.max_tokens (set it to null)")
+
+
+def _check_keep_global_batch(knobs: dict[str, Any], increase: Any, use_max: bool) -> None:
+    """The fixed-global-batch mode takes its micro batch from the profiler and fixes the global batch."""
+    if not knobs["keep_global_batch"]:
+        return
+    key = "config key 'adaptive_batching.keep_global_batch' = True"
+    if not use_max:
+        raise ConfigError(f"{key} takes the micro batch from the profiler; set use_maximum_batch_size=True")
+    if increase is not None:
+        raise ConfigError(f"{key} keeps one global batch for the whole run; it cannot be combined with "
+                          "batch_increase_function (set it to null)")
+    for other, default in (("max_tokens", None), ("elastic", None)):
+        if knobs[other] != default:
+            raise ConfigError(f"{key} cannot be combined with adaptive_batching.{other} (set it to null)")
+
+
+def _check_growth_interval(knobs: dict[str, Any], increase: Any) -> None:
+    """Growth inside an epoch needs a growth function and sample-count batching."""
+    value = knobs["growth_interval"]
+    if value == "epoch":
+        return
+    key = f"config key '{GROWTH_KEY}' = {value!r}"
+    if increase is None:
+        raise ConfigError(f"{key} says when the batch grows, but batch_increase_function is null: set one, "
+                          "or remove the key")
+    if knobs["max_tokens"] is not None:
+        raise ConfigError(f"{key} needs sample-count batching; token-budget batching "
+                          "(adaptive_batching.max_tokens) grows at epoch starts only: set growth_interval to 'epoch'")
+
+
+def _check_lr_scheduler(cfg: DictConfig) -> None:
+    """The scheduler must be a LambdaLR (all of torchtune's are): it is driven by consumed samples."""
+    node = cfg.get("lr_scheduler", None)
+    if node is None or node.get("_component_", None) is None:
+        return
+    probe = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+    try:
+        scheduler = config.instantiate(node, probe, num_training_steps=100)
+    except Exception as error:  # noqa: BLE001 - any failure is the config's
+        raise ConfigError(f"config key 'lr_scheduler' could not be built with (optimizer, num_training_steps=N): "
+                          f"{type(error).__name__}: {error}") from error
+    if not isinstance(scheduler, LambdaLR):
+        raise ConfigError(
+            f"config key 'lr_scheduler._component_' = {node._component_!r} gives a {type(scheduler).__name__}; "
+            f"expected a LambdaLR (every torchtune scheduler, e.g. "
+            f"torchtune.training.lr_schedulers.get_cosine_schedule_with_warmup), which the recipes drive by "
+            f"consumed samples, or null"
+        )

@@ -1,0 +1,196 @@
+"""The profiler's result on disk, so a restart or a resume skips the search.
+
+A profile is valid only for the setup it was measured on, so it is stored under a fingerprint
+of everything that changes a step's memory. Files are JSON (never pickle: a cache directory
+may be shared), written atomically so that concurrent ranks or a crash never leave half a file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Mapping, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.config.settings import KNOBS, parse_bytes
+
+log = logging.getLogger(__name__)
+
+CACHE_SCHEMA = 1
+
+# Optimizer arguments that change the numbers, not the state tensors kept per parameter.
+_OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")
+
+
+def fingerprint(parts: Mapping[str, Any]) -> str:
+    """sha256 (hex) of ``parts`` as canonical JSON: key order does not matter, values do."""
+    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+def default_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/adaptive-batching/profiles``, else ``~/.cache/adaptive-batching/profiles``."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
+    return base / "adaptive-batching" / "profiles"
+
+
+def cache_file(cache_dir: Path | str | None, key: str) -> Path:
+    """The file for ``key``: ``<dir>/<key[:16]>.json`` (the full key is checked inside the file)."""
+    directory = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
+    return directory / f"{key[:16]}.json"
+
+
+def read_json_cache(path: Path, what: str) -> Optional[Any]:
+    """A cache file's JSON content, or None when absent, unreadable or not JSON (the latter two logged as
+    ``what``): a bad cache is never an error, the cached thing is simply made again."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return None
+    except (OSError, UnicodeDecodeError) as error:
+        log.warning("ignoring unreadable %s %s: %s", what, path, error)
+        return None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as error:
+        log.warning("ignoring corrupt %s %s: not JSON (%s)", what, path, error)
+        return None
+
+
+def load_profile(path: Path, key: str) -> Optional[dict]:
+    """The cached result for ``key``, or None when absent, corrupt or stale (the latter two logged).
+
+    Bad content is never an error: the profiler simply runs again and overwrites the file.
+    """
+    path = Path(path)
+    record = read_json_cache(path, "profile cache")
+    if record is None:
+        return None
+    if not isinstance(record, dict) or not isinstance(record.get("result"), dict):
+        log.warning("ignoring corrupt profile cache %s: not a profile record", path)
+        return None
+    if record.get("schema") != CACHE_SCHEMA:
+        log.warning("ignoring stale profile cache %s: schema %r, expected %r",
+                    path, record.get("schema"), CACHE_SCHEMA)
+        return None
+    if record.get("key") != key:
+        log.warning("ignoring stale profile cache %s: it was measured for a different setup", path)
+        return None
+    return record["result"]
+
+
+def save_profile(path: Path, key: str, result: Mapping[str, Any]) -> None:
+    """Store ``result`` for ``key`` at ``path``; readers see the old file or the new one, never a mix."""
+    path = Path(path)
+    record = {
+        "schema": CACHE_SCHEMA,
+        "key": key,
+        "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "result": dict(result),
+    }
+    write_atomically(path, json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a mix."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(directory: Path) -> None:
+    """Make the rename durable where the platform allows it."""
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _plain(value: Any) -> Any:
+    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
+
+
+def _select(cfg: DictConfig, key: str, default: Any) -> Any:
+    return _plain(OmegaConf.select(cfg, key, default=default))
+
+
+def _budget_setting(value: Any) -> Any:
+    """``'1GiB'`` and ``1073741824`` ask for the same budget, so they fingerprint alike."""
+    try:
+        return None if value is None else parse_bytes(value)
+    except ValueError:
+        return value
+
+
+def _fraction_setting(value: Any) -> Any:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    return float(value) if is_number else value
+
+
+def _packed(dataset: Any) -> bool:
+    """Whether the dataset is packed; a list of datasets is packed when all of them are."""
+    if isinstance(dataset, list):
+        return all(isinstance(d, Mapping) and bool(d.get("packed", False)) for d in dataset)
+    return isinstance(dataset, Mapping) and bool(dataset.get("packed", False))
+
+
+def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.device, device_name: str,
+                             device_memory_bytes: int, torch_version: str) -> dict[str, Any]:
+    """Everything in a run that changes the largest micro batch that fits, or how closely the search
+    found it, as plain JSON-able values.
+
+    Left out on purpose: the learning rate and other optimizer scalars, and the profiler knobs
+    applied after the search (safety_margin, round_to, reprofile, cache_dir).
+    """
+    optimizer = _select(cfg, "optimizer", None)
+    if isinstance(optimizer, Mapping):
+        optimizer = {k: v for k, v in optimizer.items() if k not in _OPTIMIZER_SCALARS}
+    return {
+        "model": _select(cfg, "model", None),
+        "dtype": _select(cfg, "dtype", "fp32"),
+        "tokenizer.max_seq_len": _select(cfg, "tokenizer.max_seq_len", None),
+        "dataset.packed": _packed(_select(cfg, "dataset", None)),
+        "optimizer": optimizer,
+        "loss._component_": _select(cfg, "loss._component_", None),
+        "enable_activation_checkpointing": _select(cfg, "enable_activation_checkpointing", False),
+        "compile": _select(cfg, "compile", False),
+        # With accumulation, gradients stay alive through the next micro batches' forward passes.
+        "gradients_alive_in_forward": int(_select(cfg, "gradient_accumulation_steps", 1) or 1) > 1,
+        "fsdp_cpu_offload": _select(cfg, "fsdp_cpu_offload", False),
+        "custom_sharded_layers": _select(cfg, "custom_sharded_layers", None),
+        "world_size": int(world_size),
+        "device_type": torch.device(device).type,
+        "device_name": device_name,
+        "device_memory_bytes": int(device_memory_bytes),
+        "torch_version": torch_version,
+        "adaptive_batching.memory_budget": _budget_setting(
+            _select(cfg, "adaptive_batching.memory_budget", KNOBS["memory_budget"].default)),
+        "adaptive_batching.memory_fraction": _fraction_setting(
+            _select(cfg, "adaptive_batching.memory_fraction", KNOBS["memory_fraction"].default)),
+        # Not memory, but how close to the largest that fits the search went.
+        "adaptive_batching.search_tolerance": float(
+            _select(cfg, "adaptive_batching.search_tolerance", KNOBS["search_tolerance"].default)),
+    }

@@ -1,0 +1,281 @@
+"""Start-up profiler: the largest micro batch whose training step fits the memory budget.
+
+Two stages, both on the real training set-up with worst-case inputs:
+
+1. Estimate. After a warm-up step at micro batch 1 (it pays one-time costs such as creating the
+   optimizer state), probe steps at micro batch 2, 4, ... measure the forward/backward peak above
+   the memory the step starts from. That part grows with the micro batch (activations); the
+   optimizer step's peak does not and is checked on its own, so batch-independent peaks never
+   distort the slope. A linear fit predicts the largest micro batch under the budget; one more
+   probe, at an eighth of that prediction, measures the slope over many samples and refits.
+2. Verify. Real steps from the estimate (gallop, then bisect) find the largest micro batch
+   that ran without an out-of-memory error and under the budget.
+
+The micro batch used for training is that size after ``safety_margin`` and ``round_to``.
+Weights, optimizer state and RNG state are restored afterwards, so profiling leaves no trace.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Iterator, Optional, Sequence
+
+import numpy as np
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from adaptive_batching.profiling.budget import Budget
+from adaptive_batching.profiling.memory_fit import LinearFit, MemoryPoint, fit_memory, max_micro_batch_under, needs_more_points
+from adaptive_batching.faults.oom import is_out_of_memory
+from adaptive_batching.profiling.search import Trial, choose_micro_batch, search_max_micro_batch
+
+
+@dataclass(frozen=True)
+class StepMemory:
+    """Tensor memory of one trial step, in bytes."""
+
+    activation_bytes: int  # forward/backward peak above the memory the step started from
+    forward_backward_peak: int
+    optimizer_peak: int
+    steady_bytes: int  # memory after the step: what the next step starts from
+    reserved_peak: Optional[int] = None  # the caching allocator's peak reservation (accelerators)
+    alloc_retries: int = 0  # allocations the caching allocator had to retry after freeing its cache
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.forward_backward_peak, self.optimizer_peak)
+
+    def fits(self, budget_bytes: int) -> bool:
+        """Within the budget by what the tensors hold and by what the allocator reserved for them, with
+        no allocation retried: fragmentation and cache thrashing are what make a profiled micro
+        batch fail later in training."""
+        reserved = self.reserved_peak if self.reserved_peak is not None else 0
+        return self.peak_bytes <= budget_bytes and reserved <= budget_bytes and self.alloc_retries == 0
+
+
+# The far probe runs at the first estimate divided by this: a step at an eighth of the largest that fits
+# costs little, and the slope it gives is extrapolated 8-fold instead of 50- to 100-fold.
+FAR_PROBE_DIVISOR = 8
+
+TrialStep = Callable[[int], StepMemory]
+"""Runs one full training step (forward, backward, optimizer step) at a micro batch; raises on OOM."""
+
+Agree = Callable[[bool, Sequence[float]], tuple[bool, list[float]]]
+"""Makes every rank see the same trial outcome: ok on all ranks, and the largest of each value."""
+
+
+def agree_locally(ok: bool, values: Sequence[float]) -> tuple[bool, list[float]]:
+    return ok, list(values)
+
+
+@dataclass
+class ProfileResult:
+    """What the profiler found; ``max_micro_batch`` is before margin and rounding."""
+
+    max_micro_batch: int
+    micro_batch: int
+    estimate: int
+    trial_steps: int
+    seconds: float
+    budget_bytes: int
+    budget_source: str
+    seq_len: int
+    fixed_bytes: Optional[float] = None
+    bytes_per_sample: Optional[float] = None
+    optimizer_peak_bytes: Optional[int] = None
+    trials: list[dict[str, Any]] = field(default_factory=list)
+    from_cache: bool = False
+    # Set when training later ran out of memory: the micro batch it fell back to.
+    oom_cap: Optional[int] = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> "ProfileResult":
+        known = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+
+class ProfileError(RuntimeError):
+    """Even the smallest micro batch does not fit the budget."""
+
+
+def find_max_micro_batch(
+    step: TrialStep,
+    budget: Budget,
+    *,
+    seq_len: int,
+    safety_margin: float,
+    round_to: str,
+    upper_limit: int,
+    agree: Agree = agree_locally,
+    recover: Callable[[], None] = lambda: None,
+    tolerance: float = 0.01,
+    max_verify_steps: int = 16,
+) -> ProfileResult:
+    """Probe, fit, verify, choose (see the module docstring).
+
+    ``recover`` frees memory after an out-of-memory error, once the error and the tensors its
+    traceback holds are gone.
+    """
+    started = time.perf_counter()
+    trials: list[Trial] = []
+    ran: dict[int, Trial] = {}
+    memory: dict[int, StepMemory] = {}
+
+    def attempt(micro_batch: int, phase: str) -> Trial:
+        if micro_batch in ran:
+            return ran[micro_batch]
+        t0 = time.perf_counter()
+        used: Optional[StepMemory] = None
+        try:
+            used = step(micro_batch)
+        except Exception as error:  # noqa: BLE001 - only out-of-memory errors are expected
+            if not is_out_of_memory(error):
+                raise
+        if used is None:
+            recover()
+        ok = used is not None and used.fits(budget.bytes)
+        values = ([float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes),
+                   float(used.reserved_peak if used.reserved_peak is not None else -1), float(used.alloc_retries)]
+                  if used else [0.0, 0.0, 0.0, -1.0, 0.0])
+        ok, values = agree(ok, values)
+        if used is not None:
+            memory[micro_batch] = StepMemory(int(values[1]), used.forward_backward_peak, used.optimizer_peak,
+                                             int(values[2]))
+        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase,
+                      reserved_bytes=values[3] if values[3] >= 0 else None, alloc_retries=int(values[4]))
+        trials.append(trial)
+        ran[micro_batch] = trial
+        return trial
+
+    # 1. A warm-up step (one-time costs: optimizer state, lazy initialisation), probes, the estimate.
+    warm = attempt(1, "warmup").ok
+    probed = probe_until_slope(lambda b: memory.get(b) if attempt(b, "probe").ok else None, upper_limit,
+                               first=2) if warm else {}
+    if not warm:
+        raise ProfileError(
+            f"micro batch 1 does not fit the memory budget of {budget.bytes / 2**30:.2f} GiB ({budget.source}) "
+            f"with {seq_len}-token samples: lower tokenizer.max_seq_len, enable activation checkpointing, "
+            f"or raise adaptive_batching.memory_budget / memory_fraction"
+        )
+    fit = fit_probes(probed)
+    if fit is not None:
+        # One probe far out, at a fraction of the first estimate, so the slope is measured over many samples.
+        far = max_micro_batch_under(fit, budget.bytes) // FAR_PROBE_DIVISOR
+        if 2 * max(probed) <= far <= upper_limit and attempt(far, "probe").ok:
+            probed[far] = memory[far]
+            fit = fit_probes(probed) or fit
+    largest_probe = max(probed, default=1)
+    estimate = max_micro_batch_under(fit, budget.bytes) if fit is not None else largest_probe
+    estimate = max(min(estimate, upper_limit), largest_probe)
+
+    # 2. Verify with real steps from the estimate.
+    search = search_max_micro_batch(lambda b: attempt(b, "verify"), estimate, tolerance=tolerance,
+                                    upper_limit=upper_limit, max_steps=max_verify_steps)
+    max_ok = max([b for b, t in ran.items() if t.ok and all(b < f.micro_batch for f in trials if not f.ok)],
+                 default=search.max_ok)
+    optimizer_peak = max((m.optimizer_peak for m in memory.values()), default=None)
+    return ProfileResult(
+        max_micro_batch=max_ok,
+        micro_batch=choose_micro_batch(max_ok, safety_margin, round_to),
+        estimate=estimate,
+        trial_steps=len(trials),
+        seconds=time.perf_counter() - started,
+        budget_bytes=budget.bytes,
+        budget_source=budget.source,
+        seq_len=seq_len,
+        fixed_bytes=fit.fixed_bytes if fit else None,
+        bytes_per_sample=fit.bytes_per_sample if fit else None,
+        optimizer_peak_bytes=optimizer_peak,
+        trials=[asdict(t) for t in trials],
+    )
+
+
+def steady_points(probed: dict[int, StepMemory]) -> list[MemoryPoint]:
+    """Each probe's forward/backward peak as it is once the optimizer state exists."""
+    steady = probed[max(probed)].steady_bytes
+    return [MemoryPoint(b, steady + m.activation_bytes) for b, m in sorted(probed.items())]
+
+
+def probe_until_slope(run: Callable[[int], Optional[StepMemory]], upper_limit: int,
+                      first: int = 1) -> dict[int, StepMemory]:
+    """Run micro batches ``first``, 2 x ``first``, ... until the peaks grow linearly
+    (``run`` gives None when one does not fit)."""
+    probed: dict[int, StepMemory] = {}
+    micro_batch = first
+    while micro_batch <= upper_limit:
+        used = run(micro_batch)
+        if used is None:
+            break
+        probed[micro_batch] = used
+        if len(probed) >= 2 and not needs_more_points(steady_points(probed)):
+            break
+        micro_batch *= 2
+    return probed
+
+
+def fit_probes(probed: dict[int, StepMemory]) -> Optional[LinearFit]:
+    """The linear fit of the probes, or None while they show no slope."""
+    points = steady_points(probed) if probed else []
+    return fit_memory(points) if len(points) >= 2 and not needs_more_points(points) else None
+
+
+@contextmanager
+def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> Iterator[None]:
+    """Restore trainable weights, optimizer state and every RNG afterwards, exactly.
+
+    The copies live in host memory (pinned for an accelerator's weights): a copy on the device
+    would sit inside every trial's measured peak, and a full fine-tune would be profiled one copy
+    of its weights short of the memory training has.
+    """
+    weights = {n: host_copy(p) for n, p in model.named_parameters() if p.requires_grad}
+    optimizer_state = _to_cpu(optimizer.state_dict())
+    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
+           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        yield
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name in weights:
+                    _local(param).copy_(weights[name])
+        optimizer.load_state_dict(optimizer_state)
+        torch.set_rng_state(rng[0])
+        np.random.set_state(rng[1])
+        random.setstate(rng[2])
+        if rng[3] is not None:
+            torch.cuda.set_rng_state_all(rng[3])
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's shard of a DTensor (FSDP2 parameter), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy of ``tensor``'s local values in host memory, pinned when they come from an accelerator
+    (so the copy back is a fast DMA and no device memory is spent on it)."""
+    local = _local(tensor.detach())
+    copy = torch.empty(local.shape, dtype=local.dtype, device="cpu", pin_memory=local.device.type == "cuda")
+    copy.copy_(local)
+    return copy
+
+
+def _to_cpu(state: Any) -> Any:
+    """A copy of a (nested) state dict, plain tensors moved to host memory."""
+    if isinstance(state, DTensor):
+        return state.detach().clone()
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {k: _to_cpu(v) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_to_cpu(v) for v in state)
+    return state

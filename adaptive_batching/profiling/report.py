@@ -1,0 +1,64 @@
+"""The profiler's report: a table for the log, a JSON file, and a PNG plot drawn by ``profile_plot``."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from adaptive_batching.profiling.profiler import ProfileResult
+
+GIB = 2**30
+log = logging.getLogger(__name__)
+
+
+def format_table(result: ProfileResult) -> str:
+    """One line per probe and trial (ok, over the budget, or out of memory), then the outcome."""
+    lines = [f"{'phase':<7}{'micro batch':>12}{'peak GiB':>10}{'fits':>6}{'seconds':>9}"]
+    for t in result.trials:
+        peak = "-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / GIB:.3f}"
+        outcome = "ok" if t["ok"] else ("OOM" if t["peak_bytes"] is None else "over")
+        lines.append(f"{t['phase']:<7}{t['micro_batch']:>12}{peak:>10}{outcome:>6}"
+                     f"{t['seconds']:>9.2f}")
+    fit = ("" if result.bytes_per_sample is None else
+           f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + {result.bytes_per_sample / 2**20:.2f} MiB x micro batch; ")
+    lines.append(
+        f"{fit}budget {result.budget_bytes / GIB:.3f} GiB ({result.budget_source}); "
+        f"estimate {result.estimate}; largest micro batch that ran {result.max_micro_batch}; "
+        f"chosen micro batch {result.micro_batch}; {result.trial_steps} trial steps in {result.seconds:.1f} s; "
+        f"samples of {result.seq_len} tokens" + (" (from cache)" if result.from_cache else "")
+    )
+    return "\n".join(lines)
+
+
+def _atomic_write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def write_json(result: ProfileResult, path: Path) -> Path:
+    _atomic_write(path, json.dumps(result.to_dict(), indent=2, sort_keys=True).encode())
+    return path
+
+
+def write_report(result: ProfileResult, directory: Path) -> dict[str, Any]:
+    """``profile.json`` and ``profile.png`` in ``directory``; returns their paths.
+
+    The plot is drawn by a child process: importing matplotlib here would take tens of MiB of the
+    memory the profiler has just measured, and a CPU run under a memory limit would lose them.
+    """
+    json_path = write_json(result, directory / "profile.json")
+    png_path = directory / "profile.png"
+    done = subprocess.run([sys.executable, "-m", "adaptive_batching.profiling.plot", str(json_path), str(png_path)],
+                          capture_output=True, text=True)
+    if done.returncode != 0:
+        log.warning(f"Could not draw {png_path}: {done.stderr.strip()[-500:]}")
+    return {"json": json_path, "png": png_path}

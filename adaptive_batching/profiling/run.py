@@ -1,0 +1,147 @@
+"""Running the profiler inside a recipe: budget, cache, cross-rank agreement and the report.
+
+It reaches the run only through a :class:`ProfileContext` and a trial-step callable (one measured
+worst-case step at a given micro batch), so it knows nothing of the trainer.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+from omegaconf import DictConfig
+from torchtune import utils
+
+from adaptive_batching.runtime import memory
+from adaptive_batching.profiling.budget import Budget, memory_budget
+from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
+from adaptive_batching.profiling.cache import (
+    cache_file,
+    fingerprint,
+    load_profile,
+    memory_fingerprint_parts,
+    save_profile,
+)
+from adaptive_batching.profiling.report import format_table, write_report
+from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, find_max_micro_batch
+from adaptive_batching.profiling.search import choose_micro_batch
+
+log = utils.get_logger("INFO")
+
+TrialStep = Callable[[int], StepMemory]
+
+
+@dataclass
+class ProfileContext:
+    """What profiling needs from a run. ``preserved`` opens a context that puts the weights and optimizer
+    state back afterwards; ``live_bytes`` is the tensor memory alive before the first trial."""
+
+    cfg: DictConfig
+    knobs: dict[str, Any]
+    device: torch.device
+    parallel: ParallelInfo
+    seq_len: int
+    samples_per_rank: int
+    preserved: Callable[[], AbstractContextManager[Any]]
+    live_bytes: Callable[[], int]
+    info: Callable[[str], None]
+
+
+def device_identity(device: torch.device) -> tuple[str, int]:
+    """The device's name and total memory in bytes, for the cache fingerprint."""
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        return props.name, int(props.total_memory)
+    return f"cpu {platform.machine()} {platform.processor()}".strip(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def cache_location(context: ProfileContext) -> tuple[Path, str]:
+    """The profile cache file of this set-up and its fingerprint."""
+    name, total = device_identity(context.device)
+    key = fingerprint(memory_fingerprint_parts(
+        context.cfg, world_size=context.parallel.world_size, device=context.device, device_name=name,
+        device_memory_bytes=total, torch_version=torch.__version__,
+    ))
+    return cache_file(context.knobs["cache_dir"], key), key
+
+
+def remember_out_of_memory(context: ProfileContext, profile: ProfileResult, cap: int) -> Path:
+    """Write ``cap`` (the micro batch training fell back to after an OOM) into the profile cache.
+
+    The next run on this set-up then starts at most at ``cap`` instead of meeting the same OOM.
+    """
+    path, key = cache_location(context)
+    record = load_profile(path, key) or profile.to_dict()
+    previous = record.get("oom_cap")
+    record["oom_cap"] = cap if previous is None else min(cap, previous)
+    save_profile(path, key, record)
+    return path
+
+
+def saved_profile(resumed: Mapping[str, Any], ranks: int, info: Callable[[str], None]) -> Optional[ProfileResult]:
+    """The profile a resumed checkpoint holds, if it was measured on as many ranks as this run has."""
+    saved = resumed.get("profile")
+    saved_ranks = resumed.get("ranks", ranks)
+    if saved is not None and saved_ranks != ranks:
+        info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); profiling for {ranks}")
+        return None
+    if saved is None:
+        return None
+    result = ProfileResult.from_dict(saved)
+    info(f"Profiler: using the profile saved in the checkpoint (micro batch {result.micro_batch})")
+    return result
+
+
+def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
+    """The profile for this set-up: from the cache when its fingerprint matches, else measured now."""
+    knobs = context.knobs
+    path, key = cache_location(context)
+    cached = None if knobs["reprofile"] else load_profile(path, key)
+    # Every rank must take the same branch: use the cache only if all ranks have it (caches can be per node).
+    if minimum_over_ranks(int(cached is not None), context.parallel, context.device):
+        result = ProfileResult.from_dict(cached)
+        result.max_micro_batch = minimum_over_ranks(result.max_micro_batch, context.parallel, context.device)
+        result.micro_batch = choose_micro_batch(result.max_micro_batch, knobs["safety_margin"], knobs["round_to"])
+        result.from_cache = True
+        context.info(f"Profiler: using the cached profile {path}")
+        if result.oom_cap is not None and result.oom_cap < result.micro_batch:
+            context.info(f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
+                         f"ran out of memory in training and fell back to {result.oom_cap}")
+            result.micro_batch = result.oom_cap
+    else:
+        result = _measure(context, trial_step)
+        if context.parallel.is_rank_zero:
+            save_profile(path, key, result.to_dict())
+        barrier(context.parallel)
+    if context.parallel.is_rank_zero:
+        log.info("Profiler report (micro batch = samples per forward on one rank):\n" + format_table(result))
+        paths = write_report(result, Path(context.cfg.output_dir) / "profile")
+        log.info(f"Profiler report written to {paths['json']} and {paths['png']}")
+    return result
+
+
+def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
+    knobs = context.knobs
+    live = context.live_bytes()
+    budget = memory_budget(context.device, explicit=knobs["memory_budget"], fraction=knobs["memory_fraction"],
+                           live_tensor_bytes=live)
+    if context.parallel.is_distributed:
+        budget = Budget(minimum_over_ranks(budget.bytes, context.parallel, context.device),
+                        f"{budget.source}; minimum over {context.parallel.world_size} ranks")
+    context.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
+                 f"worst-case samples of {context.seq_len} tokens")
+    with context.preserved():
+        result = find_max_micro_batch(
+            trial_step, budget, seq_len=context.seq_len, safety_margin=knobs["safety_margin"],
+            round_to=knobs["round_to"], upper_limit=max(1, context.samples_per_rank),
+            tolerance=knobs["search_tolerance"],
+            agree=agree_on_trial(context.parallel, context.device),
+            recover=lambda: memory.release_memory(context.device),
+        )
+    memory.release_memory(context.device)
+    return result

@@ -1,0 +1,1 @@
+"""The process and device the run lives in: ranks and collectives, memory statistics."""

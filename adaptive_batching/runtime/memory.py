@@ -1,0 +1,279 @@
+"""Device memory statistics that are safe to call on any device.
+
+torchtune's ``get_memory_stats`` raises on CPU and ``torch.cpu.empty_cache`` does not exist;
+these helpers answer ``None`` or do nothing where the device keeps no statistics.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import resource
+import sys
+from typing import Any, Callable, Mapping, Optional, Sequence
+
+import torch
+
+GIB = 1024**3
+
+
+def _accelerator(device: torch.device) -> Optional[object]:
+    """The torch module with memory statistics for ``device`` (cuda, xpu, ...), if any."""
+    if device.type == "cpu":
+        return None
+    module = getattr(torch, device.type, None)
+    return module if module is not None and hasattr(module, "max_memory_allocated") else None
+
+
+def peak_memory_bytes(device: torch.device) -> Optional[int]:
+    """Peak bytes allocated by tensors since the last reset, or None where not tracked."""
+    module = _accelerator(device)
+    return None if module is None else int(module.max_memory_allocated(device))
+
+
+def peak_memory_gb(device: torch.device) -> Optional[float]:
+    peak = peak_memory_bytes(device)
+    return None if peak is None else peak / GIB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    module = _accelerator(device)
+    if module is not None:
+        module.reset_peak_memory_stats(device)
+
+
+def freeze_long_lived_objects() -> None:
+    """Collect once, then leave every object alive now (modules, the model, the data set) out of later
+    collections: :func:`release_memory` runs after every profiler trial step, and with torch and
+    torchtune imported a full collection walks their objects for about half a second on a CPU."""
+    gc.collect()
+    gc.freeze()
+
+
+def release_memory(device: torch.device) -> None:
+    """Free cached blocks after a large step so the next one starts clean.
+
+    On CPU that means glibc's ``malloc_trim``: after an allocation failed under an address-space
+    limit, glibc grows its heap instead, and only a trim gives that space back.
+    """
+    gc.collect()
+    module = _accelerator(device)
+    if module is not None and hasattr(module, "empty_cache"):
+        module.empty_cache()
+    elif device.type == "cpu":
+        try:
+            import ctypes
+
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
+        except (OSError, AttributeError):
+            pass
+
+
+def live_tensor_bytes(*tracked: Any) -> int:
+    """Bytes held by the parameters, buffers and gradients of modules and the state of optimizers."""
+    seen: set[int] = set()
+    total = 0
+
+    def add(tensor: Any) -> None:
+        nonlocal total
+        if not isinstance(tensor, torch.Tensor):
+            return
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen and storage.device.type != "meta":
+            seen.add(storage.data_ptr())
+            total += storage.nbytes()
+
+    for item in tracked:
+        if isinstance(item, torch.nn.Module):
+            for param in item.parameters():
+                add(param)
+                add(param.grad)
+            for buffer in item.buffers():
+                add(buffer)
+        elif isinstance(item, torch.optim.Optimizer):
+            for state in item.state.values():
+                for value in state.values():
+                    add(value)
+    return total
+
+
+def _proc_status_bytes(field: str) -> int:
+    with open("/proc/self/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"no {field} in /proc/self/status")
+
+
+def _reset_resident_peak() -> bool:
+    """Reset the kernel's peak resident-set counter (VmHWM) of this process; False where not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as clear_refs:
+            clear_refs.write("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakMeter:
+    """Tensor memory at the start of a phase and its peak during it, on any device.
+
+    Accelerators use the allocator's own statistics. On CPU, where torch keeps none, the peak is
+    the live tensors at the start plus the growth of the process's resident memory during the
+    phase (the kernel's high-water mark, reset for the phase): it counts every allocation the
+    step makes, as a real memory limit does, and holds no reference to any tensor. Where that
+    counter cannot be reset, and for fake tensors, torch's ``MemTracker`` counts tensors instead
+    (:class:`~adaptive_batching.runtime.mem_tracker.FrozenAwareMemTracker`, which also takes LoRA models).
+    """
+
+    def __init__(self, device: torch.device, *tracked: Any) -> None:
+        self.device = device
+        self.tracked = tracked
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        # Accelerators only: the caching allocator's peak reservation, and how often it had to free
+        # its cache and retry an allocation during the phase (a sign of thrashing near the limit).
+        self.reserved_peak_bytes: Optional[int] = None
+        self.alloc_retries = 0
+        self._retries_start = 0
+        self._tracker: Any = None
+        self._resident_start: Optional[int] = None
+
+    def __enter__(self) -> "PeakMeter":
+        module = _accelerator(self.device)
+        if module is not None:
+            module.reset_peak_memory_stats(self.device)
+            self.start_bytes = int(module.memory_allocated(self.device))
+            self._retries_start = _alloc_retries(module, self.device)
+        elif not _fake_mode_active() and _reset_resident_peak():
+            self.start_bytes = live_tensor_bytes(*self.tracked)
+            self._resident_start = _proc_status_bytes("VmRSS")
+        else:
+            from adaptive_batching.runtime.mem_tracker import FrozenAwareMemTracker
+
+            self._tracker = FrozenAwareMemTracker()
+            self._tracker.track_external(*self.tracked)
+            self._tracker.__enter__()
+            self.start_bytes = self._tracked_total("current")
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        module = _accelerator(self.device)
+        if module is not None:
+            self.peak_bytes = int(module.max_memory_allocated(self.device))
+            if hasattr(module, "max_memory_reserved"):
+                self.reserved_peak_bytes = int(module.max_memory_reserved(self.device))
+            self.alloc_retries = _alloc_retries(module, self.device) - self._retries_start
+        elif self._resident_start is not None:
+            growth = _proc_status_bytes("VmHWM") - self._resident_start
+            self.peak_bytes = self.start_bytes + max(0, growth)
+        else:
+            self._tracker.__exit__(*exc)
+            self.peak_bytes = self._tracked_total("peak")
+
+    def _tracked_total(self, kind: str) -> int:
+        snapshot = self._tracker.get_tracker_snapshot(kind)
+        return int(sum(per_device.get("Total", 0) for per_device in snapshot.values()))
+
+
+def _alloc_retries(module: Any, device: torch.device) -> int:
+    """The caching allocator's count of allocations that failed, emptied its cache and retried."""
+    stats = module.memory_stats(device) if hasattr(module, "memory_stats") else {}
+    return int(stats.get("num_alloc_retries", 0))
+
+
+def _fake_mode_active() -> bool:
+    from torch._guards import active_fake_mode
+
+    return active_fake_mode() is not None
+
+
+def current_bytes(device: torch.device, *tracked: Any) -> int:
+    """Tensor memory alive now (on CPU: the tensors of ``tracked`` modules and optimizers)."""
+    with PeakMeter(device, *tracked) as meter:
+        pass
+    return meter.start_bytes
+
+
+M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+M_ARENA_MAX = -8
+MMAP_THRESHOLD_BYTES = 128 * 1024
+# The same two settings as glibc's environment tunables, read once when a process starts.
+PINNED_TUNABLES = {"glibc.malloc.mmap_threshold": str(MMAP_THRESHOLD_BYTES), "glibc.malloc.arena_max": "1"}
+RESTARTED_ENV = "ADAPTIVE_BATCHING_RESTARTED_FOR_GLIBC"
+
+
+def pin_cpu_allocator(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Make a CPU process's address space follow its tensors; True if it could (Linux glibc).
+
+    By default glibc raises its mmap threshold as blocks are freed, so later tensors come from
+    heaps that never shrink, and each new thread (a progress bar's monitor, say) reserves a
+    64 MiB arena: the address space only ratchets up, and a micro batch that fitted once no longer
+    fits later. A fixed threshold returns freed blocks at once and one arena serves all threads,
+    so the profiler's answer holds for the rest of the run.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):
+        return False
+
+
+def _tunables(text: str) -> dict[str, str]:
+    return dict(item.split("=", 1) for item in text.split(":") if "=" in item)
+
+
+def pinned_from_start(env: Mapping[str, str]) -> bool:
+    """Whether this process started with both allocator settings in ``GLIBC_TUNABLES`` (any values:
+    a user's own choice is kept)."""
+    return PINNED_TUNABLES.keys() <= _tunables(env.get("GLIBC_TUNABLES", "")).keys()
+
+
+def restart_for_glibc(env: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str],
+                      address_space_limited: bool) -> Optional[tuple[list[str], dict[str, str]]]:
+    """The arguments and environment that run this command again with glibc pinned from its start,
+    or None when that is not needed or not safe.
+
+    Needed only under an address-space limit (``ulimit -v``): every thread that calls malloc before
+    the recipe can pin glibc (pyarrow's jemalloc thread starts when torchtune is imported) reserves
+    a 64 MiB arena that the limit counts for the rest of the run. Safe only when the original
+    command line ends with this program's arguments (``tune run``, ``torchrun``, ``python -m``), so
+    running it again runs this recipe again, and only once (``RESTARTED_ENV``).
+    """
+    args = list(argv[1:])
+    if not address_space_limited or env.get(RESTARTED_ENV) or pinned_from_start(env):
+        return None
+    if not args or len(orig_argv) <= len(args) or list(orig_argv[-len(args):]) != args:
+        return None
+    tunables = {**PINNED_TUNABLES, **_tunables(env.get("GLIBC_TUNABLES", ""))}
+    merged = ":".join(f"{key}={value}" for key, value in tunables.items())
+    return list(orig_argv[1:]), {**env, "GLIBC_TUNABLES": merged, RESTARTED_ENV: "1"}
+
+
+def address_space_limit() -> Optional[int]:
+    """This process's soft RLIMIT_AS in bytes, or None when it is unlimited."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
+
+
+def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) -> None:
+    """Run this command again, in this process, with glibc pinned from its start (see
+    :func:`restart_for_glibc`; ``argv`` as the command line gave it); returns only when no restart
+    is needed or it failed."""
+    restart = restart_for_glibc(os.environ, argv, sys.orig_argv, address_space_limit() is not None)
+    if restart is None:
+        return
+    args, env = restart
+    info(f"Profiler: an address-space limit is set, so this process starts again with "
+         f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
+         f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)")
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()  # log handlers flush every record; buffered prints would be lost
+    try:
+        os.execve(sys.executable, [sys.executable, *args], env)
+    except OSError as error:
+        info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")

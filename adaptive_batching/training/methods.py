@@ -1,0 +1,113 @@
+"""The fine-tuning methods: what is trained and what is saved. Both recipes and the CLI pick one here.
+
+A method is a :class:`~adaptive_batching.training.model.FinetuneMethod`: the trainer asks it which parameters
+train, which weights a checkpoint holds and what a save writes; everything about the batch is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import training
+from torchtune.modules.peft import (
+    get_adapter_params,
+    get_adapter_state_dict,
+    get_lora_module_names,
+    get_merged_lora_ckpt,
+    set_trainable_params,
+)
+
+from adaptive_batching.training.model import FinetuneMethod
+
+_CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
+
+
+class FullFinetune:
+    """Train every weight; save the whole model."""
+
+    name = "full"
+    adapter_only = False
+
+    def configure(self, model: nn.Module) -> None:
+        pass
+
+    def initialize(self, model: nn.Module) -> None:
+        pass
+
+    def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
+        return [checkpoint[training.MODEL_KEY]]
+
+    def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        if missing or unexpected:
+            raise RuntimeError(f"Checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+
+    def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {training.MODEL_KEY: full_state_dict}
+
+
+class LoRAFinetune:
+    """Train the adapters only; the base weights come from the checkpoint and stay frozen."""
+
+    name = "lora"
+
+    def __init__(self, cfg_model: DictConfig, save_adapter_weights_only: bool) -> None:
+        self.rank = cfg_model.lora_rank
+        self.alpha = cfg_model.lora_alpha
+        self.attn_modules = list(cfg_model.lora_attn_modules)
+        self.apply_to_mlp = cfg_model.get("apply_lora_to_mlp", False)
+        self.apply_to_output = cfg_model.get("apply_lora_to_output", False)
+        self.adapter_only = save_adapter_weights_only
+        self._adapter_names: set[str] = set()
+
+    def configure(self, model: nn.Module) -> None:
+        adapter = get_adapter_params(model)
+        self._adapter_names = set(adapter)
+        set_trainable_params(model, adapter)
+
+    def initialize(self, model: nn.Module) -> None:
+        for module in model.modules():
+            if hasattr(module, "initialize_parameters") and hasattr(module, "lora_a"):
+                module.initialize_parameters()
+
+    def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
+        adapter = checkpoint.get(training.ADAPTER_KEY)
+        return [checkpoint[training.MODEL_KEY]] + ([adapter] if adapter else [])
+
+    def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        # Activation checkpointing wraps each layer after the adapter was found: its keys gain the wrapper's name.
+        not_adapter = [k for k in missing if k.replace(_CHECKPOINT_WRAPPER, "") not in self._adapter_names]
+        if not_adapter or unexpected:
+            raise RuntimeError(
+                f"Checkpoint does not match the LoRA model: missing {not_adapter}, unexpected {list(unexpected)}"
+            )
+        for module in model.modules():
+            if hasattr(module, "initialize_dora_magnitude"):
+                module.initialize_dora_magnitude()
+
+    def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+        entries: dict[str, Any] = {
+            training.ADAPTER_CONFIG: {
+                "r": self.rank,
+                "lora_alpha": self.alpha,
+                "target_modules": get_lora_module_names(
+                    self.attn_modules, self.apply_to_mlp, self.apply_to_output
+                ),
+                "peft_type": "LORA",
+            }
+        }
+        if self.adapter_only:
+            entries[training.ADAPTER_KEY] = full_state_dict
+            return entries
+        entries[training.ADAPTER_KEY] = get_adapter_state_dict(full_state_dict)
+        entries[training.MODEL_KEY] = get_merged_lora_ckpt(dict(full_state_dict), rank=self.rank, alpha=self.alpha)
+        return entries
+
+
+def method_for(cfg: DictConfig) -> FinetuneMethod:
+    """The method a config asks for: LoRA when its model builder is a LoRA one, else full fine-tuning."""
+    if "lora" in str(cfg.model.get("_component_", "")):
+        return LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
+    return FullFinetune()

@@ -1,0 +1,151 @@
+"""Model construction shared by the recipes: instantiate, apply the fine-tuning method, shard, load.
+
+One path for every set-up: the model is built on the meta device in the training dtype, the
+method decides which parameters train, FSDP2 shards it under torchrun, and the weights are
+then materialised on the device and loaded (via torchtune's distributed loader when sharded).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import partial
+from typing import Any, Optional, Protocol, Sequence
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torchtune import config, modules, training
+
+from adaptive_batching.runtime.distributed import ParallelInfo, barrier
+
+
+class FinetuneMethod(Protocol):
+    """What differs between full and LoRA fine-tuning; everything else is shared."""
+
+    name: str
+
+    def configure(self, model: nn.Module) -> None:
+        """Choose the trainable parameters (called on the meta-device model)."""
+
+    def initialize(self, model: nn.Module) -> None:
+        """Initialise parameters that no checkpoint provides (called on the materialised model)."""
+
+    def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
+        """The state dicts to load into the model, in order."""
+
+    def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        """Raise if loading left the model incomplete; finish what depends on the loaded weights."""
+
+    def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """What to hand to the torchtune checkpointer for the model (model and/or adapter keys)."""
+
+    @property
+    def adapter_only(self) -> bool:
+        """True when only adapter weights are saved."""
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """How the model is built, from the standard torchtune recipe keys."""
+
+    activation_checkpointing: bool = False
+    compile: bool = False
+    custom_sharded_layers: Optional[Sequence[str]] = None
+    reshard_after_forward: bool = True
+    fsdp_cpu_offload: bool = False
+
+
+def _init_buffers(model: nn.Module) -> None:
+    for module in model.modules():
+        if hasattr(module, "rope_init"):
+            module.rope_init()
+
+
+def build_model(
+    cfg_model: DictConfig,
+    method: FinetuneMethod,
+    checkpoint: dict[str, Any],
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelInfo,
+    options: ModelOptions,
+    is_rank_zero: bool = True,
+) -> nn.Module:
+    """Build the model on ``device``, sharded with FSDP2 when running under torchrun."""
+    with training.set_default_dtype(dtype), torch.device("meta"):
+        model = config.instantiate(cfg_model)
+    method.configure(model)
+    if options.compile:
+        training.compile_model(model, verbose=is_rank_zero)
+    if options.activation_checkpointing:
+        training.set_activation_checkpointing(
+            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
+        )
+    if parallel.is_distributed:
+        training.shard_model(
+            model=model,
+            shard_conditions=[
+                partial(training.get_shard_conditions, names_to_match=options.custom_sharded_layers)
+            ],
+            cpu_offload=options.fsdp_cpu_offload,
+            reshard_after_forward=options.reshard_after_forward,
+        )
+    with training.set_default_dtype(dtype), device:
+        model.to_empty(device="cpu" if options.fsdp_cpu_offload else device)
+        _init_buffers(model)
+        method.initialize(model)
+
+    missing: set[str] = set()
+    unexpected: set[str] = set()
+    loaded_once = False
+    for state_dict in method.weights(checkpoint):
+        if parallel.is_distributed:
+            result = training.load_from_full_model_state_dict(
+                model, dict(state_dict), device, strict=False, cpu_offload=options.fsdp_cpu_offload
+            )
+        else:
+            result = model.load_state_dict(state_dict, strict=False)
+        these_missing = set(result.missing_keys)
+        missing = these_missing if not loaded_once else missing & these_missing
+        unexpected |= set(result.unexpected_keys)
+        loaded_once = True
+    method.after_load(model, sorted(missing), sorted(unexpected))
+    training.validate_no_params_on_meta_device(model)
+    barrier(parallel)
+    return model
+
+
+def full_state_dict(model: nn.Module, parallel: ParallelInfo, device: torch.device,
+                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
+    """The whole model's weights on CPU (on rank 0; empty on other ranks when sharded)."""
+    if parallel.is_distributed:
+        return training.gather_cpu_state_dict(
+            model, parallel.is_rank_zero, device=device, adapter_weights_only=trainable_only
+        )
+    # A copy: on CPU ``.cpu()`` would alias the live weights, which merging LoRA edits in place.
+    state = {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+    if trainable_only:
+        trainable = {n for n, p in model.named_parameters() if p.requires_grad}
+        state = {k: v for k, v in state.items() if k in trainable}
+    return state
+
+
+def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              parallel: ParallelInfo, device: torch.device) -> dict[str, Any]:
+    """The optimizer state as a full (unsharded) state dict, on rank 0."""
+    if parallel.is_distributed:
+        return training.get_full_optimizer_state_dict(
+            model, optimizer, parallel.is_rank_zero, device=device
+        )
+    return optimizer.state_dict()
+
+
+def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
+                              state: dict[str, Any], parallel: ParallelInfo,
+                              device: torch.device) -> None:
+    """Restore the optimizer state saved by :func:`full_optimizer_state_dict`."""
+    if parallel.is_distributed:
+        training.load_from_full_optimizer_state_dict(model, optimizer, state, device)
+    else:
+        optimizer.load_state_dict(state)

@@ -1,0 +1,230 @@
+"""One optimizer step, for training and for the profiler's trial steps.
+
+:class:`StepRunner` owns the model, the optimizer, the loss and the step guard: forward and backward
+of each micro batch (loss summed over tokens), the gradients normalised by the step's tokens on all
+ranks, clipping, and the optimizer step (retried once after a clean OOM). The profiler reaches the
+model only through :meth:`StepRunner.trial_step`, one measured worst-case step.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+from torch.distributed.tensor import DTensor
+from torchtune import training, utils
+
+from adaptive_batching.runtime import memory
+from adaptive_batching.batching.data import worst_case_batch
+from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
+from adaptive_batching.training.loss import summed_token_loss
+from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
+from adaptive_batching.faults.oom import PeerOutOfMemory, is_out_of_memory
+from adaptive_batching.faults.guard import OK, OutOfMemoryStop, StepGuard, optimizer_step_counts
+from adaptive_batching.profiling.profiler import StepMemory
+
+
+@dataclass
+class StepStats:
+    """What one optimizer step produced, summed over micro batches and ranks."""
+
+    loss: float
+    tokens: int
+    seconds: float
+    grad_norm: Optional[float] = None
+    samples: int = 0
+    noise_scale: Optional[float] = None  # the smoothed gradient noise scale after this step, in samples
+
+
+class UnguardedOutOfMemory(RuntimeError):
+    """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
+
+
+def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,
+                 batching: dict[str, float]) -> dict[str, float]:
+    """One optimizer step's metrics as logged: what ran (micro batch and accumulation after any cut)."""
+    metrics: dict[str, float] = {
+        "loss": stats.loss,
+        "lr": lr,
+        "gradient_accumulation_steps": accumulation,
+        "global_batch_size": stats.samples,
+        "tokens_per_second_per_gpu": stats.tokens / (stats.seconds * ranks),
+        **batching,
+    }
+    peak = memory.peak_memory_gb(device)
+    if peak is not None:
+        metrics["peak_memory_gb"] = peak
+    if stats.grad_norm is not None:
+        metrics["grad_norm"] = stats.grad_norm
+    if stats.noise_scale is not None:
+        metrics["gradient_noise_scale"] = stats.noise_scale
+    return metrics
+
+
+@dataclass
+class StepRunner:
+    """Runs optimizer steps on ``model``; ``where`` names the next optimizer step and the last save for messages."""
+
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
+    guard: StepGuard
+    parallel: ParallelInfo
+    device: torch.device
+    clip_grad_norm: Optional[float]
+    oom_recovery: bool
+    info: Callable[[str], None]
+    where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
+    noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
+        """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
+
+        Returns None, with nothing changed, when the forward or backward ran out of memory on any rank
+        inside a guard window; raises :class:`UnguardedOutOfMemory` for one outside it.
+        """
+        start = time.perf_counter()
+        memory.reset_peak_memory(self.device)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), device=self.device, dtype=torch.long)
+        # The first micro batch's gradient against the whole step's (see noise_scale.py): needs >= 2.
+        first: list[torch.Tensor] = []
+        samples = [float(len(b["tokens"])) for b in micro_batches]
+
+        def forward_backward() -> None:
+            for index, batch in enumerate(micro_batches):
+                micro_loss, micro_tokens = self.forward_backward(batch)
+                loss_sum.add_(micro_loss)
+                tokens.add_(micro_tokens)
+                if index == 0 and len(micro_batches) > 1:
+                    first[:] = [squared_grad_norm(self.model.parameters(), self.device), micro_tokens.float()]
+
+        if not (self.oom_recovery and self.guard.protecting):
+            try:
+                forward_backward()
+            except Exception as error:
+                if self.oom_recovery and is_out_of_memory(error):
+                    raise UnguardedOutOfMemory(str(error).strip().splitlines()[0][:200]) from error
+                raise
+        elif self.guard.run(forward_backward) != OK:
+            micro_batches.clear()
+            self.guard.abandon(self.model, self.optimizer)
+            memory.release_memory(self.device)
+            return None
+        all_reduce_sum(loss_sum, self.parallel)
+        measure = (lambda big: self._measure_noise(first, big, samples)) if first else None
+        grad_norm = self.apply_gradients(tokens, measure)
+        n_tokens = int(tokens.item())
+        return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
+                         seconds=time.perf_counter() - start, grad_norm=grad_norm, noise_scale=self.noise.value)
+
+    def _measure_noise(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> None:
+        """One update of the noise scale: the first micro batch's and the whole step's squared gradient
+        norms, the first micro batch's tokens and both sizes in samples, in one all-reduce over ranks."""
+        small, first_tokens = first
+        ranks = self.parallel.world_size
+        packed = torch.stack([small.float(), big.float(), first_tokens.to(small.device),
+                              torch.tensor(samples[0], device=small.device), torch.tensor(sum(samples), device=small.device)])
+        all_reduce_sum(packed, self.parallel)
+        small_sq, big_sq, first_total, small_size, big_size = packed.tolist()
+        if first_total > 0 and 0 < small_size < big_size:
+            # The first micro batch's gradient is a sum over its tokens, averaged over ranks by FSDP.
+            self.noise.update(small_sq * (ranks / first_total) ** 2, small_size, big_sq, big_size)
+
+    def trial_step(self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable,
+                   vocab_size: int, packed: bool) -> StepMemory:
+        """One full training step on a worst-case batch, measured; the LR schedule does not move.
+
+        An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
+        """
+        meters = (self.model, self.optimizer)
+        measured: list[StepMemory] = []
+        self.guard.attach()  # profiling is always guarded; training opens its own windows
+
+        def step() -> None:
+            if accumulation > 1:
+                # As in every micro batch after the first: the gradients already exist.
+                for param in self.model.parameters():
+                    if param.requires_grad:
+                        param.grad = torch.zeros_like(param)
+            with memory.PeakMeter(self.device, *meters) as forward_backward:
+                batch = worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size,
+                                         packed=packed)
+                _, tokens = self.forward_backward(batch)
+                del batch
+            with memory.PeakMeter(self.device, *meters) as optimizer_step:
+                self.apply_gradients(tokens)
+            measured.append(StepMemory(
+                activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
+                forward_backward_peak=forward_backward.peak_bytes,
+                optimizer_peak=optimizer_step.peak_bytes,
+                steady_bytes=memory.current_bytes(self.device, *meters),
+                reserved_peak=max((m.reserved_peak_bytes for m in (forward_backward, optimizer_step)
+                                   if m.reserved_peak_bytes is not None), default=None),
+                alloc_retries=forward_backward.alloc_retries + optimizer_step.alloc_retries,
+            ))
+
+        try:
+            if self.guard.run(step) != OK:
+                self.guard.abandon(self.model, self.optimizer)
+                raise PeerOutOfMemory(f"micro batch {micro_batch} ran out of memory on at least one rank")
+            return measured[0]
+        finally:
+            self.optimizer.zero_grad(set_to_none=True)
+            memory.release_memory(self.device)
+
+    def forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward of one micro batch; returns its summed loss and token count."""
+        utils.batch_to_device(batch, self.device)
+        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch)
+        loss.backward()
+        return loss.detach(), tokens
+
+    def apply_gradients(self, tokens: torch.Tensor,
+                        measure: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[float]:
+        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm.
+
+        ``measure`` receives the step's squared gradient norm (this rank's part) before clipping."""
+        self.guard.sync_point()
+        all_reduce_sum(tokens, self.parallel)
+        # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
+        training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
+        if measure is not None:
+            measure(squared_grad_norm(self.model.parameters(), self.device))
+        grad_norm = None
+        if self.clip_grad_norm is not None:
+            self.guard.sync_point()
+            norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=float(self.clip_grad_norm))
+            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+        self.optimizer_step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def optimizer_step(self) -> None:
+        """``optimizer.step()``; after an OOM that changed nothing yet, free memory and try once more.
+
+        The gradients are whole and the step is local to each rank, so it is retried alone.
+        """
+        counts = optimizer_step_counts(self.optimizer) if self.oom_recovery and not self.guard.armed else None
+        try:
+            self.optimizer.step()
+            return
+        except Exception as error:  # noqa: BLE001 - only a clean OOM is retried
+            if counts is None or not is_out_of_memory(error) or optimizer_step_counts(self.optimizer) != counts:
+                raise
+        memory.release_memory(self.device)
+        step, saved, output_dir = self.where()
+        self.info(f"Out of memory in the optimizer step of optimizer step {step}: "
+                  "memory released, the optimizer step retried with the same gradients")
+        try:
+            self.optimizer.step()
+        except Exception as error:  # noqa: BLE001
+            if not is_out_of_memory(error):
+                raise
+            raise OutOfMemoryStop(
+                f"the optimizer step of optimizer step {step} runs out of memory even after "
+                f"freeing memory (its state does not depend on the batch); the last complete checkpoint "
+                f"(optimizer step {saved}) is in {output_dir}"
+            ) from None
