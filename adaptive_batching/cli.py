@@ -77,9 +77,9 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.profiling.report import format_table, write_json
     from adaptive_batching.config.settings import ConfigError, validate_config
+    from adaptive_batching.profiling.report import format_table, write_json
+    from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
@@ -104,7 +104,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.profiling.estimate import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
-    from adaptive_batching.config.settings import parse_bytes
+    from adaptive_batching.units import parse_bytes
 
     try:
         device_memory = parse_bytes(args.device_memory)

@@ -1,5 +1,21 @@
-"""The error every config check raises."""
+"""Every error the library raises on purpose, in one place."""
 
 
 class ConfigError(ValueError):
     """A config value is wrong; the message names the key and what is allowed."""
+
+
+class ProfileError(RuntimeError):
+    """Even the smallest micro batch does not fit the memory budget."""
+
+
+class OutOfMemoryStop(RuntimeError):
+    """Even a micro batch of one sample runs out of memory: training cannot go on."""
+
+
+class PeerOutOfMemory(RuntimeError):
+    """Another rank ran out of memory in this step; this rank abandons the step with it."""
+
+
+class UnguardedOutOfMemory(RuntimeError):
+    """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""

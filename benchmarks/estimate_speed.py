@@ -50,7 +50,7 @@ def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.profiling.estimate import predict, trace_steps
     from adaptive_batching.training.methods import method_for
-    from adaptive_batching.config.settings import parse_bytes
+    from adaptive_batching.units import parse_bytes
 
     config, extra = MODELS[model]
     overrides = [o.format(seq_len=seq_len) for o in (*COMMON, *extra)]

@@ -105,9 +105,9 @@ def limit_address_space(room_gib: float) -> dict[str, int]:
 
 
 def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
-    from adaptive_batching.training.methods import method_for
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     work = args.workdir

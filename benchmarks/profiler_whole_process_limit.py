@@ -73,8 +73,8 @@ def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher:
 
 def child(micro_batch: int, assets: Path, out: Path) -> int:
     from adaptive_batching.config.loading import load_config
-    from adaptive_batching.training.methods import method_for
     from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",

@@ -87,10 +87,10 @@ def padding(args: argparse.Namespace, work: Path, micro_batch: int, budget: int)
     """Both modes' epoch micro batches over the real lengths, as the runs cut them."""
     from torchtune import config
 
-    from adaptive_batching.config.loading import load_config
     from adaptive_batching.batching.data import build_dataset
     from adaptive_batching.batching.sampler import StepBatchSampler
     from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
+    from adaptive_batching.config.loading import load_config
 
     cfg = load_config("tiny_full", common(args, work))
     dataset, _ = build_dataset(cfg.dataset, config.instantiate(cfg.tokenizer))

@@ -64,8 +64,8 @@ def token_lengths(config: str, overrides: list[str]) -> list[int]:
     """Every sample's token count as the recipe's data pipeline gives it (truncated to max_seq_len)."""
     from torchtune import config as tune_config
 
-    from adaptive_batching.config.loading import load_config
     from adaptive_batching.batching.data import build_dataset
+    from adaptive_batching.config.loading import load_config
 
     cfg = load_config(config, overrides)
     dataset, _ = build_dataset(cfg.dataset, tune_config.instantiate(cfg.tokenizer))

@@ -38,8 +38,8 @@ HERE = Path(__file__).resolve()
 # --------------------------------------------------------------------------- child side
 def _instrument(record: dict[str, Any], no_save: bool) -> None:
     """Patch the library's step runner (and the trainer's save) in this process only."""
-    from adaptive_batching.runtime import memory
     from adaptive_batching.faults.oom import is_out_of_memory
+    from adaptive_batching.runtime import memory
     from adaptive_batching.training.stepping import StepRunner
     from adaptive_batching.training.trainer import Trainer
 

@@ -14,8 +14,8 @@ import sys
 from omegaconf import DictConfig
 
 from adaptive_batching.config.loading import parse
-from adaptive_batching.training.methods import FullFinetune
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.training.methods import FullFinetune
 from adaptive_batching.training.trainer import Trainer
 
 

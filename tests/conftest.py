@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from config_edits import CONFIGS
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.assets.tiny import write_tiny_assets
-
-from config_edits import CONFIGS
 
 
 @pytest.fixture(scope="module")

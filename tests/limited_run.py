@@ -23,9 +23,9 @@ def virtual_size_bytes() -> int:
 
 def main() -> int:
     room_mib, config_name, *overrides = sys.argv[1:]
-    from adaptive_batching.training.methods import method_for
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(config_name, overrides)

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 
-from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.batching.policy import DataContext, SampleBatching, TokenBatching, batching_for
-from adaptive_batching.runtime.distributed import ParallelInfo
-from adaptive_batching.faults.recovery import SampleCuts, TokenCuts
 from adaptive_batching.batching.schedule import EpochBatch
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import KNOBS
+from adaptive_batching.faults.recovery import SampleCuts, TokenCuts
+from adaptive_batching.runtime.distributed import ParallelInfo
 
 KNOBS_DEFAULT = {name: knob.default for name, knob in KNOBS.items()}
 

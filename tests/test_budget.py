@@ -11,8 +11,8 @@ from typing import Optional
 import pytest
 import torch
 
-from adaptive_batching.profiling.budget import Budget, cpu_room_bytes, memory_budget
 from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.profiling.budget import Budget, cpu_room_bytes, memory_budget
 
 GIB = 2**30
 MIB = 2**20

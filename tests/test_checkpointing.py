@@ -17,10 +17,12 @@ from typing import Any
 
 import pytest
 import torch
+from config_edits import CONFIGS, modified
 from omegaconf import DictConfig, OmegaConf
 from torchtune import training
 from torchtune.models.llama3 import lora_llama3
 
+from adaptive_batching.assets.tiny import TINY_MODEL_ARGS, write_tiny_assets
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults.checkpoints import (
     ADAPTIVE_KEY,
@@ -30,8 +32,6 @@ from adaptive_batching.faults.checkpoints import (
     resume_config,
     save_checkpoint_atomically,
 )
-from adaptive_batching.assets.tiny import TINY_MODEL_ARGS, write_tiny_assets
-from config_edits import CONFIGS, modified
 
 
 @pytest.fixture(scope="module")

@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from adaptive_batching.assets.tiny import TinyAssetPaths
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import RECIPES, shipped_config_names, shipped_configs_dir
-from adaptive_batching.assets.tiny import TinyAssetPaths
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -10,14 +10,14 @@ from omegaconf import OmegaConf
 from torch.utils.data import Dataset
 from torchtune.models.llama3 import lora_llama3
 
-from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.faults.checkpoints import resume_config
-from adaptive_batching.config.loading import optional_component
+from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 from adaptive_batching.batching.data import build_dataloader
+from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.config.loading import optional_component
+from adaptive_batching.faults.checkpoints import resume_config
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.runtime.memory import peak_memory_gb, release_memory
 from adaptive_batching.training.model import full_state_dict
-from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 
 
 class Numbers(Dataset):

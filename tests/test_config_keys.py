@@ -8,8 +8,8 @@ import pytest
 from config_edits import CONFIGS, modified
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.loading import load_config
 from adaptive_batching.config.keys import check_top_level_keys, interpolated_keys, meant_key
+from adaptive_batching.config.loading import load_config
 from adaptive_batching.config.settings import ConfigError, validate_config
 
 

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, final_weights, ok
 

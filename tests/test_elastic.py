@@ -9,8 +9,14 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
+from adaptive_batching.batching.elastic import (
+    ElasticChoice,
+    ElasticSpec,
+    choose_global_batch,
+    shape_at,
+    valid_world_sizes,
+)
 from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.batching.elastic import ElasticChoice, ElasticSpec, choose_global_batch, shape_at, valid_world_sizes
 from adaptive_batching.errors import ConfigError
 
 

@@ -12,16 +12,22 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from config_edits import CONFIGS
 from torch import nn
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.profiling.estimate import (EXTRAPOLATED, FULL_TRACE, StepTrace, estimate_max_micro_batch, predict,
-                                        trace_steps)
+from adaptive_batching.profiling.estimate import (
+    EXTRAPOLATED,
+    FULL_TRACE,
+    StepTrace,
+    estimate_max_micro_batch,
+    predict,
+    trace_steps,
+)
 from adaptive_batching.profiling.layer_timeline import Segment, decoder_layers, extrapolate_peak, repeats
-from adaptive_batching.training.methods import method_for
 from adaptive_batching.profiling.profiler import StepMemory
-from config_edits import CONFIGS
+from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
 FOUR_LAYERS = {

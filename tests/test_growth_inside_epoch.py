@@ -9,7 +9,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, ok
 

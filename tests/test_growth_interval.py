@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from config_edits import modified
 from omegaconf import DictConfig
 
+from adaptive_batching.batching.schedule import EpochBatch, grow_entry, plan_batches
 from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.interval import GrowthInterval, Segment, parse_growth_interval
-from adaptive_batching.batching.schedule import EpochBatch, grow_entry, plan_batches
-from adaptive_batching.config.settings import validate_config
-from config_edits import modified
 
 
 @pytest.mark.parametrize("value, expected", [

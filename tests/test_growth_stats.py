@@ -7,7 +7,9 @@ import math
 
 import pytest
 
+from adaptive_batching.batching.schedule import load_increase_function, plan_batches
 from adaptive_batching.growth.functions import linear_ramp
+from adaptive_batching.growth.lr_scaling import lr_factor
 from adaptive_batching.growth.statistics import (
     accepts_stats,
     call_increase,
@@ -16,8 +18,6 @@ from adaptive_batching.growth.statistics import (
     seesaw_doublings,
     seesaw_lr_factor,
 )
-from adaptive_batching.growth.lr_scaling import lr_factor
-from adaptive_batching.batching.schedule import load_increase_function, plan_batches
 
 
 def stats_for(noise: float | None, micro: int = 8, accumulation: int = 4, ranks: int = 2) -> dict:

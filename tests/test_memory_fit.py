@@ -7,7 +7,13 @@ import random
 
 import pytest
 
-from adaptive_batching.profiling.memory_fit import LinearFit, MemoryPoint, fit_memory, max_micro_batch_under, needs_more_points
+from adaptive_batching.profiling.memory_fit import (
+    LinearFit,
+    MemoryPoint,
+    fit_memory,
+    max_micro_batch_under,
+    needs_more_points,
+)
 
 GB = 1e9
 

@@ -8,12 +8,9 @@ import json
 import pytest
 import torch
 from safetensors import safe_open
-from torchtune.models.convert_weights import tune_to_hf
 from torchtune.models.llama3_2 import llama3_2, llama3_2_1b
 from torchtune.training import FullModelHFCheckpointer
 
-from adaptive_batching.cli import main as cli_main
-from adaptive_batching.config.loading import load_config
 from adaptive_batching.assets.models import (
     ModelAssetPaths,
     build_model,
@@ -24,6 +21,8 @@ from adaptive_batching.assets.models import (
     write_model_assets,
 )
 from adaptive_batching.assets.tiny import load_tiny_tokenizer
+from adaptive_batching.cli import main as cli_main
+from adaptive_batching.config.loading import load_config
 
 SHRUNK = {"num_layers": 1, "embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "intermediate_dim": 128}
 

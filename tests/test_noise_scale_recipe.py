@@ -8,7 +8,6 @@ import signal
 from pathlib import Path
 
 import pytest
-
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, ok
 

@@ -18,9 +18,10 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import torch
+from recipe_runs import read_metrics, run_command
 from safetensors.torch import load_file
 
-from adaptive_batching.faults.oom import PeerOutOfMemory, is_out_of_memory
+from adaptive_batching.errors import PeerOutOfMemory
 from adaptive_batching.faults.guard import (
     OK,
     OUT_OF_MEMORY,
@@ -31,8 +32,8 @@ from adaptive_batching.faults.guard import (
     smaller_cap,
     split_for,
 )
+from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.runtime.distributed import ParallelInfo
-from recipe_runs import read_metrics, run_command
 
 HERE = Path(__file__).parent
 SAMPLES = 40

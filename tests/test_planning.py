@@ -7,10 +7,10 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.growth.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.plan import BatchPlan, starting_batch
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import KNOBS, AdaptiveSettings
+from adaptive_batching.growth.lr_scaling import SampleDrivenLR
 
 REFERENCE = BatchShape(4, 2, 1)  # batch_size 4 x accumulation 2: global batch 8
 

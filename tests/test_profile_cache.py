@@ -9,8 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from config_edits import modified
 import torch
+from config_edits import modified
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.profiling import cache as profile_cache

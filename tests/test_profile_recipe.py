@@ -11,10 +11,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from adaptive_batching.runtime.memory import RESTARTED_ENV
-from adaptive_batching.config.settings import KNOBS
 from recipe_runs import FIXED_BATCH_SIZE, TUNE, check, losses, read_metrics, run_command, tune_run
+
+from adaptive_batching.config.settings import KNOBS
+from adaptive_batching.runtime.memory import RESTARTED_ENV
 
 pytestmark = pytest.mark.e2e
 

@@ -6,9 +6,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
-
 from recipe_runs import FIXED_BATCH_SIZE, check, losses, read_metrics, tune_run
+from safetensors.torch import load_file
 
 pytestmark = pytest.mark.e2e
 

@@ -11,18 +11,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from torch import nn
-
-from adaptive_batching.faults import guard as oom_recovery
-
-from adaptive_batching.faults import restart
-from adaptive_batching.faults.checkpoints import MARKER
-from adaptive_batching.runtime.distributed import ParallelInfo
-from adaptive_batching.faults.guard import StepGuard
-from adaptive_batching.faults.recovery import OomRecovery, SampleCuts
-from adaptive_batching.config.settings import ConfigError, validate_config
 from config_edits import modified
 from test_oom_recovery import SAMPLES, faulty_run, ok
+from torch import nn
+
+from adaptive_batching.config.settings import ConfigError, validate_config
+from adaptive_batching.faults import guard as oom_recovery
+from adaptive_batching.faults import restart
+from adaptive_batching.faults.checkpoints import MARKER
+from adaptive_batching.faults.guard import StepGuard
+from adaptive_batching.faults.recovery import OomRecovery, SampleCuts
+from adaptive_batching.runtime.distributed import ParallelInfo
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 

@@ -8,8 +8,6 @@ from typing import Any, Callable
 
 import pytest
 
-from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.growth.functions import geometric, linear_ramp
 from adaptive_batching.batching.schedule import (
     EpochBatch,
     describe_plan,
@@ -17,7 +15,9 @@ from adaptive_batching.batching.schedule import (
     load_increase_function,
     plan_batches,
 )
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.growth.functions import geometric, linear_ramp
 
 USER_MODULE = "ab_schedule_user_fns"
 

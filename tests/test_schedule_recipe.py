@@ -9,9 +9,8 @@ from typing import Any
 import pytest
 from config_edits import CONFIGS, modified
 from omegaconf import OmegaConf
-from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
-
 from recipe_runs import check, read_metrics, run_command, tune_run
+from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
 pytestmark = pytest.mark.e2e
 

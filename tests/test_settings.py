@@ -10,10 +10,8 @@ from config_edits import CONFIGS, DELETE, modified
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.batching.elastic import ElasticSpec
-from adaptive_batching.config.settings import KNOBS, ConfigError, parse_bytes, validate_config
-
-
-
+from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
+from adaptive_batching.units import parse_bytes
 
 
 def config_error(cfg: DictConfig) -> str:

@@ -8,7 +8,6 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-
 from recipe_runs import read_metrics
 from test_oom_recovery import assert_close_weights, faulty_run, final_weights, ok
 

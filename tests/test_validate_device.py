@@ -9,7 +9,6 @@ import json
 from pathlib import Path
 
 import pytest
-
 from recipe_runs import check, run_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.py"

@@ -14,9 +14,9 @@ from torchtune import config
 from torchtune.config._utils import _get_component_from_path
 from torchtune.data import padded_collate_packed
 
-from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.batching.sampler import StepBatchSampler, collate_allowing_empty
 from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler
+from adaptive_batching.runtime.distributed import ParallelInfo
 
 DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
 # torchdata 0.11 calls a deprecated torch function each time a loader is built: noise in every epoch's log.

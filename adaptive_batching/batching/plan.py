@@ -16,11 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_batch
 from adaptive_batching.batching.elastic import shape_at
-from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth.interval import parse_growth_interval
-from adaptive_batching.growth.statistics import accepts_stats, call_increase
 from adaptive_batching.batching.schedule import (
     EpochBatch,
     checked_increment,
@@ -29,7 +25,11 @@ from adaptive_batching.batching.schedule import (
     plan_batches,
     seen_size,
 )
+from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_batch
 from adaptive_batching.config.settings import AdaptiveSettings
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth.interval import parse_growth_interval
+from adaptive_batching.growth.statistics import accepts_stats, call_increase
 
 
 @dataclass(frozen=True)

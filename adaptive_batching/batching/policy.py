@@ -15,21 +15,22 @@ from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.batching.data import build_dataloader, build_token_dataloader, data_files
-from adaptive_batching.runtime.distributed import ParallelInfo
-from adaptive_batching.growth.interval import Segment
-from adaptive_batching.growth.lr_scaling import lr_factor
-from adaptive_batching.faults.oom import is_out_of_memory
-from adaptive_batching.faults.guard import OutOfMemoryStop, piece_size
 from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
-from adaptive_batching.profiling.cache import default_cache_dir
-from adaptive_batching.profiling.profiler import StepMemory
-from adaptive_batching.faults.recovery import Cuts, SampleCuts, TokenCuts
+from adaptive_batching.batching.data import build_dataloader, build_token_dataloader, data_files
 from adaptive_batching.batching.sampler import epoch_extent
 from adaptive_batching.batching.schedule import EpochBatch
 from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.batching.token_sampler import padding_waste
+from adaptive_batching.errors import OutOfMemoryStop
+from adaptive_batching.faults.guard import piece_size
+from adaptive_batching.faults.oom import is_out_of_memory
+from adaptive_batching.faults.recovery import Cuts, SampleCuts, TokenCuts
+from adaptive_batching.growth.interval import Segment
+from adaptive_batching.growth.lr_scaling import lr_factor
+from adaptive_batching.profiling.cache import default_cache_dir
+from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.runtime.distributed import ParallelInfo
 
 
 @dataclass

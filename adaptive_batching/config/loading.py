@@ -16,8 +16,8 @@ from typing import Any, Callable, Optional, Sequence
 from omegaconf import DictConfig
 from torchtune import config as tune_config
 
-from adaptive_batching.faults.guard import OutOfMemoryStop
 from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.errors import OutOfMemoryStop
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune")
 

@@ -8,7 +8,6 @@ so a config never silently asks for something that does not happen.
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from dataclasses import dataclass, field
@@ -19,36 +18,16 @@ from omegaconf import DictConfig, OmegaConf
 from torch.optim.lr_scheduler import LambdaLR
 from torchtune import config, utils
 
-from adaptive_batching.config.keys import check_top_level_keys
 from adaptive_batching.batching.elastic import ElasticSpec
-from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth.interval import KEY as GROWTH_KEY, growth_interval_error
-from adaptive_batching.growth.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.schedule import load_increase_function, plan_batches
-
+from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.growth.interval import KEY as GROWTH_KEY
+from adaptive_batching.growth.interval import growth_interval_error
+from adaptive_batching.growth.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.units import parse_bytes
 
 ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
-_BYTES_PATTERN = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
-_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
-
-
-def parse_bytes(value: Any) -> int:
-    """``12GiB``, ``500MB``, ``1.5GiB`` or a plain number of bytes, as an int."""
-    if isinstance(value, bool):
-        raise ValueError(f"{value!r} is not a memory size")
-    if isinstance(value, (int, float)):
-        number = float(value)
-    else:
-        match = _BYTES_PATTERN.match(str(value))
-        if not match:
-            raise ValueError(f"{value!r} is not a memory size like '12GiB', '500MB' or 1073741824")
-        number = float(match.group(1)) * _UNITS[(match.group(2) or "B").lower()]
-    if not math.isfinite(number) or number < 1:
-        raise ValueError(f"{value!r} is not a positive, finite memory size")
-    return int(number)
-
-
 # A check returns None when the value is fine, else a description of what is allowed.
 Check = Callable[[Any], Optional[str]]
 

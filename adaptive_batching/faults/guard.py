@@ -19,14 +19,11 @@ from torch.autograd.variable import Variable
 from torch.distributed.fsdp import FSDPModule
 from torch.utils.hooks import RemovableHandle
 
+from adaptive_batching.errors import PeerOutOfMemory
+from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.runtime.distributed import ParallelInfo
-from adaptive_batching.faults.oom import PeerOutOfMemory, is_out_of_memory
 
 OK, OUT_OF_MEMORY = 0, 1
-
-
-class OutOfMemoryStop(RuntimeError):
-    """Even a micro batch of one sample runs out of memory: training cannot go on."""
 
 
 def split_for(micro_batch: int, cap: Optional[int]) -> int:

@@ -10,6 +10,8 @@ from typing import Iterator
 
 import torch
 
+from adaptive_batching.errors import PeerOutOfMemory
+
 # Substrings of RuntimeError messages that mean memory ran out. The cuDNN/cuBLAS statuses are
 # what those libraries report when their workspace allocation fails (Lightning treats them so too).
 OOM_MESSAGES = (
@@ -20,11 +22,6 @@ OOM_MESSAGES = (
     "CUBLAS_STATUS_ALLOC_FAILED",
     "CUDNN_STATUS_ALLOC_FAILED",
 )
-
-
-
-class PeerOutOfMemory(RuntimeError):
-    """Another rank ran out of memory in this step; this rank abandons the step with it."""
 
 
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(

@@ -72,14 +72,12 @@ class SampleDrivenLR:
     def from_config(cls, scheduler_cfg: Any, optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], *,
                     total_steps: int, reference_global_batch: int, rule: str,
                     state: Optional[dict[str, Any]] = None) -> "SampleDrivenLR":
-        """From the config's ``lr_scheduler`` node (null: constant), over ``total_steps`` reference steps;
+        """From the config's ``lr_scheduler`` node (None: constant), over ``total_steps`` reference steps;
         ``state`` (a resumed run's) puts it where the run stood."""
         from torchtune import config
 
-        from adaptive_batching.config.loading import optional_component
-
-        node = optional_component(scheduler_cfg)
-        scheduler = None if node is None else config.instantiate(node, optimizer, num_training_steps=total_steps)
+        scheduler = None if scheduler_cfg is None else config.instantiate(scheduler_cfg, optimizer,
+                                                                          num_training_steps=total_steps)
         lr = cls(optimizer, base_lrs, scheduler, reference_global_batch=reference_global_batch, rule=rule)
         if state is not None:
             lr.load_state_dict(state)

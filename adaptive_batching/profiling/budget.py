@@ -17,8 +17,9 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime.memory import address_space_limit
-from adaptive_batching.config.settings import ConfigError, parse_bytes
+from adaptive_batching.units import parse_bytes
 
 GIB = 1024**3
 # cgroup v1 writes "no limit" as the largest page-aligned 63-bit number; anything this big is no limit.

@@ -19,7 +19,8 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.settings import KNOBS, parse_bytes
+from adaptive_batching.config.settings import KNOBS
+from adaptive_batching.units import parse_bytes
 
 log = logging.getLogger(__name__)
 

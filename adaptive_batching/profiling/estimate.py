@@ -27,13 +27,19 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.profiling.layer_timeline import LayerTimeline, decoder_layers, extrapolate_peak, layers_to_trace, repeats
-from adaptive_batching.training.loss import summed_token_loss
-from adaptive_batching.runtime.memory import PeakMeter, current_bytes
+from adaptive_batching.profiling.layer_timeline import (
+    LayerTimeline,
+    decoder_layers,
+    extrapolate_peak,
+    layers_to_trace,
+    repeats,
+)
 from adaptive_batching.profiling.memory_fit import max_micro_batch_under
-from adaptive_batching.training.model import FinetuneMethod
 from adaptive_batching.profiling.profiler import StepMemory, fit_probes, probe_until_slope
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
+from adaptive_batching.runtime.memory import PeakMeter, current_bytes
+from adaptive_batching.training.loss import summed_token_loss
+from adaptive_batching.training.model import FinetuneMethod
 
 CPU = torch.device("cpu")
 EXTRAPOLATED = "layer extrapolation"

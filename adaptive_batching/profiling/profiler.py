@@ -28,9 +28,16 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from adaptive_batching.profiling.budget import Budget
-from adaptive_batching.profiling.memory_fit import LinearFit, MemoryPoint, fit_memory, max_micro_batch_under, needs_more_points
+from adaptive_batching.errors import ProfileError
 from adaptive_batching.faults.oom import is_out_of_memory
+from adaptive_batching.profiling.budget import Budget
+from adaptive_batching.profiling.memory_fit import (
+    LinearFit,
+    MemoryPoint,
+    fit_memory,
+    max_micro_batch_under,
+    needs_more_points,
+)
 from adaptive_batching.profiling.search import Trial, choose_micro_batch, search_max_micro_batch
 
 
@@ -99,10 +106,6 @@ class ProfileResult:
     def from_dict(cls, data: dict[str, Any]) -> "ProfileResult":
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
-
-
-class ProfileError(RuntimeError):
-    """Even the smallest micro batch does not fit the budget."""
 
 
 def find_max_micro_batch(

@@ -17,9 +17,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import utils
 
-from adaptive_batching.runtime import memory
 from adaptive_batching.profiling.budget import Budget, memory_budget
-from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
 from adaptive_batching.profiling.cache import (
     cache_file,
     fingerprint,
@@ -27,9 +25,11 @@ from adaptive_batching.profiling.cache import (
     memory_fingerprint_parts,
     save_profile,
 )
-from adaptive_batching.profiling.report import format_table, write_report
 from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, find_max_micro_batch
+from adaptive_batching.profiling.report import format_table, write_report
 from adaptive_batching.profiling.search import choose_micro_batch
+from adaptive_batching.runtime import memory
+from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
 
 log = utils.get_logger("INFO")
 

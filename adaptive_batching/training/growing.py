@@ -9,8 +9,8 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from adaptive_batching.growth.interval import Segment
 from adaptive_batching.batching.schedule import EpochBatch, epoch_switch_reason
+from adaptive_batching.growth.interval import Segment
 
 
 class Growing:

@@ -11,12 +11,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any, Optional
 
-from adaptive_batching.runtime import memory
-
+from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults import restart
+from adaptive_batching.faults.guard import piece_size
 from adaptive_batching.faults.oom import is_out_of_memory
-from adaptive_batching.faults.guard import OutOfMemoryStop, piece_size
 from adaptive_batching.profiling.run import remember_out_of_memory
+from adaptive_batching.runtime import memory
 
 
 class OomHandling:

@@ -12,7 +12,6 @@ from typing import Any
 from torchtune import training
 
 from adaptive_batching.faults import checkpoints as checkpointing
-
 from adaptive_batching.faults import restart
 from adaptive_batching.runtime.distributed import barrier
 from adaptive_batching.training.model import full_optimizer_state_dict, full_state_dict, load_optimizer_state_dict

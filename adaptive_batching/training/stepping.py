@@ -16,14 +16,15 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
-from adaptive_batching.runtime import memory
 from adaptive_batching.batching.data import worst_case_batch
+from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, UnguardedOutOfMemory
+from adaptive_batching.faults.guard import OK, StepGuard, optimizer_step_counts
+from adaptive_batching.faults.oom import is_out_of_memory
+from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
+from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 from adaptive_batching.training.loss import summed_token_loss
-from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
-from adaptive_batching.faults.oom import PeerOutOfMemory, is_out_of_memory
-from adaptive_batching.faults.guard import OK, OutOfMemoryStop, StepGuard, optimizer_step_counts
-from adaptive_batching.profiling.profiler import StepMemory
 
 
 @dataclass
@@ -36,10 +37,6 @@ class StepStats:
     grad_norm: Optional[float] = None
     samples: int = 0
     noise_scale: Optional[float] = None  # the smoothed gradient noise scale after this step, in samples
-
-
-class UnguardedOutOfMemory(RuntimeError):
-    """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
 
 
 def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,

@@ -17,32 +17,30 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from tqdm import tqdm
 
-from adaptive_batching.faults import checkpoints as checkpointing
-
-from adaptive_batching.runtime import memory
-
-from adaptive_batching.faults import restart
-from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.batching.policy import DataContext, batching_for
-from adaptive_batching.training.components import build_components
-from adaptive_batching.config.loading import given_argv
-from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.batching.elastic import shape_at
-from adaptive_batching.errors import ConfigError
-from adaptive_batching.training.growing import Growing
+from adaptive_batching.batching.plan import BatchPlan, starting_batch
+from adaptive_batching.batching.policy import DataContext, batching_for
+from adaptive_batching.batching.schedule import describe_plan
+from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.config.loading import given_argv, optional_component
+from adaptive_batching.config.settings import AdaptiveSettings
+from adaptive_batching.errors import ConfigError, UnguardedOutOfMemory
+from adaptive_batching.faults import checkpoints as checkpointing
+from adaptive_batching.faults import restart
+from adaptive_batching.faults.guard import StepGuard
+from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.interval import Segment
 from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
+from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, preserved_training_state
+from adaptive_batching.profiling.run import ProfileContext, run_profile, saved_profile
+from adaptive_batching.runtime import memory
+from adaptive_batching.runtime.distributed import init_parallel, shutdown
+from adaptive_batching.training.components import build_components
+from adaptive_batching.training.growing import Growing
 from adaptive_batching.training.model import FinetuneMethod
 from adaptive_batching.training.oom_handling import OomHandling
-from adaptive_batching.faults.guard import StepGuard
-from adaptive_batching.batching.plan import BatchPlan, starting_batch
-from adaptive_batching.profiling.run import ProfileContext, run_profile, saved_profile
-from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, preserved_training_state
-from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.training.state import RunState
-from adaptive_batching.batching.schedule import describe_plan
-from adaptive_batching.config.settings import AdaptiveSettings
-from adaptive_batching.training.stepping import StepRunner, StepStats, UnguardedOutOfMemory, step_metrics
+from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
 log = utils.get_logger("INFO")
 
@@ -201,7 +199,7 @@ class Trainer(Growing, OomHandling, RunState):
                             warn=self.warn)
         extents = [self.batching.extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
-        self.lr = SampleDrivenLR.from_config(self.cfg.get("lr_scheduler", None), self.optimizer, self.base_lrs,
+        self.lr = SampleDrivenLR.from_config(optional_component(self.cfg.get("lr_scheduler", None)), self.optimizer, self.base_lrs,
                                              total_steps=total_steps, reference_global_batch=self.reference.global_batch,
                                              rule=self.settings.lr_scaling, state=self.resumed.get("lr"))
         header, *rows = describe_plan(self.plan.entries)
