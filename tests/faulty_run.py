@@ -133,7 +133,7 @@ def main() -> None:
         taken, state["pending"] = state["pending"], []
         result = original_step(self, micro_batches)
         if result is not None:
-            state["steps"].append({"step": self.global_step + 1, "epoch": self.epochs_run, "samples": taken})
+            state["steps"].append({"step": self.global_step + 1, "epoch": self.progress.epochs_run, "samples": taken})
             with open(record, "w") as f:
                 json.dump(state["steps"], f)
             if kill_after is not None and self.global_step + 1 == int(kill_after) and failing_rank:

@@ -36,7 +36,7 @@ def main() -> int:
     result = trainer.profile()
     trainer.train(trainer.make_plan())
     print(json.dumps({"profile": result.to_dict(), "trained_steps": trainer.global_step,
-                      "micro_batch": trainer.batch.micro_batch}))
+                      "micro_batch": trainer.feed.batch.micro_batch}))
     return 0
 
 

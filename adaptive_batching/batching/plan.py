@@ -20,6 +20,7 @@ from adaptive_batching.batching.elastic import shape_at
 from adaptive_batching.batching.schedule import (
     EpochBatch,
     checked_increment,
+    describe_plan,
     epoch_switch_reason,
     grow_entry,
     plan_batches,
@@ -143,6 +144,18 @@ class BatchPlan:
         """``entry`` is the batch from ``epoch`` on; the list is changed in place."""
         self.entries[epoch:] = [EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason,
                                            entry.memory_cap) for e in range(epoch, self.epochs)]
+
+    def describe(self, plan_rows: Callable[..., list[str]], extents: list[tuple[int, int]],
+                 reference_global_batch: int, rule: str, total_steps: int) -> str:
+        """The batch plan as logged: a header line, then a table row per epoch (``plan_rows`` adds the
+        batching policy's columns)."""
+        header, *rows = describe_plan(self.entries)
+        rows = plan_rows(rows, extents, reference_global_batch, rule)
+        grows = f"; the batch grows {self.interval.describe()}, so the rows show where it starts" \
+            if self.grows_inside_epochs else ""
+        return ("Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
+                f"reference global batch {reference_global_batch} from the config; LR scaling '{rule}'; "
+                f"LR schedule over {total_steps} reference steps{grows}):\n" + "\n".join([header, *rows]))
 
     def switch_reason(self, epoch: int) -> str:
         """Why ``epoch`` starts at its batch, for the epoch-switch log line."""

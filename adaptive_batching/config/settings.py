@@ -139,6 +139,11 @@ class AdaptiveSettings:
     lr_scaling: str = "sqrt"
     knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
 
+    @property
+    def needs_profile(self) -> bool:
+        """The profile gives the starting micro batch (``use_maximum_batch_size``) and the cap on growth."""
+        return self.use_maximum_batch_size or self.batch_increase_function is not None
+
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}' = {value!r} is invalid: expected {allowed}")

@@ -277,3 +277,14 @@ def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) 
         os.execve(sys.executable, [sys.executable, *args], env)
     except OSError as error:
         info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")
+
+
+def pin_glibc_for_profile(info: Callable[[str], None]) -> None:
+    """Pin glibc (see :func:`pin_cpu_allocator`) before a CPU run's set-up, so the heap set-up leaves behind
+    is already under the rule the profile runs by; say whether it was pinned from the process start."""
+    if pinned_from_start(os.environ):
+        info("Profiler: glibc pinned from process start by GLIBC_TUNABLES "
+             f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors")
+    elif pin_cpu_allocator():
+        info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+             "so the address space follows the tensors and the chosen micro batch keeps fitting")

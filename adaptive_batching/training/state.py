@@ -1,98 +1,114 @@
-"""The run's state in a checkpoint: what is saved besides the weights and optimizer, and how a run
-continues from it (at the end of an epoch or at a step inside one). Mixed into
-:class:`~adaptive_batching.training.trainer.Trainer`.
+"""Where a run stands, and its checkpoints: what is saved besides the weights and optimizer, and how a run
+continues from it (at the end of an epoch or at a step inside one).
+
+The adaptive state is one flat mapping that each part of the run contributes its own entries to
+(:meth:`Progress.state_dict`, the feed's, the plan's, the LR's, ...); it travels inside the checkpoint
+folder with the weights (see :mod:`~adaptive_batching.faults.checkpoints`).
 """
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, Optional
 
+import torch
 from torchtune import training
 
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
-from adaptive_batching.runtime.distributed import barrier
-from adaptive_batching.training.model import full_optimizer_state_dict, full_state_dict, load_optimizer_state_dict
+from adaptive_batching.faults.recovery import OomRecovery
+from adaptive_batching.runtime.distributed import ParallelInfo, barrier
+from adaptive_batching.training.model import (
+    FinetuneMethod,
+    full_optimizer_state_dict,
+    full_state_dict,
+    load_optimizer_state_dict,
+)
 
 
-class RunState:
-    """Saving and restoring the recipe state (see the module docstring)."""
+@dataclass
+class Progress:
+    """Epochs done, optimizer steps done in the current epoch and in all, and the optimizer step of the
+    last complete checkpoint (None before the first save)."""
 
-    def _restore(self, checkpoint: dict[str, Any]) -> None:
-        """Continue from the saved recipe state: the end of an epoch, or a step inside one."""
-        if checkpoint.get(training.SEED_KEY, self.seed) != self.seed:
-            self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {self.seed}")
-            self.seed = checkpoint[training.SEED_KEY]
-        self.resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
-        if "data_parallel" in self.resumed:  # saved before "ranks" was the one word for it
-            self.resumed["ranks"] = self.resumed.pop("data_parallel")
-        self.epochs_run = checkpoint[training.EPOCHS_KEY]
-        self.global_step = self.resumed["global_step"]
-        self.saved_step = self.global_step
-        self.step_in_epoch = self.resumed.get("step_in_epoch", 0)
-        self.recovery.load_state_dict(self.resumed)
-        recorded = restart.recorded_cut(Path(self.cfg.checkpointer.output_dir))
-        if recorded is not None and self.recovery.adopt(recorded["recovery"]):
+    epochs_run: int = 0
+    step_in_epoch: int = 0
+    global_step: int = 0
+    saved_step: Optional[int] = None
+
+    def where(self) -> str:
+        return (f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch
+                else f"the end of epoch {self.epochs_run}")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"global_step": self.global_step, "epoch": self.epochs_run, "step_in_epoch": self.step_in_epoch}
+
+
+class Checkpoints:
+    """Saves the weights with everything an exact resume needs, and restores a run from them."""
+
+    def __init__(self, checkpointer: Any, method: FinetuneMethod, parallel: ParallelInfo, device: torch.device,
+                 info: Callable[[str], None], *, total_epochs: int, max_steps_per_epoch: Optional[int]) -> None:
+        self.checkpointer = checkpointer
+        self.method = method
+        self.parallel, self.device = parallel, device
+        self.info = info
+        self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
+
+    def restore(self, checkpoint: dict[str, Any], *, seed: int, progress: Progress, recovery: OomRecovery,
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path) -> tuple[dict[str, Any], int]:
+        """Put ``progress``, ``recovery`` and the optimizer where the saved run stood (the end of an epoch, or a
+        step inside one); return the saved adaptive state and the run's seed."""
+        if checkpoint.get(training.SEED_KEY, seed) != seed:
+            self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
+            seed = checkpoint[training.SEED_KEY]
+        resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
+        if "data_parallel" in resumed:  # saved before "ranks" was the one word for it
+            resumed["ranks"] = resumed.pop("data_parallel")
+        progress.epochs_run = checkpoint[training.EPOCHS_KEY]
+        progress.global_step = progress.saved_step = resumed["global_step"]
+        progress.step_in_epoch = resumed.get("step_in_epoch", 0)
+        recovery.load_state_dict(resumed)
+        recorded = restart.recorded_cut(output_dir)
+        if recorded is not None and recovery.adopt(recorded["recovery"]):
             # The saved loader position was for the old cut; the same samples come from the step index.
-            self.resumed.pop("dataloader", None)
+            resumed.pop("dataloader", None)
+            capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
             self.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
-                      f"{recorded.get('step')}: micro batches run as {self.split} piece(s)"
-                      + (f", micro batch capped at {self.oom_cap}" if self.oom_cap is not None else ""))
-        load_optimizer_state_dict(self.model, self.optimizer, checkpoint[training.OPT_KEY],
-                                  self.parallel, self.device)
-        where = f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch \
-            else f"the end of epoch {self.epochs_run}"
-        cap = "" if self.oom_cap is None else f"; micro batch capped at {self.oom_cap} after an earlier OOM"
-        self.info(f"Resuming at {where} (optimizer step {self.global_step}){cap}")
+                      f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}")
+        load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
+        cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
+        self.info(f"Resuming at {progress.where()} (optimizer step {progress.global_step}){cap}")
+        return resumed, seed
 
-    def adaptive_state(self) -> dict[str, Any]:
-        """The adaptive part of the recipe state: enough to continue exactly where the run stands."""
-        return {
-            "global_step": self.global_step,
-            "epoch": self.epochs_run,
-            "step_in_epoch": self.step_in_epoch,
-            # What ran (after an OOM, the planned micro batch cut into ``split``), as the metrics log it.
-            "micro_batch": self.micro_piece,
-            "accumulation": self.batch.accumulation * self.split,
-            "planned_micro_batch": self.batch.micro_batch,
-            "planned_accumulation": self.batch.accumulation,
-            "ranks": self.batch.ranks,
-            "lr": self.lr.state_dict(),
-            "profile": self.profile_result.to_dict() if self.profile_result else None,
-            "dataloader": self.dataloader.state_dict() if self.step_in_epoch else None,
-            **self.recovery.state_dict(),
-            **self.batching.state_dict(),
-            **self.plan.state_dict(self.epochs_run),
-            "segment": self.segment.state_dict(),
-            "noise_scale": self.steps.noise.state_dict(),
-        }
-
-    def save(self, epoch: int) -> None:
+    def save(self, epoch: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
+             progress: Progress, adaptive_state: Callable[[], dict[str, Any]]) -> None:
         """Write the weights and the full recipe state, at the end of an epoch or inside one.
 
-        Both go to ``epoch_{epoch}``, swapped in whole (see checkpointing): a kill at any moment leaves
+        Both go to ``epoch_{epoch}``, swapped in whole (see checkpoints): a kill at any moment leaves
         the previous checkpoint or the new one, complete. A save inside an epoch is replaced by the one at its end.
         """
         start = time.perf_counter()
-        weights = full_state_dict(self.model, self.parallel, self.device, trainable_only=self.method.adapter_only)
-        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.parallel, self.device)
-        if self.is_rank_zero:
+        weights = full_state_dict(model, self.parallel, self.device, trainable_only=self.method.adapter_only)
+        optimizer_state = full_optimizer_state_dict(model, optimizer, self.parallel, self.device)
+        if self.parallel.is_rank_zero:
             state = self.method.checkpoint_entries(weights)
             state.update(checkpointing.recipe_state(
-                seed=self.seed, epochs_run=self.epochs_run, total_epochs=self.total_epochs,
+                seed=seed, epochs_run=progress.epochs_run, total_epochs=self.total_epochs,
                 max_steps_per_epoch=self.max_steps_per_epoch, optimizer_state=optimizer_state,
-                adaptive_state=self.adaptive_state(),
+                adaptive_state=adaptive_state(),
             ))
             folder = checkpointing.save_checkpoint_atomically(
                 self.checkpointer, state, epoch=epoch, adapter_only=self.method.adapter_only,
-                record={"global_step": self.global_step, "epoch": epoch, "step_in_epoch": self.step_in_epoch,
-                        "epochs_run": self.epochs_run, "job_id": restart.job_id()},
+                record={"global_step": progress.global_step, "epoch": epoch,
+                        "step_in_epoch": progress.step_in_epoch, "epochs_run": progress.epochs_run,
+                        "job_id": restart.job_id()},
             )
-            what = f"step {self.step_in_epoch} of epoch {epoch + 1}" if self.step_in_epoch else f"epoch {epoch + 1}"
-            self.info(f"Saved the checkpoint of {what} (optimizer step {self.global_step}) to {folder} "
+            what = f"step {progress.step_in_epoch} of epoch {epoch + 1}" if progress.step_in_epoch \
+                else f"epoch {epoch + 1}"
+            self.info(f"Saved the checkpoint of {what} (optimizer step {progress.global_step}) to {folder} "
                       f"in {time.perf_counter() - start:.1f} s")
         barrier(self.parallel)
-        self.saved_step = self.global_step
-
+        progress.saved_step = progress.global_step
