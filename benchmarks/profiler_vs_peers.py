@@ -139,9 +139,9 @@ def plain_step(trainer: Any, micro_batch: int) -> None:
     try:
         batch = worst_case_batch(trainer.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
                                  vocab_size=trainer.tokenizer.vocab_size, packed=trainer.packed)
-        _, tokens = trainer.steps.forward_backward(batch)
+        _, tokens = trainer.runner.forward_backward(batch)
         del batch
-        trainer.steps.apply_gradients(tokens)
+        trainer.runner.apply_gradients(tokens)
     finally:
         trainer.optimizer.zero_grad(set_to_none=True)
 
@@ -321,7 +321,7 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
             self.trials.append(step)
             optimizer = self.optimizers()
             try:
-                _, tokens = trainer.steps.forward_backward(batch)
+                _, tokens = trainer.runner.forward_backward(batch)
                 del batch
                 # What StepRunner.apply_gradients does on one rank without clipping, with the
                 # optimizer step going through Lightning so that it counts the step.

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from adaptive_batching.faults.guard import piece_size
 from adaptive_batching.faults.recovery import OomRecovery, SampleCuts, TokenCuts
 
 MODES = {"samples": SampleCuts, "tokens": TokenCuts}
@@ -12,9 +13,9 @@ MODES = {"samples": SampleCuts, "tokens": TokenCuts}
 def test_sample_mode_caps_the_micro_batch_and_grows_back_to_the_plan() -> None:
     recovery = OomRecovery(SampleCuts(), grow_back_after=2)
     assert recovery.out_of_memory(failed=8, planned=8) == 4
-    assert (recovery.split, recovery.micro_batch(8)) == (2, 4)
+    assert (recovery.split, piece_size(8, recovery.split)) == (2, 4)
     assert recovery.out_of_memory(failed=4, planned=8) == 2
-    assert (recovery.split, recovery.micro_batch(8)) == (4, 2)
+    assert (recovery.split, piece_size(8, recovery.split)) == (4, 2)
     recovery.step_done()
     assert not recovery.grow_back_due()
     recovery.step_done()

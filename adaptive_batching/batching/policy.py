@@ -52,7 +52,6 @@ class DataContext:
 class SampleBatching:
     """A fixed number of samples per micro batch: the plan's micro batch, cut into ``split`` after an OOM."""
 
-    uses_plan_checks = True
 
     def __init__(self, knobs: dict[str, Any]) -> None:
         self.knobs = knobs
@@ -164,7 +163,6 @@ class TokenBatching(SampleBatching):
     """Micro batches filled up to a token budget (padded tokens); the budget grows as a micro batch would,
     and after an OOM each micro batch runs as ``split`` pieces."""
 
-    uses_plan_checks = False
 
     def __init__(self, knobs: dict[str, Any]) -> None:
         super().__init__(knobs)

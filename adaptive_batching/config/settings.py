@@ -19,7 +19,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtune import config, utils
 
 from adaptive_batching.batching.elastic import ElasticSpec
-from adaptive_batching.batching.schedule import load_increase_function, plan_batches
+from adaptive_batching.batching.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
@@ -114,7 +114,7 @@ KNOBS: dict[str, Knob] = {
     "search_tolerance": Knob(0.01, _tolerance, True, "the start-up batch-size profiler"),
     "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
-    "grow_past_memory": Knob("skip", _choice("skip", "accumulate"), True, "per-epoch batch growth"),
+    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), True, "per-epoch batch growth"),
     "growth_interval": Knob("epoch", growth_interval_error, True, "batch growth inside an epoch"),
     "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
     "keep_global_batch": Knob(False, _bool, True, "the fixed-global-batch mode"),

@@ -137,10 +137,6 @@ class OomRecovery:
         self.state.split = self.cuts.for_plan(self.state.split, self.state.oom_cap, planned)
         return self.state.split
 
-    def micro_batch(self, planned: int) -> int:
-        """The most samples one forward sees: ``planned`` cut into ``split``."""
-        return piece_size(planned, self.state.split)
-
     def cache_cap(self, profiled: int) -> int:
         """The micro batch a later run's profile should start at most at (see the profile cache)."""
         return self.cuts.cache_cap(self.state.split, self.state.oom_cap, profiled)

@@ -32,7 +32,7 @@ def _check_int(where: str, name: str, value: Any, minimum: Optional[int] = None)
     return value
 
 
-def _check_call(where: str, epoch: Any, current_batch_size: Any) -> None:
+def check_call(where: str, epoch: Any, current_batch_size: Any) -> None:
     """The two positional arguments every increase function receives."""
     _check_int(where, "epoch", epoch, 0)
     _check_int(where, "current_batch_size", current_batch_size, 1)
@@ -89,7 +89,7 @@ def step_increase(
         increment: [8, 16]    # +8 at the start of the third epoch, +16 at the fifth
     """
     where = "step_increase"
-    _check_call(where, epoch, current_batch_size)
+    check_call(where, epoch, current_batch_size)
     epochs = _int_list(where, "at_epochs", at_epochs)
     for i, e in enumerate(epochs):
         _check_int(where, f"at_epochs[{i}]", e, 1)
@@ -145,7 +145,7 @@ def linear_ramp(
         stop_epoch: 7         # +4 at epochs 2, 4 and 6 (0-based)
     """
     where = "linear_ramp"
-    _check_call(where, epoch, current_batch_size)
+    check_call(where, epoch, current_batch_size)
     _check_int(where, "increment", increment)
     return increment if _on_period(where, epoch, every, start_epoch, stop_epoch) else 0
 
@@ -185,7 +185,7 @@ def geometric(
         every: 2              # 16 -> 24 at epoch 1, 24 -> 36 at epoch 3, ...
     """
     where = "geometric"
-    _check_call(where, epoch, current_batch_size)
+    check_call(where, epoch, current_batch_size)
     valid = isinstance(factor, (int, float)) and not isinstance(factor, bool)
     if not valid or not math.isfinite(factor) or factor <= 0:
         raise ValueError(f"{where}: factor must be a finite number > 0, got {factor!r}")

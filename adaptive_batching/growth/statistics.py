@@ -26,6 +26,8 @@ import math
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
+from adaptive_batching.growth.functions import check_call
+
 
 def accepts_stats(fn: Callable[..., Any]) -> bool:
     """Whether ``fn`` can be called with a keyword argument ``stats``.
@@ -65,12 +67,6 @@ def _number(where: str, name: str, value: Any, *, minimum: float, inclusive: boo
         raise ValueError(f"{where}: {name} must be a finite number {bound} {minimum}, got {value!r}")
     return float(value)
 
-
-def _check_call(where: str, epoch: Any, current_batch_size: Any) -> None:
-    """The two positional arguments every increase function receives."""
-    for name, value, minimum in (("epoch", epoch, 0), ("current_batch_size", current_batch_size, 1)):
-        if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-            raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _stat(where: str, stats: Mapping[str, Any], key: str) -> Any:
@@ -128,7 +124,7 @@ def noise_scale(
         max_factor: 2
     """
     where = "noise_scale"
-    _check_call(where, epoch, current_batch_size)
+    check_call(where, epoch, current_batch_size)
     fraction = _number(where, "fraction", fraction, minimum=0.0, inclusive=False)
     max_factor = _number(where, "max_factor", max_factor, minimum=1.0)
     if not isinstance(allow_shrink, bool):
@@ -231,7 +227,7 @@ def seesaw(
         max_steps: 1
     """
     where = "seesaw"
-    _check_call(where, epoch, current_batch_size)
+    check_call(where, epoch, current_batch_size)
     factor = _number(where, "factor", factor, minimum=1.0, inclusive=False)
     if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
                                   or max_steps < 1):

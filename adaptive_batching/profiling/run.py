@@ -25,7 +25,7 @@ from adaptive_batching.profiling.cache import (
     memory_fingerprint_parts,
     save_profile,
 )
-from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, find_max_micro_batch
+from adaptive_batching.profiling.profiler import ProfileResult, TrialStep, find_max_micro_batch
 from adaptive_batching.profiling.report import format_table, write_report
 from adaptive_batching.profiling.search import choose_micro_batch
 from adaptive_batching.runtime import memory
@@ -33,7 +33,6 @@ from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, 
 
 log = utils.get_logger("INFO")
 
-TrialStep = Callable[[int], StepMemory]
 
 
 @dataclass

@@ -74,7 +74,7 @@ class Trainer:
             if why:
                 self.info(why)
         self.progress = Progress()
-        self.resumed: dict[str, Any] = {}
+        self.restored: dict[str, Any] = {}
         self.metric_logger: Any = None
         self.profile_result: Optional[ProfileResult] = None
         self.plan = BatchPlan(settings, self.total_epochs, self.parallel.world_size)
@@ -124,16 +124,16 @@ class Trainer:
         self.checkpoints = Checkpoints(checkpointer, self.method, self.parallel, self.device, self.info,
                                        total_epochs=self.total_epochs, max_steps_per_epoch=self.max_steps_per_epoch)
         if self.resume:
-            self.resumed, self.seed = self.checkpoints.restore(
+            self.restored, self.seed = self.checkpoints.restore(
                 checkpoint, seed=self.seed, progress=self.progress, recovery=self.feed.recovery, model=self.model,
                 optimizer=self.optimizer, output_dir=self.output_dir)
         progress = self.progress
-        self.steps = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
+        self.runner = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
                                 clip_grad_norm=cfg.get("clip_grad_norm", None),
                                 oom_recovery=self.settings.knobs["oom_recovery"], info=self.info,
                                 where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)))
-        if self.resumed.get("noise_scale"):
-            self.steps.noise.load_state_dict(self.resumed["noise_scale"])
+        if self.restored.get("noise_scale"):
+            self.runner.noise.load_state_dict(self.restored["noise_scale"])
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch), cfg, self.info)
         memory.freeze_long_lived_objects()
@@ -143,7 +143,7 @@ class Trainer:
         """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint."""
         if not self.settings.needs_profile:
             return None
-        self.profile_result = saved_profile(self.resumed, self.parallel.world_size, self.info) \
+        self.profile_result = saved_profile(self.restored, self.parallel.world_size, self.info) \
             or run_profile(self.profile_context(), self.trial_step)
         return self.profile_result
 
@@ -163,7 +163,7 @@ class Trainer:
 
     def trial_step(self, micro_batch: int, seq_len: Optional[int] = None) -> StepMemory:
         """One measured worst-case training step (the profiler's trial step)."""
-        return self.steps.trial_step(micro_batch, seq_len=seq_len or self.seq_len,
+        return self.runner.trial_step(micro_batch, seq_len=seq_len or self.seq_len,
                                      accumulation=self.feed.batch.accumulation, collate=self.collate,
                                      vocab_size=self.tokenizer.vocab_size, packed=self.packed)
 
@@ -185,10 +185,10 @@ class Trainer:
                                profile.micro_batch if profile is not None else None, self.info)
         self.reference = start.reference
         self.plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap,
-                       resumed=self.resumed, epochs_run=self.progress.epochs_run)
-        self.feed.segment = Segment.from_state(self.resumed.get("segment"))
+                       resumed=self.restored, epochs_run=self.progress.epochs_run)
+        self.feed.segment = Segment.from_state(self.restored.get("segment"))
         profiled = start.micro_batch if profile is not None and settings.use_maximum_batch_size else None
-        self.batching.plan(self.plan.entries, start=start.micro_batch, resumed=self.resumed, profiled=profiled,
+        self.batching.plan(self.plan.entries, start=start.micro_batch, resumed=self.restored, profiled=profiled,
                            verify=self._verifying, info=self.info)
         self.batching.check(profiled=settings.use_maximum_batch_size and settings.knobs["elastic"] is None,
                             reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
@@ -198,8 +198,8 @@ class Trainer:
         self.lr = self.feed.lr = SampleDrivenLR.from_config(
             optional_component(self.cfg.get("lr_scheduler", None)), self.optimizer, self.base_lrs,
             total_steps=total_steps, reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
-            state=self.resumed.get("lr"))
-        self.growth = Growth(self.plan, self.feed, self.lr, self.steps.noise, self.progress,
+            state=self.restored.get("lr"))
+        self.growth = Growth(self.plan, self.feed, self.lr, self.runner.noise, self.progress,
                              verify=self._verifying, info=self.info)
         self.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, self.lr.rule,
                                      total_steps))
@@ -254,9 +254,9 @@ class Trainer:
     def _resumed_loader_state(self) -> Optional[dict[str, Any]]:
         """The saved loader position, taken once. An elastic run resumed on another number of ranks has the same
         global batch, so the same samples per step: it starts at the saved step instead."""
-        state = self.resumed.pop("dataloader", None)
-        if state and self.settings.knobs["elastic"] is not None and self.resumed.get("ranks") != self.parallel.world_size:
-            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.resumed['ranks']}: "
+        state = self.restored.pop("dataloader", None)
+        if state and self.settings.knobs["elastic"] is not None and self.restored.get("ranks") != self.parallel.world_size:
+            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.restored['ranks']}: "
                       f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
             return None
         return state
@@ -301,7 +301,7 @@ class Trainer:
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> Optional[StepStats]:
         """One optimizer step (see :meth:`StepRunner.train_step`); None after an OOM recovered in place."""
-        stats = self.steps.train_step(micro_batches)
+        stats = self.runner.train_step(micro_batches)
         if stats is not None:
             self.feed.recovery.step_done()
         return stats
@@ -331,7 +331,7 @@ class Trainer:
             **self.plan.state_dict(self.progress.epochs_run),
             "lr": self.lr.state_dict(),
             "profile": self.profile_result.to_dict() if self.profile_result else None,
-            "noise_scale": self.steps.noise.state_dict(),
+            "noise_scale": self.runner.noise.state_dict(),
         }
 
     def __enter__(self) -> "Trainer":
