@@ -10,7 +10,18 @@ import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
-from adaptive_batching.config.loading import RECIPES, load_config, shipped_config_names, shipped_configs_dir
+from adaptive_batching.config.loading import (
+    RECIPES,
+    load_config,
+    named_config,
+    shipped_config_names,
+    shipped_configs_dir,
+)
+from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, ProfileError
+
+
+class UsageError(Exception):
+    """A command's argument is wrong."""
 
 
 def _recipe_file(name: str) -> Path:
@@ -20,9 +31,12 @@ def _recipe_file(name: str) -> Path:
     return Path(spec.origin)
 
 
-def _configs_for(recipe: str) -> list[str]:
-    lora = recipe == "adaptive_lora_finetune"
-    return [n for n in shipped_config_names() if n.endswith("_lora") == lora]
+def recipe_for(config: Path) -> str:
+    """The recipe that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one."""
+    from omegaconf import OmegaConf
+
+    component = str(OmegaConf.select(OmegaConf.load(config), "model._component_", default=""))
+    return "adaptive_lora_finetune" if "lora" in component else "adaptive_full_finetune"
 
 
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
@@ -42,66 +56,57 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     print(f"{'RECIPE':<28}CONFIG")
-    for recipe in RECIPES:
-        configs = _configs_for(recipe)
+    by_recipe = {recipe: [] for recipe in RECIPES}
+    for name in shipped_config_names():
+        by_recipe[recipe_for(shipped_configs_dir() / f"{name}.yaml")].append(name)
+    for recipe, configs in by_recipe.items():
         for i, name in enumerate(configs):
             print(f"{recipe if i == 0 else '':<28}{name}")
+    print("\nAlso torchtune's own full, LoRA and QLoRA configs by their names (`tune ls`), e.g. llama3_1/8B_full")
     return 0
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
-    stem = args.name[: -len(".yaml")] if args.name.endswith(".yaml") else args.name
     if args.name in RECIPES:
         source = _recipe_file(args.name)
-    elif stem in shipped_config_names():
-        source = shipped_configs_dir() / f"{stem}.yaml"
     else:
-        print(f"error: {args.name!r} is neither a recipe ({', '.join(RECIPES)}) nor a shipped config "
-              f"({', '.join(shipped_config_names())})", file=sys.stderr)
-        return 2
+        source = named_config(args.name)
     destination = Path(args.destination)
     if destination.is_dir() or args.destination.endswith("/"):
         destination = destination / source.name
     if not destination.suffix:
         destination = destination.with_suffix(source.suffix)
     if destination.exists() and destination.resolve() == source.resolve():
-        print(f"error: {destination} is the shipped file itself", file=sys.stderr)
-        return 2
+        raise UsageError(f"{destination} is the shipped file itself")
     if destination.exists() and not args.force:
-        print(f"error: {destination} exists; pass --force to overwrite", file=sys.stderr)
-        return 2
+        raise UsageError(f"{destination} exists; pass --force to overwrite")
     destination.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(source, destination)
-    print(f"Copied {source.name} to {destination}")
+    print(f"Copied {args.name} to {destination}")
+    if args.name not in RECIPES:
+        print(f"Run it with: tune run {recipe_for(destination)} --config {destination}")
     return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from adaptive_batching.config.settings import ConfigError, validate_config
+    from adaptive_batching.config.settings import validate_config
     from adaptive_batching.profiling.report import format_table, write_json
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
-    try:
-        settings = validate_config(cfg)
-    except ConfigError as err:
-        print(f"config error: {err}", file=sys.stderr)
-        return 2
-    trainer = Trainer(cfg, settings, method_for(cfg))
-    try:
+    with Trainer(cfg, validate_config(cfg), method_for(cfg)) as trainer:
         trainer.setup()
         result = trainer.profile()
         if trainer.is_rank_zero:
             print(format_table(result))
             if args.json:
                 print(f"JSON report: {write_json(result, Path(args.json))}")
-    finally:
-        trainer.close()
     return 0
 
 
 def cmd_estimate(args: argparse.Namespace) -> int:
+    from adaptive_batching.batching import worst_case
     from adaptive_batching.profiling.estimate import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.units import parse_bytes
@@ -109,16 +114,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     try:
         device_memory = parse_bytes(args.device_memory)
     except ValueError as err:
-        print(f"error: --device-memory: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(f"--device-memory: {err}") from None
+    if args.seq_len is not None and args.seq_len < 1:
+        raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
+    worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case.from_config(cfg)
     try:
         estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
                                             fraction=args.fraction, world_size=args.world_size,
-                                            exact=args.full_trace)
+                                            exact=args.full_trace, seq_len=worst.tokens, seq_len_source=worst.source)
     except ValueError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
+        raise UsageError(str(err)) from None
     print(estimate.describe())
     if args.json:
         Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2, sort_keys=True))
@@ -161,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device-memory", required=True, help="e.g. 80GiB")
     estimate.add_argument("--fraction", type=float, default=0.9, help="share of device memory to use (default 0.9)")
     estimate.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP)")
+    estimate.add_argument("--seq-len", type=int, default=None,
+                          help="tokens in the worst-case sample; default: the longest sample of the config's data "
+                               "after truncation, when the tokenizer and data can be read here")
     estimate.add_argument("--full-trace", action="store_true",
                           help="trace every layer (exact, minutes for an 8B model) instead of 3 layers extrapolated")
     estimate.add_argument("--json", help="also write the estimate as JSON here")
@@ -170,8 +179,23 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run a command; an error that is the user's (an argument, a config, a budget nothing fits in) is one line
+    on stderr, never a traceback: exit code 2 for a wrong argument or config, 1 when the run could not go on."""
     args = build_parser().parse_args(argv)
-    return args.func(args)
+    try:
+        return args.func(args)
+    except (UsageError, ConfigNotFound) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except ConfigError as error:
+        print(f"config error: {error}", file=sys.stderr)
+        return 2
+    except ProfileError as error:
+        print(f"profile error: {error}", file=sys.stderr)
+        return 1
+    except OutOfMemoryStop as error:
+        print(f"out of memory: {error}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -19,3 +19,7 @@ class PeerOutOfMemory(RuntimeError):
 
 class UnguardedOutOfMemory(RuntimeError):
     """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
+
+
+class ConfigNotFound(FileNotFoundError):
+    """``--config`` names neither a file, nor a shipped config, nor one of torchtune's."""

@@ -56,7 +56,7 @@ def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -
     overrides = [o.format(seq_len=seq_len) for o in (*COMMON, *extra)]
     cfg = load_config(_config(config), overrides)
     wall, cpu = time.perf_counter(), time.process_time()
-    trace = trace_steps(cfg, method_for(cfg), exact=METHODS[method])
+    trace = trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=METHODS[method])
     estimate = predict(trace, device_memory_bytes=parse_bytes(device_memory))
     result = {
         "estimate": estimate.to_dict(),

@@ -14,6 +14,7 @@ from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 from adaptive_batching.batching.data import build_dataloader
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.loading import optional_component
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults.checkpoints import resume_config
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.runtime.memory import peak_memory_gb, release_memory
@@ -150,7 +151,7 @@ def test_a_lora_model_with_activation_checkpointing_loads_base_weights() -> None
     assert wrapped and any("lora_a" in name for name in wrapped)
     loaded = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()}
     assert all(torch.equal(loaded[k], v) for k, v in base.items())
-    with pytest.raises(RuntimeError, match="does not match the LoRA model"):
+    with pytest.raises(ConfigError, match="does not match the LoRA model"):
         build_model(cfg, LoRAFinetune(cfg, save_adapter_weights_only=False),
                     {training.MODEL_KEY: {k: v for k, v in base.items() if "q_proj" not in k}},
                     device=torch.device("cpu"), dtype=torch.float32, parallel=ParallelInfo(),

@@ -47,11 +47,11 @@ def test_a_plus_key_is_refused_naming_the_key_meant() -> None:
 
 
 def test_other_unread_keys_get_one_warning_line(base_cfg: DictConfig, caplog: pytest.LogCaptureFixture) -> None:
-    cfg = modified(base_cfg, {"log_peak_memory_stats": True, "dataloader_workers": 2})
+    cfg = modified(base_cfg, {"log_peak_memory_stats": True, "dataloader_workers": 2, "my_note": "x"})
     with caplog.at_level(logging.WARNING):
         validate_config(cfg)
     lines = [r.getMessage() for r in caplog.records if "not read by the recipes" in r.getMessage()]
-    assert lines == ["config keys not read by the recipes (ignored): dataloader_workers, log_peak_memory_stats"]
+    assert lines == ["config keys not read by the recipes (ignored): dataloader_workers, my_note"]
 
 
 def test_distant_keys_are_not_near_misses() -> None:

@@ -100,7 +100,7 @@ def test_fake_steps_correct_a_fit_that_underestimates_larger_batches() -> None:
         measured.append(micro_batch)
         return _convex(micro_batch)
 
-    trace = StepTrace({1: _convex(1), 2: _convex(2)}, 64, 4, 3, EXTRAPOLATED, 0.0, measure, {})
+    trace = StepTrace({1: _convex(1), 2: _convex(2)}, 64, "test", 4, 3, EXTRAPOLATED, 0.0, measure, {})
     assert predict(trace, device_memory_bytes=40 * MiB, fraction=1.0, verify=False).max_micro_batch == 26
     estimate = predict(trace, device_memory_bytes=40 * MiB, fraction=1.0)
     assert (estimate.fit_micro_batch, estimate.max_micro_batch) == (26, 6)
@@ -128,7 +128,9 @@ def traces() -> dict[str, tuple]:
     result = {}
     for case, (name, overrides) in FOUR_LAYERS.items():
         cfg = load_config(str(CONFIGS / name), overrides)
-        result[case] = (trace_steps(cfg, method_for(cfg)), trace_steps(cfg, method_for(cfg), exact=True))
+        seq_len = int(cfg.tokenizer.max_seq_len)
+        result[case] = (trace_steps(cfg, method_for(cfg), seq_len=seq_len),
+                        trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=True))
     return result
 
 
@@ -172,15 +174,16 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     fast, full = traces[case]
     asked = []
 
-    def recorded(cfg: object, method: object, *, exact: bool, max_probe: int) -> StepTrace:
-        asked.append((exact, cfg.model.num_layers, method.name))
+    def recorded(cfg: object, method: object, *, seq_len: int, seq_len_source: str, exact: bool,
+                 max_probe: int) -> StepTrace:
+        asked.append((exact, cfg.model.num_layers, method.name, seq_len, seq_len_source))
         return replace(full, measure=None) if exact else fast  # verifying the full trace costs seconds
 
     monkeypatch.setattr(estimate, "trace_steps", recorded)
     name, overrides = FOUR_LAYERS[case]
     out = tmp_path / "e.json"
     argv = ["estimate", "--config", str(CONFIGS / name), "--device-memory", "512MiB", "--world-size", "2",
-            "--json", str(out), *overrides]
+            "--seq-len", "256", "--json", str(out), *overrides]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "method: layer extrapolation (traced 3 of 4 layers; --full-trace traces all)" in printed
@@ -197,7 +200,7 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     printed = capsys.readouterr().out
     assert "method: full trace of all 4 layers" in printed and "the fit's prediction, not verified" in printed
     assert json.loads(out.read_text())["method"] == FULL_TRACE
-    assert asked == [(False, 4, "full"), (True, 4, "full")]
+    assert asked == [(False, 4, "full", 256, "--seq-len"), (True, 4, "full", 256, "--seq-len")]
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -206,15 +209,17 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     (["--device-memory", "1GiB", "--world-size", "0"], "--world-size"),
 ])
 def test_cli_bad_input_names_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
-    assert main(["estimate", "--config", str(CONFIGS / "tiny_full.yaml"), *argv]) == 2
+    assert main(["estimate", "--config", str(CONFIGS / "tiny_full.yaml"), "--seq-len", "256", *argv]) == 2
     assert flag in capsys.readouterr().err
 
 
 def test_bad_arguments_are_refused_before_any_tracing() -> None:
     cfg = load_config(str(CONFIGS / "tiny_full.yaml"))
     with pytest.raises(ValueError, match=r"device_memory_bytes \(--device-memory\)"):
-        estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=0)
+        estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=0, seq_len=256)
     with pytest.raises(ValueError, match=r"world_size \(--world-size\)"):
-        estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=MiB, world_size=1.5)
+        estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=MiB, world_size=1.5, seq_len=256)
     with pytest.raises(ValueError, match="max_probe"):
-        trace_steps(cfg, method_for(cfg), max_probe=1)
+        trace_steps(cfg, method_for(cfg), max_probe=1, seq_len=256)
+    with pytest.raises(ValueError, match=r"seq_len \(--seq-len\)"):
+        trace_steps(cfg, method_for(cfg), seq_len=0)

@@ -32,7 +32,7 @@ RESULT = {"micro_batch": 24, "peak_bytes": [1, 2, 3], "budget": {"bytes": 10, "s
 
 def key_of(cfg: DictConfig, **overrides: Any) -> str:
     machine = dict(world_size=1, device=torch.device("cpu"), device_name="cpu", device_memory_bytes=2**34,
-                   torch_version="2.13.0")
+                   torch_version="2.13.0", seq_len=256)
     machine.update(overrides)
     return fingerprint(memory_fingerprint_parts(cfg, **machine))
 
@@ -144,9 +144,9 @@ def test_fingerprint_ignores_key_order() -> None:
 
 def test_fingerprint_parts_are_plain_json(base_cfg: DictConfig) -> None:
     parts = memory_fingerprint_parts(base_cfg, world_size=1, device=torch.device("cpu"), device_name="cpu",
-                                     device_memory_bytes=2**34, torch_version="2.13.0")
+                                     device_memory_bytes=2**34, torch_version="2.13.0", seq_len=1450)
     assert json.loads(json.dumps(parts)) == parts
-    assert parts["model"]["embed_dim"] == 64 and parts["tokenizer.max_seq_len"] == 256
+    assert parts["model"]["embed_dim"] == 64 and parts["worst_case_seq_len"] == 1450
     assert parts["optimizer"] == {"_component_": "torch.optim.AdamW"}
 
 
@@ -159,7 +159,6 @@ def test_fingerprint_is_stable_for_the_same_config(base_cfg: DictConfig) -> None
     {"model.num_layers": 3},
     {"model._component_": "torchtune.models.llama3.lora_llama3"},
     {"dtype": "bf16"},
-    {"tokenizer.max_seq_len": 512},
     {"dataset.packed": True},
     {"enable_activation_checkpointing": True},
     {"compile": True},
@@ -176,9 +175,9 @@ def test_fingerprint_changes_with_what_changes_memory(base_cfg: DictConfig, upda
 
 @pytest.mark.parametrize("machine", [
     {"world_size": 2}, {"device": torch.device("cuda", 0)}, {"device_name": "NVIDIA H100"},
-    {"device_memory_bytes": 2**35}, {"torch_version": "2.14.0"},
+    {"device_memory_bytes": 2**35}, {"torch_version": "2.14.0"}, {"seq_len": 1450},
 ])
-def test_fingerprint_changes_with_the_machine(base_cfg: DictConfig, machine: dict[str, Any]) -> None:
+def test_fingerprint_changes_with_the_machine_and_the_worst_case_length(base_cfg: DictConfig, machine: dict[str, Any]) -> None:
     assert key_of(base_cfg, **machine) != key_of(base_cfg)
 
 
@@ -209,8 +208,8 @@ def test_equivalent_budget_settings_fingerprint_alike(base_cfg: DictConfig) -> N
 def test_configs_without_optional_keys_still_fingerprint() -> None:
     minimal = OmegaConf.create({"model": {"_component_": "m", "embed_dim": 8}, "adaptive_batching": None})
     parts = memory_fingerprint_parts(minimal, world_size=1, device=torch.device("cpu"), device_name="cpu",
-                                     device_memory_bytes=1, torch_version="x")
-    assert parts["dtype"] == "fp32" and parts["compile"] is False and parts["tokenizer.max_seq_len"] is None
+                                     device_memory_bytes=1, torch_version="x", seq_len=8)
+    assert parts["dtype"] == "fp32" and parts["compile"] is False and parts["worst_case_seq_len"] == 8
     assert parts["adaptive_batching.memory_fraction"] == 0.9 and parts["adaptive_batching.memory_budget"] is None
     assert parts["adaptive_batching.search_tolerance"] == 0.01
     assert isinstance(fingerprint(parts), str)
@@ -220,7 +219,7 @@ def test_packed_dataset_list_is_packed_only_when_all_are(base_cfg: DictConfig) -
     def packed(datasets: list[dict[str, Any]]) -> bool:
         cfg = modified(base_cfg, {"dataset": datasets})
         return memory_fingerprint_parts(cfg, world_size=1, device=torch.device("cpu"), device_name="cpu",
-                                        device_memory_bytes=1, torch_version="x")["dataset.packed"]
+                                        device_memory_bytes=1, torch_version="x", seq_len=8)["dataset.packed"]
 
     assert packed([{"_component_": "a", "packed": True}, {"_component_": "b", "packed": True}]) is True
     assert packed([{"_component_": "a", "packed": True}, {"_component_": "b"}]) is False

@@ -16,6 +16,7 @@ from torchtune.data import padded_collate_packed
 
 from adaptive_batching.batching.sampler import StepBatchSampler, collate_allowing_empty
 from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime.distributed import ParallelInfo
 
 DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
@@ -40,7 +41,7 @@ def build_collate(collate_path: str, packed: bool, pad_id: int, ignore_index: in
     if packed:
         collate = padded_collate_packed
     elif "left_pad_sequence" in collate_path:
-        raise ValueError("config key 'collate_fn': left_pad_sequence is for inference only")
+        raise ConfigError("config key 'collate_fn': left_pad_sequence is for inference only")
     else:
         collate = partial(_get_component_from_path(collate_path), padding_idx=pad_id, ignore_idx=ignore_index)
     return collate_allowing_empty(collate, pad_id=pad_id, ignore_index=ignore_index, packed=packed)

@@ -146,16 +146,18 @@ class BatchPlan:
                                            entry.memory_cap) for e in range(epoch, self.epochs)]
 
     def describe(self, plan_rows: Callable[..., list[str]], extents: list[tuple[int, int]],
-                 reference_global_batch: int, rule: str, total_steps: int) -> str:
+                 reference_global_batch: int, rule: str, total_steps: int, sized_for: str = "") -> str:
         """The batch plan as logged: a header line, then a table row per epoch (``plan_rows`` adds the
-        batching policy's columns)."""
+        batching policy's columns); ``sized_for`` names the worst-case sample the memory cap was measured with."""
         header, *rows = describe_plan(self.entries)
         rows = plan_rows(rows, extents, reference_global_batch, rule)
         grows = f"; the batch grows {self.interval.describe()}, so the rows show where it starts" \
             if self.grows_inside_epochs else ""
         return ("Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
                 f"reference global batch {reference_global_batch} from the config; LR scaling '{rule}'; "
-                f"LR schedule over {total_steps} reference steps{grows}):\n" + "\n".join([header, *rows]))
+                f"LR schedule over {total_steps} reference steps{grows}"
+                f"{f'; memory cap measured with worst-case samples of {sized_for}' if sized_for else ''}):\n"
+                + "\n".join([header, *rows]))
 
     def switch_reason(self, epoch: int) -> str:
         """Why ``epoch`` starts at its batch, for the epoch-switch log line."""

@@ -11,17 +11,19 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
+from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
-from adaptive_batching.batching.data import build_dataloader, build_token_dataloader, data_files
+from adaptive_batching.batching.data import build_dataloader, build_token_dataloader
 from adaptive_batching.batching.sampler import epoch_extent
 from adaptive_batching.batching.schedule import EpochBatch
-from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.batching.token_sampler import padding_waste
+from adaptive_batching.batching.worst_case import WorstCase
 from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults.guard import piece_size
 from adaptive_batching.faults.oom import is_out_of_memory
@@ -43,6 +45,7 @@ class DataContext:
     shuffle: bool
     seed: int
     max_steps: Optional[int]
+    packed: bool = False
 
     def common(self, epoch: int, split: int, start_step: int) -> dict[str, Any]:
         return dict(collate_fn=self.collate, parallel=self.parallel, shuffle=self.shuffle, seed=self.seed,
@@ -52,20 +55,26 @@ class DataContext:
 class SampleBatching:
     """A fixed number of samples per micro batch: the plan's micro batch, cut into ``split`` after an OOM."""
 
-
     def __init__(self, knobs: dict[str, Any]) -> None:
         self.knobs = knobs
         self.data: Optional[DataContext] = None
         self.epoch_plan: list[EpochBatch] = []
+        self.worst: Optional[WorstCase] = None  # the longest sample, when the profiler needs it
+
+    @property
+    def cache_dir(self) -> Path:
+        """Where profiles and sample lengths are cached."""
+        return default_cache_dir() if self.knobs["cache_dir"] is None else Path(self.knobs["cache_dir"])
 
     def cuts(self) -> Cuts:
         return SampleCuts()
 
-    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None]) -> None:
+    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None], *, profiles: bool) -> None:
+        """Keep the data; when the run profiles, find its worst-case sample (see ``worst_case``)."""
         self.data = data
-
-    def worst_case_seq_len(self, configured: int) -> int:
-        return configured
+        if profiles:
+            self.worst, _ = worst_case.measure(data.dataset, cfg, packed=data.packed, cache_dir=self.cache_dir,
+                                               info=info)
 
     def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
              profiled: Optional[int], verify: "Verifier", info: Callable[[str], None]) -> None:
@@ -163,7 +172,6 @@ class TokenBatching(SampleBatching):
     """Micro batches filled up to a token budget (padded tokens); the budget grows as a micro batch would,
     and after an OOM each micro batch runs as ``split`` pieces."""
 
-
     def __init__(self, knobs: dict[str, Any]) -> None:
         super().__init__(knobs)
         self.lengths: list[int] = []
@@ -172,23 +180,15 @@ class TokenBatching(SampleBatching):
     def cuts(self) -> Cuts:
         return TokenCuts()
 
-    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None]) -> None:
-        """Every sample's token count, cached by a fingerprint of the data, the dataset and the tokenizer config."""
+    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None], *, profiles: bool) -> None:
+        """Every sample's token count (cached, see ``worst_case``): the budget is filled by them."""
         self.data = data
-        cache_dir = self.knobs["cache_dir"]
-        key_parts = {
-            "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
-            "tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True),
-            "data_files": data_files_digest(data_files(cfg.dataset)),
-        }
-        self.lengths = sequence_lengths(data.dataset, cache_dir=default_cache_dir() if cache_dir is None else cache_dir,
-                                        key_parts=key_parts)
+        self.worst, lengths = worst_case.measure(data.dataset, cfg, packed=False, cache_dir=self.cache_dir, info=info)
+        assert lengths is not None
+        self.lengths = lengths
         ordered = sorted(self.lengths)
         info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
              f"(median {ordered[len(ordered) // 2]})")
-
-    def worst_case_seq_len(self, configured: int) -> int:
-        return max(self.lengths) if self.lengths else configured
 
     def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
              profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> None:
@@ -202,7 +202,7 @@ class TokenBatching(SampleBatching):
         value = self.knobs["max_tokens"]
         if profiled is None:
             return int(value)
-        seq_len = self.worst_case_seq_len(0)
+        seq_len = max(self.lengths)
         from_profile = start * seq_len
         budget = from_profile if value == "auto" else min(int(value), from_profile)
         info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "

@@ -26,6 +26,10 @@ RECIPE_KEYS = frozenset({
     "save_every_n_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm", "compile", "device", "dtype",
     "enable_activation_checkpointing", "metric_logger", "log_every_n_steps", "custom_sharded_layers",
     "fsdp_reshard_after_forward", "fsdp_cpu_offload", "save_adapter_weights_only", "cudnn_deterministic_mode",
+    "log_peak_memory_stats", "low_cpu_ram",
+    # In torchtune's stock configs, read by no recipe of torchtune 0.6.1 either (``fsdp.cpu_offload``), or only
+    # with tensor parallelism, which is refused: accepted silently, as torchtune accepts them.
+    "fsdp", "tensor_parallel_plan",
     # Refused unless off (see settings): read, so not unknown.
     "optimizer_in_bwd", "enable_activation_offloading", "tensor_parallel_dim", "profiler",
 })

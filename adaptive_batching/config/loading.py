@@ -7,17 +7,20 @@ so the recipes resolve it themselves before handing over to torchtune's own pars
 
 from __future__ import annotations
 
+import contextlib
+import difflib
 import functools
 import sys
+import traceback
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 from omegaconf import DictConfig
 from torchtune import config as tune_config
+from torchtune.config._errors import InstantiationError
 
-from adaptive_batching.config.settings import ConfigError
-from adaptive_batching.errors import OutOfMemoryStop
+from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, ProfileError
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune")
 
@@ -32,21 +35,46 @@ def shipped_config_names() -> list[str]:
     return sorted(p.stem for p in shipped_configs_dir().glob("*.yaml"))
 
 
-def resolve_config(name: str) -> Path:
-    """Return the config file that ``name`` means: an existing path, else a shipped config.
+# The torchtune recipes whose configs ours can run (the others train or evaluate in other ways).
+FINETUNE_RECIPES = ("full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device",
+                    "lora_finetune_distributed")
 
-    ``llama3_8b`` and ``llama3_8b.yaml`` both name the shipped ``llama3_8b.yaml``.
-    """
+
+def stock_configs(recipes: Optional[Sequence[str]] = None) -> dict[str, Path]:
+    """torchtune's own configs by the names ``tune run`` takes (``llama3_1/8B_full``), from its registry;
+    those of ``recipes`` only when given."""
+    import torchtune
+    from torchtune._recipe_registry import get_all_recipes
+
+    root = Path(torchtune.__file__).parent.parent / "recipes" / "configs"
+    return {config.name: root / config.file_path for recipe in get_all_recipes()
+            if recipes is None or recipe.name in recipes for config in recipe.configs}
+
+
+def resolve_config(name: str) -> Path:
+    """Return the config file that ``name`` means: an existing path, else a config by name (see
+    :func:`named_config`)."""
     path = Path(name).expanduser()
-    if path.is_file():
-        return path
+    return path if path.is_file() else named_config(name)
+
+
+def named_config(name: str) -> Path:
+    """One of our shipped configs (``llama3_8b`` or ``llama3_8b.yaml``), else torchtune's config of that name
+    (``llama3_1/8B_full``), as ``tune run`` finds it. Ours and torchtune's never share a name (torchtune's
+    all hold a ``/``)."""
     stem = name[: -len(".yaml")] if name.endswith(".yaml") else name
     shipped = shipped_configs_dir() / f"{stem}.yaml"
     if "/" not in stem and shipped.is_file():
         return shipped
-    raise FileNotFoundError(
-        f"--config {name!r}: no such file (looked in {Path.cwd()}) and no shipped config of that "
-        f"name. Shipped configs: {', '.join(shipped_config_names())}"
+    stock = stock_configs()
+    if stem in stock:
+        return stock[stem]
+    close = difflib.get_close_matches(stem, [*shipped_config_names(), *stock_configs(FINETUNE_RECIPES)], n=4,
+                                      cutoff=0.6)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ConfigNotFound(
+        f"--config {name!r}: no such file in {Path.cwd()}, and neither a shipped config nor a torchtune config "
+        f"of that name{hint} (`adaptive-batching ls` lists ours, `tune ls` torchtune's)"
     )
 
 
@@ -70,6 +98,34 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> DictConfig:
 
     yaml = OmegaConf.to_container(OmegaConf.load(resolve_config(name)), resolve=False)
     return _merge_yaml_and_cli_args(Namespace(**yaml), list(overrides))
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: its type and its message, lines joined."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _is_config_error(error: BaseException) -> bool:
+    """Errors a config node causes while it is built: a `_component_` that does not import, a file that is not
+    there, or arguments the component does not take (a TypeError raised at torchtune's call of the component,
+    not inside it, which would be a bug with a traceback worth keeping)."""
+    if isinstance(error, (InstantiationError, FileNotFoundError)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, TypeError) and bool(frames) and frames[-1].name == "_create_component"
+
+
+@contextlib.contextmanager
+def building(key: str) -> Iterator[None]:
+    """Build the config node ``key``: an error that is the config's (see :func:`_is_config_error`) becomes a
+    :class:`ConfigError` naming the key, reported in one line."""
+    try:
+        yield
+    except Exception as error:
+        if not _is_config_error(error):
+            raise
+        raise ConfigError(f"config key '{key}': {one_line(error)}") from error
 
 
 def optional_component(node: Any) -> Optional[DictConfig]:
@@ -105,13 +161,15 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             sys.exit(f"config error: {err}")
         except OutOfMemoryStop as err:
             sys.exit(f"out of memory: {err}")
+        except ProfileError as err:
+            sys.exit(f"profile error: {err}")
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:
         _GIVEN_ARGV[:] = sys.argv
         try:
             sys.argv = resolve_config_argument(sys.argv)
-        except FileNotFoundError as err:
+        except ConfigNotFound as err:
             sys.exit(f"error: {err}")
         return tune_config.parse(checked)()
 

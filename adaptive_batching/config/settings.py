@@ -173,6 +173,8 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
         "enable_activation_checkpointing": (_bool, False),
         "resume_from_checkpoint": (_bool, False),
         "shuffle": (_bool, False),
+        "log_peak_memory_stats": (_bool, False),
+        "low_cpu_ram": (_bool, False),
         "dtype": (_choice("fp32", "bf16"), False),
     }
     for key, (check, required) in checks.items():

@@ -159,7 +159,7 @@ def _packed(dataset: Any) -> bool:
 
 
 def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.device, device_name: str,
-                             device_memory_bytes: int, torch_version: str) -> dict[str, Any]:
+                             device_memory_bytes: int, torch_version: str, seq_len: int) -> dict[str, Any]:
     """Everything in a run that changes the largest micro batch that fits, or how closely the search
     found it, as plain JSON-able values.
 
@@ -172,7 +172,7 @@ def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.
     return {
         "model": _select(cfg, "model", None),
         "dtype": _select(cfg, "dtype", "fp32"),
-        "tokenizer.max_seq_len": _select(cfg, "tokenizer.max_seq_len", None),
+        "worst_case_seq_len": int(seq_len),
         "dataset.packed": _packed(_select(cfg, "dataset", None)),
         "optimizer": optimizer,
         "loss._component_": _select(cfg, "loss._component_", None),

@@ -59,6 +59,7 @@ class Estimate:
     device_memory_bytes: int
     budget_bytes: int
     seq_len: int
+    seq_len_source: str
     model_state_bytes: int
     fixed_bytes: float
     bytes_per_sample: float
@@ -88,6 +89,7 @@ class Estimate:
         return (
             f"predicted largest micro batch: {self.max_micro_batch} ({self.seq_len}-token samples, "
             f"{self.world_size} rank(s))\n"
+            f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
             f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
             f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
             f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
@@ -166,11 +168,10 @@ Measure = Callable[[int], StepMemory]
 """One more fake training step at a micro batch, on the model a trace built."""
 
 
-def _full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
-                fake: FakeTensorMode) -> tuple[Measure, int, int]:
+def _full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
+                seq_len: int) -> tuple[Measure, int]:
     """Steps that trace every layer of the whole model: exact, and slow for deep models."""
     model, loss_fn, num_layers = _build(cfg, method, dtype, fake)
-    seq_len = _seq_len(cfg, model)
     vocab_size = model.tok_embeddings.num_embeddings
     with fake:
         optimizer = _optimizer(cfg, model)
@@ -180,7 +181,7 @@ def _full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
         with fake:
             return _fake_step(model, optimizer, loss_fn, micro_batch, seq_len, vocab_size)
 
-    return step, seq_len, num_layers
+    return step, num_layers
 
 
 def _optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, list[int]]:
@@ -201,11 +202,10 @@ def _optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tupl
     return before, current_bytes(CPU, model, optimizer), peaks
 
 
-def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
-                  fake: FakeTensorMode) -> tuple[Measure, int, int, int]:
+def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
+                  seq_len: int) -> tuple[Measure, int, int]:
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps."""
     model, _, num_layers = _build(cfg, method, dtype, fake, uniform=True)
-    seq_len = _seq_len(cfg, model)
     vocab_size = model.tok_embeddings.num_embeddings
     with fake:
         initial, steady, optimizer_peaks = _optimizer_steps(model, _optimizer(cfg, model))
@@ -226,11 +226,7 @@ def _extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype,
         steps += 1
         return memory
 
-    return step, seq_len, num_layers, traced
-
-
-def _seq_len(cfg: DictConfig, model: nn.Module) -> int:
-    return int(cfg.tokenizer.get("max_seq_len", None) or model.max_seq_len)
+    return step, num_layers, traced
 
 
 @dataclass(frozen=True)
@@ -243,6 +239,7 @@ class StepTrace:
 
     probes: dict[int, StepMemory]
     seq_len: int
+    seq_len_source: str
     num_layers: int
     traced_layers: int
     method: str
@@ -251,26 +248,31 @@ class StepTrace:
     measured: dict[int, StepMemory] = field(default_factory=dict, repr=False, compare=False)
 
 
-def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, exact: bool = False, max_probe: int = 1024) -> StepTrace:
-    """Count the memory of fake training steps at micro batch 1, 2, 4, ... until the peaks grow linearly.
+def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
+                exact: bool = False, max_probe: int = 1024) -> StepTrace:
+    """Count the memory of fake training steps at micro batch 1, 2, 4, ... of ``seq_len``-token samples (the
+    worst case, see ``batching.worst_case``; ``seq_len_source`` says where it came from) until the peaks grow
+    linearly.
 
     ``exact`` traces every layer (slow for deep models); by default 3 layers are traced and
     extended to the model's depth (see the module docstring).
     """
     if not isinstance(max_probe, int) or isinstance(max_probe, bool) or max_probe < 2:
         raise ValueError(f"max_probe must be an integer >= 2, got {max_probe!r}")
+    if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
+        raise ValueError(f"seq_len (--seq-len) must be an integer >= 1, got {seq_len!r}")
     started = time.perf_counter()
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=CPU)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
     if exact:
-        measure, seq_len, num_layers = _full_trace(cfg, method, dtype, fake)
+        measure, num_layers = _full_trace(cfg, method, dtype, fake, seq_len)
         traced = num_layers
     else:
-        measure, seq_len, num_layers, traced = _extrapolated(cfg, method, dtype, fake)
+        measure, num_layers, traced = _extrapolated(cfg, method, dtype, fake, seq_len)
     probed = probe_until_slope(measure, max_probe)
     if fit_probes(probed) is None:
         raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
-    return StepTrace(probed, seq_len, num_layers, traced, FULL_TRACE if exact else EXTRAPOLATED,
+    return StepTrace(probed, seq_len, seq_len_source, num_layers, traced, FULL_TRACE if exact else EXTRAPOLATED,
                      time.perf_counter() - started, measure, dict(probed))
 
 
@@ -320,6 +322,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         device_memory_bytes=device_memory_bytes,
         budget_bytes=budget,
         seq_len=trace.seq_len,
+        seq_len_source=trace.seq_len_source,
         model_state_bytes=model_state,
         fixed_bytes=fit.fixed_bytes,
         bytes_per_sample=fit.bytes_per_sample,
@@ -350,11 +353,13 @@ def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_s
     return result.max_ok, len(result.trials)
 
 
-def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int,
-                             fraction: float = 0.9, world_size: int = 1, max_probe: int = 1024,
-                             exact: bool = False) -> Estimate:
-    """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``:
-    :func:`trace_steps`, then :func:`predict` (arguments are checked before any tracing)."""
+def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int, seq_len: int,
+                             seq_len_source: str = "", fraction: float = 0.9, world_size: int = 1,
+                             max_probe: int = 1024, exact: bool = False) -> Estimate:
+    """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
+    ``seq_len``-token worst-case samples: :func:`trace_steps`, then :func:`predict` (arguments are checked
+    before any tracing)."""
     _check_device(device_memory_bytes, fraction, world_size)
-    trace = trace_steps(cfg, method, exact=exact, max_probe=max_probe)
+    trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source=seq_len_source, exact=exact,
+                        max_probe=max_probe)
     return predict(trace, device_memory_bytes=device_memory_bytes, fraction=fraction, world_size=world_size)

@@ -91,6 +91,7 @@ class ProfileResult:
     budget_bytes: int
     budget_source: str
     seq_len: int
+    seq_len_source: str = ""  # where the worst-case length came from (the data, a pack)
     fixed_bytes: Optional[float] = None
     bytes_per_sample: Optional[float] = None
     optimizer_peak_bytes: Optional[int] = None

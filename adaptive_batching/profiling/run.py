@@ -44,7 +44,8 @@ class ProfileContext:
     knobs: dict[str, Any]
     device: torch.device
     parallel: ParallelInfo
-    seq_len: int
+    seq_len: int  # tokens in the worst-case sample the trial steps use
+    seq_len_source: str  # where that length came from, for the report
     samples_per_rank: int
     preserved: Callable[[], AbstractContextManager[Any]]
     live_bytes: Callable[[], int]
@@ -64,7 +65,7 @@ def cache_location(context: ProfileContext) -> tuple[Path, str]:
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
         context.cfg, world_size=context.parallel.world_size, device=context.device, device_name=name,
-        device_memory_bytes=total, torch_version=torch.__version__,
+        device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
     ))
     return cache_file(context.knobs["cache_dir"], key), key
 
@@ -133,7 +134,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
         budget = Budget(minimum_over_ranks(budget.bytes, context.parallel, context.device),
                         f"{budget.source}; minimum over {context.parallel.world_size} ranks")
     context.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
-                 f"worst-case samples of {context.seq_len} tokens")
+                 f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
     with context.preserved():
         result = find_max_micro_batch(
             trial_step, budget, seq_len=context.seq_len, safety_margin=knobs["safety_margin"],
@@ -142,5 +143,33 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
             agree=agree_on_trial(context.parallel, context.device),
             recover=lambda: memory.release_memory(context.device),
         )
+    result.seq_len_source = context.seq_len_source
     memory.release_memory(context.device)
     return result
+
+
+class RunProfile:
+    """A run's profile: the one its resumed checkpoint holds, the cached one, or one measured now (see
+    :func:`run_profile`); after an out-of-memory error in training, the micro batch the run fell back to is
+    written into the cache, so the next run on this set-up starts under it. ``context`` builds the
+    :class:`ProfileContext` when it is needed (after set-up)."""
+
+    def __init__(self, context: Callable[[], ProfileContext]) -> None:
+        self.context = context
+        self.result: Optional[ProfileResult] = None
+
+    def find(self, restored: Mapping[str, Any], trial_step: TrialStep) -> ProfileResult:
+        context = self.context()
+        self.result = saved_profile(restored, context.parallel.world_size, context.info) \
+            or run_profile(context, trial_step)
+        return self.result
+
+    def remember_cap(self, cap_for: Callable[[int], int], *, any_rank: bool) -> None:
+        """Write ``cap_for(profiled micro batch)`` into the profile cache (from rank 0, or from any rank)."""
+        if self.result is None:
+            return
+        context = self.context()
+        self.result.oom_cap = limit = cap_for(self.result.micro_batch)
+        if any_rank or context.parallel.is_rank_zero:
+            path = remember_out_of_memory(context, self.result, limit)
+            context.info(f"Profile cache {path}: later runs start at micro batch <= {limit}")

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from adaptive_batching.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ParallelInfo:
@@ -41,7 +43,7 @@ def device_for(device_type: str, local_rank: int) -> torch.device:
     device_type = device_type or "cpu"
     if device_type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("config key 'device' = 'cuda' but no CUDA device is available; use device=cpu")
+            raise ConfigError("config key 'device' = 'cuda' but no CUDA device is available; use device=cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device(device_type)

@@ -1,4 +1,6 @@
-"""The torchtune components of a run, built from its config: model, tokenizer, optimizer, loss and data."""
+"""The torchtune components of a run, built from its config: the data first (tokenizer and dataset, so a wrong
+path fails before any weights load), then the model, optimizer, loss and collate. An error that is the
+config's names its key (see ``config.loading.building``)."""
 
 from __future__ import annotations
 
@@ -9,45 +11,64 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, training
+from torchtune.modules import common_utils
 
 from adaptive_batching.batching.data import DEFAULT_COLLATE, build_collate, build_dataset
+from adaptive_batching.config.loading import building
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.model import FinetuneMethod, ModelOptions, build_model
 
 
 @dataclass
-class Components:
-    model: nn.Module
+class Data:
     tokenizer: Any
-    optimizer: torch.optim.Optimizer
-    loss_fn: Any
     dataset: Any
     packed: bool
+
+
+@dataclass
+class Components:
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Any
     collate: Callable
 
 
-def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[str, Any], *, device: torch.device,
-                     dtype: torch.dtype, parallel: ParallelInfo, is_rank_zero: bool) -> Components:
-    """Model (sharded over ``parallel``, weights from ``checkpoint``), then tokenizer, optimizer over the
-    trainable parameters, loss (compiled with ``compile``) and the dataset with its collate."""
-    model = build_model(
-        cfg.model, method, checkpoint, device=device, dtype=dtype, parallel=parallel,
-        options=ModelOptions(
-            activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-            compile=cfg.get("compile", False),
-            custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-            reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-            fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
-        ),
-        is_rank_zero=is_rank_zero,
-    )
-    tokenizer = config.instantiate(cfg.tokenizer)
-    optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
-    loss_fn = config.instantiate(cfg.loss)
+def build_data(cfg: DictConfig) -> Data:
+    """The tokenizer and the dataset (several, concatenated, when ``dataset`` is a list)."""
+    with building("tokenizer"):
+        tokenizer = config.instantiate(cfg.tokenizer)
+    with building("dataset"):
+        dataset, packed = build_dataset(cfg.dataset, tokenizer)
+    return Data(tokenizer, dataset, packed)
+
+
+def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[str, Any], data: Data, *,
+                     device: torch.device, dtype: torch.dtype, parallel: ParallelInfo, is_rank_zero: bool) -> Components:
+    """The model (sharded over ``parallel``, weights from ``checkpoint``), the optimizer over the trainable
+    parameters, the loss (compiled with ``compile``) and the collate of ``data``."""
+    common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)  # as torchtune's LoRA recipe sets it (QLoRA saves)
+    with building("model"):
+        model = build_model(
+            cfg.model, method, checkpoint, device=device, dtype=dtype, parallel=parallel,
+            options=ModelOptions(
+                activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+                compile=cfg.get("compile", False),
+                custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+                reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+                fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
+            ),
+            is_rank_zero=is_rank_zero,
+        )
+    with building("optimizer"):
+        optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    with building("loss"):
+        loss_fn = config.instantiate(cfg.loss)
     if cfg.get("compile", False):
         training.compile_loss(loss_fn, verbose=is_rank_zero)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
-    dataset, packed = build_dataset(cfg.dataset, tokenizer)
-    collate = build_collate(cfg.get("collate_fn", DEFAULT_COLLATE), packed, tokenizer.pad_id, loss_fn.ignore_index)
-    return Components(model, tokenizer, optimizer, loss_fn, dataset, packed, collate)
+    with building("collate_fn"):
+        collate = build_collate(cfg.get("collate_fn", DEFAULT_COLLATE), data.packed, data.tokenizer.pad_id,
+                                loss_fn.ignore_index)
+    return Components(model, optimizer, loss_fn, collate)

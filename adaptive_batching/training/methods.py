@@ -20,9 +20,20 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.training.model import FinetuneMethod
 
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
+
+
+def checkpoint_mismatch(what: str, missing: Sequence[str], unexpected: Sequence[str]) -> ConfigError:
+    """The checkpoint's weights do not fit the configured model: a wrong ``model`` or ``checkpointer``."""
+    def names(keys: Sequence[str]) -> str:
+        keys = list(keys)
+        return f"{keys[:4]}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}"
+
+    return ConfigError(f"the checkpoint in 'checkpointer.checkpoint_dir' does not match {what} of config key 'model': "
+                       f"missing {names(missing)}, unexpected {names(unexpected)}")
 
 
 class FullFinetune:
@@ -42,7 +53,7 @@ class FullFinetune:
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
         if missing or unexpected:
-            raise RuntimeError(f"Checkpoint does not match the model: missing {missing}, unexpected {unexpected}")
+            raise checkpoint_mismatch("the model", missing, unexpected)
 
     def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {training.MODEL_KEY: full_state_dict}
@@ -80,9 +91,7 @@ class LoRAFinetune:
         # Activation checkpointing wraps each layer after the adapter was found: its keys gain the wrapper's name.
         not_adapter = [k for k in missing if k.replace(_CHECKPOINT_WRAPPER, "") not in self._adapter_names]
         if not_adapter or unexpected:
-            raise RuntimeError(
-                f"Checkpoint does not match the LoRA model: missing {not_adapter}, unexpected {list(unexpected)}"
-            )
+            raise checkpoint_mismatch("the LoRA model", not_adapter, unexpected)
         for module in model.modules():
             if hasattr(module, "initialize_dora_magnitude"):
                 module.initialize_dora_magnitude()

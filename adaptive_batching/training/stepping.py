@@ -40,8 +40,9 @@ class StepStats:
 
 
 def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,
-                 batching: dict[str, float]) -> dict[str, float]:
-    """One optimizer step's metrics as logged: what ran (micro batch and accumulation after any cut)."""
+                 batching: dict[str, float], peak_memory_stats: bool = False) -> dict[str, float]:
+    """One optimizer step's metrics as logged: what ran (micro batch and accumulation after any cut);
+    ``peak_memory_stats`` (``log_peak_memory_stats``) adds torchtune's CUDA memory statistics, as its recipes do."""
     metrics: dict[str, float] = {
         "loss": stats.loss,
         "lr": lr,
@@ -53,6 +54,8 @@ def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, 
     peak = memory.peak_memory_gb(device)
     if peak is not None:
         metrics["peak_memory_gb"] = peak
+    if peak_memory_stats and device.type == "cuda":
+        metrics.update(training.get_memory_stats(device=device))
     if stats.grad_norm is not None:
         metrics["grad_norm"] = stats.grad_norm
     if stats.noise_scale is not None:

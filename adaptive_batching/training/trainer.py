@@ -16,11 +16,12 @@ from omegaconf import DictConfig
 from torchtune import config, training, utils
 from tqdm import tqdm
 
+from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.elastic import shape_at
 from adaptive_batching.batching.plan import BatchPlan, starting_batch
 from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.config.loading import given_argv, optional_component
+from adaptive_batching.config.loading import building, given_argv, optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.errors import ConfigError, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
@@ -30,10 +31,10 @@ from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.interval import Segment
 from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, preserved_training_state
-from adaptive_batching.profiling.run import ProfileContext, remember_out_of_memory, run_profile, saved_profile
+from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
-from adaptive_batching.training.components import build_components
+from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.growing import Growth
 from adaptive_batching.training.model import FinetuneMethod
@@ -76,14 +77,14 @@ class Trainer:
         self.progress = Progress()
         self.restored: dict[str, Any] = {}
         self.metric_logger: Any = None
-        self.profile_result: Optional[ProfileResult] = None
+        self.profile_run = RunProfile(self.profile_context)
         self.plan = BatchPlan(settings, self.total_epochs, self.parallel.world_size)
         self.guard = StepGuard(self.parallel, self.device)
         batching = batching_for(settings.knobs)
         self.feed = Feed(batching, OomRecovery(batching.cuts(), settings.knobs["oom_grow_back_after"]), self.guard,
                          settings.knobs["guard_steps"], self.reference)
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
-                               output_dir=self.output_dir, info=self.info, save=self.save, remember=self.remember_oom)
+                               output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -111,14 +112,17 @@ class Trainer:
         if self.device.type == "cpu" and self.settings.needs_profile:
             memory.pin_glibc_for_profile(self.info)
         if self.is_rank_zero:
-            self.metric_logger = config.instantiate(cfg.metric_logger)
+            with building("metric_logger"):
+                self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
-        checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
-        parts = build_components(cfg, self.method, checkpoint, device=self.device, dtype=self.dtype,
+        data = build_data(cfg)
+        with building("checkpointer"):
+            checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
+        parts = build_components(cfg, self.method, checkpoint, data, device=self.device, dtype=self.dtype,
                                  parallel=self.parallel, is_rank_zero=self.is_rank_zero)
-        self.model, self.tokenizer, self.optimizer, self.loss_fn = parts.model, parts.tokenizer, parts.optimizer, \
-            parts.loss_fn
-        self.dataset, self.packed, self.collate = parts.dataset, parts.packed, parts.collate
+        self.model, self.optimizer, self.loss_fn, self.collate = parts.model, parts.optimizer, parts.loss_fn, \
+            parts.collate
+        self.tokenizer, self.dataset, self.packed = data.tokenizer, data.dataset, data.packed
         self.guard.install(self.model)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.checkpoints = Checkpoints(checkpointer, self.method, self.parallel, self.device, self.info,
@@ -135,31 +139,29 @@ class Trainer:
         if self.restored.get("noise_scale"):
             self.runner.noise.load_state_dict(self.restored["noise_scale"])
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
-                                          seed=self.seed, max_steps=self.max_steps_per_epoch), cfg, self.info)
+                                          seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
+                              cfg, self.info, profiles=self.settings.needs_profile)
+        worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
 
     # ------------------------------------------------------------------ profiling
     def profile(self) -> Optional[ProfileResult]:
         """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint."""
-        if not self.settings.needs_profile:
-            return None
-        self.profile_result = saved_profile(self.restored, self.parallel.world_size, self.info) \
-            or run_profile(self.profile_context(), self.trial_step)
-        return self.profile_result
+        return self.profile_run.find(self.restored, self.trial_step) if self.settings.needs_profile else None
 
     def profile_context(self) -> ProfileContext:
         """All the profiler sees of this run, besides :meth:`trial_step`."""
         return ProfileContext(
             cfg=self.cfg, knobs=self.settings.knobs, device=self.device, parallel=self.parallel,
-            seq_len=self.seq_len, samples_per_rank=len(self.dataset) // self.parallel.world_size,
+            seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
             live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info)
 
     @property
     def seq_len(self) -> int:
-        """Tokens in a worst-case sample or pack: the longest sample with a token budget, else the maximum."""
-        return self.batching.worst_case_seq_len(int(self.cfg.tokenizer.get("max_seq_len", None)
-                                                    or self.model.max_seq_len))
+        """Tokens in the data's worst-case sample or pack (measured when the run profiles)."""
+        assert self.batching.worst is not None, "the worst case is measured only for a run that profiles"
+        return self.batching.worst.tokens
 
     def trial_step(self, micro_batch: int, seq_len: Optional[int] = None) -> StepMemory:
         """One measured worst-case training step (the profiler's trial step)."""
@@ -167,20 +169,10 @@ class Trainer:
                                      accumulation=self.feed.batch.accumulation, collate=self.collate,
                                      vocab_size=self.tokenizer.vocab_size, packed=self.packed)
 
-    def remember_oom(self, any_rank: bool) -> None:
-        """Write the micro batch training fell back to after an OOM into the profile cache (from rank 0, or
-        from the rank that failed): the next run on this set-up starts under it."""
-        if self.profile_result is None:
-            return
-        self.profile_result.oom_cap = limit = self.feed.recovery.cache_cap(self.profile_result.micro_batch)
-        if any_rank or self.is_rank_zero:
-            path = remember_out_of_memory(self.profile_context(), self.profile_result, limit)
-            self.info(f"Profile cache {path}: later runs start at micro batch <= {limit}")
-
     # ------------------------------------------------------------------ planning
     def make_plan(self) -> BatchPlan:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
-        profile, settings = self.profile_result, self.settings
+        profile, settings = self.profile_run.result, self.settings
         start = starting_batch(settings, self.reference, self.parallel.world_size,
                                profile.micro_batch if profile is not None else None, self.info)
         self.reference = start.reference
@@ -202,7 +194,7 @@ class Trainer:
         self.growth = Growth(self.plan, self.feed, self.lr, self.runner.noise, self.progress,
                              verify=self._verifying, info=self.info)
         self.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, self.lr.rule,
-                                     total_steps))
+                                     total_steps, self.batching.worst.describe() if profile else ""))
         return self.plan
 
     @contextmanager
@@ -314,7 +306,8 @@ class Trainer:
             return
         metrics = step_metrics(stats, lr=self.current_lr(), accumulation=self.feed.batch.accumulation * self.feed.split,
                                ranks=self.parallel.world_size, device=self.device,
-                               batching=self.feed.metrics(self.progress.epochs_run))
+                               batching=self.feed.metrics(self.progress.epochs_run),
+                               peak_memory_stats=self.cfg.get("log_peak_memory_stats", False))
         self.metric_logger.log_dict(metrics, step=self.progress.global_step)
 
     # ------------------------------------------------------------------ checkpoints
@@ -330,7 +323,7 @@ class Trainer:
             **self.feed.state_dict(self.progress.step_in_epoch),
             **self.plan.state_dict(self.progress.epochs_run),
             "lr": self.lr.state_dict(),
-            "profile": self.profile_result.to_dict() if self.profile_result else None,
+            "profile": self.profile_run.result.to_dict() if self.profile_run.result else None,
             "noise_scale": self.runner.noise.state_dict(),
         }
 

@@ -1,0 +1,122 @@
+"""torchtune's own configs, as users bring them: names resolved as ``tune run`` resolves them, every stock key
+accepted (refused only where the recipes cannot do what it asks, by name), our shipped real-model configs."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from adaptive_batching.cli import main
+from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.config.loading import FINETUNE_RECIPES, load_config, resolve_config, stock_configs
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.errors import ConfigError, ConfigNotFound
+from adaptive_batching.training import stepping
+from adaptive_batching.training.stepping import StepStats, step_metrics
+
+STOCK = stock_configs(FINETUNE_RECIPES)
+# torchtune 0.6.1's single-device full fine-tunes update weights inside the backward (no gradients kept);
+# the adaptive batch accumulates gradients, so these are refused with the key named.
+OPTIMIZER_IN_BACKWARD = {
+    "code_llama2/7B_full_low_memory", "llama2/7B_full_low_memory", "llama3/8B_full_single_device",
+    "llama3_1/8B_full_single_device", "llama3_2/1B_full_single_device", "llama3_2/3B_full_single_device",
+    "mistral/7B_full_low_memory", "phi3/mini_full_low_memory", "phi4/14B_full_low_memory",
+    "qwen2/1.5B_full_single_device", "qwen2/7B_full_single_device", "qwen2_5/1.5B_full_single_device",
+    "qwen2_5/3B_full_single_device", "qwen2_5/7B_full_single_device",
+}
+SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora")
+
+
+def test_the_registry_has_torchtunes_121_full_lora_and_qlora_configs() -> None:
+    assert len(STOCK) == 121 and "llama3_1/8B_full" in STOCK and "llama3_1/8B_qlora_single_device" in STOCK
+    assert all(path.is_file() for path in STOCK.values())
+
+
+def test_every_top_level_key_of_every_stock_config_is_read_or_accepted_silently() -> None:
+    unread = {name: check_top_level_keys(OmegaConf.load(path)) for name, path in STOCK.items()}
+    assert {name: keys for name, keys in unread.items() if keys} == {}
+
+
+def test_stock_configs_validate_except_optimizer_in_backward_which_is_refused_by_name() -> None:
+    refused = {}
+    for name, path in STOCK.items():
+        try:
+            validate_config(OmegaConf.load(path))
+        except ConfigError as error:
+            refused[name] = str(error)
+    assert set(refused) == OPTIMIZER_IN_BACKWARD
+    assert all(message.startswith("config key 'optimizer_in_bwd' = True is not supported") for message in refused.values())
+
+
+def test_stock_names_resolve_as_tune_run_resolves_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert resolve_config("llama3_1/8B_full") == STOCK["llama3_1/8B_full"]
+    assert resolve_config("tiny_full").name == "tiny_full.yaml"  # ours by name
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "llama3_1").mkdir()
+    (tmp_path / "llama3_1" / "8B_full").write_text("model: {}\n")
+    assert resolve_config("llama3_1/8B_full") == Path("llama3_1/8B_full")  # a file first
+    with pytest.raises(ConfigNotFound, match=r"did you mean llama3_1/8B_full"):
+        resolve_config("llama3_1/8B_ful")
+
+
+def test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    assert main(["cp", "llama3_1/8B_lora_single_device", str(tmp_path / "mine.yaml")]) == 0
+    assert (tmp_path / "mine.yaml").read_text() == STOCK["llama3_1/8B_lora_single_device"].read_text()
+    assert f"Run it with: tune run adaptive_lora_finetune --config {tmp_path / 'mine.yaml'}" in capsys.readouterr().out
+    assert main(["cp", "qwen2_5/7B_full", str(tmp_path / "q.yaml")]) == 0
+    assert "tune run adaptive_full_finetune" in capsys.readouterr().out
+    assert main(["cp", "qwen2_5/7B_ful", str(tmp_path / "x.yaml")]) == 2
+    error = capsys.readouterr().err
+    assert error.count("\n") == 1 and "did you mean qwen2_5/7B_full" in error
+
+
+def test_estimate_takes_a_stock_name_and_asks_for_the_length_its_data_cannot_give(
+        capsys: pytest.CaptureFixture) -> None:
+    """The stock configs' tokenizer files are not here, so the worst case cannot come from the data."""
+    assert main(["estimate", "--config", "llama3_2/1B_lora_single_device", "--device-memory", "24GiB"]) == 2
+    error = capsys.readouterr().err
+    assert error.startswith("config error: the worst-case sample length comes from the data")
+    assert "--seq-len N" in error and error.count("\n") == 1
+
+
+def test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(stepping.memory, "peak_memory_gb", lambda device: None if device.type == "cpu" else 1.5)
+    monkeypatch.setattr(stepping.training, "get_memory_stats",
+                        lambda device: {"peak_memory_active": 1.0, "peak_memory_alloc": 1.5, "peak_memory_reserved": 2.0})
+    stats = StepStats(loss=1.0, tokens=10, seconds=1.0, samples=4)
+
+    def metrics(device: str, on: bool) -> dict[str, float]:
+        return step_metrics(stats, lr=1e-3, accumulation=1, ranks=1, device=torch.device(device), batching={},
+                            peak_memory_stats=on)
+
+    assert "peak_memory_reserved" not in metrics("cpu", True) and "peak_memory_gb" not in metrics("cpu", True)
+    assert "peak_memory_reserved" not in metrics("cuda", False)
+    assert metrics("cuda", True)["peak_memory_reserved"] == 2.0 and metrics("cuda", True)["peak_memory_gb"] == 1.5
+
+
+@pytest.mark.parametrize("name", SHIPPED_REAL)
+def test_the_shipped_real_model_configs_profile_and_say_how_their_batch_adapts(name: str) -> None:
+    settings = validate_config(load_config(name))
+    assert settings.needs_profile
+    assert settings.knobs["keep_global_batch"] != (settings.batch_increase_function is not None)
+    text = resolve_config(name).read_text()
+    why = "keeps the global batch" if settings.knobs["keep_global_batch"] else "Growth" if "noise" in text else "warmup"
+    assert why in text
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("name", SHIPPED_REAL)
+def test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib(name: str) -> None:
+    """On fake tensors (no weights, no memory), at 2048-token samples: what the 80 GiB GPU the configs are
+    written for holds."""
+    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.training.methods import method_for
+
+    cfg = load_config(name)
+    estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=80 * 2**30, seq_len=2048,
+                                        seq_len_source="--seq-len")
+    assert estimate.max_micro_batch >= 1 and estimate.budget_bytes == int(80 * 2**30 * 0.9)
