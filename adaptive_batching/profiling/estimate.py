@@ -27,6 +27,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
+from adaptive_batching.config.loading import building
 from adaptive_batching.profiling.layer_timeline import (
     LayerTimeline,
     decoder_layers,
@@ -129,7 +130,7 @@ def _build(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: Fa
     scaled RoPE reads its frequencies, which fake tensors do not have). ``uniform`` checks that
     the layers are identical, which extrapolating over them assumes.
     """
-    with training.set_default_dtype(dtype), torch.device("meta"):
+    with building("model"), training.set_default_dtype(dtype), torch.device("meta"):
         model = config.instantiate(cfg.model)
     num_layers = len(getattr(model, "layers", ()))
     method.configure(model)
@@ -142,7 +143,8 @@ def _build(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: Fa
     with fake:
         model.to_empty(device=CPU)
     _init_buffers(model, dtype, fake)
-    loss_fn = config.instantiate(cfg.loss)
+    with building("loss"):
+        loss_fn = config.instantiate(cfg.loss)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     return model, loss_fn, num_layers
@@ -161,7 +163,8 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
 
 def _optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
     optimizer_cfg = {k: v for k, v in cfg.optimizer.items() if k != "fused"}
-    return config.instantiate(DictConfig(optimizer_cfg), [p for p in model.parameters() if p.requires_grad])
+    with building("optimizer"):
+        return config.instantiate(DictConfig(optimizer_cfg), [p for p in model.parameters() if p.requires_grad])
 
 
 Measure = Callable[[int], StepMemory]

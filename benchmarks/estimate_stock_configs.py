@@ -1,0 +1,180 @@
+#!/usr/bin/env python
+"""``adaptive-batching estimate`` on every full, LoRA and QLoRA config torchtune 0.6.1 ships.
+
+    python benchmarks/estimate_stock_configs.py [--seq-len 2048] [--only NAME ...] [--timeout 300]
+                                                [--markdown docs/estimates.md]
+                                                [--json benchmarks/results/estimate_stock_configs.json]
+
+Each config (the 121 of the recipes full_finetune_single_device, full_finetune_distributed,
+lora_finetune_single_device and lora_finetune_distributed) is estimated once, offline, on fake tensors (no
+weights, no memory), at ``--seq-len`` tokens per worst-case sample, as the config is (dtype, optimizer,
+activation checkpointing): one trace of fake steps serves the predictions for 24, 40 and 80 GiB at 1 and at
+8 ranks (x 0.9 of the memory, the default fraction). Each runs in a forked child of a process that has
+imported torch and torchtune, so a config that fails or hangs cannot stop the others; a config that cannot be
+estimated gets a one-line reason. ``seconds`` is the child's wall time for the trace and the six
+predictions (what ``adaptive-batching estimate`` spends after its imports).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import platform
+import time
+from datetime import date
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parents[1]
+DEVICES_GIB = (24, 40, 80)
+RANKS = (1, 8)
+GIB = 2**30
+
+
+def method_of(cfg: Any) -> str:
+    component = str(cfg.model.get("_component_", ""))
+    name = component.rsplit(".", 1)[-1]
+    if cfg.model.get("use_dora", False):
+        return "DoRA"
+    if "qlora" in name or cfg.model.get("quantize_base", False):
+        return "QLoRA"
+    return "LoRA" if "lora" in name else "full"
+
+
+def refusal(cfg: Any) -> str | None:
+    """Why our recipes refuse the config as it is (the estimate would be for a run that cannot happen)."""
+    if cfg.get("optimizer_in_bwd", False):
+        return "optimizer_in_bwd: True (the recipes accumulate gradients, which it cannot; set it to False)"
+    return None
+
+
+def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
+    """In the child: estimate ``name`` and send a row (or a one-line reason) through ``out``."""
+    from torch import nn
+
+    from adaptive_batching.config.loading import load_config, one_line
+    from adaptive_batching.profiling.estimate import predict, trace_steps
+    from adaptive_batching.training.methods import method_for
+
+    row: dict[str, Any] = {"config": name}
+    try:
+        cfg = load_config(path)
+        row.update(model=str(cfg.model._component_).rsplit(".", 1)[-1], method=method_of(cfg))
+        reason = refusal(cfg)
+        if reason is not None:
+            row["reason"] = reason
+            out.send(row)
+            return
+        start = time.perf_counter()
+        method = method_for(cfg)
+        trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len")
+        row["micro_batch"] = {f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB,
+                                                            world_size=ranks).max_micro_batch
+                              for gib in DEVICES_GIB for ranks in RANKS}
+        row["seconds"] = round(time.perf_counter() - start, 1)
+        row["layers"] = trace.num_layers
+        row.update(parameters(cfg, method, nn))
+    except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
+        row["reason"] = one_line(error)[:240]
+    out.send(row)
+
+
+def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
+    """Total and trainable parameters of the model as the recipe configures it (built on the meta device)."""
+    import torch
+    from torchtune import config
+
+    with torch.device("meta"):
+        model = config.instantiate(cfg.model)
+    method.configure(model)
+    total = sum(p.numel() for p in model.parameters())
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    return {"parameters": int(total), "trainable": int(trainable)}
+
+
+def run(names: dict[str, Path], seq_len: int, timeout: float) -> list[dict[str, Any]]:
+    context = multiprocessing.get_context("fork")
+    rows = []
+    for i, (name, path) in enumerate(sorted(names.items()), 1):
+        receive, send = context.Pipe(duplex=False)
+        child = context.Process(target=estimate_one, args=(name, str(path), seq_len, send))
+        start = time.perf_counter()
+        child.start()
+        send.close()
+        row = receive.recv() if receive.poll(timeout) else {"config": name, "reason": f"no answer in {timeout:.0f} s"}
+        child.join(5)
+        if child.is_alive():
+            child.kill()
+        row["process_seconds"] = round(time.perf_counter() - start, 1)
+        rows.append(row)
+        print(f"[{i}/{len(names)}] {name}: {row.get('micro_batch', row.get('reason'))} "
+              f"({row.get('seconds', '-')} s)", flush=True)
+    return rows
+
+
+def count(n: int) -> str:
+    return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
+
+
+def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
+    columns = [f"{gib} GiB x{ranks}" for gib in DEVICES_GIB for ranks in RANKS]
+    done = [r for r in rows if "micro_batch" in r]
+    slowest = max(done, key=lambda r: r["seconds"]) if done else None
+    lines = [
+        "# `estimate` on torchtune's stock configs",
+        "",
+        f"The predicted largest micro batch of every full, LoRA and QLoRA config of torchtune 0.6.1, at {seq_len}-token",
+        "samples, for one GPU of 24, 40 or 80 GiB and for 8 of them (FSDP shards weights, gradients and optimizer",
+        "state; activations are per rank), with 0.9 of the memory as the budget. The configs run as written (dtype,",
+        "optimizer, activation checkpointing); `0` means that not even one sample fits. Fake tensors: no weights",
+        "are needed and no memory is allocated; allocator overheads are not seen. `seconds`: the trace and the six",
+        "predictions, after the imports.",
+        "",
+        f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
+        f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {__import__('torch').__version__}).",
+        "",
+        f"{len(done)} of {len(rows)} configs estimated"
+        + (f"; the slowest took {slowest['seconds']} s ({slowest['config']})." if slowest else "."),
+        "",
+        "| config | model | method | parameters (trainable) | " + " | ".join(columns) + " | seconds |",
+        "| --- | --- | --- | --- | " + " | ".join("---:" for _ in columns) + " | ---: |",
+    ]
+    for r in rows:
+        head = f"| `{r['config']}` | {r.get('model', '-')} | {r.get('method', '-')} | "
+        if "micro_batch" in r:
+            params = f"{count(r['parameters'])} ({count(r['trainable'])})"
+            cells = [str(r["micro_batch"][f"{gib}GiB/{ranks}"]) for gib in DEVICES_GIB for ranks in RANKS]
+            lines.append(head + params + " | " + " | ".join(cells) + f" | {r['seconds']} |")
+        else:
+            lines.append(head + f"not estimated: {r['reason'].replace('|', '/')} |" + " |" * len(columns) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq-len", type=int, default=2048)
+    parser.add_argument("--only", nargs="*", default=[])
+    parser.add_argument("--timeout", type=float, default=300)
+    parser.add_argument("--markdown", default=str(ROOT / "docs" / "estimates.md"))
+    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "estimate_stock_configs.json"))
+    args = parser.parse_args()
+
+    import torchtune  # noqa: F401 - imported once, before the children fork
+
+    from adaptive_batching.config.loading import FINETUNE_RECIPES, stock_configs
+
+    names = stock_configs(FINETUNE_RECIPES)
+    if args.only:
+        names = {n: p for n, p in names.items() if n in args.only}
+    rows = run(names, args.seq_len, args.timeout)
+    command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
+    Path(args.json).write_text(json.dumps({"seq_len": args.seq_len, "rows": rows}, indent=1) + "\n")
+    if not args.only:
+        Path(args.markdown).write_text(markdown(rows, args.seq_len, command))
+    print(f"wrote {args.json}" + ("" if args.only else f" and {args.markdown}"))
+
+
+if __name__ == "__main__":
+    main()
