@@ -38,6 +38,8 @@ class Segment:
     start: int
     end: int = 0
     peak: Optional[int] = None  # None: no op ran in it
+    grads_start: int = 0  # bytes of parameter gradients that exist at the start, and that appeared in it
+    grads_added: int = 0
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -76,13 +78,18 @@ def repeats(traced: int, total: int) -> list[int]:
     return counts
 
 
-def extrapolate_peak(segments: Sequence[Segment], counts: Sequence[int]) -> int:
-    """The pass's highest point above its start when each segment runs ``counts[i]`` times in a row."""
+def extrapolate_peak(segments: Sequence[Segment], counts: Sequence[int], kept_grads: float = 1.0) -> int:
+    """The pass's highest point above its start when each segment runs ``counts[i]`` times in a row.
+
+    ``kept_grads``: the share of each segment's new gradients that stays on this rank once the segment ends
+    (FSDP reduce-scatters a layer's gradients after its backward: 1/ranks; in host memory with CPU offload: 0);
+    inside the segment they are whole.
+    """
     if len(segments) != len(counts):
         raise ValueError(f"{len(segments)} segments but {len(counts)} repeat counts")
     level, highest = 0, 0
     for segment, count in zip(segments, counts):
-        moved = segment.end - segment.start
+        moved = segment.end - segment.start - round((1 - kept_grads) * segment.grads_added)
         if segment.peak is not None:
             rise = segment.peak - segment.start
             highest = max(highest, level + rise + max(0, (count - 1) * moved))
@@ -100,21 +107,29 @@ class LayerTimeline(FrozenAwareMemTracker):
     tracker's peak.
     """
 
-    def __init__(self, layers: nn.ModuleList, *tracked: Any) -> None:
+    def __init__(self, layers: nn.ModuleList, model: nn.Module, *tracked: Any) -> None:
         super().__init__()
-        self.track_external(*tracked)
+        self.track_external(model, *tracked)
         self._layers = layers
+        self._model = model
         self._segments: list[Segment] = []
         self._handles: list[Any] = []
 
     def _total(self) -> int:
         return int(sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values()))
 
+    def _grads(self) -> int:
+        return sum(p.grad.numel() * p.grad.element_size() for p in self._model.parameters() if p.grad is not None)
+
+    def _end_segment(self) -> None:
+        segment = self._segments[-1]
+        segment.end = self._total()
+        segment.grads_added = self._grads() - segment.grads_start
+
     def _mark(self, label: str) -> None:
-        now = self._total()
         if self._segments:
-            self._segments[-1].end = now
-        self._segments.append(Segment(label, start=now))
+            self._end_segment()
+        self._segments.append(Segment(label, start=self._total(), grads_start=self._grads()))
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         """Called by ``MemTracker`` after every op, where it samples its peaks.
@@ -137,7 +152,7 @@ class LayerTimeline(FrozenAwareMemTracker):
 
     def __exit__(self, *exc: Any) -> None:
         if self._segments:
-            self._segments[-1].end = self._total()
+            self._end_segment()
         for handle in self._handles:
             handle.remove()
         self._handles = []

@@ -92,7 +92,7 @@ def build_model(
             reshard_after_forward=options.reshard_after_forward,
         )
     with training.set_default_dtype(dtype), device:
-        model.to_empty(device="cpu" if options.fsdp_cpu_offload else device)
+        model.to_empty(device="cpu" if options.fsdp_cpu_offload and parallel.is_distributed else device)
         _init_buffers(model)
         method.initialize(model)
 
