@@ -37,7 +37,7 @@ import importlib, importlib.metadata as md, sys
 for module in ("torchtune._cli.tune", "torchtune._cli.run", "torchtune._cli.download", "torchtune.datasets",
                "torchtune.models.llama3", "torchtune.models.llama3_2", "torchtune.training", "torchtune.modules.loss",
                "adaptive_batching.cli", "adaptive_batching.trainer", "adaptive_batching.estimate",
-               "adaptive_batching.model_assets", "adaptive_full_finetune", "adaptive_lora_finetune",
+               "adaptive_batching.assets.models", "adaptive_full_finetune", "adaptive_lora_finetune",
                "safetensors.torch"):
     importlib.import_module(module)
 torch_own = {"torch", "triton", "filelock", "typing-extensions", "typing_extensions", "sympy", "mpmath", "networkx",

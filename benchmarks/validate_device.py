@@ -56,13 +56,16 @@ import validate_data  # noqa: E402
 import validate_table  # noqa: E402
 from validate_runs import launch, preload  # noqa: E402
 
-PHASES = ("assets", "full", "lora", "estimate", "tokens", "compile")
-SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True))}
+PHASES = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
+SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True)),
+            "qlora": (("qlora", False),)}
 ALL_SETTINGS = tuple(f"{m}/ac_{'on' if ac else 'off'}" for pairs in SETTINGS.values() for m, ac in pairs)
 STOCK_BATCH = 4  # torchtune's llama3_2/1B_full and 1B_lora configs: batch_size 4 (x 1 here)
-CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora"},
-           "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora"}}
-RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune"}
+CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora", "qlora": "tiny_qlora"},
+           "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora", "qlora": "llama3_2_1b_lora"}}
+# QLoRA of the 1B model: its LoRA config with NF4 base weights (the tiny one has a config of its own).
+METHOD_OVERRIDES = {("llama3_2_1b", "qlora"): ["model.quantize_base=True"]}
+RECIPES = {"full": "adaptive_full_finetune", "lora": "adaptive_lora_finetune", "qlora": "adaptive_lora_finetune"}
 DEFAULTS = {  # per device type: model, seq len, budgets, steps, long and token-phase samples, launcher, threads
     "cpu": dict(model="tiny", seq_len=128, budget="48MiB", compile_budget="128MiB", steps=5, long_samples=1000,
                 token_samples=240, launcher="fork", threads=1),
@@ -128,7 +131,8 @@ class Validation:
             base.append(f"dataset.data_files={self.long_data}")
         chosen = a.compile_budget if compiled else a.budget
         budget = [f"adaptive_batching.memory_budget={chosen}"] if chosen else []
-        return [*base, "dtype=bf16", f"enable_activation_checkpointing={ac}", "epochs=1",
+        return [*base, *METHOD_OVERRIDES.get((a.model, method), []), "dtype=bf16",
+                f"enable_activation_checkpointing={ac}", "epochs=1", "adaptive_batching.keep_global_batch=False",
                 "gradient_accumulation_steps=1", "batch_increase_function=null", "lr_scaling=null",
                 "lr_scheduler=null", "seed=0", "compile=False", "log_every_n_steps=1", "save_every_n_steps=null",
                 f"output_dir={out}", f"adaptive_batching.cache_dir={out / 'cache'}", *budget]
@@ -150,6 +154,8 @@ class Validation:
             self.assets / "model" / "model.safetensors")
         if a.assets is None or not marker.exists():
             self.results["assets"] = self.function("assets", "write_assets", str(self.assets), a.model)
+        if a.model == "tiny" and not (self.assets / "tiny_qlora" / "model.safetensors").exists():
+            self.results["assets_qlora"] = self.function("assets-qlora", "write_assets", str(self.assets), "tiny_qlora")
         self.results["long_data"] = self.function(
             "long-data", "write_long_dataset", str(self.assets / "data" / "alpaca_tiny.json"), str(self.long_data),
             a.seq_len, a.long_samples)

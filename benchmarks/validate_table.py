@@ -91,7 +91,7 @@ def render(results: dict[str, Any]) -> str:
                          f"| {_num(run['tokens_per_second'])} |")
     phases = results.get("phases", {})
     if phases:
-        order = ("assets", "full", "lora", "estimate", "tokens", "compile")
+        order = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
         names = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
         lines += ["", "Phases (s): " + ", ".join(f"{k} {phases[k]['seconds']:.0f}" for k in names)]
     return "\n".join(lines) + "\n"

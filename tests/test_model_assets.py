@@ -13,7 +13,7 @@ from torchtune.training import FullModelHFCheckpointer
 
 from adaptive_batching.assets.models import (
     ModelAssetPaths,
-    build_model,
+    build_random_model,
     hf_config,
     hf_state_dict,
     model_args,
@@ -30,14 +30,14 @@ SHRUNK = {"num_layers": 1, "embed_dim": 64, "num_heads": 4, "num_kv_heads": 2, "
 def test_the_1b_arguments_are_torchtunes_llama3_2_1b() -> None:
     with torch.device("meta"):
         reference = llama3_2_1b().state_dict()
-    ours = build_model(model_args("llama3_2_1b"), device="meta").state_dict()
+    ours = build_random_model(model_args("llama3_2_1b"), device="meta").state_dict()
     assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in reference.items()}
     assert all(v.dtype == torch.bfloat16 for v in ours.values())
 
 
 def test_the_1b_checkpoint_has_the_hf_llama_keys_and_shapes() -> None:
     args = model_args("llama3_2_1b")
-    hf = hf_state_dict(build_model(args, device="meta"), args)
+    hf = hf_state_dict(build_random_model(args, device="meta"), args)
     per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
                  "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
@@ -62,7 +62,7 @@ def test_a_shrunk_copy_loads_through_the_checkpointer_and_the_builder(tmp_path) 
     args = model_args("llama3_2_1b", SHRUNK)
     model = llama3_2(**args)
     model.load_state_dict(loaded, strict=True)
-    expected = build_model(args, seed=0).state_dict()
+    expected = build_random_model(args, seed=0).state_dict()
     assert set(loaded) == set(expected)
     for key, tensor in expected.items():
         assert torch.equal(loaded[key].to(tensor.dtype), tensor), key  # the q/k permutation round-trips

@@ -27,7 +27,7 @@ OPTIMIZER_IN_BACKWARD = {
     "qwen2/1.5B_full_single_device", "qwen2/7B_full_single_device", "qwen2_5/1.5B_full_single_device",
     "qwen2_5/3B_full_single_device", "qwen2_5/7B_full_single_device",
 }
-SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora")
+SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora", "llama3_1_8b_qlora")
 
 
 def test_the_registry_has_torchtunes_121_full_lora_and_qlora_configs() -> None:
@@ -120,3 +120,29 @@ def test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib(n
     estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=80 * 2**30, seq_len=2048,
                                         seq_len_source="--seq-len")
     assert estimate.max_micro_batch >= 1 and estimate.budget_bytes == int(80 * 2**30 * 0.9)
+
+
+@pytest.mark.e2e
+def test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes() -> None:
+    """torchtune's llama3_1/8B_qlora_single_device: NF4 base weights (4.1 bits a weight), bf16 embeddings,
+    norms and adapters, AdamW's two states per adapter weight; within 1% of those bytes."""
+    from torchao.dtypes.nf4tensor import NF4Tensor
+    from torchtune import config as tune_config
+
+    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.training.methods import method_for
+
+    cfg = load_config("llama3_1/8B_qlora_single_device")
+    estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=24 * 2**30, seq_len=2048)
+    assert estimate.max_micro_batch >= 1
+    with torch.device("meta"):
+        model = tune_config.instantiate(cfg.model)
+    method_for(cfg).configure(model)
+    nf4 = [p.numel() for p in model.parameters() if isinstance(p, NF4Tensor)]
+    layout = sum(n // 2 + n // 64 + 4 * (n // (64 * 256)) + 68 for n in nf4)
+    dense = sum(2 * p.numel() for p in model.parameters() if not isinstance(p, NF4Tensor))
+    adam = sum(2 * 2 * p.numel() for p in model.parameters() if p.requires_grad)
+    rope = model.layers[0].attn.pos_embeddings.to_empty(device="cpu")  # on meta its cache is not built
+    rope.rope_init()
+    rope = sum(b.numel() * b.element_size() for b in rope.buffers())
+    assert len(nf4) == 32 * 7 and estimate.model_state_bytes == pytest.approx(layout + dense + adam + rope, rel=0.01)

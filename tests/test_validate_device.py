@@ -16,7 +16,7 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.p
 # setting runs the same code of this script with another config and cost 25-35 s more here (lora/ac_on,
 # 2 cores under load); the command's own CPU run covers all four (VALIDATE_README_SECTION.md), and LoRA with
 # checkpointing has a test of its own (test_components).
-SETTINGS = ("full/ac_off",)
+SETTINGS = ("full/ac_off", "qlora/ac_off")  # QLoRA: NF4 base weights, the same checks
 STEPS = 3
 TRIALS = 2  # the largest size the profile ran, then one step of the gallop: the bracket's machinery, cheaply
 
@@ -89,7 +89,7 @@ def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
     for key in (*SETTINGS, "full/ac_off/compile"):
         assert f"| {key} |" in table
     assert "| token budget |" in table and "NO" not in table.split("|")
-    assert set(validation["phases"]) == {"assets", "full", "lora", "estimate", "tokens", "compile"}
+    assert set(validation["phases"]) == {"assets", "full", "lora", "qlora", "estimate", "tokens", "compile"}
 
 
 def test_bad_options_are_named(runs: Path) -> None:

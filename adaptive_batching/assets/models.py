@@ -31,6 +31,7 @@ import torch
 from safetensors.torch import save_file
 from torchtune import training
 from torchtune.models.convert_weights import tune_to_hf
+from torchtune.models.llama3 import llama3
 from torchtune.models.llama3._tokenizer import LLAMA3_SPECIAL_TOKENS
 from torchtune.models.llama3_2 import llama3_2
 from torchtune.modules import TransformerDecoder
@@ -44,7 +45,7 @@ from adaptive_batching.assets.tiny import (
     write_tiny_assets,
 )
 
-__all__ = ["MODELS", "ModelAssetPaths", "build_model", "hf_config", "hf_state_dict", "model_args",
+__all__ = ["MODELS", "ModelAssetPaths", "build_random_model", "hf_config", "hf_state_dict", "model_args",
            "recipe_overrides", "write_model_assets", "describe_model_assets"]
 
 # The arguments torchtune's llama3_2_1b() passes to llama3_2() (checked against it in the tests).
@@ -63,8 +64,25 @@ LLAMA3_2_1B_ARGS: dict[str, Any] = {
     "tie_word_embeddings": True,
 }
 
+# The tiny Llama 3 at dims NF4 can quantize: every quantized weight's element count a multiple of 64 x 256
+# (embed 256, intermediate 768, 2 KV heads of 64), for QLoRA on CPU (``configs/tiny_qlora.yaml``).
+TINY_QLORA_ARGS: dict[str, Any] = {
+    "vocab_size": 1280,
+    "num_layers": 2,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "embed_dim": 256,
+    "max_seq_len": 2048,
+    "intermediate_dim": 768,
+    "norm_eps": 1e-5,
+    "rope_base": 500_000.0,
+}
+
 MODELS: dict[str, dict[str, Any]] = {
-    "llama3_2_1b": {"args": LLAMA3_2_1B_ARGS, "model_type": "LLAMA3_2", "configs": ("llama3_2_1b", "llama3_2_1b_lora")},
+    "llama3_2_1b": {"builder": llama3_2, "args": LLAMA3_2_1B_ARGS, "model_type": "LLAMA3_2", "dtype": "bfloat16",
+                    "configs": ("llama3_2_1b", "llama3_2_1b_lora")},
+    "tiny_qlora": {"builder": llama3, "args": TINY_QLORA_ARGS, "model_type": "LLAMA3", "dtype": "float32",
+                   "configs": ("tiny_qlora",)},
 }
 CHOICES = ("tiny", *MODELS)
 TOKENIZER_VOCAB = TINY_MODEL_ARGS["vocab_size"]  # ids the tiny tokenizer can produce: 0 .. 1279
@@ -99,13 +117,13 @@ def model_args(name: str, overrides: Optional[Mapping[str, Any]] = None) -> dict
     return args
 
 
-def build_model(args: Mapping[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                device: str | torch.device = "cpu") -> TransformerDecoder:
-    """``llama3_2(**args)`` in ``dtype`` on ``device`` (``meta`` for shapes only), initialised from ``seed``
+def build_random_model(args: Mapping[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16,
+                       device: str | torch.device = "cpu", builder: Any = llama3_2) -> TransformerDecoder:
+    """``builder(**args)`` in ``dtype`` on ``device`` (``meta`` for shapes only), initialised from ``seed``
     without touching the global RNG state."""
     with torch.random.fork_rng(devices=[]), training.set_default_dtype(dtype), torch.device(device):
         torch.manual_seed(seed)
-        return llama3_2(**args)
+        return builder(**args)
 
 
 def _head_dim(args: Mapping[str, Any]) -> int:
@@ -138,10 +156,11 @@ def hf_config(args: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any
         "num_hidden_layers": args["num_layers"],
         "num_key_value_heads": args["num_kv_heads"],
         "rms_norm_eps": args["norm_eps"],
-        "rope_scaling": {"factor": float(args["scale_factor"]), "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-                         "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_scaling": None if "scale_factor" not in args else {
+            "factor": float(args["scale_factor"]), "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
         "rope_theta": float(args["rope_base"]),
-        "tie_word_embeddings": bool(args["tie_word_embeddings"]),
+        "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
         "torch_dtype": dtype,
         "vocab_size": args["vocab_size"],
     }
@@ -162,14 +181,15 @@ def _replace(path: Path, write: Any) -> None:
 
 def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "llama3_2_1b", *, seed: int = 0,
                        num_samples: int = 3000, overrides: Optional[Mapping[str, Any]] = None) -> ModelAssetPaths:
-    """Write the tiny tokenizer and data under ``output_dir`` and ``model``'s bf16 checkpoint in
+    """Write the tiny tokenizer and data under ``output_dir`` and ``model``'s checkpoint (in its ``dtype``) in
     ``output_dir/model``; ``overrides`` change builder arguments (tests write a shrunk copy)."""
-    args = model_args(model, overrides)
+    args, entry = model_args(model, overrides), MODELS[model]
     write_tiny_assets(output_dir, seed=seed, num_samples=num_samples)
     paths = ModelAssetPaths.from_root(output_dir, model)
-    state = hf_state_dict(build_model(args, seed=seed), args)
+    built = build_random_model(args, seed=seed, dtype=getattr(torch, entry["dtype"]), builder=entry["builder"])
+    state = hf_state_dict(built, args)
     _replace(paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
-    config = json.dumps(hf_config(args), sort_keys=True, indent=2) + "\n"
+    config = json.dumps(hf_config(args, entry["dtype"]), sort_keys=True, indent=2) + "\n"
     _replace(paths.model_dir / "config.json", lambda tmp: Path(tmp).write_text(config))
     return paths
 
@@ -197,8 +217,8 @@ def describe_model_assets(paths: ModelAssetPaths) -> str:
     lines = [describe(paths.tiny).rstrip("\n"), f"{paths.name} in {paths.model_dir}"]
     for file in ("config.json", "model.safetensors"):
         lines.append(f"  {file}: {(paths.model_dir / file).stat().st_size:,} bytes")
-    full, lora = MODELS[paths.name]["configs"]
     overrides = " ".join(recipe_overrides(paths, max_seq_len=2048))
-    lines.append(f"run: tune run adaptive_full_finetune --config {full} {overrides}")
-    lines.append(f"     (or adaptive_lora_finetune --config {lora} with the same overrides)")
+    for config in MODELS[paths.name]["configs"]:
+        recipe = "adaptive_lora_finetune" if config.endswith("lora") else "adaptive_full_finetune"
+        lines.append(f"run: tune run {recipe} --config {config} {overrides}")
     return "\n".join(lines) + "\n"

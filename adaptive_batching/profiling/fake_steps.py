@@ -31,6 +31,7 @@ from adaptive_batching.profiling.layer_timeline import (
     repeats,
 )
 from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
 from adaptive_batching.training.loss import summed_token_loss
 from adaptive_batching.training.model import FinetuneMethod
@@ -85,6 +86,7 @@ def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     with fake:
         model.to_empty(device=CPU)
+        nf4.quantize_empty(model)  # QLoRA: NF4 base weights at their real layout and bytes
     _init_buffers(model, dtype, fake)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)

@@ -14,6 +14,8 @@ from typing import Any, Callable, Mapping, Optional, Sequence
 
 import torch
 
+from adaptive_batching.runtime import nf4
+
 GIB = 1024**3
 
 
@@ -71,12 +73,19 @@ def release_memory(device: torch.device) -> None:
 
 def live_tensor_bytes(*tracked: Any) -> int:
     """Bytes held by the parameters, buffers and gradients of modules and the state of optimizers."""
-    seen: set[int] = set()
+    seen: set[int] = set()  # storages' data pointers
+    seen_nf4: set[int] = set()
     total = 0
 
     def add(tensor: Any) -> None:
         nonlocal total
         if not isinstance(tensor, torch.Tensor):
+            return
+        quantized = nf4.local_nf4(tensor)
+        if quantized is not None:  # a tensor subclass without storage: its inner tensors' bytes
+            if id(quantized) not in seen_nf4:
+                seen_nf4.add(id(quantized))
+                total += nf4.nf4_bytes(quantized)
             return
         if hasattr(tensor, "to_local"):
             tensor = tensor.to_local()

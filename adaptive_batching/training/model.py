@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, modules, training
 
+from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
 
 
@@ -100,13 +101,15 @@ def build_model(
     unexpected: set[str] = set()
     loaded_once = False
     for state_dict in method.weights(checkpoint):
+        quantized: set[str] = set()
         if parallel.is_distributed:
             result = training.load_from_full_model_state_dict(
                 model, dict(state_dict), device, strict=False, cpu_offload=options.fsdp_cpu_offload
             )
         else:
+            state_dict, quantized = nf4.quantize_into(model, state_dict, device)  # QLoRA's frozen base weights
             result = model.load_state_dict(state_dict, strict=False)
-        these_missing = set(result.missing_keys)
+        these_missing = set(result.missing_keys) - quantized
         missing = these_missing if not loaded_once else missing & these_missing
         unexpected |= set(result.unexpected_keys)
         loaded_once = True
