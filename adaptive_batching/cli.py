@@ -40,6 +40,15 @@ def recipe_for(config: Path) -> str:
 
 
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
+    from adaptive_batching.assets.families import FAMILIES, write_family_assets
+
+    if args.model in FAMILIES:
+        paths = write_family_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
+        print(f"tiny {args.model} model and tokenizer in {paths.folder}, the tiny data in {paths.dataset}")
+        for method in ("full", "lora"):
+            print(f"run: tune run adaptive_{method}_finetune --config tiny_{args.model}_{method} "
+                  f"assets_dir={paths.root}")
+        return 0
     if args.model != "tiny":
         # A real architecture, randomly initialised, next to the tiny tokenizer and data (model_assets).
         from adaptive_batching.assets.models import describe_model_assets, write_model_assets
@@ -132,6 +141,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from adaptive_batching.assets.families import FAMILIES
     from adaptive_batching.assets.models import CHOICES
     from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR
 
@@ -142,9 +152,11 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--output-dir", default=DEFAULT_TINY_DIR, help=f"default: {DEFAULT_TINY_DIR}")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-samples", type=int, default=3000)
-    tiny.add_argument("--model", choices=CHOICES, default="tiny",
-                      help="tiny (default), or a real architecture randomly initialised, written as bf16 "
-                           "safetensors to OUTPUT_DIR/MODEL next to the tiny tokenizer and data")
+    tiny.add_argument("--model", choices=(*CHOICES, *FAMILIES), default="tiny",
+                      help="tiny (the tiny Llama, default); tiny_qlora (the tiny Llama at dims NF4 can quantize); "
+                           f"{', '.join(FAMILIES)} (tiny models of those families, with their own tokenizers); or "
+                           "llama3_2_1b (the real size, randomly initialised); written to OUTPUT_DIR/MODEL next to "
+                           "the tiny data")
     tiny.set_defaults(func=cmd_tiny_assets)
 
     ls = sub.add_parser("ls", help="list the shipped recipes and configs")

@@ -43,6 +43,8 @@ def lengths_cache_file(cache_dir: Path | str, key: str) -> Path:
 def _load(path: Path, key: str, size: int) -> Optional[list[int]]:
     """The cached lengths, or None when absent, unreadable, corrupt or stale (all but absent logged)."""
     record = read_json_cache(path, "sequence-length cache")
+    if record is None:  # absent (or unreadable, logged): measured anew
+        return None
     lengths = record.get("lengths") if isinstance(record, dict) else None
     if not isinstance(lengths, list) or not all(type(n) is int and n >= 0 for n in lengths):
         log.warning("ignoring corrupt sequence-length cache %s: not a list of lengths", path)

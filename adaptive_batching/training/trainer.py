@@ -167,7 +167,7 @@ class Trainer:
         """One measured worst-case training step (the profiler's trial step)."""
         return self.runner.trial_step(micro_batch, seq_len=seq_len or self.seq_len,
                                      accumulation=self.feed.batch.accumulation, collate=self.collate,
-                                     vocab_size=self.tokenizer.vocab_size, packed=self.packed)
+                                     vocab_size=self.model.tok_embeddings.num_embeddings, packed=self.packed)
 
     # ------------------------------------------------------------------ planning
     def make_plan(self) -> BatchPlan:
