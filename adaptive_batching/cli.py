@@ -17,7 +17,8 @@ from adaptive_batching.config.loading import (
     shipped_config_names,
     shipped_configs_dir,
 )
-from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, ProfileError
+from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
+from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 
 
 class UsageError(Exception):
@@ -208,6 +209,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OutOfMemoryStop as error:
         print(f"out of memory: {error}", file=sys.stderr)
         return 1
+    except Preempted as error:
+        print(f"stopped: {error}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
 
 
 if __name__ == "__main__":

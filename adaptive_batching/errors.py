@@ -23,3 +23,7 @@ class UnguardedOutOfMemory(RuntimeError):
 
 class ConfigNotFound(FileNotFoundError):
     """``--config`` names neither a file, nor a shipped config, nor one of torchtune's."""
+
+
+class Preempted(Exception):
+    """The run stopped on a scheduler's signal after saving where it was (exit code 75)."""

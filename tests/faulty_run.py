@@ -16,6 +16,9 @@ FAULT_JSON, all keys optional:
                      every file and before the save is marked complete
   "room_mib": M      no injected error: after set-up, RLIMIT_AS = the process's size + M MiB, so a
                      large enough batch raises torch's real ``DefaultCPUAllocator`` error
+  "signal": NAME     send this signal (SIGTERM, SIGUSR1, ...) after optimizer step "signal_at" (only rank R,
+                     if given) to this process, or to its parent (the torchrun agent) with "to": "parent";
+                     "again_in_save": true sends it to this process once more inside the next checkpoint save
 
 The error is torch's own ``torch.OutOfMemoryError``. RECORD_PREFIX + "rank{r}.json" gets, per finished
 optimizer step, the dataset indices of the samples it trained on, written at each step. Under torchrun
@@ -141,6 +144,30 @@ def main() -> None:
         return result
 
     Trainer.train_step = train_step
+    if "signal" in fault and failing_rank:
+        number, at = getattr(signal, fault["signal"]), int(fault["signal_at"])
+        target = os.getppid() if fault.get("to") == "parent" else os.getpid()
+        counted_step, sent = Trainer.train_step, []
+
+        def signalling_step(self, micro_batches):  # type: ignore[no-untyped-def]
+            result = counted_step(self, micro_batches)
+            if result is not None and self.global_step + 1 == at:
+                sent.append(number)
+                os.kill(target, number)
+            return result
+
+        Trainer.train_step = signalling_step
+        if fault.get("again_in_save"):
+            import adaptive_batching.faults.checkpoints as checkpoints
+
+            write_marker = checkpoints._write_marker
+
+            def signalled_write_marker(*args, **kwargs):  # type: ignore[no-untyped-def]
+                if sent:
+                    os.kill(os.getpid(), number)  # the scheduler's second signal, while the stop's save runs
+                return write_marker(*args, **kwargs)
+
+            checkpoints._write_marker = signalled_write_marker
     if "kill_in_save" in fault:
         import adaptive_batching.faults.checkpoints as checkpointing
 

@@ -123,6 +123,10 @@ BAD_INPUTS = [
      "'adaptive_batching.search_tolerance'", "'2%'", ("[0, 0.25]",)),
     ("oom_recovery_string", {"adaptive_batching.oom_recovery": "on"}, "'adaptive_batching.oom_recovery'",
      "'on'", ("true or false",)),
+    ("stop_signals_sigint", {"adaptive_batching.stop_signals": ["SIGINT"]}, "'adaptive_batching.stop_signals'",
+     "['SIGINT']", ("SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT", "[] turns it off")),
+    ("stop_signals_string", {"adaptive_batching.stop_signals": "SIGTERM"}, "'adaptive_batching.stop_signals'",
+     "'SIGTERM'", ("a list of distinct signal names",)),
     ("oom_grow_back_zero", {"adaptive_batching.oom_grow_back_after": 0}, "'adaptive_batching.oom_grow_back_after'",
      "0", ("null or an integer >= 1",)),
     ("max_tokens_bad", {"adaptive_batching.max_tokens": "lots"}, "'adaptive_batching.max_tokens'", "'lots'",
@@ -224,6 +228,7 @@ NON_DEFAULT_VALID = {
     "oom_recovery": False,
     "oom_grow_back_after": 50,
     "guard_steps": 0,
+    "stop_signals": ["SIGUSR2"],
 }
 
 

@@ -44,6 +44,19 @@ class Start:
     reference: BatchShape
 
 
+def reference_batch(cfg: Any, elastic: Any, ranks: int) -> BatchShape:
+    """The batch as written in the config (or the elastic global batch at these ranks): the reference for LR
+    scaling and the LR schedule. An elastic spec that does not fit these ranks fails here, before any model
+    loads."""
+    reference = BatchShape(cfg.batch_size, cfg.get("gradient_accumulation_steps", 1), ranks)
+    if elastic is None:
+        return reference
+    try:
+        return shape_at(elastic, ranks)[1]
+    except ValueError as error:
+        raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
+
+
 def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Optional[int],
                    info: Callable[[str], None]) -> Start:
     """Epoch 1's batch from the mode asked for: an elastic global batch, the config's global batch kept

@@ -20,7 +20,8 @@ from omegaconf import DictConfig
 from torchtune import config as tune_config
 from torchtune.config._errors import InstantiationError
 
-from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, ProfileError
+from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
+from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune")
 
@@ -163,6 +164,9 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             sys.exit(f"out of memory: {err}")
         except ProfileError as err:
             sys.exit(f"profile error: {err}")
+        except Preempted as err:
+            print(f"stopped: {err}", file=sys.stderr, flush=True)
+            sys.exit(PREEMPTED_EXIT_CODE)
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:

@@ -22,6 +22,7 @@ from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.faults import preemption
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
 from adaptive_batching.growth.interval import growth_interval_error
 from adaptive_batching.growth.lr_scaling import LR_SCALING_RULES, default_rule
@@ -127,6 +128,7 @@ KNOBS: dict[str, Knob] = {
     "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
     "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
     "guard_steps": Knob(4, _non_neg_int, True, "recovery from an out-of-memory error"),
+    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, True, "stopping cleanly on a signal"),
 }
 
 

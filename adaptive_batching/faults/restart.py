@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any, Callable, Mapping, Optional
 
 from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint
 
@@ -53,6 +53,17 @@ def resume_after_restart(output_dir: Path, env: Mapping[str, str] = os.environ) 
     record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
     return True, (f"torchrun restart {count} of job {this_job}: resuming from {latest} "
                   f"(optimizer step {record['global_step']})")
+
+
+def resume_decision(asked: bool, output_dir: Path, info: Callable[[str], None]) -> tuple[bool, Optional[str]]:
+    """Whether this run resumes (``resume_from_checkpoint`` was ``asked``, or a torchrun restart of this job
+    finds a checkpoint of its own) and, for a restart, the job whose checkpoints it may take."""
+    if asked:
+        return True, None
+    resume, why = resume_after_restart(output_dir)
+    if why:
+        info(why)
+    return resume, job_id() if resume else None
 
 
 def record_cut(output_dir: Path, recovery_state: dict[str, Any], **details: Any) -> Path:

@@ -121,11 +121,13 @@ def find_max_micro_batch(
     recover: Callable[[], None] = lambda: None,
     tolerance: float = 0.01,
     max_verify_steps: int = 16,
+    before_trial: Callable[[], None] = lambda: None,
 ) -> ProfileResult:
     """Probe, fit, verify, choose (see the module docstring).
 
     ``recover`` frees memory after an out-of-memory error, once the error and the tensors its
-    traceback holds are gone.
+    traceback holds are gone. ``before_trial`` runs before every trial step (a stop signal ends the
+    search there).
     """
     started = time.perf_counter()
     trials: list[Trial] = []
@@ -135,6 +137,7 @@ def find_max_micro_batch(
     def attempt(micro_batch: int, phase: str) -> Trial:
         if micro_batch in ran:
             return ran[micro_batch]
+        before_trial()
         t0 = time.perf_counter()
         used: Optional[StepMemory] = None
         try:

@@ -50,6 +50,7 @@ class ProfileContext:
     preserved: Callable[[], AbstractContextManager[Any]]
     live_bytes: Callable[[], int]
     info: Callable[[str], None]
+    before_trial: Callable[[], None] = lambda: None  # e.g. stop on a scheduler's signal
 
 
 def device_identity(device: torch.device) -> tuple[str, int]:
@@ -141,7 +142,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
             round_to=knobs["round_to"], upper_limit=max(1, context.samples_per_rank),
             tolerance=knobs["search_tolerance"],
             agree=agree_on_trial(context.parallel, context.device),
-            recover=lambda: memory.release_memory(context.device),
+            recover=lambda: memory.release_memory(context.device), before_trial=context.before_trial,
         )
     result.seq_len_source = context.seq_len_source
     memory.release_memory(context.device)

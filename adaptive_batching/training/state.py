@@ -16,6 +16,7 @@ from typing import Any, Callable, Optional
 import torch
 from torchtune import training
 
+from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.recovery import OomRecovery
@@ -44,6 +45,19 @@ class Progress:
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch": self.epochs_run, "step_in_epoch": self.step_in_epoch}
+
+
+def loader_state(restored: dict[str, Any], *, elastic: bool, ranks: int, reference: BatchShape,
+                 info: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    """The resumed run's saved loader position, taken out of ``restored`` (it serves once). An elastic run
+    resumed on another number of ranks has the same global batch, so the same samples per step: it starts at
+    the saved step instead."""
+    state = restored.pop("dataloader", None)
+    if state and elastic and restored.get("ranks") != ranks:
+        info(f"Resuming on {ranks} rank(s) instead of {restored['ranks']}: the same global batch "
+             f"{reference.global_batch}, as {reference.describe()}")
+        return None
+    return state
 
 
 class Checkpoints:

@@ -17,16 +17,15 @@ from torchtune import config, training, utils
 from tqdm import tqdm
 
 from adaptive_batching.batching import worst_case
-from adaptive_batching.batching.elastic import shape_at
-from adaptive_batching.batching.plan import BatchPlan, starting_batch
+from adaptive_batching.batching.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.batching.policy import DataContext, batching_for
-from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.loading import building, given_argv, optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
-from adaptive_batching.errors import ConfigError, UnguardedOutOfMemory
+from adaptive_batching.errors import UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
+from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.interval import Segment
 from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
@@ -39,7 +38,7 @@ from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.growing import Growth
 from adaptive_batching.training.model import FinetuneMethod
 from adaptive_batching.training.oom_response import OomResponse
-from adaptive_batching.training.state import Checkpoints, Progress
+from adaptive_batching.training.state import Checkpoints, Progress, loader_state
 from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
 log = utils.get_logger("INFO")
@@ -59,21 +58,10 @@ class Trainer:
         self.output_dir = Path(cfg.checkpointer.output_dir)
         self.total_epochs: int = cfg.epochs
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
-        # The batch as written in the config (or the elastic global batch): the reference for LR scaling and the
-        # LR schedule. An elastic spec that does not fit these ranks fails here, before any model loads.
-        self.reference = BatchShape(cfg.batch_size, cfg.get("gradient_accumulation_steps", 1), self.parallel.world_size)
-        if settings.knobs["elastic"] is not None:
-            try:
-                self.reference = shape_at(settings.knobs["elastic"], self.parallel.world_size)[1]
-            except ValueError as error:
-                raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
-        self.resume: bool = cfg.get("resume_from_checkpoint", False)
-        self.resume_job: Optional[str] = None  # a torchrun restart resumes only its own job's checkpoints
-        if not self.resume:
-            self.resume, why = restart.resume_after_restart(self.output_dir)
-            self.resume_job = restart.job_id() if self.resume else None
-            if why:
-                self.info(why)
+        self.reference = reference_batch(cfg, settings.knobs["elastic"], self.parallel.world_size)
+        # A torchrun restart resumes by itself, and only its own job's checkpoints (``resume_job``).
+        self.resume, self.resume_job = restart.resume_decision(cfg.get("resume_from_checkpoint", False),
+                                                               self.output_dir, self.info)
         self.progress = Progress()
         self.restored: dict[str, Any] = {}
         self.metric_logger: Any = None
@@ -85,6 +73,7 @@ class Trainer:
                          settings.knobs["guard_steps"], self.reference)
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
                                output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
+        self.preemption = Preemption(settings.knobs["stop_signals"], self.parallel, self.device)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -143,6 +132,7 @@ class Trainer:
                               cfg, self.info, profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
+        self.preemption.install()  # from here on a stop signal saves where the run is (before: nothing to lose)
 
     # ------------------------------------------------------------------ profiling
     def profile(self) -> Optional[ProfileResult]:
@@ -155,7 +145,8 @@ class Trainer:
             cfg=self.cfg, knobs=self.settings.knobs, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
-            live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info)
+            live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info,
+            before_trial=self.preemption.between_trials)
 
     @property
     def seq_len(self) -> int:
@@ -217,6 +208,8 @@ class Trainer:
             last = self.train_epoch(epoch) or last
             progress.epochs_run, progress.step_in_epoch, self.feed.segment = epoch + 1, 0, Segment()
             self.save(epoch)
+            if self.preemption.stopping:
+                self.preemption.stop(f"at the end of epoch {epoch + 1}", f"saved epoch {epoch + 1} in {self.output_dir}")
         if last is not None:
             log.info(f"Rank {self.parallel.rank}: finished at optimizer step {progress.global_step}, "
                      f"{self.feed.final_batch(progress.epochs_run)}, last loss {last.loss:.6f}")
@@ -230,7 +223,9 @@ class Trainer:
         feed.plan(self.plan.entries[epoch].shape)
         if switch:
             feed.segment = Segment()
-        feed.serve(epoch, start_step=self.progress.step_in_epoch, state=self._resumed_loader_state())
+        state = loader_state(self.restored, elastic=self.settings.knobs["elastic"] is not None,
+                             ranks=self.parallel.world_size, reference=self.reference, info=self.info)
+        feed.serve(epoch, start_step=self.progress.step_in_epoch, state=state)
         feed.set_step_lr(self.progress.step_in_epoch)
         took_ms = (time.perf_counter() - start) * 1e3
         if not switch:
@@ -243,16 +238,6 @@ class Trainer:
             f"(took {took_ms:.1f} ms)"
         )
 
-    def _resumed_loader_state(self) -> Optional[dict[str, Any]]:
-        """The saved loader position, taken once. An elastic run resumed on another number of ranks has the same
-        global batch, so the same samples per step: it starts at the saved step instead."""
-        state = self.restored.pop("dataloader", None)
-        if state and self.settings.knobs["elastic"] is not None and self.restored.get("ranks") != self.parallel.world_size:
-            self.info(f"Resuming on {self.parallel.world_size} rank(s) instead of {self.restored['ranks']}: "
-                      f"the same global batch {self.reference.global_batch}, as {self.reference.describe()}")
-            return None
-        return state
-
     def train_epoch(self, epoch: int) -> Optional[StepStats]:
         """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
         self.model.train()
@@ -263,12 +248,16 @@ class Trainer:
         stats = None
         while progress.step_in_epoch < feed.epoch_steps:
             index = progress.step_in_epoch
+            self.preemption.begin_step()
             try:
                 step_stats = self.train_step(feed.next_step(index))
             except UnguardedOutOfMemory as error:
                 self.oom.stop_for_restart(epoch, index, str(error))
+            stop = self.preemption.end_step(progress.global_step + 1)
             if step_stats is None:
                 self.oom.after_out_of_memory(epoch, index)
+                if stop:
+                    self.stop_inside_epoch(epoch)
                 continue
             self.guard.step_done()
             stats = step_stats
@@ -287,9 +276,18 @@ class Trainer:
                 bar.total = feed.epoch_steps
             if save_every and progress.global_step % save_every == 0 and progress.step_in_epoch < feed.epoch_steps:
                 self.save(epoch)
+            if stop and progress.step_in_epoch < feed.epoch_steps:
+                self.stop_inside_epoch(epoch)
             self.oom.maybe_grow_back(epoch)
         bar.close()
         return stats
+
+    def stop_inside_epoch(self, epoch: int) -> None:
+        """After a stop signal: save where the run stands inside the epoch (unless just saved) and end the run."""
+        if self.progress.saved_step != self.progress.global_step:
+            self.save(epoch)
+        self.preemption.stop(f"after optimizer step {self.progress.global_step} ({self.progress.where()})",
+                             f"saved the checkpoint of optimizer step {self.progress.global_step} in {self.output_dir}")
 
     def train_step(self, micro_batches: list[dict[str, Any]]) -> Optional[StepStats]:
         """One optimizer step (see :meth:`StepRunner.train_step`); None after an OOM recovered in place."""
@@ -335,6 +333,7 @@ class Trainer:
 
     def close(self) -> None:
         """Close the metric logger and leave the process group (unless a rank broke it); runs after any error."""
+        self.preemption.uninstall()
         if self.metric_logger is not None:
             self.metric_logger.close()
         if not self.oom.process_group_broken:

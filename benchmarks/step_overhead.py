@@ -1,22 +1,26 @@
 #!/usr/bin/env python
-"""What OOM recovery costs when nothing runs out of memory: steps per second and collectives per step.
+"""What the fault handling costs when nothing goes wrong: steps per second and collectives per step.
 
-    python benchmarks/oom_guard_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
+    python benchmarks/step_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
+                                       [--settings none,stop,oom,default,always]
 
 Our full fine-tune recipe on the offline tiny model (``tiny_full``, fixed micro batch, no profiler,
-no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) in three settings,
+no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) in these settings,
 alternating, ``--repeats`` times each:
 
-* ``off``: ``adaptive_batching.oom_recovery=False``;
-* ``windows``: the default (``guard_steps`` 4): sync points only in the first 4 optimizer steps, so the
-  timed steps (after ``--warmup``) are the steady state outside any window;
+* ``none``: ``adaptive_batching.oom_recovery=False`` and ``stop_signals=[]``: neither;
+* ``stop``: stop signals handled (the default SIGTERM and SIGUSR1), OOM recovery off: the ranks' agreement
+  on where to stop, one non-blocking all-reduce of a flag per step;
+* ``oom``: OOM recovery (``guard_steps`` 4: sync points only in the first 4 optimizer steps, so the timed
+  steps after ``--warmup`` are the steady state outside any window), stop signals off;
+* ``default``: both, as the recipes run by default;
 * ``always``: ``guard_steps`` larger than the run, i.e. every step inside a window (3 sync points per
   FSDP module per micro batch plus 1 per backward): the cost inside a window.
 
 Each rank-0 child records when each optimizer step's metrics are logged and counts the calls to
 ``torch.distributed`` collectives between them (a wrapper around each collective function);
 steps per second = ``--steps`` / (time of the last step - time of the ``--warmup``-th). The table shows
-the median of each setting, its ratio to ``off``, and the collectives per steady-state step.
+the median of each setting, its ratio to ``none``, and the collectives per steady-state step.
 """
 
 from __future__ import annotations
@@ -78,9 +82,12 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
             Path(stamps_path).write_text(json.dumps({"stamps": stamps, "collectives": counts}))
 
 
-SETTINGS = {"off": ["adaptive_batching.oom_recovery=False"],
-            "windows": ["adaptive_batching.oom_recovery=True"],
-            "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000"]}
+NO_STOP = "adaptive_batching.stop_signals=[]"
+SETTINGS = {"none": ["adaptive_batching.oom_recovery=False", NO_STOP],
+            "stop": ["adaptive_batching.oom_recovery=False"],
+            "oom": ["adaptive_batching.oom_recovery=True", NO_STOP],
+            "default": [],
+            "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000", NO_STOP]}
 
 
 def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float]:
@@ -115,9 +122,13 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated of {', '.join(SETTINGS)}")
     args = p.parse_args()
-    speeds: dict[str, list[float]] = {name: [] for name in SETTINGS}
-    collectives: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    chosen = args.settings.split(",")
+    if "none" not in chosen or not set(chosen) <= set(SETTINGS):
+        p.error(f"--settings: some of {', '.join(SETTINGS)}, with none (the baseline)")
+    speeds: dict[str, list[float]] = {name: [] for name in chosen}
+    collectives: dict[str, list[float]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.assets is None:
@@ -125,19 +136,20 @@ def main() -> None:
 
             args.assets = write_tiny_assets(work / "assets").root
         for repeat in range(args.repeats):
-            for setting in SETTINGS:
+            for setting in chosen:
                 speed, count = run(args, work, f"{setting}-{repeat}", setting)
                 speeds[setting].append(speed)
                 collectives[setting].append(count)
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step", flush=True)
-    off = statistics.median(speeds["off"])
+    off = statistics.median(speeds["none"])
     print(f"\n{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
           f"median of {args.repeats} alternating repeats:\n")
-    print("| setting | steps/s | ratio to off | collectives per step |")
-    print("|---|---|---|---|")
-    for setting in SETTINGS:
+    print("| setting | steps/s (median) | ratio to none | runs | collectives per step |")
+    print("|---|---|---|---|---|")
+    for setting in chosen:
         median = statistics.median(speeds[setting])
-        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {statistics.median(collectives[setting]):g} |")
+        runs = ", ".join(f"{s:.2f}" for s in speeds[setting])
+        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | {statistics.median(collectives[setting]):g} |")
     if args.json:
         args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives}, indent=2))
 

@@ -1,0 +1,117 @@
+"""Stopping cleanly when a scheduler says so: SIGTERM (Kubernetes, SLURM's preemption) and SIGUSR1 (SLURM's
+``--signal=B:USR1@120`` before a time limit), or the signals of ``adaptive_batching.stop_signals``.
+
+A Python signal handler only runs between bytecodes, so it sets a flag and the run acts on it at a step
+boundary: it finishes the optimizer step it is in (or abandons a profiler trial), saves an atomic
+mid-epoch checkpoint with everything an exact resume needs, and exits with :data:`EXIT_CODE`. A second
+signal while stopping (a scheduler that will not wait) ends the process at once; the save is atomic, so
+the last complete checkpoint stays loadable either way. SIGINT (Ctrl-C) keeps Python's meaning: stop now.
+
+Under torchrun every rank must stop at the same step, or the others would wait forever in the next
+collective. The signal may reach the ranks at different steps, or only one of them, so each step starts
+a non-blocking all-reduce (MAX) of the rank's flag and reads it at the step's end, after the step's own
+host synchronisation: all ranks stop after the step in which every rank's flag was in, the step the
+signal arrived in or the next. One process needs no collective.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from types import FrameType
+from typing import Any, NoReturn, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from adaptive_batching.errors import Preempted
+from adaptive_batching.runtime.distributed import ParallelInfo
+
+EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on request, resumable; a crash exits 1
+ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
+DEFAULT = ("SIGTERM", "SIGUSR1")
+
+
+def check_signals(value: Any) -> Optional[str]:
+    """None when ``value`` is a list of signal names we may handle, else what is allowed."""
+    ok = isinstance(value, (list, tuple)) and all(v in ALLOWED for v in value) and len(set(value)) == len(value)
+    return None if ok else f"a list of distinct signal names among {', '.join(ALLOWED)} ([] turns it off)"
+
+
+class Preemption:
+    """The stop flag, its signal handlers and the ranks' agreement (see the module docstring)."""
+
+    def __init__(self, signals: Sequence[str], parallel: ParallelInfo, device: torch.device) -> None:
+        self.signals = [getattr(signal, name) for name in signals]
+        self.parallel, self.device = parallel, device
+        self.received: Optional[int] = None  # the first stop signal this process received
+        self.seen_at: Optional[int] = None  # the optimizer step at whose end this rank first saw it
+        self.stopping = False  # every rank agreed to stop
+        self._previous: dict[int, Any] = {}
+        self._flag: Optional[torch.Tensor] = None
+        self._work: Any = None
+
+    @property
+    def signal_name(self) -> str:
+        if self.received is None:
+            return "a stop signal on another rank"
+        seen = "" if self.seen_at is None else f" by the end of optimizer step {self.seen_at}"
+        return f"{signal.Signals(self.received).name} received{seen}"
+
+    def install(self) -> None:
+        """Handle the stop signals from now on (in the main thread: Python delivers signals there)."""
+        for number in self.signals:
+            self._previous[number] = signal.signal(number, self._handle)
+
+    def uninstall(self) -> None:
+        for number, previous in self._previous.items():
+            signal.signal(number, previous)
+        self._previous.clear()
+
+    def _handle(self, number: int, frame: Optional[FrameType]) -> None:
+        if self.received is None:
+            self.received = number
+            return
+        # A second signal while stopping: the scheduler will not wait for the save. End now, by that signal.
+        self.uninstall()
+        signal.signal(number, signal.SIG_DFL)
+        os.kill(os.getpid(), number)
+
+    def begin_step(self) -> None:
+        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only)."""
+        if self.parallel.is_distributed and self.signals:
+            self._flag = torch.tensor([int(self.received is not None)], device=self.device)
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def end_step(self, step: int) -> bool:
+        """Whether every rank stops after optimizer step ``step`` (read after the step's own synchronisation)."""
+        if self.received is not None and self.seen_at is None:
+            self.seen_at = step
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+            self.stopping = bool(self._flag.item())
+        elif not self.parallel.is_distributed:
+            self.stopping = self.received is not None
+        return self.stopping
+
+    def agree_now(self) -> bool:
+        """Whether any rank received a stop signal, agreed at once (between profiler trials: not the hot path)."""
+        if self.parallel.is_distributed and self.signals:
+            flag = torch.tensor([int(self.received is not None)], device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            self.stopping = bool(flag.item())
+        else:
+            self.stopping = self.received is not None
+        return self.stopping
+
+    def between_trials(self) -> None:
+        """Before a profiler trial: stop if any rank received a stop signal (nothing is trained yet, so
+        nothing is saved; the profiler puts the training state back on its way out)."""
+        if self.agree_now():
+            self.stop("while profiling, before any step trained", "nothing to save")
+
+    def stop(self, where: str, saved: str) -> NoReturn:
+        """End the run after a stop signal: ``where`` it stopped and what was ``saved``."""
+        raise Preempted(f"{self.signal_name}; stopped {where}: {saved}. Continue with "
+                        f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")

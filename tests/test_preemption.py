@@ -1,0 +1,132 @@
+"""Preemption: a stop signal (SIGTERM, SIGUSR1) finishes the step, saves where the run is and exits 75; the
+resumed run trains every optimizer step exactly once, with the uninterrupted run's losses bit for bit."""
+
+from __future__ import annotations
+
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from recipe_runs import losses
+from test_oom_recovery import faulty_run, ok
+
+from adaptive_batching.faults import checkpoints
+from adaptive_batching.faults.preemption import EXIT_CODE, Preemption
+from adaptive_batching.runtime.distributed import ParallelInfo
+
+STEP_LINE = re.compile(r"^Step (\d+) \|", re.M)
+SAVE_EVERY_2 = ("save_every_n_steps=2", "batch_size=4")  # 40 samples: 10 steps an epoch, 20 in all
+
+
+def logged_steps(log_dir: Path) -> list[int]:
+    """Every ``Step N`` line of every log file of a run (runs of one output folder share it): each step once."""
+    return sorted(int(n) for path in log_dir.glob("log_*.txt") for n in STEP_LINE.findall(path.read_text()))
+
+
+def stopped(result: subprocess.CompletedProcess, signal_name: str) -> int:
+    """The optimizer step a run stopped after, from its one line; checks the exit code."""
+    assert result.returncode == EXIT_CODE, f"exit {result.returncode}\n{result.stderr[-4000:]}"
+    (line,) = [line for line in result.stderr.splitlines() if line.startswith("stopped: ")]
+    step = int(re.search(r"after optimizer step (\d+)", line).group(1))
+    assert line.startswith(f"stopped: {signal_name} received by the end of optimizer step {step}; stopped after "
+                           f"optimizer step {step} ")
+    assert "resume_from_checkpoint=True" in line
+    return step
+
+
+def stops_of_ranks(result: subprocess.CompletedProcess) -> tuple[set[int], list[int]]:
+    """Under torchrun: the steps the ranks stopped after, and for each rank that received the signal, how many
+    steps after the one by whose end it saw it."""
+    stops = {int(n) for n in re.findall(r"stopped after optimizer step (\d+)", result.stderr)}
+    lags = [int(stop) - int(seen) for seen, stop in re.findall(
+        r"received by the end of optimizer step (\d+); stopped after optimizer step (\d+)", result.stderr)]
+    return stops, lags
+
+
+def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
+    previous = signal.getsignal(signal.SIGUSR1)
+    stop = Preemption(["SIGUSR1"], ParallelInfo(), None)
+    stop.install()
+    try:
+        assert not stop.end_step(1)
+        signal.raise_signal(signal.SIGUSR1)
+        assert stop.received == signal.SIGUSR1 and stop.end_step(2) and stop.signal_name == "SIGUSR1 received by the end of optimizer step 2"
+    finally:
+        stop.uninstall()
+    assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_a_second_signal_ends_the_process_at_once() -> None:
+    code = ("import signal, time; from adaptive_batching.faults.preemption import Preemption; "
+            "from adaptive_batching.runtime.distributed import ParallelInfo; "
+            "p = Preemption(['SIGTERM'], ParallelInfo(), None); p.install(); signal.raise_signal(signal.SIGTERM); "
+            "print('first', p.received, flush=True); signal.raise_signal(signal.SIGTERM); time.sleep(5); print('alive')")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGTERM and "first 15" in result.stdout and "alive" not in result.stdout
+
+
+@pytest.fixture(scope="module")
+def chain(assets: Path, runs: Path) -> dict[str, object]:
+    """One process: the whole run; and the same run stopped by SIGTERM after step 3, resumed and stopped by
+    SIGUSR1 after step 13 (epoch 2), resumed to the end."""
+    whole = ok(faulty_run(runs, "whole", {}, assets, *SAVE_EVERY_2))
+    first = faulty_run(runs, "chain", {"signal": "SIGTERM", "signal_at": 3}, assets, *SAVE_EVERY_2)
+    second = faulty_run(runs, "chain", {"signal": "SIGUSR1", "signal_at": 13}, assets, *SAVE_EVERY_2,
+                        "resume_from_checkpoint=True")
+    last = ok(faulty_run(runs, "chain", {}, assets, *SAVE_EVERY_2, "resume_from_checkpoint=True"))
+    return {"whole": whole, "first": first, "second": second, "last": last}
+
+
+@pytest.mark.e2e
+def test_a_signal_stops_after_the_step_it_came_in_and_saves_there(chain: dict) -> None:
+    assert stopped(chain["first"], "SIGTERM") == 3
+    assert "Saved the checkpoint of step 3 of epoch 1 (optimizer step 3)" in chain["first"].stdout + chain["first"].stderr
+    assert stopped(chain["second"], "SIGUSR1") == 13
+    assert "Resuming at step 3 of epoch 1 (optimizer step 3)" in chain["second"].stdout + chain["second"].stderr
+    assert "Resuming at step 3 of epoch 2 (optimizer step 13)" in chain["last"]
+
+
+@pytest.mark.e2e
+def test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses(chain: dict, runs: Path) -> None:
+    assert logged_steps(runs / "chain" / "logs") == list(range(1, 21))
+    assert losses(runs / "chain" / "logs") == losses(runs / "whole" / "logs")  # bit for bit
+
+
+@pytest.mark.e2e
+def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(assets: Path, runs: Path) -> None:
+    killed = faulty_run(runs, "twice", {"signal": "SIGTERM", "signal_at": 3, "again_in_save": True}, assets,
+                        *SAVE_EVERY_2)
+    assert killed.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), killed.stderr[-3000:]
+    latest = checkpoints.latest_complete_checkpoint(runs / "twice")
+    assert latest is not None and latest.name == "epoch_0"
+    assert '"global_step": 2' in (latest / checkpoints.MARKER).read_text()  # the save of step 2, untouched
+    resumed = ok(faulty_run(runs, "twice", {}, assets, *SAVE_EVERY_2, "resume_from_checkpoint=True"))
+    assert "Resuming at step 2 of epoch 1 (optimizer step 2)" in resumed
+    assert losses(runs / "twice" / "logs") == losses(runs / "whole" / "logs")
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_two_ranks_stop_together_on_the_agents_signal_or_one_workers(assets: Path, runs: Path) -> None:
+    """SIGTERM to the torchrun agent (it forwards it to every worker), then SIGUSR1 to rank 1 only: the ranks
+    agree on the step to stop after (the signal's, or the next), save it and resume without a step twice."""
+    common = (*SAVE_EVERY_2, "batch_size=2")
+    whole = ok(faulty_run(runs, "whole2", {}, assets, *common, nproc=2))
+    assert "Rank 1: finished at optimizer step 20" in whole
+    agent = faulty_run(runs, "ranks", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 0}, assets,
+                       *common, nproc=2)
+    assert agent.returncode != 0
+    stops, lags = stops_of_ranks(agent)  # the agent forwards the signal to both workers, a few steps later here
+    assert len(stops) == 1 and min(stops) >= 3 and len(lags) == 2 and all(0 <= lag <= 1 for lag in lags)
+    one = faulty_run(runs, "ranks", {"signal": "SIGUSR1", "signal_at": 13, "rank": 1}, assets, *common,
+                     "resume_from_checkpoint=True", nproc=2)
+    assert one.returncode != 0
+    stops, lags = stops_of_ranks(one)
+    assert len(stops) == 1 and stops <= {13, 14} and len(lags) == 1 and lags[0] <= 1  # rank 0 stops with rank 1
+    assert "a stop signal on another rank; stopped after optimizer step" in one.stderr
+    ok(faulty_run(runs, "ranks", {}, assets, *common, "resume_from_checkpoint=True", nproc=2))
+    assert logged_steps(runs / "ranks" / "logs") == list(range(1, 21))
+    assert losses(runs / "ranks" / "logs") == losses(runs / "whole2" / "logs")
