@@ -77,7 +77,7 @@ def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
         row["layers"] = trace.num_layers
         row.update(parameters(cfg, method, nn))
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
-        row["reason"] = one_line(error)[:240]
+        row["reason"] = one_line(error).split(" Are you sure")[0][:200]
     out.send(row)
 
 
@@ -107,6 +107,7 @@ def run(names: dict[str, Path], seq_len: int, timeout: float) -> list[dict[str, 
         child.join(5)
         if child.is_alive():
             child.kill()
+            child.join()
         row["process_seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(f"[{i}/{len(names)}] {name}: {row.get('micro_batch', row.get('reason'))} "

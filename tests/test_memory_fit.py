@@ -133,3 +133,15 @@ def test_a_fit_without_a_slope_or_a_finite_budget_is_refused() -> None:
 def test_memory_points_are_validated(batch, peak) -> None:
     with pytest.raises(ValueError):
         MemoryPoint(batch, peak)
+
+
+def test_a_plateau_point_on_the_line_is_the_corner_where_they_meet() -> None:
+    """Gemma 2B at 2048 tokens (fake steps): the gradients set the peak at 1 and 2 samples, the logits from 2
+    on, and the point at 2 lies on the line as well as on the plateau. More probes cannot change that."""
+    gib = 2**30
+    points = [MemoryPoint(1, 20.64 * gib), MemoryPoint(2, 20.72 * gib), MemoryPoint(4, 27.43 * gib),
+              MemoryPoint(8, 40.84 * gib), MemoryPoint(16, 67.66 * gib)]
+    fit = fit_memory(points)
+    assert fit.bytes_per_sample == pytest.approx(3.3525 * gib, rel=0.01)
+    assert fit.predict(1) == pytest.approx(20.64 * gib, rel=0.01)  # the plateau
+    assert not needs_more_points(points[:4])

@@ -31,9 +31,10 @@ from torchtune.models.qwen2 import qwen2
 from torchtune.models.qwen2._convert_weights import qwen2_tune_to_hf
 from torchtune.models.qwen2_5._tokenizer import QWEN2_5_SPECIAL_TOKENS
 
-from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR, _atomic_write, write_tiny_assets
+from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR, write_tiny_assets
 from adaptive_batching.assets.tiny_tokenizer import NUM_MERGEABLE_RANKS, train_bpe, training_texts
 from adaptive_batching.assets.tokenizers import qwen2_files, sentencepiece_model, special_tokens_file
+from adaptive_batching.runtime.files import write_atomically
 
 SPM_VOCAB = 1024  # sentencepiece pieces of the Gemma, Phi-3 and Mistral tokenizers
 COMMON = {"num_layers": 2, "num_heads": 4, "embed_dim": 64, "intermediate_dim": 192, "max_seq_len": 512}
@@ -142,16 +143,16 @@ def write_family_assets(output_dir: str | Path = DEFAULT_TINY_DIR, name: str = "
     texts = list(training_texts(records))
     if family.tokenizer == "qwen2":
         vocab, merges = qwen2_files(train_bpe(texts))
-        _atomic_write(paths.folder / "vocab.json", vocab)
-        _atomic_write(paths.folder / "merges.txt", merges)
+        write_atomically(paths.folder / "vocab.json", vocab)
+        write_atomically(paths.folder / "merges.txt", merges)
         first_special = NUM_MERGEABLE_RANKS
     else:
-        _atomic_write(paths.folder / "tokenizer.model", sentencepiece_model(texts, SPM_VOCAB))
+        write_atomically(paths.folder / "tokenizer.model", sentencepiece_model(texts, SPM_VOCAB))
         first_special = SPM_VOCAB
     if family.specials:
-        _atomic_write(paths.folder / "special_tokens.json", special_tokens_file(family.specials, first_special))
+        write_atomically(paths.folder / "special_tokens.json", special_tokens_file(family.specials, first_special))
     model = build_family_model(family, seed)
     state = {k: v.detach().contiguous() for k, v in family.to_hf(model.state_dict(), family.args).items()}
-    _atomic_write(paths.folder / "model.safetensors", safetensors_save(state))
-    _atomic_write(paths.folder / "config.json", _json(hf_config(family)))
+    write_atomically(paths.folder / "model.safetensors", safetensors_save(state))
+    write_atomically(paths.folder / "config.json", _json(hf_config(family)))
     return paths

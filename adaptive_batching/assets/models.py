@@ -21,8 +21,6 @@ nothing about quality; memory and speed are those of the real model.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -44,6 +42,7 @@ from adaptive_batching.assets.tiny import (
     describe,
     write_tiny_assets,
 )
+from adaptive_batching.runtime.files import write_atomically
 
 __all__ = ["MODELS", "ModelAssetPaths", "build_random_model", "hf_config", "hf_state_dict", "model_args",
            "recipe_overrides", "write_model_assets", "describe_model_assets"]
@@ -166,18 +165,6 @@ def hf_config(args: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any
     }
 
 
-def _replace(path: Path, write: Any) -> None:
-    """Write through a temporary file in the same folder, then rename: never a half-written file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
 
 def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "llama3_2_1b", *, seed: int = 0,
                        num_samples: int = 3000, overrides: Optional[Mapping[str, Any]] = None) -> ModelAssetPaths:
@@ -188,9 +175,9 @@ def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "
     paths = ModelAssetPaths.from_root(output_dir, model)
     built = build_random_model(args, seed=seed, dtype=getattr(torch, entry["dtype"]), builder=entry["builder"])
     state = hf_state_dict(built, args)
-    _replace(paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_atomically(paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
     config = json.dumps(hf_config(args, entry["dtype"]), sort_keys=True, indent=2) + "\n"
-    _replace(paths.model_dir / "config.json", lambda tmp: Path(tmp).write_text(config))
+    write_atomically(paths.model_dir / "config.json", config)
     return paths
 
 

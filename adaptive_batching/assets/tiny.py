@@ -19,8 +19,6 @@ from __future__ import annotations
 import io
 import json
 import math
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Sequence
@@ -42,6 +40,7 @@ from adaptive_batching.assets.tiny_tokenizer import (
     train_bpe,
     training_texts,
 )
+from adaptive_batching.runtime.files import write_atomically
 
 __all__ = [
     "NUM_BYTE_TOKENS",
@@ -179,21 +178,6 @@ def hf_state_dict(model: TransformerDecoder) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- #
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temp file in the same directory and ``os.replace``.
-
-    Readers never observe a half-written asset, even if writing is interrupted.
-    """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-
 
 def _json_bytes(obj: Any) -> bytes:
     """Canonical JSON encoding (sorted keys, ASCII, fixed indent) so equal data gives equal bytes."""
@@ -211,15 +195,15 @@ def write_tiny_assets(
     paths = TinyAssetPaths.from_root(output_dir)
 
     records = generate_dataset(seed=seed, num_samples=num_samples)
-    _atomic_write(paths.dataset_path, _json_bytes(records))
+    write_atomically(paths.dataset_path, _json_bytes(records))
 
     tokens = train_bpe(training_texts(records))
-    _atomic_write(paths.tokenizer_path, tiktoken_ranks_file(tokens))
-    _atomic_write(paths.special_tokens_path, _json_bytes(special_tokens_json()))
+    write_atomically(paths.tokenizer_path, tiktoken_ranks_file(tokens))
+    write_atomically(paths.special_tokens_path, _json_bytes(special_tokens_json()))
 
     model = build_tiny_model(seed)
-    _atomic_write(paths.model_dir / "model.safetensors", safetensors_save(hf_state_dict(model)))
-    _atomic_write(paths.model_dir / "config.json", _json_bytes(hf_config()))
+    write_atomically(paths.model_dir / "model.safetensors", safetensors_save(hf_state_dict(model)))
+    write_atomically(paths.model_dir / "config.json", _json_bytes(hf_config()))
     return paths
 
 

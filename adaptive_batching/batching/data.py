@@ -16,6 +16,7 @@ from torchtune.data import padded_collate_packed
 
 from adaptive_batching.batching.sampler import StepBatchSampler, collate_allowing_empty
 from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler
+from adaptive_batching.config.nodes import packed
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime.distributed import ParallelInfo
 
@@ -27,9 +28,8 @@ warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=
 def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple[Dataset, bool]:
     """Instantiate the configured dataset (or several, concatenated); say whether it is packed."""
     if isinstance(cfg_dataset, ListConfig):
-        parts = [config.instantiate(c, tokenizer) for c in cfg_dataset]
-        return ConcatDataset(parts), all(c.get("packed", False) for c in cfg_dataset)
-    return config.instantiate(cfg_dataset, tokenizer), bool(cfg_dataset.get("packed", False))
+        return ConcatDataset([config.instantiate(c, tokenizer) for c in cfg_dataset]), packed(cfg_dataset)
+    return config.instantiate(cfg_dataset, tokenizer), packed(cfg_dataset)
 
 
 def build_collate(collate_path: str, packed: bool, pad_id: int, ignore_index: int) -> Callable:

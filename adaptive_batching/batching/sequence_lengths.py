@@ -15,7 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
-from adaptive_batching.profiling.cache import fingerprint, read_json_cache, write_atomically
+from adaptive_batching.runtime.files import fingerprint, read_json_cache, write_atomically
 
 log = logging.getLogger(__name__)
 

@@ -129,17 +129,6 @@ def building(key: str) -> Iterator[None]:
         raise ConfigError(f"config key '{key}': {one_line(error)}") from error
 
 
-def optional_component(node: Any) -> Optional[DictConfig]:
-    """``node`` unless it is switched off: null, or a node whose ``_component_`` is null.
-
-    torchtune rewrites the override ``key=null`` on a component node to ``key._component_: null``,
-    and ``~key`` cannot remove a component node, so both spellings mean "off".
-    """
-    if node is None:
-        return None
-    if isinstance(node, DictConfig) and "_component_" in node and node._component_ is None:
-        return None
-    return node
 
 
 _GIVEN_ARGV: list[str] = []

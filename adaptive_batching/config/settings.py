@@ -21,6 +21,7 @@ from torchtune import config, utils
 from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.config.nodes import packed, plain
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import preemption
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
@@ -158,9 +159,6 @@ def _not_available(key: str, value: Any, feature: str) -> ConfigError:
     )
 
 
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
 
 def _check_recipe_keys(cfg: DictConfig) -> None:
     """The standard torchtune keys whose values the adaptive machinery relies on."""
@@ -184,14 +182,14 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
             if required:
                 raise ConfigError(f"config key '{key}' is missing")
             continue
-        value = _plain(cfg[key])
+        value = plain(cfg[key])
         allowed = check(value)
         if allowed:
             raise _fail(key, value, allowed)
-    seed = _plain(cfg.get("seed", None))
+    seed = plain(cfg.get("seed", None))
     if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool) or seed < 0):
         raise _fail("seed", seed, "null or an integer >= 0")
-    clip = _plain(cfg.get("clip_grad_norm", None))
+    clip = plain(cfg.get("clip_grad_norm", None))
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise _fail("clip_grad_norm", clip, "null or a number > 0")
     unsupported = {  # key: (values that mean "off", why)
@@ -201,7 +199,7 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
         "profiler.enabled": ((None, False), "the torch profiler is not wired into these recipes"),
     }
     for key, (off, why) in unsupported.items():
-        value = _plain(OmegaConf.select(cfg, key, default=None))
+        value = plain(OmegaConf.select(cfg, key, default=None))
         if not any(value is v or (type(value) is type(v) and value == v) for v in off):
             raise ConfigError(f"config key '{key}' = {value!r} is not supported: {why}; remove it or set it to false")
     for key in ("model", "tokenizer", "dataset", "optimizer", "loss", "checkpointer"):
@@ -216,20 +214,20 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
         utils.get_logger("INFO").warning(f"config keys not read by the recipes (ignored): {', '.join(unread)}")
     _check_recipe_keys(cfg)
 
-    use_max = _plain(cfg.get("use_maximum_batch_size", False))
+    use_max = plain(cfg.get("use_maximum_batch_size", False))
     if not isinstance(use_max, bool):
         raise _fail("use_maximum_batch_size", use_max, "true or false")
 
-    increase = load_increase_function(_plain(cfg.get("batch_increase_function", None)))
+    increase = load_increase_function(plain(cfg.get("batch_increase_function", None)))
 
-    lr_scaling = _plain(cfg.get("lr_scaling", None))
+    lr_scaling = plain(cfg.get("lr_scaling", None))
     if lr_scaling is not None and lr_scaling not in LR_SCALING_RULES:
         raise _fail("lr_scaling", lr_scaling, " | ".join(LR_SCALING_RULES) + " (or null for the default)")
     if lr_scaling is None:
         lr_scaling = default_rule(str(cfg.optimizer.get("_component_", "")))
     _check_lr_scheduler(cfg)
 
-    section = _plain(cfg.get("adaptive_batching", None))
+    section = plain(cfg.get("adaptive_batching", None))
     section = {} if section is None else section
     if not isinstance(section, Mapping):
         raise _fail("adaptive_batching", section, f"a mapping with keys {', '.join(KNOBS)}")
@@ -259,11 +257,6 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
 
 
-def _dataset_packed(cfg: DictConfig) -> bool:
-    dataset = _plain(cfg.get("dataset", None))
-    parts = dataset if isinstance(dataset, list) else [dataset]
-    return any(isinstance(d, Mapping) and bool(d.get("packed", False)) for d in parts)
-
 
 def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -> None:
     """The token-budget keys go together, on unpacked data; their bounds must not contradict."""
@@ -274,7 +267,7 @@ def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -
                 raise ConfigError(f"config key 'adaptive_batching.{name}' = {knobs[name]!r} only applies to "
                                   "token-budget batching; set adaptive_batching.max_tokens too, or remove it")
         return
-    if _dataset_packed(cfg):
+    if packed(cfg.get("dataset", None)):
         raise ConfigError(f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
                           "(a packed dataset's samples are already full packs of max_seq_len tokens); "
                           "set dataset.packed=False or adaptive_batching.max_tokens=null")

@@ -7,11 +7,9 @@ may be shared), written atomically so that concurrent ranks or a crash never lea
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import os
-import tempfile
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -19,7 +17,8 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.settings import KNOBS
+from adaptive_batching.config.nodes import packed, plain
+from adaptive_batching.runtime.files import read_json_cache, write_atomically
 from adaptive_batching.units import parse_bytes
 
 log = logging.getLogger(__name__)
@@ -28,12 +27,6 @@ CACHE_SCHEMA = 1
 
 # Optimizer arguments that change the numbers, not the state tensors kept per parameter.
 _OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")
-
-
-def fingerprint(parts: Mapping[str, Any]) -> str:
-    """sha256 (hex) of ``parts`` as canonical JSON: key order does not matter, values do."""
-    text = json.dumps(parts, sort_keys=True, separators=(",", ":"), default=str)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def default_cache_dir() -> Path:
@@ -47,23 +40,6 @@ def cache_file(cache_dir: Path | str | None, key: str) -> Path:
     """The file for ``key``: ``<dir>/<key[:16]>.json`` (the full key is checked inside the file)."""
     directory = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
     return directory / f"{key[:16]}.json"
-
-
-def read_json_cache(path: Path, what: str) -> Optional[Any]:
-    """A cache file's JSON content, or None when absent, unreadable or not JSON (the latter two logged as
-    ``what``): a bad cache is never an error, the cached thing is simply made again."""
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        return None
-    except (OSError, UnicodeDecodeError) as error:
-        log.warning("ignoring unreadable %s %s: %s", what, path, error)
-        return None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as error:
-        log.warning("ignoring corrupt %s %s: not JSON (%s)", what, path, error)
-        return None
 
 
 def load_profile(path: Path, key: str) -> Optional[dict]:
@@ -100,42 +76,9 @@ def save_profile(path: Path, key: str, result: Mapping[str, Any]) -> None:
     write_atomically(path, json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def write_atomically(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that readers see the old file or the new one, never a mix."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(directory: Path) -> None:
-    """Make the rename durable where the platform allows it."""
-    try:
-        fd = os.open(directory, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
-def _plain(value: Any) -> Any:
-    return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
-
 
 def _select(cfg: DictConfig, key: str, default: Any) -> Any:
-    return _plain(OmegaConf.select(cfg, key, default=default))
+    return plain(OmegaConf.select(cfg, key, default=default))
 
 
 def _budget_setting(value: Any) -> Any:
@@ -151,15 +94,10 @@ def _fraction_setting(value: Any) -> Any:
     return float(value) if is_number else value
 
 
-def _packed(dataset: Any) -> bool:
-    """Whether the dataset is packed; a list of datasets is packed when all of them are."""
-    if isinstance(dataset, list):
-        return all(isinstance(d, Mapping) and bool(d.get("packed", False)) for d in dataset)
-    return isinstance(dataset, Mapping) and bool(dataset.get("packed", False))
 
-
-def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.device, device_name: str,
-                             device_memory_bytes: int, torch_version: str, seq_len: int) -> dict[str, Any]:
+def memory_fingerprint_parts(cfg: DictConfig, knobs: Mapping[str, Any], *, world_size: int, device: torch.device,
+                             device_name: str, device_memory_bytes: int, torch_version: str,
+                             seq_len: int) -> dict[str, Any]:
     """Everything in a run that changes the largest micro batch that fits, or how closely the search
     found it, as plain JSON-able values.
 
@@ -173,7 +111,7 @@ def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.
         "model": _select(cfg, "model", None),
         "dtype": _select(cfg, "dtype", "fp32"),
         "worst_case_seq_len": int(seq_len),
-        "dataset.packed": _packed(_select(cfg, "dataset", None)),
+        "dataset.packed": packed(cfg.get("dataset", None)),
         "optimizer": optimizer,
         "loss._component_": _select(cfg, "loss._component_", None),
         "enable_activation_checkpointing": _select(cfg, "enable_activation_checkpointing", False),
@@ -187,11 +125,8 @@ def memory_fingerprint_parts(cfg: DictConfig, *, world_size: int, device: torch.
         "device_name": device_name,
         "device_memory_bytes": int(device_memory_bytes),
         "torch_version": torch_version,
-        "adaptive_batching.memory_budget": _budget_setting(
-            _select(cfg, "adaptive_batching.memory_budget", KNOBS["memory_budget"].default)),
-        "adaptive_batching.memory_fraction": _fraction_setting(
-            _select(cfg, "adaptive_batching.memory_fraction", KNOBS["memory_fraction"].default)),
+        "adaptive_batching.memory_budget": _budget_setting(knobs["memory_budget"]),
+        "adaptive_batching.memory_fraction": _fraction_setting(knobs["memory_fraction"]),
         # Not memory, but how close to the largest that fits the search went.
-        "adaptive_batching.search_tolerance": float(
-            _select(cfg, "adaptive_batching.search_tolerance", KNOBS["search_tolerance"].default)),
+        "adaptive_batching.search_tolerance": float(knobs["search_tolerance"]),
     }

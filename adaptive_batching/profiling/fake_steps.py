@@ -74,7 +74,7 @@ def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
     scaled RoPE reads its frequencies, which fake tensors do not have). ``uniform`` checks that
     the layers are identical, which extrapolating over them assumes.
     """
-    with building("model"), training.set_default_dtype(dtype), torch.device("meta"):
+    with building("model"), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
         model = config.instantiate(cfg.model)
     num_layers = len(getattr(model, "layers", ()))
     method.configure(model)
@@ -165,14 +165,14 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
-    model, _, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
-    vocab_size = model.tok_embeddings.num_embeddings
-    gathered = gathered_bytes(model)
+    small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
+    vocab_size = small.tok_embeddings.num_embeddings
+    gathered = gathered_bytes(small)
     offload = bool(cfg.get("fsdp_cpu_offload", False))
     with fake:
-        initial, steady, optimizer_peaks = _optimizer_steps(model, _optimizer(cfg, model))
+        initial, steady, optimizer_peaks = _optimizer_steps(small, _optimizer(cfg, small))
     traced = layers_to_trace(num_layers)
-    small, loss_fn, _ = build_fake(cfg, method, dtype, fake, keep_layers=traced)
+    small.layers = nn.ModuleList(list(small.layers)[:traced])  # the whole model's optimizer state is gone with it
     counts = repeats(traced, num_layers)
     segments: dict[int, list[Segment]] = {}
 

@@ -125,8 +125,8 @@ def _best_fit(points: list[MemoryPoint], tolerance: float) -> Optional[LinearFit
 
     Each split ``k`` treats the first ``k`` points as the plateau and fits a line to the rest.
     A split is admissible when the line rises by more than ``tolerance`` and has a positive
-    slope, every plateau point lies clearly above the line (else it belongs to the line), and
-    the first line point lies clearly above the plateau (else it may still be on the plateau).
+    slope, no plateau point lies clearly below the line (one on it is the corner where the two
+    meet), and the first line point lies clearly above the plateau (else it may still be on it).
     The fewest plateau points whose model fits every point within ``tolerance`` wins; if none
     does (noisier data than assumed), the admissible split with the smallest worst error that
     keeps a leading run of equal peaks on the plateau, as a line that fits poorly cannot start flat.
@@ -147,7 +147,8 @@ def _best_fit(points: list[MemoryPoint], tolerance: float) -> Optional[LinearFit
         level = max((p.peak_bytes for p in plateau), default=0.0)
         if plateau and line[0].peak_bytes <= level * (1 + tolerance):
             continue
-        if any(p.peak_bytes <= (fixed + slope * p.micro_batch) * (1 + tolerance) for p in plateau):
+        # A plateau point may sit on the line (where the rising part meets the flat one), never below it.
+        if any(p.peak_bytes < (fixed + slope * p.micro_batch) * (1 - tolerance) for p in plateau):
             continue
         fit = LinearFit(fixed, slope, tuple(p.micro_batch for p in line), level)
         mean_level = sum(p.peak_bytes for p in plateau) / k if plateau else 0.0

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from adaptive_batching.profiling.profiler import ProfileResult
+from adaptive_batching.runtime.files import write_atomically
 
 GIB = 2**30
 log = logging.getLogger(__name__)
@@ -37,16 +36,9 @@ def format_table(result: ProfileResult) -> str:
     return "\n".join(lines)
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
 
 def write_json(result: ProfileResult, path: Path) -> Path:
-    _atomic_write(path, json.dumps(result.to_dict(), indent=2, sort_keys=True).encode())
+    write_atomically(path, json.dumps(result.to_dict(), indent=2, sort_keys=True) + "\n")
     return path
 
 

@@ -18,18 +18,13 @@ from omegaconf import DictConfig
 from torchtune import utils
 
 from adaptive_batching.profiling.budget import Budget, memory_budget
-from adaptive_batching.profiling.cache import (
-    cache_file,
-    fingerprint,
-    load_profile,
-    memory_fingerprint_parts,
-    save_profile,
-)
+from adaptive_batching.profiling.cache import cache_file, load_profile, memory_fingerprint_parts, save_profile
 from adaptive_batching.profiling.profiler import ProfileResult, TrialStep, find_max_micro_batch
 from adaptive_batching.profiling.report import format_table, write_report
 from adaptive_batching.profiling.search import choose_micro_batch
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
+from adaptive_batching.runtime.files import fingerprint
 
 log = utils.get_logger("INFO")
 
@@ -65,7 +60,7 @@ def cache_location(context: ProfileContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
-        context.cfg, world_size=context.parallel.world_size, device=context.device, device_name=name,
+        context.cfg, context.knobs, world_size=context.parallel.world_size, device=context.device, device_name=name,
         device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
     ))
     return cache_file(context.knobs["cache_dir"], key), key

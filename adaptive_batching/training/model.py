@@ -74,7 +74,7 @@ def build_model(
     is_rank_zero: bool = True,
 ) -> nn.Module:
     """Build the model on ``device``, sharded with FSDP2 when running under torchrun."""
-    with training.set_default_dtype(dtype), torch.device("meta"):
+    with training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
         model = config.instantiate(cfg_model)
     method.configure(model)
     if options.compile:

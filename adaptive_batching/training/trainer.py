@@ -19,7 +19,8 @@ from tqdm import tqdm
 from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.batching.policy import DataContext, batching_for
-from adaptive_batching.config.loading import building, given_argv, optional_component
+from adaptive_batching.config.loading import building, given_argv
+from adaptive_batching.config.nodes import optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.errors import UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
