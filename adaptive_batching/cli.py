@@ -1,4 +1,5 @@
-"""The ``adaptive-batching`` console script: tiny offline assets, and listing/copying recipes and configs."""
+"""The ``adaptive-batching`` console script: tiny offline assets, listing and copying recipes and configs, and
+the profiler, the batch plan and the estimate without training."""
 
 from __future__ import annotations
 
@@ -115,6 +116,20 @@ def cmd_profile(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_plan(args: argparse.Namespace) -> int:
+    """Set up, profile (or read the profile cache) and print the batch plan, without training a step."""
+    from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.trainer import Trainer
+
+    cfg = load_config(args.config, args.overrides)
+    with Trainer(cfg, validate_config(cfg), method_for(cfg)) as trainer:
+        trainer.setup()
+        trainer.profile()
+        trainer.make_plan()
+    return 0
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.batching import worst_case
     from adaptive_batching.profiling.estimate import estimate_max_micro_batch
@@ -170,13 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
     cp.set_defaults(func=cmd_cp)
 
     profile = sub.add_parser("profile", help="run the start-up profiler alone and print its report")
-    profile.add_argument("--config", required=True, help="a config path or shipped name")
+    profile.add_argument("--config", required=True, help="a config path, shipped name or torchtune config name")
     profile.add_argument("--json", help="also write the JSON report here")
     profile.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     profile.set_defaults(func=cmd_profile)
 
+    plan = sub.add_parser("plan", help="set up, profile and log the batch plan of a config, without training")
+    plan.add_argument("--config", required=True, help="a config path, shipped name or torchtune config name")
+    plan.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
+    plan.set_defaults(func=cmd_plan)
+
     estimate = sub.add_parser("estimate", help="predict the largest micro batch for a device you do not have")
-    estimate.add_argument("--config", required=True, help="a config path or shipped name")
+    estimate.add_argument("--config", required=True, help="a config path, shipped name or torchtune config name")
     estimate.add_argument("--device-memory", required=True, help="e.g. 80GiB")
     estimate.add_argument("--fraction", type=float, default=0.9, help="share of device memory to use (default 0.9)")
     estimate.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP)")

@@ -137,3 +137,15 @@ def test_cp_copies_the_shipped_config_even_when_a_local_file_has_its_name(tmp_pa
     assert (tmp_path / "copy.yaml").read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
     assert main(["cp", "tiny_full.yaml", ".", "--force"]) == 0
     assert local.read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
+
+
+@pytest.mark.e2e
+def test_plan_profiles_and_logs_the_plan_without_training(assets: Path, tmp_path: Path) -> None:
+    from recipe_runs import check, run_command
+
+    out = tmp_path / "run"
+    result = check(run_command("cli", ["plan", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}"],
+                               cwd=tmp_path))
+    output = result.stdout + result.stderr
+    assert "largest micro batch that ran" in output and "Batch plan (micro batch" in output
+    assert "Epoch 1/3" not in output and not list(out.glob("epoch_*"))  # not a step trained, nothing saved
