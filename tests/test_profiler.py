@@ -142,9 +142,30 @@ def test_the_upper_limit_caps_the_search() -> None:
 
 def test_batch_one_not_fitting_is_a_clear_error() -> None:
     budget = Budget(100 * MIB, "explicit adaptive_batching.memory_budget=100MiB")
-    step, _ = simulated_step(steady=90 * MIB, fixed=20 * MIB, per_sample=MIB, optimizer_peak=1, capacity=10**12)
-    with pytest.raises(ProfileError, match="micro batch 1 does not fit"):
+    step, calls = simulated_step(steady=90 * MIB, fixed=20 * MIB, per_sample=MIB, optimizer_peak=1, capacity=10**12)
+    with pytest.raises(ProfileError, match=r"micro batch 1 does not fit .* \(its step used 0\.108 GiB\)"):
         find_max_micro_batch(step, budget, seq_len=4096, safety_margin=0.05, round_to="none", upper_limit=100)
+    assert calls == [1, 1]  # the warm-up, and the second step that confirms it
+
+
+def test_a_warm_up_over_the_budget_from_one_time_costs_is_measured_again() -> None:
+    """The first step's peak holds one-time costs (on CPU: lazy initialisation in resident memory); micro
+    batch 1 is refused only when a second step at it is over the budget too."""
+    budget = Budget(100 * MIB, "test")
+    step, calls = simulated_step(steady=10 * MIB, fixed=5 * MIB, per_sample=MIB, optimizer_peak=1, capacity=10**12)
+    first = [True]
+
+    def warming(b: int) -> StepMemory:
+        used = step(b)
+        if first.pop() if first else False:
+            return StepMemory(used.activation_bytes, 200 * MIB, used.optimizer_peak, used.steady_bytes)
+        return used
+
+    result = find_max_micro_batch(warming, budget, seq_len=64, safety_margin=0.0, round_to="none", upper_limit=1000)
+    assert calls[:3] == [1, 1, 2]
+    assert [t["phase"] for t in result.trials[:2]] == ["warmup", "warmup"]
+    assert result.trials[0]["ok"] is False and result.trials[1]["ok"] is True
+    assert result.max_micro_batch == true_max(10 * MIB, 5 * MIB, MIB, budget.bytes)
 
 
 def test_other_errors_are_not_swallowed() -> None:

@@ -3,7 +3,7 @@
 Two stages, both on the real training set-up with worst-case inputs:
 
 1. Estimate. After a warm-up step at micro batch 1 (it pays one-time costs such as creating the
-   optimizer state), probe steps at micro batch 2, 4, ... measure the forward/backward peak above
+   optimizer state; when it does not fit, a second step at 1 decides), probe steps at micro batch 2, 4, ... measure the forward/backward peak above
    the memory the step starts from. That part grows with the micro batch (activations); the
    optimizer step's peak does not and is checked on its own, so batch-independent peaks never
    distort the slope. A linear fit predicts the largest micro batch under the budget; one more
@@ -134,8 +134,8 @@ def find_max_micro_batch(
     ran: dict[int, Trial] = {}
     memory: dict[int, StepMemory] = {}
 
-    def attempt(micro_batch: int, phase: str) -> Trial:
-        if micro_batch in ran:
+    def attempt(micro_batch: int, phase: str, again: bool = False) -> Trial:
+        if micro_batch in ran and not again:
             return ran[micro_batch]
         before_trial()
         t0 = time.perf_counter()
@@ -162,13 +162,16 @@ def find_max_micro_batch(
         return trial
 
     # 1. A warm-up step (one-time costs: optimizer state, lazy initialisation), probes, the estimate.
-    warm = attempt(1, "warmup").ok
+    # Micro batch 1 fails only if a second step fails too: the first one's peak holds the one-time costs.
+    warm = attempt(1, "warmup").ok or attempt(1, "warmup", again=True).ok
     probed = probe_until_slope(lambda b: memory.get(b) if attempt(b, "probe").ok else None, upper_limit,
                                first=2) if warm else {}
     if not warm:
+        used = trials[-1].peak_bytes
+        measured = f" (its step used {used / 2**30:.3f} GiB)" if used is not None else " (out of memory)"
         raise ProfileError(
             f"micro batch 1 does not fit the memory budget of {budget.bytes / 2**30:.2f} GiB ({budget.source}) "
-            f"with {seq_len}-token samples: lower tokenizer.max_seq_len, enable activation checkpointing, "
+            f"with {seq_len}-token samples{measured}: lower tokenizer.max_seq_len, enable activation checkpointing, "
             f"or raise adaptive_batching.memory_budget / memory_fraction"
         )
     fit = fit_probes(probed)
