@@ -1,0 +1,41 @@
+"""Every dotted path a user can copy from our configs and docs resolves, and the paths configs named before
+the package moved into subpackages still do (a user's config keeps working)."""
+
+from __future__ import annotations
+
+import pydoc
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "configs").glob("*.yaml"))]
+# `_component_: X`, `_component_=X`, `batch_increase_function: X` (YAML, overrides and prose alike).
+NAMED = re.compile(r"(?:_component_|batch_increase_function)[\"']?\s*[:=]\s*[\"']?([A-Za-z_][\w.]*\.[A-Za-z_]\w*)")
+# Users' own modules in examples, not ours to resolve.
+USERS = ("my_module.", "my_growth.", "mypackage.")
+# The growth functions' paths as the configs and README named them before the move into subpackages.
+BEFORE_THE_MOVE = ("adaptive_batching.growth.geometric", "adaptive_batching.growth.linear_ramp",
+                   "adaptive_batching.growth.noise_scale", "adaptive_batching.growth.seesaw",
+                   "adaptive_batching.growth.step_increase")
+
+
+def named_paths() -> dict[str, str]:
+    """Each dotted path named in a config or a doc page, with the first file that names it."""
+    found: dict[str, str] = {}
+    for source in SOURCES:
+        for path in NAMED.findall(source.read_text()):
+            if not path.startswith(USERS):
+                found.setdefault(path, source.name)
+    return found
+
+
+def test_the_pages_and_configs_name_components() -> None:
+    paths = named_paths()
+    assert "adaptive_batching.growth.geometric" in paths and "torch.optim.AdamW" in paths
+
+
+@pytest.mark.parametrize("path", sorted(set(named_paths()) | set(BEFORE_THE_MOVE)))
+def test_every_named_component_resolves(path: str) -> None:
+    assert callable(pydoc.locate(path)), f"{path} (named in {named_paths().get(path, 'the old layout')}) does not resolve"
