@@ -22,3 +22,29 @@ def modified(base: DictConfig, updates: dict[str, Any]) -> DictConfig:
         else:
             OmegaConf.update(cfg, key, value, merge=False, force_add=True)
     return cfg
+
+
+# The nodes that point a config at a tiny model, its tokenizer, checkpoint and data.
+TINY_NODES = ("model", "tokenizer", "dataset")
+TINY_CHECKPOINTER_KEYS = ("checkpoint_dir", "checkpoint_files", "model_type")
+
+
+def stock_on_tiny(stock: str, tiny: str, assets: Path, output_dir: Path, destination: Path) -> Path:
+    """torchtune's stock config ``stock`` (a name ``tune cp`` takes) as a user edits a copy of it: the model,
+    tokenizer, data set and checkpoint of our shipped config ``tiny`` (same family and method), everything
+    else (optimizer, loss, dtype, activation checkpointing, batch, every other key) as torchtune ships it.
+    Written to ``destination``, for ``tune run RECIPE --config destination``."""
+    from adaptive_batching.config.loading import FINETUNE_RECIPES, stock_configs
+
+    cfg = OmegaConf.load(stock_configs(FINETUNE_RECIPES)[stock])
+    ours = OmegaConf.load(CONFIGS / f"{tiny}.yaml")
+    for node in TINY_NODES:
+        cfg[node] = ours[node]
+    checkpointer = OmegaConf.to_container(ours.checkpointer, resolve=False)
+    for key in TINY_CHECKPOINTER_KEYS:
+        cfg.checkpointer[key] = checkpointer[key]
+    cfg.assets_dir = str(assets)
+    cfg.output_dir = str(output_dir)
+    cfg.device = "cpu"
+    OmegaConf.save(cfg, destination)
+    return destination

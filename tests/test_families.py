@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_edits import stock_on_tiny
 from recipe_runs import check, losses, read_metrics, tune_run
 from torchtune import config, training
 from torchtune.data import Message
@@ -70,24 +71,36 @@ def test_a_tied_embedding_comes_through_the_profilers_restore_bit_for_bit(name: 
     assert torch.equal(model(tokens).detach(), logits)  # the output projection is still the embedding
 
 
+# Full fine-tuning runs torchtune's own config of the family (as `tune cp` copies it), pointed at the tiny model:
+# its optimizer, loss, dtype (bf16), activation checkpointing and every other key as torchtune ships them.
+STOCK_FULL = {"qwen2_5": "qwen2_5/0.5B_full_single_device", "gemma2": "gemma2/2B_full", "phi3": "phi3/mini_full",
+              "mistral": "mistral/7B_full"}
+# The stock configs' batch (2 x accumulation) becomes the fixed batch of 16 samples.
+STOCK_BATCH = ("batch_size=16", "gradient_accumulation_steps=1", "use_maximum_batch_size=True",
+               "adaptive_batching.memory_budget=512MiB")
+
+
 @pytest.fixture(scope="module")
 def family_runs(family_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Per family: full fine-tuning on a fixed batch (profiler on), LoRA likewise for 2 steps, then resumed for
-    a third."""
+    """Per family: full fine-tuning with torchtune's stock config on a fixed batch (profiler on); LoRA with our
+    shipped config likewise for 2 steps, then resumed for a third."""
     root = tmp_path_factory.mktemp("family-runs")
     runs: dict = {}
 
-    def run(name: str, method: str, out: str, *overrides: str) -> str:
-        result = check(tune_run(f"adaptive_{method}_finetune", f"tiny_{name}_{method}", [
+    def run(method: str, config: str, out: str, *overrides: str) -> str:
+        result = check(tune_run(f"adaptive_{method}_finetune", config, [
             f"assets_dir={family_assets}", f"output_dir={root / out}", *FIXED_BATCH, *overrides], cwd=root))
         return result.stdout + result.stderr
 
     def runs_of(name: str) -> dict:
         if name not in runs:
+            stock = stock_on_tiny(STOCK_FULL[name], f"tiny_{name}_full", family_assets, root / f"{name}-full",
+                                  root / f"{name}-full.yaml")
             runs[name] = {"root": root,
-                          "full": run(name, "full", f"{name}-full", "epochs=3"),
-                          "lora": run(name, "lora", f"{name}-lora", "epochs=2"),
-                          "resumed": run(name, "lora", f"{name}-lora", "epochs=3", "resume_from_checkpoint=True")}
+                          "full": run("full", str(stock), f"{name}-full", "epochs=3", *STOCK_BATCH),
+                          "lora": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=2"),
+                          "resumed": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=3",
+                                         "resume_from_checkpoint=True")}
         return runs[name]
 
     return {"of": runs_of}
@@ -95,7 +108,7 @@ def family_runs(family_assets: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", NAMES)
-def test_full_and_lora_profile_learn_a_fixed_batch_and_resume(name: str, family_runs: dict) -> None:
+def test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_resume(name: str, family_runs: dict) -> None:
     runs = family_runs["of"](name)
     root = runs["root"]
     for method in ("full", "lora"):
