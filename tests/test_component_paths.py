@@ -18,7 +18,8 @@ USERS = ("my_module.", "my_growth.", "mypackage.")
 # The growth functions' paths as the configs and README named them before the move into subpackages.
 BEFORE_THE_MOVE = ("adaptive_batching.growth.geometric", "adaptive_batching.growth.linear_ramp",
                    "adaptive_batching.growth.noise_scale", "adaptive_batching.growth.seesaw",
-                   "adaptive_batching.growth.step_increase")
+                   "adaptive_batching.growth.step_increase", "adaptive_batching.growth_stats.noise_scale",
+                   "adaptive_batching.growth_stats.seesaw")
 
 
 def named_paths() -> dict[str, str]:

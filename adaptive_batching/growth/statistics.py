@@ -119,7 +119,7 @@ def noise_scale(
 
     Example::
 
-        _component_: adaptive_batching.growth_stats.noise_scale
+        _component_: adaptive_batching.growth.noise_scale
         fraction: 0.5
         max_factor: 2
     """
@@ -222,7 +222,7 @@ def seesaw(
 
     Example::
 
-        _component_: adaptive_batching.growth_stats.seesaw
+        _component_: adaptive_batching.growth.seesaw
         factor: 2
         max_steps: 1
     """
