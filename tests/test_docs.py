@@ -86,7 +86,9 @@ def prose(text: str) -> str:
 
 
 def inline_spans(text: str) -> list[str]:
-    return re.findall(r"`([^`\n]+)`", prose(text))
+    """The inline code spans of a page outside its code blocks; a span may run over a line break."""
+    spans = re.findall(r"`([^`]+)`", prose(text))
+    return [" ".join(span.split()) for span in spans if "\n\n" not in span]
 
 
 def table_cells(line: str) -> list[str]:
