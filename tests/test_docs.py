@@ -498,3 +498,9 @@ def test_the_readme_starts_with_the_two_commands_and_stays_short() -> None:
 @pytest.mark.parametrize("target", ["demo", "test"])
 def test_the_two_readme_commands_are_makefile_targets(target: str) -> None:
     assert re.search(rf"^{target}:", (ROOT / "Makefile").read_text(encoding="utf-8"), flags=re.M)
+
+
+def test_the_readme_links_every_docs_page() -> None:
+    text = (ROOT / "README.md").read_text(encoding="utf-8")
+    linked = {Path(target.partition("#")[0]).name for target in re.findall(r"\]\((docs/[^)\s]+)\)", text)}
+    assert {page.name for page in DOCS.glob("*.md")} <= linked
