@@ -128,6 +128,19 @@ def test_fake_steps_correct_a_fit_that_underestimates_larger_batches() -> None:
     assert again.max_micro_batch == 6 and len(measured) == traced
 
 
+def test_a_plateau_of_sharded_state_at_more_ranks_is_probed_past() -> None:
+    """At 8 ranks a rank's step can stay flat for longer (Llama 3.3 70B, full: about 23 GiB up to 4 samples, then
+    4.3 GiB a sample): the probes of the trace show no slope there, so more are measured at those ranks."""
+    def measure(micro_batch: int, ranks: int = 1) -> StepMemory:
+        activation = 100 * MiB * micro_batch if ranks == 1 else max(400 * MiB, 60 * MiB * micro_batch)
+        return StepMemory(activation, 800 * MiB + activation, 900 * MiB, 800 * MiB)
+
+    trace = StepTrace({1: measure(1), 2: measure(2)}, 64, "test", False, 4, 3, EXTRAPOLATED, 0.0, measure)
+    estimate = predict(trace, device_memory_bytes=2000 * MiB, fraction=1.0, world_size=8)
+    # 100 MiB of model state per rank + 60 MiB x b <= 2000 MiB, and the optimizer step's 900 / 8 MiB
+    assert estimate.max_micro_batch == 31 and estimate.bytes_per_sample == pytest.approx(60 * MiB)
+
+
 def test_layers_must_be_identical_to_extrapolate() -> None:
     class Odd(nn.Module):
         def __init__(self) -> None:

@@ -105,8 +105,11 @@ class StepTrace:
     measure: Optional[Measure] = field(default=None, repr=False, compare=False)
 
 
+MAX_PROBE = 1024  # the largest micro batch a trace probes for a slope
+
+
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
-                exact: bool = False, max_probe: int = 1024) -> StepTrace:
+                exact: bool = False, max_probe: int = MAX_PROBE) -> StepTrace:
     """Count the memory of fake training steps at micro batch 1, 2, 4, ... of ``seq_len``-token samples (the
     worst case, see ``batching.worst_case``; ``seq_len_source`` says where it came from) until the peaks grow
     linearly.
@@ -162,7 +165,9 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
     """
     _check_device(device_memory_bytes, fraction, world_size)
     started = time.perf_counter()
-    probed = trace.probes if trace.measure is None else {b: trace.measure(b, world_size) for b in trace.probes}
+    probed = trace.probes
+    if trace.measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
+        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), MAX_PROBE)
     fit = fit_probes(probed)
     if fit is None:
         raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
@@ -215,7 +220,7 @@ def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_s
 
 def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int, seq_len: int,
                              seq_len_source: str = "", fraction: float = 0.9, world_size: int = 1,
-                             max_probe: int = 1024, exact: bool = False) -> Estimate:
+                             max_probe: int = MAX_PROBE, exact: bool = False) -> Estimate:
     """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
     ``seq_len``-token worst-case samples: :func:`trace_steps`, then :func:`predict` (arguments are checked
     before any tracing)."""
