@@ -20,7 +20,10 @@ alternating, ``--repeats`` times each:
 Each rank-0 child records when each optimizer step's metrics are logged and counts the calls to
 ``torch.distributed`` collectives between them (a wrapper around each collective function);
 steps per second = ``--steps`` / (time of the last step - time of the ``--warmup``-th). The table shows
-the median of each setting, its ratio to ``none``, and the collectives per steady-state step.
+the median of each setting, its ratio to ``none``, the collectives per steady-state step, and the share of
+the timed steps' wall time rank 0 spent inside the stop agreement (``Preemption.begin_step`` and
+``end_step``: starting the all-reduce, waiting for it): a cost measured inside each run, which the noise
+between runs of a shared machine (a few percent) does not blur.
 """
 
 from __future__ import annotations
@@ -62,12 +65,29 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
 
     for name in COLLECTIVES:
         setattr(dist, name, counted(getattr(dist, name)))
+    from adaptive_batching.faults.preemption import Preemption
+
+    inside = [0.0]  # seconds spent in the ranks' stop agreement since the previous step
+    handling: list[float] = []
+
+    def clocked(function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                inside[0] += time.perf_counter() - start
+        return wrapper
+
+    Preemption.begin_step = clocked(Preemption.begin_step)
+    Preemption.end_step = clocked(Preemption.end_step)
     original = DiskLogger.log_dict
 
     def timed(self: Any, payload: Any, step: int) -> None:
         stamps.append(time.perf_counter())
         counts.append(calls[0])
-        calls[0] = 0
+        handling.append(inside[0])
+        calls[0], inside[0] = 0, 0.0
         original(self, payload, step)
 
     DiskLogger.log_dict = timed
@@ -79,7 +99,7 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
             raise
     finally:
         if int(os.environ.get("RANK", 0)) == 0:
-            Path(stamps_path).write_text(json.dumps({"stamps": stamps, "collectives": counts}))
+            Path(stamps_path).write_text(json.dumps({"stamps": stamps, "collectives": counts, "stop_seconds": handling}))
 
 
 NO_STOP = "adaptive_batching.stop_signals=[]"
@@ -90,8 +110,9 @@ SETTINGS = {"none": ["adaptive_batching.oom_recovery=False", NO_STOP],
             "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000", NO_STOP]}
 
 
-def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float]:
-    """Steps per second and the median collectives per timed step of one run."""
+def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float, float]:
+    """Steps per second, the median collectives per timed step, and the share of the timed steps' time
+    spent in the ranks' stop agreement (rank 0's ``Preemption.begin_step`` and ``end_step``) of one run."""
     stamps = work / f"{tag}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
            str(HERE), "--child", str(stamps), "adaptive_full_finetune", "--config", "tiny_full",
@@ -105,8 +126,9 @@ def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[f
         sys.exit(f"{tag} failed:\n{result.stderr[-3000:]}")
     record = json.loads(stamps.read_text())
     times, counts = record["stamps"], record["collectives"]
-    speed = args.steps / (times[args.warmup + args.steps - 1] - times[args.warmup - 1])
-    return speed, statistics.median(counts[args.warmup:args.warmup + args.steps])
+    timed = slice(args.warmup, args.warmup + args.steps)
+    elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
+    return args.steps / elapsed, statistics.median(counts[timed]), sum(record["stop_seconds"][timed]) / elapsed
 
 
 def main() -> None:
@@ -129,6 +151,7 @@ def main() -> None:
         p.error(f"--settings: some of {', '.join(SETTINGS)}, with none (the baseline)")
     speeds: dict[str, list[float]] = {name: [] for name in chosen}
     collectives: dict[str, list[float]] = {name: [] for name in chosen}
+    stop_share: dict[str, list[float]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if args.assets is None:
@@ -137,21 +160,25 @@ def main() -> None:
             args.assets = write_tiny_assets(work / "assets").root
         for repeat in range(args.repeats):
             for setting in chosen:
-                speed, count = run(args, work, f"{setting}-{repeat}", setting)
+                speed, count, share = run(args, work, f"{setting}-{repeat}", setting)
                 speeds[setting].append(speed)
                 collectives[setting].append(count)
-                print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step", flush=True)
+                stop_share[setting].append(share)
+                print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
+                      f"{share:.4%} of the time in the stop agreement", flush=True)
     off = statistics.median(speeds["none"])
     print(f"\n{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
           f"median of {args.repeats} alternating repeats:\n")
-    print("| setting | steps/s (median) | ratio to none | runs | collectives per step |")
-    print("|---|---|---|---|---|")
+    print("| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |")
+    print("|---|---|---|---|---|---|")
     for setting in chosen:
         median = statistics.median(speeds[setting])
         runs = ", ".join(f"{s:.2f}" for s in speeds[setting])
-        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | {statistics.median(collectives[setting]):g} |")
+        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | {statistics.median(collectives[setting]):g} "
+              f"| {statistics.median(stop_share[setting]):.3%} |")
     if args.json:
-        args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives}, indent=2))
+        args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives, "stop_share": stop_share},
+                                        indent=2))
 
 
 if __name__ == "__main__":
