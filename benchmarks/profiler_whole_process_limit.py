@@ -9,7 +9,7 @@ Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` star
 limits the room above set-up), with no explicit memory budget and ``memory_fraction=1.0``:
 
 * ours: the recipe profiles (no glibc tunables in its environment: under the limit the recipe starts
-  its command again with them, see README "Measuring on CPU") and trains 2 steps; reported: the
+  its command again with them, see docs/profiler.md, "The memory budget") and trains 2 steps; reported: the
   largest micro batch that ran, the profile's trial steps and seconds, and whether the run trained;
 * fresh-process maximum: bisection over fresh processes, each setting up the same trainer and running
   2 worst-case training steps (the profiler's trial step: every sample full length) at one micro batch,
