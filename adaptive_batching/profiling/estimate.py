@@ -85,6 +85,9 @@ class Estimate:
         )
 
 
+MAX_PROBE = 1024  # the largest micro batch a trace probes for a slope
+
+
 @dataclass(frozen=True)
 class StepTrace:
     """The probe steps of one trace, for any device: :func:`predict` turns them into an :class:`Estimate`.
@@ -103,9 +106,7 @@ class StepTrace:
     method: str
     seconds: float
     measure: Optional[Measure] = field(default=None, repr=False, compare=False)
-
-
-MAX_PROBE = 1024  # the largest micro batch a trace probes for a slope
+    max_probe: int = MAX_PROBE  # the largest micro batch probed for a slope, here and at other ranks
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
@@ -133,7 +134,7 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
     if fit_probes(probed) is None:
         raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
     return StepTrace(probed, seq_len, seq_len_source, bool(cfg.get("fsdp_cpu_offload", False)), num_layers, traced,
-                     FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started, measure)
+                     FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started, measure, max_probe)
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -167,7 +168,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
     started = time.perf_counter()
     probed = trace.probes
     if trace.measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
-        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), MAX_PROBE)
+        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), trace.max_probe)
     fit = fit_probes(probed)
     if fit is None:
         raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
