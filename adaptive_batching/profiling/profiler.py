@@ -188,8 +188,8 @@ def find_max_micro_batch(
     # 2. Verify with real steps from the estimate.
     search = search_max_micro_batch(lambda b: attempt(b, "verify"), estimate, tolerance=tolerance,
                                     upper_limit=upper_limit, max_steps=max_verify_steps)
-    max_ok = max([b for b, t in ran.items() if t.ok and all(b < f.micro_batch for f in trials if not f.ok)],
-                 default=search.max_ok)
+    failed = [t.micro_batch for t in ran.values() if not t.ok]  # a size's latest step: a warm-up retried counts once
+    max_ok = max([b for b, t in ran.items() if t.ok and all(b < f for f in failed)], default=search.max_ok)
     optimizer_peak = max((m.optimizer_peak for m in memory.values()), default=None)
     return ProfileResult(
         max_micro_batch=max_ok,
