@@ -11,9 +11,9 @@ Under torchrun every rank must stop at the same step, or the others would wait f
 collective. The signal may reach the ranks at different steps, or only one of them, so each step starts
 a non-blocking all-reduce (MAX) of the rank's flag and reads it at the step's end, after the step's own
 host synchronisation: all ranks stop after the step in which every rank's flag was in, the step the
-signal arrived in or the next. One process needs no collective. On CPU (gloo) the flag has a process
-group of its own: gloo running it beside the step's own collectives on one group aborted a rank at exit
-("terminate called without an active exception") in about 1 run in 8.
+signal arrived in or the next. One process needs no collective. On CPU (gloo) the all-reduce runs at the
+step's end instead, blocking: there is no device to keep busy, and gloo running it beside the step's own
+collectives aborted a rank at exit ("terminate called without an active exception") in about 1 run in 8.
 """
 
 from __future__ import annotations
@@ -52,7 +52,6 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._flag: Optional[torch.Tensor] = None
         self._work: Any = None
-        self._group: Any = None  # the flag's own process group (CPU); None: the default group
 
     @property
     def signal_name(self) -> str:
@@ -62,10 +61,7 @@ class Preemption:
         return f"{signal.Signals(self.received).name} received{seen}"
 
     def install(self) -> None:
-        """Handle the stop signals from now on (in the main thread: Python delivers signals there); on CPU
-        with several ranks, make the flag's process group (every rank calls this)."""
-        if self.parallel.is_distributed and self.signals and self.device.type == "cpu" and self._group is None:
-            self._group = dist.new_group(backend="gloo")
+        """Handle the stop signals from now on (in the main thread: Python delivers signals there)."""
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
 
@@ -83,11 +79,17 @@ class Preemption:
         signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
 
+    @property
+    def _overlapped(self) -> bool:
+        """Whether the agreement runs beside the step (accelerators) rather than after it (CPU, gloo)."""
+        return self.parallel.is_distributed and bool(self.signals) and self.device.type != "cpu"
+
     def begin_step(self) -> None:
-        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only)."""
-        if self.parallel.is_distributed and self.signals:
+        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks on an
+        accelerator only)."""
+        if self._overlapped:
             self._flag = torch.tensor([int(self.received is not None)], device=self.device)
-            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self._group, async_op=True)
+            self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
 
     def end_step(self, step: int) -> bool:
         """Whether every rank stops after optimizer step ``step`` (read after the step's own synchronisation)."""
@@ -97,12 +99,13 @@ class Preemption:
             self._work.wait()
             self._work = None
             self.stopping = bool(self._flag.item())
-        elif not self.parallel.is_distributed:
-            self.stopping = self.received is not None
+        else:
+            self.agree_now()
         return self.stopping
 
     def agree_now(self) -> bool:
-        """Whether any rank received a stop signal, agreed at once (between profiler trials: not the hot path)."""
+        """Whether any rank received a stop signal, agreed at once (between profiler trials, and at a step's end on
+        CPU)."""
         if self.parallel.is_distributed and self.signals:
             flag = torch.tensor([int(self.received is not None)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
