@@ -79,8 +79,12 @@ def barrier(parallel: ParallelInfo) -> None:
         dist.barrier()
 
 
-def shutdown(parallel: ParallelInfo) -> None:
+def shutdown(parallel: ParallelInfo, *, finished: bool = False) -> None:
+    """Leave the process group. After a run every rank finished, a barrier first, so that no rank tears its
+    group down while another is still sending (never after an error: the other ranks may not come)."""
     if parallel.is_distributed and dist.is_initialized():
+        if finished:
+            dist.barrier()
         dist.destroy_process_group()
 
 

@@ -330,12 +330,12 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.close()
+        self.close(finished=exc[0] is None)
 
-    def close(self) -> None:
+    def close(self, finished: bool = False) -> None:
         """Close the metric logger and leave the process group (unless a rank broke it); runs after any error."""
         self.preemption.uninstall()
         if self.metric_logger is not None:
             self.metric_logger.close()
         if not self.oom.process_group_broken:
-            shutdown(self.parallel)
+            shutdown(self.parallel, finished=finished)
