@@ -13,6 +13,7 @@ from typing import Optional, Sequence
 
 from adaptive_batching.config.loading import (
     RECIPES,
+    leave_cleanly,
     load_config,
     named_config,
     shipped_config_names,
@@ -216,22 +217,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     on stderr, never a traceback: exit code 2 for a wrong argument or config, 1 when the run could not go on."""
     args = build_parser().parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
     except (UsageError, ConfigNotFound) as error:
-        print(f"error: {error}", file=sys.stderr)
-        return 2
+        code = _fail(f"error: {error}", 2)
     except ConfigError as error:
-        print(f"config error: {error}", file=sys.stderr)
-        return 2
+        code = _fail(f"config error: {error}", 2)
     except ProfileError as error:
-        print(f"profile error: {error}", file=sys.stderr)
-        return 1
+        code = _fail(f"profile error: {error}", 1)
     except OutOfMemoryStop as error:
-        print(f"out of memory: {error}", file=sys.stderr)
-        return 1
+        code = _fail(f"out of memory: {error}", 1)
     except Preempted as error:
-        print(f"stopped: {error}", file=sys.stderr)
-        return PREEMPTED_EXIT_CODE
+        code = _fail(f"stopped: {error}", PREEMPTED_EXIT_CODE)
+    leave_cleanly()  # outside the handlers: no traceback holds the run's objects
+    return code
+
+
+def _fail(message: str, code: int) -> int:
+    print(message, file=sys.stderr)
+    return code
 
 
 if __name__ == "__main__":

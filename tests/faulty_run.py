@@ -35,6 +35,7 @@ import signal
 import sys
 import time
 import types
+import weakref
 
 import torch
 
@@ -76,7 +77,7 @@ def main() -> None:
     original_loss = stepping.summed_token_loss
 
     def summed_token_loss(model, loss_fn, batch):  # type: ignore[no-untyped-def]
-        self = state["trainer"]
+        self = state["trainer"]()  # a weak reference: the harness must not keep the run (and its process group) alive
         affected = failing_rank and from_step <= self.global_step + 1 <= to_step and batch["tokens"].shape[0] > above
         if affected and phase == "forward":
             raise oom("forward")
@@ -92,7 +93,7 @@ def main() -> None:
     original_setup = Trainer.setup
 
     def setup(self):  # type: ignore[no-untyped-def]
-        state["trainer"] = self
+        state["trainer"] = weakref.ref(self)
         original_setup(self)
         ids = {}
         for i in range(len(self.dataset)):

@@ -100,8 +100,22 @@ def _fork_server() -> _ForkServer:
     return _SERVER
 
 
+# What a process prints when it aborts at exit, or when the process group outlived the run (see
+# ``runtime.distributed.release_destroyed_group``): never acceptable after a run, whatever its exit code.
+UNCLEAN_EXIT = ("terminate called", "gloo worker thread(s) still running", "Fatal Python error")
+
+
+def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
+    """The first line of ``result``'s output that shows an unclean exit, or None."""
+    for line in (result.stdout + result.stderr).splitlines():
+        if any(mark in line for mark in UNCLEAN_EXIT):
+            return line
+    return None
+
+
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
     assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT\n{result.stdout[-4000:]}\nSTDERR\n{result.stderr[-6000:]}"
+    assert unclean_exit(result) is None, f"unclean exit: {unclean_exit(result)}\nSTDERR\n{result.stderr[-6000:]}"
     return result
 
 

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import torch
-from recipe_runs import read_metrics, run_command
+from recipe_runs import unclean_exit, read_metrics, run_command
 from safetensors.torch import load_file
 
 from adaptive_batching.errors import PeerOutOfMemory
@@ -109,6 +109,7 @@ def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overr
 
 def ok(result: subprocess.CompletedProcess) -> str:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-3000:]}\n{result.stderr[-6000:]}"
+    assert unclean_exit(result) is None, f"unclean exit: {unclean_exit(result)}\n{result.stderr[-6000:]}"
     return result.stdout + result.stderr
 
 

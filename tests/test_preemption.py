@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import losses
+from recipe_runs import losses, unclean_exit
 from test_oom_recovery import faulty_run, ok
 
 from adaptive_batching.faults import checkpoints
@@ -29,6 +29,7 @@ def logged_steps(log_dir: Path) -> list[int]:
 def stopped(result: subprocess.CompletedProcess, signal_name: str) -> int:
     """The optimizer step a run stopped after, from its one line; checks the exit code."""
     assert result.returncode == EXIT_CODE, f"exit {result.returncode}\n{result.stderr[-4000:]}"
+    assert unclean_exit(result) is None, unclean_exit(result)
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("stopped: ")]
     step = int(re.search(r"after optimizer step (\d+)", line).group(1))
     assert line.startswith(f"stopped: {signal_name} received by the end of optimizer step {step}; stopped after "

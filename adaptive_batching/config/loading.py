@@ -22,6 +22,7 @@ from torchtune.config._errors import InstantiationError
 
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
 from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from adaptive_batching.runtime.distributed import mesh_holders, release_destroyed_group
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune")
 
@@ -146,16 +147,23 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     @functools.wraps(recipe_main)
     def checked(cfg: DictConfig) -> Any:
         try:
-            return recipe_main(cfg)
+            result, message, code = recipe_main(cfg), None, 0
         except ConfigError as err:
-            sys.exit(f"config error: {err}")
+            result, message, code = None, f"config error: {err}", 1
         except OutOfMemoryStop as err:
-            sys.exit(f"out of memory: {err}")
+            result, message, code = None, f"out of memory: {err}", 1
         except ProfileError as err:
-            sys.exit(f"profile error: {err}")
+            result, message, code = None, f"profile error: {err}", 1
         except Preempted as err:
-            print(f"stopped: {err}", file=sys.stderr, flush=True)
-            sys.exit(PREEMPTED_EXIT_CODE)
+            result, message, code = None, f"stopped: {err}", PREEMPTED_EXIT_CODE
+        # Outside the handlers, so no traceback keeps the run's objects alive.
+        leave_cleanly()
+        if code == PREEMPTED_EXIT_CODE:
+            print(message, file=sys.stderr, flush=True)
+            sys.exit(code)
+        if message is not None:
+            sys.exit(message)
+        return result
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:
@@ -167,3 +175,13 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         return tune_config.parse(checked)()
 
     return wrapper
+
+
+def leave_cleanly() -> None:
+    """End the destroyed process group's worker threads before the interpreter finalises (see
+    ``runtime.distributed.release_destroyed_group``); say so in one line if some are still running."""
+    left = release_destroyed_group()
+    if left:
+        print(f"warning: {len(left)} gloo worker thread(s) still running after the process group was destroyed "
+              f"({', '.join(left)}): something still holds the group ({mesh_holders()}), and the process may abort "
+              "at exit", file=sys.stderr, flush=True)

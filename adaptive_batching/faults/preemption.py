@@ -11,9 +11,7 @@ Under torchrun every rank must stop at the same step, or the others would wait f
 collective. The signal may reach the ranks at different steps, or only one of them, so each step starts
 a non-blocking all-reduce (MAX) of the rank's flag and reads it at the step's end, after the step's own
 host synchronisation: all ranks stop after the step in which every rank's flag was in, the step the
-signal arrived in or the next. One process needs no collective. On CPU (gloo) the all-reduce runs at the
-step's end instead, blocking: there is no device to keep busy, and gloo running it beside the step's own
-collectives aborted a rank at exit ("terminate called without an active exception") in about 1 run in 8.
+signal arrived in or the next. One process needs no collective.
 """
 
 from __future__ import annotations
@@ -80,14 +78,13 @@ class Preemption:
         os.kill(os.getpid(), number)
 
     @property
-    def _overlapped(self) -> bool:
-        """Whether the agreement runs beside the step (accelerators) rather than after it (CPU, gloo)."""
-        return self.parallel.is_distributed and bool(self.signals) and self.device.type != "cpu"
+    def _agreeing(self) -> bool:
+        """Whether the ranks must agree on a stop: several ranks, and signals to handle."""
+        return self.parallel.is_distributed and bool(self.signals)
 
     def begin_step(self) -> None:
-        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks on an
-        accelerator only)."""
-        if self._overlapped:
+        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only)."""
+        if self._agreeing:
             self._flag = torch.tensor([int(self.received is not None)], device=self.device)
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
 
@@ -100,13 +97,12 @@ class Preemption:
             self._work = None
             self.stopping = bool(self._flag.item())
         else:
-            self.agree_now()
+            self.stopping = self.received is not None
         return self.stopping
 
     def agree_now(self) -> bool:
-        """Whether any rank received a stop signal, agreed at once (between profiler trials, and at a step's end on
-        CPU)."""
-        if self.parallel.is_distributed and self.signals:
+        """Whether any rank received a stop signal, agreed at once (between profiler trials)."""
+        if self._agreeing:
             flag = torch.tensor([int(self.received is not None)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
             self.stopping = bool(flag.item())

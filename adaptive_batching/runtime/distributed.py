@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import functools
+import gc
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -79,13 +83,107 @@ def barrier(parallel: ParallelInfo) -> None:
         dist.barrier()
 
 
+_DESTROYED_HERE = False  # this process left a process group through shutdown(): release_destroyed_group() applies
+
+
 def shutdown(parallel: ParallelInfo, *, finished: bool = False) -> None:
     """Leave the process group. After a run every rank finished, a barrier first, so that no rank tears its
-    group down while another is still sending (never after an error: the other ranks may not come)."""
+    group down while another is still sending (never after an error: the other ranks may not come).
+    :func:`release_destroyed_group` then ends the group's worker threads, once nothing of the run is left."""
+    global _DESTROYED_HERE
     if parallel.is_distributed and dist.is_initialized():
         if finished:
             dist.barrier()
         dist.destroy_process_group()
+        _DESTROYED_HERE = True
+
+
+# Caches of torch.distributed that keep a DeviceMesh, and through its ``_pg_registry`` the process group, alive
+# after destroy_process_group(): named ones, then every functools cache of these modules and their classes.
+_DTENSOR_MODULES = ("torch.distributed.tensor", "torch.distributed.device_mesh", "torch.distributed.fsdp")
+
+
+def _clear_torch_distributed_caches() -> None:
+    clear_native = getattr(torch._C, "_clear_DTensor_sharding_propagator_cache", None)
+    if clear_native is not None:
+        clear_native()  # the C++ fast path's cache of the main thread, where every DTensor op of a run runs
+    redistribute = sys.modules.get("torch.distributed.tensor._redistribute")
+    if redistribute is not None and hasattr(redistribute, "clear_redistribute_planner_cache"):
+        redistribute.clear_redistribute_planner_cache()
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith(_DTENSOR_MODULES):
+            continue
+        for value in list(vars(module).values()):
+            members = list(vars(value).values()) if isinstance(value, type) else [value]
+            for member in members:
+                member = member.__func__ if isinstance(member, (staticmethod, classmethod)) else member
+                if isinstance(member, functools._lru_cache_wrapper):
+                    member.cache_clear()
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    propagator = getattr(getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    cached = getattr(propagator, "propagate_op_sharding", None)
+    if hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
+def backend_threads() -> list[str]:
+    """Names of this process's threads that belong to a gloo process group (Linux; elsewhere none are seen)."""
+    names = []
+    for task in Path("/proc/self/task").glob("*"):
+        try:
+            name = (task / "comm").read_text().strip()
+        except OSError:
+            continue
+        if "gloo" in name:
+            names.append(name)
+    return sorted(names)
+
+
+def release_destroyed_group() -> list[str]:
+    """End the worker threads of the group :func:`shutdown` destroyed, while the interpreter is whole; return the
+    names of any such thread still running (none when it worked).
+
+    ``destroy_process_group()`` does not end them: FSDP2's DeviceMesh holds the group, and torch's DTensor
+    caches hold the mesh until the interpreter finalises. Only then would the group's destructor join its
+    threads, and a thread that is still releasing a finished collective's tensor needs the GIL to free its
+    Python object; while finalising, taking the GIL ends the thread (pthread_exit), unwinding through a C++
+    destructor, which aborts the process: "terminate called without an active exception" after a finished
+    run. Call this once the run's objects are unreachable (after the recipe returned): it drops those caches
+    and collects, so the group is destroyed now and its threads joined.
+    """
+    if not _DESTROYED_HERE:
+        return []
+    _clear_torch_distributed_caches()
+    gc.unfreeze()  # the trainer froze its long-lived objects after set-up; they are garbage now
+    gc.collect()
+    return backend_threads()
+
+
+def mesh_holders(depth: int = 6) -> str:
+    """What keeps a DeviceMesh alive, as chains of referrer types: for a warning when threads outlive a release."""
+    meshes = [obj for obj in gc.get_objects() if type(obj).__name__ == "DeviceMesh"]
+    if not meshes:
+        return "no DeviceMesh is alive (a C++ owner, or another holder of the group)"
+    chain: list[str] = []
+    obj, seen = meshes[0], {id(meshes), id(chain), id(sys._getframe())}
+    for _ in range(depth):
+        found = gc.get_referrers(obj)
+        seen.add(id(found))
+        referrers = [r for r in found if id(r) not in seen]
+        seen.add(id(referrers))
+        if not referrers:
+            break
+        obj = referrers[0]
+        seen.add(id(obj))
+        name = type(obj).__name__
+        if isinstance(obj, dict):
+            name += "{" + ", ".join(str(key)[:24] for key in list(obj)[:3]) + "}"
+        elif hasattr(obj, "f_code"):
+            name += f"({obj.f_code.co_name})"
+        elif hasattr(obj, "__qualname__"):
+            name += f"({obj.__qualname__})"
+        chain.append(name)
+    return f"{len(meshes)} DeviceMesh alive, held by " + " <- ".join(chain)
 
 
 def agree_on_trial(parallel: ParallelInfo, device: torch.device):
