@@ -131,6 +131,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_status(args: argparse.Namespace) -> int:
+    """Print what a run's output folder holds: finished, resumable (and from where) or none."""
+    from adaptive_batching.faults.checkpoints import run_status
+
+    print(run_status(Path(args.output_dir)))
+    return 0
+
+
 def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.batching import worst_case
     from adaptive_batching.profiling.estimate import estimate_max_micro_batch
@@ -195,6 +203,10 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--config", required=True, help="a config path, shipped name or torchtune config name")
     plan.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     plan.set_defaults(func=cmd_plan)
+
+    status = sub.add_parser("status", help="say whether a run's output folder is finished or resumable (job scripts)")
+    status.add_argument("output_dir", help="the run's output_dir")
+    status.set_defaults(func=cmd_status)
 
     estimate = sub.add_parser("estimate", help="predict the largest micro batch for a device you do not have")
     estimate.add_argument("--config", required=True, help="a config path, shipped name or torchtune config name")

@@ -17,7 +17,8 @@ FAULT_JSON, all keys optional:
   "room_mib": M      no injected error: after set-up, RLIMIT_AS = the process's size + M MiB, so a
                      large enough batch raises torch's real ``DefaultCPUAllocator`` error
   "signal": NAME     send this signal (SIGTERM, SIGUSR1, ...) after optimizer step "signal_at" (only rank R,
-                     if given) to this process, or to its parent (the torchrun agent) with "to": "parent";
+                     if given) to this process, or to its parent (the torchrun agent) with "to": "parent", or to
+                     the process whose pid is in environment variable NAME with "to": "env:NAME";
                      "again_in_save": true sends it to this process once more inside the next checkpoint save
 
 The error is torch's own ``torch.OutOfMemoryError``. RECORD_PREFIX + "rank{r}.json" gets, per finished
@@ -147,7 +148,8 @@ def main() -> None:
     Trainer.train_step = train_step
     if "signal" in fault and failing_rank:
         number, at = getattr(signal, fault["signal"]), int(fault["signal_at"])
-        target = os.getppid() if fault.get("to") == "parent" else os.getpid()
+        to = fault.get("to", "self")
+        target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
         counted_step, sent = Trainer.train_step, []
 
         def signalling_step(self, micro_batches):  # type: ignore[no-untyped-def]

@@ -3,10 +3,13 @@ resumed run trains every optimizer step exactly once, with the uninterrupted run
 
 from __future__ import annotations
 
+import json
+import os
 import re
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -14,6 +17,7 @@ from recipe_runs import losses, unclean_exit
 from test_oom_recovery import faulty_run, ok
 
 from adaptive_batching.faults import checkpoints
+from adaptive_batching.faults.checkpoints import run_status
 from adaptive_batching.faults.preemption import EXIT_CODE, Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
 
@@ -134,3 +138,86 @@ def test_two_ranks_stop_together_on_the_agents_signal_or_one_workers(assets: Pat
     ok(faulty_run(runs, "ranks", {}, assets, *common, "resume_from_checkpoint=True", nproc=2))
     assert logged_steps(runs / "ranks" / "logs") == list(range(1, 21))
     assert losses(runs / "ranks" / "logs") == losses(runs / "whole2" / "logs")
+
+
+def processes_naming(text: str) -> list[int]:
+    """Pids of this machine's processes whose command line holds ``text`` (Linux /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    found.append(int(entry.name))
+            except OSError:
+                continue
+    return found
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(assets: Path, runs: Path) -> None:
+    """SIGKILL to the torchrun agent after step 5: its workers get the parent-death signal, save where they are and
+    exit instead of training on as orphans; the resumed run trains every step once, as the uninterrupted one."""
+    common = (*SAVE_EVERY_2, "batch_size=2")
+    whole = runs / "whole2"
+    if not (whole / "logs").is_dir():
+        ok(faulty_run(runs, "whole2", {}, assets, *common, nproc=2))
+    agent = faulty_run(runs, "orphans", {"signal": "SIGKILL", "signal_at": 5, "to": "parent", "rank": 0}, assets,
+                       *common, nproc=2)
+    assert agent.returncode == -signal.SIGKILL
+    marker = f"output_dir={runs / 'orphans'} "
+    deadline = time.monotonic() + 30
+    while processes_naming(marker) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert processes_naming(marker) == [], "workers outlived their killed agent"
+    latest = checkpoints.latest_complete_checkpoint(runs / "orphans")
+    assert latest is not None and json.loads((latest / checkpoints.MARKER).read_text())["global_step"] >= 5
+    ok(faulty_run(runs, "orphans", {}, assets, *common, "resume_from_checkpoint=True", nproc=2))
+    assert logged_steps(runs / "orphans" / "logs") == list(range(1, 21))
+    assert losses(runs / "orphans" / "logs") == losses(whole / "logs")
+
+
+def documented_slurm_script() -> str:
+    """The SLURM script of docs/preemption.md, as written there."""
+    page = (Path(__file__).parent.parent / "docs" / "preemption.md").read_text()
+    section = page[page.index("## SLURM"):]
+    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes(assets: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The script as the docs show it, at 2 ranks on CPU with a stub scontrol: SIGUSR1 to the script (as SLURM's
+    --signal=B:USR1 sends it) after step 3, the save, the requeue; the requeued script resumes and finishes, and
+    every step is logged once."""
+    out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
+    (bin_dir / "scontrol").chmod(0o755)
+    run = ["faulty_run", "'{\"signal\": \"SIGUSR1\", \"signal_at\": 3, \"to\": \"env:SCRIPT_PID\", \"rank\": 0}'",
+           f"{tmp_path}/rec-", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
+           "output_dir=$OUT", *SAVE_EVERY_2, "batch_size=2", "use_maximum_batch_size=False",
+           "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2", "max_steps_per_epoch=null"]
+    script = documented_slurm_script()
+    for old, new in (("OUT=/checkpoints/run", f"OUT={out}"), ("--nproc_per_node 8", "--nproc_per_node 2"),
+                     ("RUN=(adaptive_full_finetune --config llama3_8b output_dir=$OUT)", f"RUN=({' '.join(run)})")):
+        assert old in script, f"the documented script changed: {old!r} is gone"
+        script = script.replace(old, new)
+    (tmp_path / "job.sh").write_text("export SCRIPT_PID=$$\n" + script)
+    env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_ID="42",
+               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
+
+    def job() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=600)
+
+    first = job()
+    assert calls.read_text().split("\n")[0] == "requeue 42", first.stderr[-3000:]
+    assert "SIGUSR1 received by the end of optimizer step" in first.stderr
+    assert run_status(out).startswith("resumable")
+    second = job()  # resumes after step 3, so its fault (a signal after step 3) never fires
+    assert calls.read_text().strip().split("\n") == ["requeue 42"], second.stderr[-3000:]
+    assert unclean_exit(second) is None and run_status(out).startswith("finished")
+    assert logged_steps(out / "logs") == list(range(1, 21))  # 40 samples, 4 a step, 2 epochs

@@ -36,6 +36,7 @@ _STAGING = ".incomplete-"
 _ASIDE = ".old-"
 _HIDDEN_DIR = re.compile(r"^\.(incomplete|old)-(epoch_\d+)-\d+$")
 _LOCK_FILE = ".checkpoint.lock"
+STOPPED_FILE = "stopped_before_checkpoint.json"  # a stop signal came before this run's first checkpoint
 
 
 # ---------------------------------------------------------------------------- save
@@ -173,6 +174,25 @@ def latest_complete_checkpoint(output_dir: Path, job_id: Optional[str] = None) -
             if best is None or key > best[0]:
                 best = (key, path)
     return best[1] if best else None
+
+
+def run_status(output_dir: Path) -> str:
+    """What ``output_dir`` says of a run, in one line that starts with ``finished``, ``resumable`` (a complete
+    checkpoint of an unfinished run), ``stopped`` (a stop signal before the first checkpoint: start again) or
+    ``none``: for a job script that decides from the disk whether to run again (see docs/preemption.md)."""
+    latest = latest_complete_checkpoint(Path(output_dir))
+    if latest is None:
+        stopped = Path(output_dir) / STOPPED_FILE
+        if stopped.is_file():
+            return f"stopped: {json.loads(stopped.read_text(encoding='utf-8'))['why']}; run it again from the start"
+        return f"none: no complete checkpoint in {output_dir}"
+    record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
+    where = (f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "
+             f"{record.get('total_epochs', '?')} epochs done")
+    total = record.get("total_epochs")
+    if total is not None and record.get("epochs_run", 0) >= total and not record.get("step_in_epoch"):
+        return f"finished: {latest} ({where})"
+    return f"resumable: {latest} ({where}); continue with resume_from_checkpoint=True"
 
 
 def _inspect(folder: Path) -> tuple[Optional[dict[str, Any]], str]:

@@ -16,8 +16,12 @@ signal arrived in or the next. One process needs no collective.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
+import threading
+import time
 from types import FrameType
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -120,3 +124,32 @@ class Preemption:
         """End the run after a stop signal: ``where`` it stopped and what was ``saved``."""
         raise Preempted(f"{self.signal_name}; stopped {where}: {saved}. Continue with "
                         f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
+
+
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.0) -> str:
+    """Have this process receive ``number`` when its parent dies, by any signal, SIGKILL included.
+
+    For a worker under torchrun, whose parent is the elastic agent: a worker that outlives its agent would
+    train on as an orphan, beside the requeued job that shares its output folder. With the stop handlers
+    installed the signal stops the run as a scheduler's SIGTERM does (finish the step, save, exit 75); before
+    that it ends the process, which has nothing to save yet. Linux: the kernel's parent-death signal
+    (``prctl(PR_SET_PDEATHSIG)``); elsewhere a thread that polls the parent's pid. Returns which was used.
+    """
+    parent = os.getppid()
+    if sys.platform.startswith("linux"):
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_PDEATHSIG, int(number), 0, 0, 0) == 0:
+            if os.getppid() != parent:  # it died before the prctl took effect
+                os.kill(os.getpid(), number)
+            return "parent-death signal"
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os.kill(os.getpid(), number)
+
+    threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
+    return "parent watcher thread"

@@ -118,7 +118,7 @@ class Checkpoints:
                 self.checkpointer, state, epoch=epoch, adapter_only=self.method.adapter_only,
                 record={"global_step": progress.global_step, "epoch": epoch,
                         "step_in_epoch": progress.step_in_epoch, "epochs_run": progress.epochs_run,
-                        "job_id": restart.job_id()},
+                        "total_epochs": self.total_epochs, "job_id": restart.job_id()},
             )
             what = f"step {progress.step_in_epoch} of epoch {epoch + 1}" if progress.step_in_epoch \
                 else f"epoch {epoch + 1}"

@@ -7,6 +7,8 @@ fine-tuning is a :class:`~adaptive_batching.training.model.FinetuneMethod` given
 
 from __future__ import annotations
 
+import json
+import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -22,18 +24,19 @@ from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.config.loading import building, given_argv
 from adaptive_batching.config.nodes import optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
-from adaptive_batching.errors import UnguardedOutOfMemory
+from adaptive_batching.errors import Preempted, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
-from adaptive_batching.faults.preemption import Preemption
+from adaptive_batching.faults.preemption import Preemption, stop_with_launcher
 from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.interval import Segment
 from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, preserved_training_state
 from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
-from adaptive_batching.runtime.distributed import init_parallel, shutdown
+from adaptive_batching.runtime.files import write_atomically
+from adaptive_batching.runtime.distributed import init_parallel, launched_by_torchrun, shutdown
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.growing import Growth
@@ -53,6 +56,8 @@ class Trainer:
         if cfg.get("device", "cpu") == "cpu" and settings.needs_profile:
             # Before any rank joins the process group: a restart replaces this process.
             memory.restart_with_glibc_pinned(given_argv(), self.info)
+        if launched_by_torchrun():  # no worker outlives its torchrun agent: its death stops it as a stop signal does
+            stop_with_launcher(getattr(signal, (settings.knobs["stop_signals"] or ["SIGTERM"])[0]))
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
         self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
@@ -105,6 +110,8 @@ class Trainer:
             with building("metric_logger"):
                 self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
+        if self.is_rank_zero:
+            (self.output_dir / checkpointing.STOPPED_FILE).unlink(missing_ok=True)  # an earlier attempt's
         data = build_data(cfg)
         with building("checkpointer"):
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
@@ -330,6 +337,9 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
+        if isinstance(exc[1], Preempted) and self.progress.saved_step is None and self.is_rank_zero:
+            # Nothing was saved: a job script must still see that the run stopped on request (run_status).
+            write_atomically(self.output_dir / checkpointing.STOPPED_FILE, json.dumps({"why": str(exc[1])}) + "\n")
         self.close(finished=exc[0] is None)
 
     def close(self, finished: bool = False) -> None:

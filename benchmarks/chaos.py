@@ -1,0 +1,218 @@
+#!/usr/bin/env python
+"""Chaos: two-rank runs, each hit by one random fault at a random step, resumed until done; every optimizer step
+must train exactly once, with the uninterrupted run's losses bit for bit, and every checkpoint must load.
+
+    python benchmarks/chaos.py [--runs 20] [--seed 0] [--kinds kill9,agent_sigterm,worker_sigusr1,oom,kill_in_save]
+                               [--publish]
+
+One uninterrupted run first (the reference), then ``--runs`` runs of the same config (``tiny_full`` at 2 ranks,
+fixed micro batch 2 x accumulation 2 x 2 ranks, 2 epochs of 30 optimizer steps = 60, a save every 5 steps),
+each with one fault drawn at random (kind, step, rank; ``--seed``):
+
+* ``kill9``: SIGKILL of one worker after the step, under ``--max-restarts 1``: torchrun restarts both ranks and
+  they resume by themselves from the last complete checkpoint;
+* ``agent_sigterm``: SIGTERM to the torchrun agent, which forwards it: both workers save and exit 75;
+* ``worker_sigusr1``: SIGUSR1 to one worker only: the ranks agree on a step, save it and exit 75;
+* ``oom``: an out-of-memory error in one rank's optimizer step, retried in place with the same gradients (an
+  OOM in the forward or backward cuts the micro batch, which changes the order of float sums, so it cannot be
+  bit for bit; the suite checks those to 1e-4);
+* ``kill_in_save``: SIGKILL of rank 0 inside its N-th save, after torchtune wrote every file and before the save
+  is marked complete, under ``--max-restarts 1``: the restart takes the previous complete checkpoint.
+
+A run that stops (any non-zero exit) is run again with ``resume_from_checkpoint=True`` and no fault, up to 4
+pieces. It passes when (1) no piece printed an abort, (2) after each piece every ``epoch_N`` folder is a complete
+checkpoint whose recipe state and weights load, (3) the steps the pieces logged, once the steps a piece logged
+after the checkpoint the next piece resumed from are set aside as redone work, are 1..60 each exactly once, and
+(4) every logged loss, the redone ones included, equals the reference run's loss of that step bit for bit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+HERE = Path(__file__).resolve()
+TESTS = HERE.parent.parent / "tests"
+sys.path.insert(0, str(TESTS))
+sys.path.insert(0, str(HERE.parent))
+
+from doc_tables import publish  # noqa: E402
+from recipe_runs import unclean_exit  # noqa: E402
+
+KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
+STEPS, SAVE_EVERY = 60, 5
+CONFIG = ("use_maximum_batch_size=False", "batch_increase_function=null", "batch_size=2",
+          "gradient_accumulation_steps=2", "dataset.split=train[:240]", "epochs=2", "max_steps_per_epoch=null",
+          f"save_every_n_steps={SAVE_EVERY}")
+_STEP = re.compile(r"^Step (\d+) \| .*?loss:(\S+)", re.M)
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int
+    rank: int
+
+    def spec(self) -> dict:
+        if self.kind == "kill9":
+            return {"kill_after": self.step, "rank": self.rank}
+        if self.kind == "agent_sigterm":
+            return {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0}
+        if self.kind == "worker_sigusr1":
+            return {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank}
+        if self.kind == "oom":
+            return {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank}
+        return {"kill_in_save": self.step // SAVE_EVERY + 1, "rank": 0}
+
+    def describe(self) -> str:
+        if self.kind == "kill_in_save":
+            return f"rank 0 killed in save {self.step // SAVE_EVERY + 1} (of step {SAVE_EVERY * (self.step // SAVE_EVERY + 1)})"
+        where = "the agent" if self.kind == "agent_sigterm" else f"rank {self.rank}"
+        return {"kill9": f"SIGKILL to {where}", "agent_sigterm": "SIGTERM to the agent",
+                "worker_sigusr1": f"SIGUSR1 to {where}", "oom": f"OOM in {where}'s optimizer step"}[self.kind]
+
+
+@dataclass
+class Outcome:
+    pieces: list[int] = field(default_factory=list)  # exit codes
+    redone: int = 0
+    problems: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+
+def launch(out: Path, assets: Path, fault: dict, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           f"--max-restarts={restarts}", str(TESTS / "faulty_run.py"), json.dumps(fault), f"{out}-",
+           "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}", *CONFIG,
+           *extra]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=1200, env=env)
+
+
+def logged(log_dir: Path) -> list[list[tuple[int, str]]]:
+    """Each log file's (step, loss text) pairs, files in the order they were started."""
+    files = sorted(log_dir.glob("log_*.txt"), key=lambda p: int(re.sub(r"\D", "", p.stem) or 0))
+    return [[(int(s), loss) for s, loss in _STEP.findall(path.read_text())] for path in files]
+
+
+def checkpoints_load(out: Path) -> Optional[str]:
+    """None when every ``epoch_N`` folder is complete and its recipe state and weights load, else why not."""
+    import torch
+    from safetensors.torch import load_file
+
+    from adaptive_batching.faults import checkpoints
+
+    if checkpoints.latest_complete_checkpoint(out) is None:
+        return "no complete checkpoint"
+    for folder in sorted(out.glob("epoch_*")):
+        record, reason = checkpoints._inspect(folder)
+        if record is None:
+            return f"{folder.name}: {reason}"
+        torch.load(folder / checkpoints.RECIPE_STATE_FILE, weights_only=False)
+        for weights in folder.glob("*.safetensors"):
+            load_file(weights)
+    return None
+
+
+def chaos_run(fault: Fault, out: Path, assets: Path, reference: dict[int, str]) -> Outcome:
+    outcome, start = Outcome(), time.monotonic()
+    restarts = 1 if fault.kind in ("kill9", "kill_in_save") else 0
+    spec, extra = fault.spec(), ()
+    for _ in range(4):
+        result = launch(out, assets, spec, *extra, restarts=restarts)
+        outcome.pieces.append(result.returncode)
+        if unclean_exit(result):
+            outcome.problems.append(f"piece {len(outcome.pieces)}: {unclean_exit(result)}")
+        why = checkpoints_load(out)
+        if why:
+            outcome.problems.append(f"piece {len(outcome.pieces)}: {why}")
+        if result.returncode == 0:
+            break
+        spec, extra, restarts = {}, ("resume_from_checkpoint=True",), 0
+    else:
+        outcome.problems.append("not finished after 4 pieces")
+    files = logged(out / "logs")
+    kept: list[tuple[int, str]] = []
+    for index, entries in enumerate(files):
+        resumed_after = files[index + 1][0][0] - 1 if index + 1 < len(files) and files[index + 1] else None
+        for step, loss in entries:
+            if resumed_after is not None and step > resumed_after:
+                outcome.redone += 1
+            else:
+                kept.append((step, loss))
+            if reference.get(step) != loss:
+                outcome.problems.append(f"step {step}: loss {loss}, uninterrupted {reference.get(step)}")
+    steps = [step for step, _ in kept]
+    if steps != list(range(1, STEPS + 1)):
+        missing = sorted(set(range(1, STEPS + 1)) - set(steps))
+        twice = sorted({s for s in steps if steps.count(s) > 1})
+        outcome.problems.append(f"steps logged: missing {missing[:6]}, twice {twice[:6]}")
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def draw(rng: random.Random, kinds: list[str], index: int) -> Fault:
+    kind = kinds[index % len(kinds)] if index < len(kinds) else rng.choice(kinds)
+    return Fault(kind, rng.randint(6, STEPS - 3), rng.randint(0, 1))  # after the first guard window (steps 1-4)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--publish", action="store_true", help="write the table into docs/fault-tolerance.md")
+    args = parser.parse_args()
+    kinds = args.kinds.split(",")
+    if not set(kinds) <= set(KINDS):
+        sys.exit(f"--kinds: a comma-separated list of {', '.join(KINDS)}")
+    rng = random.Random(args.seed)
+    rows, failed = [], 0
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        from adaptive_batching.assets.tiny import write_tiny_assets
+
+        assets = write_tiny_assets(work / "assets").root
+        whole = launch(work / "reference", assets, {})
+        if whole.returncode != 0:
+            sys.exit(f"the uninterrupted run failed:\n{whole.stderr[-3000:]}")
+        (reference_entries,) = logged(work / "reference" / "logs")
+        reference = dict(reference_entries)
+        for index in range(args.runs):
+            fault = draw(rng, kinds, index)
+            outcome = chaos_run(fault, work / f"run{index}", assets, reference)
+            failed += bool(outcome.problems)
+            verdict = "pass" if not outcome.problems else "FAIL: " + "; ".join(outcome.problems[:3])
+            rows.append({"run": index + 1, "fault": fault.describe(), "kind": fault.kind, "step": fault.step,
+                         "pieces": outcome.pieces, "redone": outcome.redone, "verdict": verdict,
+                         "seconds": round(outcome.seconds, 1)})
+            print(f"run {index + 1}/{args.runs}: {fault.describe()} after step {fault.step}: exits {outcome.pieces}, "
+                  f"{outcome.redone} steps redone, {verdict} ({outcome.seconds:.0f} s)", flush=True)
+    lines = ["| run | fault | at step | exit codes of the pieces | steps redone | outcome |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        at = "-" if row["kind"] == "kill_in_save" else row["step"]
+        lines.append(f"| {row['run']} | {row['fault']} | {at} | {', '.join(map(str, row['pieces']))} | "
+                     f"{row['redone']} | {row['verdict']} |")
+    table = "\n".join(lines)
+    print(f"\n{len(rows) - failed} of {len(rows)} runs passed\n\n{table}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2))
+    if args.publish:
+        print(f"written to {publish('fault-tolerance.md', 'chaos', table)}")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,96 @@
+"""Two nodes on one machine: two torchrun agents (``--nnodes 2 --nproc_per_node 1``, c10d rendezvous) profile
+and agree on the micro batch, train, stop together when one node's agent gets SIGTERM, and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from recipe_runs import losses, unclean_exit
+from test_preemption import logged_steps
+
+HERE = Path(__file__).parent
+RUN = ("use_maximum_batch_size=True", "batch_increase_function=null", "adaptive_batching.memory_budget=48MiB",
+       "dataset.split=train[:600]", "epochs=2", "max_steps_per_epoch=6", "save_every_n_steps=2",
+       "tokenizer.max_seq_len=128")
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents, each a node of one process, meeting at a c10d rendezvous on this machine."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", name,
+           str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), "adaptive_full_finetune",
+           "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}", *RUN,
+           f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}", *overrides]  # one profile for all runs
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+    agents = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+              for _ in range(2)]
+    results = []
+    for agent in agents:
+        try:
+            out, err = agent.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            for other in agents:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(cmd, agent.returncode, out, err))
+    return results
+
+
+@pytest.fixture(scope="module")
+def nodes(assets: Path, runs: Path) -> dict[str, list[subprocess.CompletedProcess]]:
+    whole = two_nodes(runs, "whole", {}, assets)
+    stopped = two_nodes(runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets)
+    resumed = two_nodes(runs, "stopped", {}, assets, "resume_from_checkpoint=True")
+    return {"whole": whole, "stopped": stopped, "resumed": resumed}
+
+
+def output(results: list[subprocess.CompletedProcess]) -> str:
+    return "".join(r.stdout + r.stderr for r in results)
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_two_nodes_profile_agree_on_the_micro_batch_and_train(nodes: dict) -> None:
+    whole = nodes["whole"]
+    assert [r.returncode for r in whole] == [0, 0], output(whole)[-4000:]
+    assert all(unclean_exit(r) is None for r in whole)
+    text = output(whole)
+    assert "chosen micro batch" in text  # the profile ran, every trial agreed over both nodes
+    finished = re.findall(r"Rank (\d): finished at optimizer step (\d+), micro batch (\d+)", text)
+    assert sorted(rank for rank, _, _ in finished) == ["0", "1"]
+    assert len({(step, micro) for _, step, micro in finished}) == 1  # both nodes ran the same micro batch
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_sigterm_to_one_nodes_agent_stops_both_nodes_at_one_step_with_a_save(nodes: dict) -> None:
+    stopped = nodes["stopped"]
+    assert all(r.returncode != 0 for r in stopped)
+    assert all(unclean_exit(r) is None for r in stopped), output(stopped)[-4000:]
+    steps = re.findall(r"stopped after optimizer step (\d+)", output(stopped))
+    assert len(steps) == 2 and len(set(steps)) == 1 and int(steps[0]) >= 3, output(stopped)[-4000:]
+    assert f"saved the checkpoint of optimizer step {steps[0]}" in output(stopped)
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_the_rerun_of_both_nodes_resumes_and_trains_every_step_once(nodes: dict, runs: Path) -> None:
+    resumed = nodes["resumed"]
+    assert [r.returncode for r in resumed] == [0, 0], output(resumed)[-4000:]
+    assert "Resuming at" in output(resumed)
+    assert logged_steps(runs / "stopped" / "logs") == logged_steps(runs / "whole" / "logs")
+    assert losses(runs / "stopped" / "logs") == losses(runs / "whole" / "logs")
