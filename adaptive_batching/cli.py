@@ -59,10 +59,13 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
         paths = write_model_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
         print(describe_model_assets(paths))
         return 0
-    from adaptive_batching.assets.tiny import describe, write_tiny_assets
+    from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR, describe, write_tiny_assets
 
     paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
-    print(describe(paths))
+    print(describe(paths), end="")
+    where = "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={paths.root}"
+    for recipe, config in (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora")):
+        print(f"run: tune run {recipe} --config {config}{where}")
     return 0
 
 
@@ -102,18 +105,16 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 def cmd_profile(args: argparse.Namespace) -> int:
     from adaptive_batching.config.settings import validate_config
-    from adaptive_batching.profiling.report import format_table, write_json
+    from adaptive_batching.profiling.report import write_json
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
     with Trainer(cfg, validate_config(cfg), method_for(cfg)) as trainer:
         trainer.setup()
-        result = trainer.profile()
-        if trainer.is_rank_zero:
-            print(format_table(result))
-            if args.json:
-                print(f"JSON report: {write_json(result, Path(args.json))}")
+        result = trainer.profile()  # logs its table (rank 0)
+        if trainer.is_rank_zero and args.json:
+            print(f"JSON report: {write_json(result, Path(args.json))}")
     return 0
 
 

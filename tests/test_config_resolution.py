@@ -206,21 +206,30 @@ def test_parse_returns_recipe_result_as_exit_code(monkeypatch: pytest.MonkeyPatc
     assert exit_.code == 3
 
 
-def test_config_error_becomes_one_line_exit(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_config_error_becomes_one_line_exit(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     def body(cfg: DictConfig) -> None:
         raise ConfigError("config key 'batch_size' = 0 is invalid: expected an integer >= 1")
 
     exit_, captured = run_parse(monkeypatch, ["x", "--config", "tiny_full"], body=body)
     assert len(captured) == 1
-    assert isinstance(exit_.code, str)
-    assert exit_.code.startswith("config error:")
-    assert "'batch_size' = 0" in exit_.code
+    assert exit_.code == 1
+    (line,) = capsys.readouterr().err.strip().splitlines()
+    assert line.startswith("config error:") and "'batch_size' = 0" in line
 
 
-def test_real_validation_error_through_parse(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_real_validation_error_through_parse(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture) -> None:
     exit_, _ = run_parse(monkeypatch, ["x", "--config", "tiny_full", "batch_size=0"], body=validate_config)
-    assert isinstance(exit_.code, str) and exit_.code.startswith("config error:")
-    assert "'batch_size'" in exit_.code
+    err = capsys.readouterr().err
+    assert exit_.code == 1 and err.startswith("config error:") and "'batch_size'" in err
+
+
+@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
+def test_under_torchrun_only_rank_zero_prints_a_config_error(monkeypatch: pytest.MonkeyPatch,
+                                                             capsys: pytest.CaptureFixture, rank: str,
+                                                             printed: bool) -> None:
+    monkeypatch.setenv("RANK", rank)
+    exit_, _ = run_parse(monkeypatch, ["x", "--config", "tiny_full", "batch_size=0"], body=validate_config)
+    assert exit_.code == 1 and ("config error:" in capsys.readouterr().err) == printed
 
 
 def test_other_errors_are_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:

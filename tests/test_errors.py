@@ -54,7 +54,7 @@ def test_the_profile_command_takes_a_stock_name(tmp_path: Path) -> None:
     stock = ["profile", "--config", "llama3_2/1B_lora_single_device", f"output_dir={tmp_path}"]
     result = run_command("cli", stock, cwd=tmp_path)
     assert result.returncode == 2
-    assert last_line(result) == "config error: config key 'device' = 'cuda' but no CUDA device is available; use device=cpu"
+    assert last_line(result) == "config error: config key 'device' = 'cuda' is not available on this machine; available: cpu"
     result = run_command("cli", [*stock, "device=cpu", "dtype=fp32"], cwd=tmp_path)
     assert result.returncode == 2
     assert last_line(result) == ("config error: config key 'tokenizer': FileNotFoundError: [Errno 2] No such file or "

@@ -202,7 +202,7 @@ def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_re
            "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2", "max_steps_per_epoch=null"]
     script = documented_slurm_script()
     for old, new in (("OUT=/checkpoints/run", f"OUT={out}"), ("--nproc_per_node 8", "--nproc_per_node 2"),
-                     ("RUN=(adaptive_full_finetune --config llama3_8b output_dir=$OUT)", f"RUN=({' '.join(run)})")):
+                     ("adaptive_full_finetune --config llama3_8b output_dir=$OUT", " ".join(run))):
         assert old in script, f"the documented script changed: {old!r} is gone"
         script = script.replace(old, new)
     (tmp_path / "job.sh").write_text("export SCRIPT_PID=$$\n" + script)

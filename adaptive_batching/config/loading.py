@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
+import os
 import sys
 import traceback
 from importlib import resources
@@ -146,24 +147,24 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
 
     @functools.wraps(recipe_main)
     def checked(cfg: DictConfig) -> Any:
+        every_rank = True  # whether each rank prints the line: the same config error on every rank, once
         try:
             result, message, code = recipe_main(cfg), None, 0
         except ConfigError as err:
-            result, message, code = None, f"config error: {err}", 1
+            result, message, code, every_rank = None, f"config error: {err}", 1, False
         except OutOfMemoryStop as err:
             result, message, code = None, f"out of memory: {err}", 1
-        except ProfileError as err:
-            result, message, code = None, f"profile error: {err}", 1
+        except ProfileError as err:  # raised after the ranks agreed: the same on every rank
+            result, message, code, every_rank = None, f"profile error: {err}", 1, False
         except Preempted as err:
             result, message, code = None, f"stopped: {err}", PREEMPTED_EXIT_CODE
         # Outside the handlers, so no traceback keeps the run's objects alive.
         leave_cleanly()
-        if code == PREEMPTED_EXIT_CODE:
+        if message is None:
+            return result
+        if every_rank or os.environ.get("RANK", "0") == "0":
             print(message, file=sys.stderr, flush=True)
-            sys.exit(code)
-        if message is not None:
-            sys.exit(message)
-        return result
+        sys.exit(code)
 
     @functools.wraps(recipe_main)
     def wrapper() -> Any:

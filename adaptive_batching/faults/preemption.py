@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from adaptive_batching.errors import Preempted
-from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.runtime.distributed import ParallelInfo, launched_by_torchrun
 
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on request, resumable; a crash exits 1
 ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
@@ -54,6 +54,8 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._flag: Optional[torch.Tensor] = None
         self._work: Any = None
+        if launched_by_torchrun():  # no worker outlives its agent: the agent's death stops it as a stop signal does
+            stop_with_launcher(self.signals[0] if self.signals else signal.SIGTERM)
 
     @property
     def signal_name(self) -> str:

@@ -42,12 +42,27 @@ def backend_for(device: torch.device) -> str:
     return "nccl" if device.type == "cuda" else "gloo"
 
 
+def available_devices() -> list[str]:
+    """The device types this machine can train on, CPU first."""
+    found = ["cpu"]
+    for name in ("cuda", "xpu", "mps", "npu"):
+        module = getattr(torch, name, None) if name != "mps" else getattr(torch.backends, "mps", None)
+        try:
+            if module is not None and module.is_available():
+                found.append(name)
+        except Exception:  # noqa: BLE001 - a backend that cannot even say is not available
+            continue
+    return found
+
+
 def device_for(device_type: str, local_rank: int) -> torch.device:
     """The device this process trains on: ``cuda:<local_rank>`` under torchrun, else as configured."""
     device_type = device_type or "cpu"
+    available = available_devices()
+    if device_type not in available:
+        raise ConfigError(f"config key 'device' = {device_type!r} is not available on this machine; "
+                          f"available: {', '.join(available)}")
     if device_type == "cuda":
-        if not torch.cuda.is_available():
-            raise ConfigError("config key 'device' = 'cuda' but no CUDA device is available; use device=cpu")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device(device_type)

@@ -17,6 +17,7 @@ import torch
 from torchtune import training
 
 from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.recovery import OomRecovery
@@ -58,6 +59,23 @@ def loader_state(restored: dict[str, Any], *, elastic: bool, ranks: int, referen
              f"{reference.global_batch}, as {reference.describe()}")
         return None
     return state
+
+
+def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool, info: Callable[[str], None]) -> None:
+    """A run saved inside an epoch resumes there on its own number of ranks only (each rank's place in the data is
+    saved), unless its global batch is elastic; from an epoch's end another number of ranks changes the global
+    batch, which is said in one line. Checked before any model is built."""
+    saved = checkpoint.get(checkpointing.ADAPTIVE_KEY) or {}
+    saved_ranks = saved.get("ranks", saved.get("data_parallel"))
+    if saved_ranks is None or saved_ranks == ranks or elastic:
+        return
+    if saved.get("step_in_epoch"):
+        raise ConfigError(
+            f"the checkpoint was saved inside epoch {checkpoint.get(training.EPOCHS_KEY, 0) + 1} on {saved_ranks} "
+            f"rank(s); resume it on {saved_ranks} rank(s) (tune run --nproc_per_node {saved_ranks} ...), or give a run "
+            "that must change ranks an elastic global batch (adaptive_batching.elastic)")
+    info(f"Resuming on {ranks} rank(s) instead of {saved_ranks}: the global batch follows the ranks (batch_size x "
+         "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks")
 
 
 class Checkpoints:

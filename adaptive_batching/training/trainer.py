@@ -8,7 +8,6 @@ fine-tuning is a :class:`~adaptive_batching.training.model.FinetuneMethod` given
 from __future__ import annotations
 
 import json
-import signal
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,7 +27,7 @@ from adaptive_batching.errors import Preempted, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
-from adaptive_batching.faults.preemption import Preemption, stop_with_launcher
+from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.interval import Segment
 from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
@@ -36,13 +35,13 @@ from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, pres
 from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.files import write_atomically
-from adaptive_batching.runtime.distributed import init_parallel, launched_by_torchrun, shutdown
+from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.growing import Growth
 from adaptive_batching.training.model import FinetuneMethod
 from adaptive_batching.training.oom_response import OomResponse
-from adaptive_batching.training.state import Checkpoints, Progress, loader_state
+from adaptive_batching.training.state import Checkpoints, Progress, check_resumable_on, loader_state
 from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
 log = utils.get_logger("INFO")
@@ -56,8 +55,6 @@ class Trainer:
         if cfg.get("device", "cpu") == "cpu" and settings.needs_profile:
             # Before any rank joins the process group: a restart replaces this process.
             memory.restart_with_glibc_pinned(given_argv(), self.info)
-        if launched_by_torchrun():  # no worker outlives its torchrun agent: its death stops it as a stop signal does
-            stop_with_launcher(getattr(signal, (settings.knobs["stop_signals"] or ["SIGTERM"])[0]))
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
         self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
@@ -110,11 +107,13 @@ class Trainer:
             with building("metric_logger"):
                 self.metric_logger = config.instantiate(cfg.metric_logger)
             self.metric_logger.log_config(cfg)
-        if self.is_rank_zero:
             (self.output_dir / checkpointing.STOPPED_FILE).unlink(missing_ok=True)  # an earlier attempt's
         data = build_data(cfg)
         with building("checkpointer"):
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
+        if self.resume:
+            check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.knobs["elastic"] is not None,
+                               info=self.info)
         parts = build_components(cfg, self.method, checkpoint, data, device=self.device, dtype=self.dtype,
                                  parallel=self.parallel, is_rank_zero=self.is_rank_zero)
         self.model, self.optimizer, self.loss_fn, self.collate = parts.model, parts.optimizer, parts.loss_fn, \
