@@ -1,10 +1,11 @@
 # Two entry points, both from a fresh clone: `make demo` and `make test`.
 # Each makes its own virtualenv in $(VENV) and installs the project into it (not editable).
-# TORCH: the torch to install first; the default is the CPU build used here and in CI.
-# On a GPU machine pass the CUDA build you want, e.g. `make demo TORCH="torch==2.7.1"`.
+# TORCH: the torch to install first, from your pip index (TORCH_INDEX, if set, instead): on Linux PyPI gives the
+# CUDA build; `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` gives the CPU one.
 
 VENV ?= .venv
 TORCH ?= torch==2.13.0
+TORCH_INDEX ?=
 PYTHON ?= python3
 BIN := $(abspath $(VENV))/bin
 
@@ -13,7 +14,7 @@ BIN := $(abspath $(VENV))/bin
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH)"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
 	$(BIN)/python -m pip install -q ".[test]"
 
 demo: install

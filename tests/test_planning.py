@@ -79,3 +79,19 @@ def test_a_statistics_reading_function_decides_at_the_epoch_start_and_the_decisi
     again.make(start=2, accumulation=1, memory_cap=None, resumed=plan.state_dict(epochs_run=1), epochs_run=1)
     assert [e.shape.micro_batch for e in again.entries] == [2, 5, 5]
     assert plan.period_after_step(5, 10, 2) is None  # per-epoch growth has no periods inside epochs
+
+
+@pytest.mark.parametrize("accumulation, note", [(1, True), (2, False)])
+def test_noise_scale_growth_that_cannot_measure_says_so_in_the_plan(accumulation: int, note: bool) -> None:
+    import functools
+
+    from adaptive_batching.batching.plan import BatchPlan
+    from adaptive_batching.config.settings import AdaptiveSettings
+    from adaptive_batching.growth.statistics import noise_scale
+
+    settings = AdaptiveSettings(batch_increase_function=functools.partial(noise_scale, fraction=0.5))
+    plan = BatchPlan(settings, epochs=2, ranks=1)
+    plan.make(start=8, accumulation=accumulation, memory_cap=None, resumed={}, epochs_run=0)
+    described = plan.describe(lambda rows, *_: rows, [(2, 16)] * 2, 8 * accumulation, "sqrt", 4)
+    assert ("cannot measure it here" in described) == note
+    assert (plan.unmeasurable_note() is not None) == note

@@ -30,7 +30,7 @@ from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_ba
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.interval import parse_growth_interval
-from adaptive_batching.growth.statistics import accepts_stats, call_increase
+from adaptive_batching.growth.statistics import accepts_stats, call_increase, noise_scale, unwrapped
 
 
 @dataclass(frozen=True)
@@ -166,11 +166,22 @@ class BatchPlan:
         rows = plan_rows(rows, extents, reference_global_batch, rule)
         grows = f"; the batch grows {self.interval.describe()}, so the rows show where it starts" \
             if self.grows_inside_epochs else ""
+        note = self.unmeasurable_note()
         return ("Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
                 f"reference global batch {reference_global_batch} from the config; LR scaling '{rule}'; "
                 f"LR schedule over {total_steps} reference steps{grows}"
                 f"{f'; memory cap measured with worst-case samples of {sized_for}' if sized_for else ''}):\n"
-                + "\n".join([header, *rows]))
+                + "\n".join([header, *rows, *([note] if note else [])]))
+
+    def unmeasurable_note(self) -> Optional[str]:
+        """A line when the growth function reads the gradient noise scale but no step can measure it: the estimate
+        compares a micro batch's gradient with its step's, so it needs two or more micro batches per rank."""
+        reads_noise = self.fn is not None and unwrapped(self.fn) is noise_scale
+        if not reads_noise or not self.entries or self.entries[0].shape.accumulation > 1:
+            return None
+        return ("Note: growth from the gradient noise scale cannot measure it here: every optimizer step runs one micro "
+                "batch per rank, and the estimate needs two or more (set gradient_accumulation_steps >= 2); the batch "
+                "will not grow")
 
     def switch_reason(self, epoch: int) -> str:
         """Why ``epoch`` starts at its batch, for the epoch-switch log line."""

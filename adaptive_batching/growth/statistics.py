@@ -21,12 +21,20 @@ the trainer's call at each epoch start with the statistics. A user's two-argumen
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from adaptive_batching.growth.functions import check_call
+
+
+def unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """The function under any ``functools.partial`` layers (a YAML node's arguments are bound that way)."""
+    while isinstance(fn, functools.partial):
+        fn = fn.func
+    return fn
 
 
 def accepts_stats(fn: Callable[..., Any]) -> bool:
