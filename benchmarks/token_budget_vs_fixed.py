@@ -49,7 +49,7 @@ def child(result_path: str, module: str, argv: list[str]) -> None:
         start = time.perf_counter()
         stats = original(self, epoch)
         timing["seconds"] = time.perf_counter() - start
-        timing["steps"] = self.dataloader.batch_sampler.steps
+        timing["steps"] = self.feed.epoch_steps
         return stats
 
     Trainer.train_epoch = timed

@@ -249,6 +249,22 @@ def test_a_complete_staged_save_older_than_the_folder_in_place_is_dropped(assets
     assert_resumes_to(cfg, 5, weights)
 
 
+def test_a_complete_staged_save_of_the_same_step_replaces_the_folder_in_place(assets: Path, tmp_path: Path) -> None:
+    """A step saved twice (inside its epoch, then at the epoch's end at the same optimizer step): the staged save is
+    the one under way, and a kill before its swap must not lose it to the one in place."""
+    out = tmp_path / "run"
+    cfg = checkpointer_cfg(assets, out)
+    _, staged_weights = save_full(cfg, step=5)
+    (out / ".incomplete-epoch_0-123").mkdir()
+    (out / "epoch_0").rename(out / ".incomplete-epoch_0-123" / "epoch_0")
+    checkpointer, loaded = load_checkpoint(cfg, resume=False)
+    state = full_state({k: v + 1.0 for k, v in loaded[training.MODEL_KEY].items()}, 5)
+    save_checkpoint_atomically(checkpointer, state, epoch=0, adapter_only=False, record=record(5))
+    assert latest_complete_checkpoint(out) == out / "epoch_0"
+    assert hidden_leftovers(out) == []
+    assert_resumes_to(cfg, 5, staged_weights)
+
+
 # ---------------------------------------------------------------------------- kills
 
 CHILD = r"""

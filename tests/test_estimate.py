@@ -258,3 +258,22 @@ def test_bad_arguments_are_refused_before_any_tracing() -> None:
         trace_steps(cfg, method_for(cfg), max_probe=1, seq_len=256)
     with pytest.raises(ValueError, match=r"seq_len \(--seq-len\)"):
         trace_steps(cfg, method_for(cfg), seq_len=0)
+
+
+def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> None:
+    """A trace where the optimizer step sets the limit: 8 GiB of state on 1 rank, 1 GiB a rank on 8. A 4 GiB
+    device fits no micro batch on 1 rank, and some on 8; the reported peak is a rank's share."""
+    from adaptive_batching.profiling.estimate import EXTRAPOLATED, StepTrace, predict
+    from adaptive_batching.profiling.profiler import StepMemory
+
+    gib = 2**30
+    steady, per_sample, optimizer_peak = 2 * gib, 16 * 2**20, 8 * gib
+    probes = {m: StepMemory(activation_bytes=m * per_sample, forward_backward_peak=steady + m * per_sample,
+                            optimizer_peak=optimizer_peak, steady_bytes=steady) for m in (1, 2, 4, 8, 16)}
+    trace = StepTrace(probes, seq_len=128, seq_len_source="given", cpu_offload=False, num_layers=2, traced_layers=2,
+                      method=EXTRAPOLATED, seconds=0.0)
+    one = predict(trace, device_memory_bytes=4 * gib, fraction=1.0, world_size=1)
+    eight = predict(trace, device_memory_bytes=4 * gib, fraction=1.0, world_size=8)
+    assert one.optimizer_peak_bytes == optimizer_peak and one.max_micro_batch == 0
+    assert eight.optimizer_peak_bytes == optimizer_peak // 8 and eight.model_state_bytes == steady // 8
+    assert eight.max_micro_batch == (4 * gib - steady // 8) // per_sample

@@ -59,6 +59,7 @@ def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
         assert not stop.end_step(1)
         signal.raise_signal(signal.SIGUSR1)
         assert stop.received == signal.SIGUSR1 and stop.end_step(2) and stop.signal_name == "SIGUSR1 received by the end of optimizer step 2"
+        assert stop.end_step(3) and stop.seen_at == 2  # the step it was first seen at stays in the stop line
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is previous
