@@ -3,11 +3,11 @@
 must train exactly once, with the uninterrupted run's losses bit for bit, and every checkpoint must load.
 
     python benchmarks/chaos.py [--runs 20] [--seed 0] [--kinds kill9,agent_sigterm,worker_sigusr1,oom,kill_in_save]
-                               [--publish]
+                               [--samples 240] [--save-every 5] [--publish]
 
 One uninterrupted run first (the reference), then ``--runs`` runs of the same config (``tiny_full`` at 2 ranks,
-fixed micro batch 2 x accumulation 2 x 2 ranks, 2 epochs of 30 optimizer steps = 60, a save every 5 steps),
-each with one fault drawn at random (kind, step, rank; ``--seed``):
+fixed micro batch 2 x accumulation 2 x 2 ranks, 2 epochs of ``--samples`` / 8 = 30 optimizer steps each, 60 in
+all, a save every 5 steps), each with one fault drawn at random (kind, step, rank; ``--seed``):
 
 * ``kill9``: SIGKILL of one worker after the step, under ``--max-restarts 1``: torchrun restarts both ranks and
   they resume by themselves from the last complete checkpoint;
@@ -39,7 +39,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 HERE = Path(__file__).resolve()
 TESTS = HERE.parent.parent / "tests"
@@ -50,11 +50,32 @@ from doc_tables import publish  # noqa: E402
 from recipe_runs import unclean_exit  # noqa: E402
 
 KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
-STEPS, SAVE_EVERY = 60, 5
-CONFIG = ("use_maximum_batch_size=False", "batch_increase_function=null", "batch_size=2",
-          "gradient_accumulation_steps=2", "dataset.split=train[:240]", "epochs=2", "max_steps_per_epoch=null",
-          f"save_every_n_steps={SAVE_EVERY}")
+SAMPLES_PER_STEP = 8  # micro batch 2 x accumulation 2 x 2 ranks
+FIRST_FAULT_STEP = 6  # after the first guard window (steps 1-4) and the step after it
 _STEP = re.compile(r"^Step (\d+) \| .*?loss:(\S+)", re.M)
+# (command, cwd, env, timeout) -> the finished process; the suite passes one that forks from its warm server
+Runner = Callable[[list[str], Path, dict[str, str], int], subprocess.CompletedProcess]
+
+
+def run_process(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The run every piece belongs to: two epochs of ``samples`` samples, a save every ``save_every`` steps."""
+
+    samples: int = 240
+    save_every: int = 5
+
+    @property
+    def steps(self) -> int:
+        return 2 * self.samples // SAMPLES_PER_STEP
+
+    def overrides(self) -> tuple[str, ...]:
+        return ("use_maximum_batch_size=False", "batch_increase_function=null", "batch_size=2",
+                "gradient_accumulation_steps=2", f"dataset.split=train[:{self.samples}]", "epochs=2",
+                "max_steps_per_epoch=null", f"save_every_n_steps={self.save_every}")
 
 
 @dataclass
@@ -62,6 +83,7 @@ class Fault:
     kind: str
     step: int
     rank: int
+    save_every: int = 5
 
     def spec(self) -> dict:
         if self.kind == "kill9":
@@ -72,11 +94,12 @@ class Fault:
             return {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank}
         if self.kind == "oom":
             return {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank}
-        return {"kill_in_save": self.step // SAVE_EVERY + 1, "rank": 0}
+        return {"kill_in_save": self.step // self.save_every + 1, "rank": 0}
 
     def describe(self) -> str:
         if self.kind == "kill_in_save":
-            return f"rank 0 killed in save {self.step // SAVE_EVERY + 1} (of step {SAVE_EVERY * (self.step // SAVE_EVERY + 1)})"
+            save = self.step // self.save_every + 1
+            return f"rank 0 killed in save {save} (of step {self.save_every * save})"
         where = "the agent" if self.kind == "agent_sigterm" else f"rank {self.rank}"
         return {"kill9": f"SIGKILL to {where}", "agent_sigterm": "SIGTERM to the agent",
                 "worker_sigusr1": f"SIGUSR1 to {where}", "oom": f"OOM in {where}'s optimizer step"}[self.kind]
@@ -90,13 +113,22 @@ class Outcome:
     seconds: float = 0.0
 
 
-def launch(out: Path, assets: Path, fault: dict, *extra: str, restarts: int = 0) -> subprocess.CompletedProcess:
+def launch(out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restarts: int = 0,
+           runner: Runner = run_process) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--max-restarts={restarts}", str(TESTS / "faulty_run.py"), json.dumps(fault), f"{out}-",
-           "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}", *CONFIG,
-           *extra]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    return subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=1200, env=env)
+           "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}",
+           *plan.overrides(), *extra]
+    return runner(cmd, out.parent, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), 1200)
+
+
+def reference_losses(out: Path, assets: Path, plan: Plan, runner: Runner = run_process) -> dict[int, str]:
+    """The uninterrupted run's loss (as logged) of each step."""
+    whole = launch(out, assets, plan, {}, runner=runner)
+    if whole.returncode != 0:
+        raise RuntimeError(f"the uninterrupted run failed:\n{whole.stderr[-3000:]}")
+    (entries,) = logged(out / "logs")
+    return dict(entries)
 
 
 def logged(log_dir: Path) -> list[list[tuple[int, str]]]:
@@ -124,12 +156,13 @@ def checkpoints_load(out: Path) -> Optional[str]:
     return None
 
 
-def chaos_run(fault: Fault, out: Path, assets: Path, reference: dict[int, str]) -> Outcome:
+def chaos_run(fault: Fault, out: Path, assets: Path, plan: Plan, reference: dict[int, str],
+              runner: Runner = run_process) -> Outcome:
     outcome, start = Outcome(), time.monotonic()
     restarts = 1 if fault.kind in ("kill9", "kill_in_save") else 0
     spec, extra = fault.spec(), ()
     for _ in range(4):
-        result = launch(out, assets, spec, *extra, restarts=restarts)
+        result = launch(out, assets, plan, spec, *extra, restarts=restarts, runner=runner)
         outcome.pieces.append(result.returncode)
         if unclean_exit(result):
             outcome.problems.append(f"piece {len(outcome.pieces)}: {unclean_exit(result)}")
@@ -153,17 +186,18 @@ def chaos_run(fault: Fault, out: Path, assets: Path, reference: dict[int, str]) 
             if reference.get(step) != loss:
                 outcome.problems.append(f"step {step}: loss {loss}, uninterrupted {reference.get(step)}")
     steps = [step for step, _ in kept]
-    if steps != list(range(1, STEPS + 1)):
-        missing = sorted(set(range(1, STEPS + 1)) - set(steps))
+    if steps != list(range(1, plan.steps + 1)):
+        missing = sorted(set(range(1, plan.steps + 1)) - set(steps))
         twice = sorted({s for s in steps if steps.count(s) > 1})
         outcome.problems.append(f"steps logged: missing {missing[:6]}, twice {twice[:6]}")
     outcome.seconds = time.monotonic() - start
     return outcome
 
 
-def draw(rng: random.Random, kinds: list[str], index: int) -> Fault:
+def draw(rng: random.Random, kinds: list[str], index: int, plan: Plan) -> Fault:
+    """Each kind once first, then kinds at random; a step from FIRST_FAULT_STEP to three before the end."""
     kind = kinds[index % len(kinds)] if index < len(kinds) else rng.choice(kinds)
-    return Fault(kind, rng.randint(6, STEPS - 3), rng.randint(0, 1))  # after the first guard window (steps 1-4)
+    return Fault(kind, rng.randint(FIRST_FAULT_STEP, plan.steps - 3), rng.randint(0, 1), plan.save_every)
 
 
 def main() -> None:
@@ -171,12 +205,17 @@ def main() -> None:
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kinds", default=",".join(KINDS))
+    parser.add_argument("--samples", type=int, default=240, help="samples per epoch (8 per optimizer step)")
+    parser.add_argument("--save-every", type=int, default=5, help="optimizer steps between saves")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--publish", action="store_true", help="write the table into docs/fault-tolerance.md")
     args = parser.parse_args()
     kinds = args.kinds.split(",")
     if not set(kinds) <= set(KINDS):
         sys.exit(f"--kinds: a comma-separated list of {', '.join(KINDS)}")
+    plan = Plan(args.samples, args.save_every)
+    if plan.steps < FIRST_FAULT_STEP + 3:
+        sys.exit(f"--samples: at least {(FIRST_FAULT_STEP + 3) * SAMPLES_PER_STEP // 2} (two epochs of 8 per step)")
     rng = random.Random(args.seed)
     rows, failed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
@@ -184,14 +223,10 @@ def main() -> None:
         from adaptive_batching.assets.tiny import write_tiny_assets
 
         assets = write_tiny_assets(work / "assets").root
-        whole = launch(work / "reference", assets, {})
-        if whole.returncode != 0:
-            sys.exit(f"the uninterrupted run failed:\n{whole.stderr[-3000:]}")
-        (reference_entries,) = logged(work / "reference" / "logs")
-        reference = dict(reference_entries)
+        reference = reference_losses(work / "reference", assets, plan)
         for index in range(args.runs):
-            fault = draw(rng, kinds, index)
-            outcome = chaos_run(fault, work / f"run{index}", assets, reference)
+            fault = draw(rng, kinds, index, plan)
+            outcome = chaos_run(fault, work / f"run{index}", assets, plan, reference)
             failed += bool(outcome.problems)
             verdict = "pass" if not outcome.problems else "FAIL: " + "; ".join(outcome.problems[:3])
             rows.append({"run": index + 1, "fault": fault.describe(), "kind": fault.kind, "step": fault.step,
