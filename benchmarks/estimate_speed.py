@@ -18,6 +18,7 @@ state and the forward/backward's activations). Markdown and JSON are written to 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import platform
@@ -57,13 +58,24 @@ def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -
     cfg = load_config(_config(config), overrides)
     wall, cpu = time.perf_counter(), time.process_time()
     trace = trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=METHODS[method])
+    steps = dict(trace.probes)  # and every step the verification measures at one rank
+    if trace.measure is not None:
+        measure = trace.measure
+
+        def recorded(micro_batch: int, ranks: int = 1) -> Any:
+            memory = measure(micro_batch, ranks)
+            if ranks == 1:
+                steps[micro_batch] = memory
+            return memory
+
+        trace = dataclasses.replace(trace, measure=recorded)
     estimate = predict(trace, device_memory_bytes=parse_bytes(device_memory))
     result = {
         "estimate": estimate.to_dict(),
         "estimate_wall_s": time.perf_counter() - wall,
         "estimate_cpu_s": time.process_time() - cpu,
         "probes": sorted(trace.probes),
-        "steps": {str(b): vars(m) for b, m in sorted(trace.measured.items())},
+        "steps": {str(b): vars(m) for b, m in sorted(steps.items())},
         "overrides": overrides,
     }
     Path(out).write_text(json.dumps(result, indent=2))

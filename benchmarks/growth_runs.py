@@ -124,9 +124,9 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> None:
         record["rows"].append({"step": int(step), "t": time.perf_counter(), **row})
         log_dict(self, payload, step)
 
-    def timed_train(self: Any) -> None:
+    def timed_train(self: Any, *args: Any, **kwargs: Any) -> None:
         record["train_start"] = time.perf_counter()
-        train(self)
+        train(self, *args, **kwargs)
         record["train_end"] = time.perf_counter()
 
     DiskLogger.log_dict, Trainer.train = timed_log_dict, timed_train
