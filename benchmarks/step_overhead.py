@@ -2,7 +2,7 @@
 """What the fault handling costs when nothing goes wrong: steps per second and collectives per step.
 
     python benchmarks/step_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
-                                       [--settings none,stop,oom,default,always]
+                                       [--settings none,stop,oom,default,always] [--publish]
 
 Our full fine-tune recipe on the offline tiny model (``tiny_full``, fixed micro batch, no profiler,
 no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) in these settings,
@@ -39,6 +39,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import publish  # noqa: E402
 
 HERE = Path(__file__).resolve()
 
@@ -145,6 +148,7 @@ def main() -> None:
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated of {', '.join(SETTINGS)}")
+    p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
     chosen = args.settings.split(",")
     if "none" not in chosen or not set(chosen) <= set(SETTINGS):
@@ -167,15 +171,19 @@ def main() -> None:
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
                       f"{share:.4%} of the time in the stop agreement", flush=True)
     off = statistics.median(speeds["none"])
-    print(f"\n{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
-          f"median of {args.repeats} alternating repeats:\n")
-    print("| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |")
-    print("|---|---|---|---|---|---|")
+    lines = [f"{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
+             f"median of {args.repeats} alternating repeats:", "",
+             "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",
+             "|---|---|---|---|---|---|"]
     for setting in chosen:
         median = statistics.median(speeds[setting])
         runs = ", ".join(f"{s:.2f}" for s in speeds[setting])
-        print(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | {statistics.median(collectives[setting]):g} "
-              f"| {statistics.median(stop_share[setting]):.3%} |")
+        lines.append(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | "
+                     f"{statistics.median(collectives[setting]):g} | {statistics.median(stop_share[setting]):.3%} |")
+    table = "\n".join(lines)
+    print(f"\n{table}")
+    if args.publish:
+        print(f"written to {publish('benchmarks.md', 'step-overhead', table)}")
     if args.json:
         args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives, "stop_share": stop_share},
                                         indent=2))
