@@ -190,7 +190,7 @@ def run_status(output_dir: Path) -> str:
     where = (f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "
              f"{record.get('total_epochs', '?')} epochs done")
     total = record.get("total_epochs")
-    if total is not None and record.get("epochs_run", 0) >= total and not record.get("step_in_epoch"):
+    if total is not None and record.get("epochs_run", 0) >= total:  # all epochs run: saved at the last one's end
         return f"finished: {latest} ({where})"
     return f"resumable: {latest} ({where}); continue with resume_from_checkpoint=True"
 
