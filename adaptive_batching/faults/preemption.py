@@ -34,6 +34,10 @@ from adaptive_batching.runtime.distributed import ParallelInfo, launched_by_torc
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on request, resumable; a crash exits 1
 ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
 DEFAULT = ("SIGTERM", "SIGUSR1")
+# What a worker asks the kernel to send when its launcher dies (Linux), a signal of its own: the kernel sends it
+# again each time it hands the orphan on, once per thread of the dying agent, which as SIGTERM would read as a
+# scheduler's second signal ("end now, do not save").
+PARENT_DEATH: Optional[int] = signal.SIGRTMIN + 6 if sys.platform.startswith("linux") else None
 
 
 def check_signals(value: Any) -> Optional[str]:
@@ -54,20 +58,27 @@ class Preemption:
         self._previous: dict[int, Any] = {}
         self._flag: Optional[torch.Tensor] = None
         self._work: Any = None
+        self.launcher_death: Optional[int] = None  # the signal this worker gets when its torchrun agent dies
         if launched_by_torchrun():  # no worker outlives its agent: the agent's death stops it as a stop signal does
-            stop_with_launcher(self.signals[0] if self.signals else signal.SIGTERM)
+            fallback = self.signals[0] if self.signals else signal.SIGTERM
+            self.launcher_death = stop_with_launcher(PARENT_DEATH or fallback)
 
     @property
     def signal_name(self) -> str:
         if self.received is None:
             return "a stop signal on another rank"
         seen = "" if self.seen_at is None else f" by the end of optimizer step {self.seen_at}"
+        if self.received == PARENT_DEATH:
+            return f"the torchrun agent's death seen{seen}"
         return f"{signal.Signals(self.received).name} received{seen}"
 
     def install(self) -> None:
-        """Handle the stop signals from now on (in the main thread: Python delivers signals there)."""
+        """Handle the stop signals from now on (in the main thread: Python delivers signals there), and the
+        launcher's death as one of them (when stop signals are handled at all)."""
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
+        if self.signals and self.launcher_death is not None and self.launcher_death not in self.signals:
+            self._previous[self.launcher_death] = signal.signal(self.launcher_death, self._launcher_died)
 
     def uninstall(self) -> None:
         for number, previous in self._previous.items():
@@ -82,6 +93,10 @@ class Preemption:
         self.uninstall()
         signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
+
+    def _launcher_died(self, number: int, frame: Optional[FrameType]) -> None:
+        if self.received is None:  # repeats are the kernel's, not a scheduler's second signal
+            self.received = number
 
     @property
     def _agreeing(self) -> bool:
@@ -131,14 +146,14 @@ class Preemption:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.0) -> str:
-    """Have this process receive ``number`` when its parent dies, by any signal, SIGKILL included.
+def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.0) -> int:
+    """Have this process receive ``number`` when its parent dies, by any signal, SIGKILL included; returns it.
 
     For a worker under torchrun, whose parent is the elastic agent: a worker that outlives its agent would
     train on as an orphan, beside the requeued job that shares its output folder. With the stop handlers
     installed the signal stops the run as a scheduler's SIGTERM does (finish the step, save, exit 75); before
     that it ends the process, which has nothing to save yet. Linux: the kernel's parent-death signal
-    (``prctl(PR_SET_PDEATHSIG)``); elsewhere a thread that polls the parent's pid. Returns which was used.
+    (``prctl(PR_SET_PDEATHSIG)``), which may come more than once; elsewhere a thread that polls the parent's pid.
     """
     parent = os.getppid()
     if sys.platform.startswith("linux"):
@@ -146,7 +161,7 @@ def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.
         if libc.prctl(PR_SET_PDEATHSIG, int(number), 0, 0, 0) == 0:
             if os.getppid() != parent:  # it died before the prctl took effect
                 os.kill(os.getpid(), number)
-            return "parent-death signal"
+            return number
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -154,4 +169,4 @@ def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.
         os.kill(os.getpid(), number)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-    return "parent watcher thread"
+    return number
