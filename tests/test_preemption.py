@@ -74,6 +74,36 @@ def test_a_second_signal_ends_the_process_at_once() -> None:
     assert result.returncode == -signal.SIGTERM and "first 15" in result.stdout and "alive" not in result.stdout
 
 
+ANOTHER_THREAD = """
+import ctypes, os, signal, time
+from adaptive_batching.faults.preemption import Preemption
+from adaptive_batching.runtime.distributed import ParallelInfo
+libc, held = ctypes.CDLL(None), ctypes.PyDLL(None)  # PyDLL: calls that keep the GIL
+stop = Preemption(["SIGUSR1"], ParallelInfo(), None)
+stop.install()
+before = set(os.listdir("/proc/self/task"))
+thread = ctypes.c_ulong()  # a thread of the process that is not Python's, as torch starts one
+assert libc.pthread_create(ctypes.byref(thread), None, ctypes.cast(libc.sleep, ctypes.c_void_p),
+                           ctypes.c_void_p(30)) == 0
+(tid,) = set(os.listdir("/proc/self/task")) - before
+while open(f"/proc/self/task/{tid}/stat").read().rsplit(")", 1)[1].split()[0] != "S":  # in its sleep
+    time.sleep(0.01)
+signal.pthread_kill(thread.value, signal.SIGUSR1)
+while held.pthread_tryjoin_np(thread, None) != 0:  # until its C handler ran and sleep() returned
+    pass
+print(stop.received is None, stop.end_step(1))
+"""
+
+
+def test_a_signal_another_thread_took_stops_at_the_steps_end() -> None:
+    """The kernel may hand the stop signal to any thread; CPython 3.11 then leaves the main thread unaware until
+    some call checks for signals. The step's end checks: it stops there, not a minute later."""
+    result = subprocess.run([sys.executable, "-c", ANOTHER_THREAD], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    seen_before, stopped = result.stdout.split()
+    assert stopped == "True", (seen_before, result.stderr)
+
+
 LAUNCHER = """
 import subprocess, sys, threading, time
 for _ in range(16):  # the kernel sends the parent-death signal once per thread of the dying parent
@@ -82,19 +112,18 @@ subprocess.Popen([sys.executable, "-c", sys.argv[1]])
 time.sleep(600)
 """
 WORKER = """
-import os, time
+import time
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
 stop = Preemption(["SIGTERM", "SIGUSR1"], ParallelInfo(), None)
 stop.install()
 open("ready", "w").close()
-end = time.monotonic() + 60
-while stop.received is None and time.monotonic() < end:
+step, end = 0, time.monotonic() + 60
+while time.monotonic() < end and not stop.end_step(step):  # steps, as the trainer takes them
+    step += 1
     sum(range(1000))
-stop.end_step(5)
-end = time.monotonic() + 1
-while time.monotonic() < end:
-    sum(range(1000))
+for _ in range(10**6):  # the repeats come while it saves
+    sum(range(10))
 open("stopped", "w").write(stop.signal_name)
 """
 
@@ -103,15 +132,19 @@ def test_the_launchers_death_stops_a_worker_once_however_often_the_kernel_signal
     """SIGKILL to a launcher with 17 threads: its worker gets the parent-death signal up to 17 times, which must
     stop it as one stop signal does (finish, save, exit), not as a scheduler's second signal (end at once)."""
     env = dict(os.environ, RANK="0", WORLD_SIZE="1")
-    launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER], cwd=tmp_path, env=env)
-    deadline = time.monotonic() + 60
+    with open(tmp_path / "worker.err", "w") as err:
+        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER], cwd=tmp_path, env=env, stderr=err)
+    deadline = time.monotonic() + 300
     while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
+    started = time.monotonic()
     launcher.kill()
     launcher.wait()
-    while not (tmp_path / "stopped").exists() and time.monotonic() < deadline:
+    while not (tmp_path / "stopped").exists() and time.monotonic() < started + 60:
         time.sleep(0.05)
-    assert (tmp_path / "stopped").read_text() == "the torchrun agent's death seen by the end of optimizer step 5"
+    assert (tmp_path / "stopped").exists(), (tmp_path / "worker.err").read_text()
+    assert re.fullmatch(r"the torchrun agent's death seen by the end of optimizer step \d+",
+                        (tmp_path / "stopped").read_text())
 
 
 @pytest.fixture(scope="module")
@@ -142,7 +175,8 @@ def test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses(ch
 
 
 @pytest.mark.e2e
-def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(assets: Path, runs: Path) -> None:
+def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(assets: Path, runs: Path,
+                                                                          chain: dict) -> None:
     killed = faulty_run(runs, "twice", {"signal": "SIGTERM", "signal_at": 3, "again_in_save": True}, assets,
                         *SAVE_EVERY_2)
     assert killed.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), killed.stderr[-3000:]

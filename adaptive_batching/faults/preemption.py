@@ -105,12 +105,14 @@ class Preemption:
 
     def begin_step(self) -> None:
         """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only)."""
+        run_pending_handlers()
         if self._agreeing:
             self._flag = torch.tensor([int(self.received is not None)], device=self.device)
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
 
     def end_step(self, step: int) -> bool:
         """Whether every rank stops after optimizer step ``step`` (read after the step's own synchronisation)."""
+        run_pending_handlers()
         if self.received is not None and self.seen_at is None:
             self.seen_at = step
         if self._work is not None:
@@ -123,6 +125,7 @@ class Preemption:
 
     def agree_now(self) -> bool:
         """Whether any rank received a stop signal, agreed at once (between profiler trials)."""
+        run_pending_handlers()
         if self._agreeing:
             flag = torch.tensor([int(self.received is not None)], device=self.device)
             dist.all_reduce(flag, op=dist.ReduceOp.MAX)
@@ -141,6 +144,17 @@ class Preemption:
         """End the run after a stop signal: ``where`` it stopped and what was ``saved``."""
         raise Preempted(f"{self.signal_name}; stopped {where}: {saved}. Continue with "
                         f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
+
+
+def run_pending_handlers() -> None:
+    """Run the Python handlers of signals that arrived, now (one system call, no device work).
+
+    The kernel may hand a process's signal to any of its threads, and the process has threads of its own
+    (torch starts one at import). CPython 3.11 on Linux then records the signal but does not make the main
+    thread look, so its handler waited, measured, up to the next call that checks for signals: a minute in a
+    loop that made none. ``pthread_sigmask`` checks on return."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, ())
 
 
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
