@@ -56,6 +56,18 @@ def stamp() -> str:
     return (f"`{command_line()}`, {datetime.date.today().isoformat()}, commit {commit()}, {machine()}")
 
 
+def markdown_of(text: str) -> str:
+    """A benchmark's printed report as markdown: its tables kept whole, every other line a paragraph of its own
+    (a line right under a table would otherwise be read as one of its rows)."""
+    blocks: list[str] = []
+    for line in text.strip().splitlines():
+        if line.startswith("|") and blocks and blocks[-1].startswith("|"):
+            blocks[-1] += "\n" + line
+        elif line.strip():
+            blocks.append(line)
+    return "\n\n".join(blocks)
+
+
 def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
     """Put ``body`` (markdown) with a line naming the command, date, commit and machine between the markers of
     ``name`` on ``docs/page``. The markers must exist: a table is placed by hand once, then only rewritten."""

@@ -2,7 +2,7 @@
 """Batch-growth strategies compared by real training runs on CPU, at equal samples.
 
     python benchmarks/growth_runs.py [--samples 1024] [--epochs 3] [--seq-len 128] [--threads 1]
-                                     [--only NAME ...] [--out benchmarks/results] [--work DIR]
+                                     [--only NAME ...] [--out benchmarks/results] [--work DIR] [--publish]
 
 Six runs of ``tune run adaptive_full_finetune --config tiny_full`` (the offline tiny Llama-3 on its
 synthetic alpaca data), one after the other, each in its own child process. Every run sees the same
@@ -66,6 +66,8 @@ from typing import Any, Iterable, Optional, Sequence
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
+sys.path.insert(0, str(HERE.parent))
+from doc_tables import publish  # noqa: E402
 RECIPE, CONFIG = "adaptive_full_finetune", "tiny_full"
 BASE_LR, REFERENCE_BATCH, LARGE_BATCH, WARMUP_SAMPLES = 1e-3, 8, 64, 128
 
@@ -337,6 +339,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=RESULTS)
     p.add_argument("--from-json", type=Path, default=None,
                    help="no runs: re-analyse and re-plot the runs of an earlier growth_runs.json")
+    p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     return p.parse_args(argv)
 
 
@@ -409,10 +412,12 @@ def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[
                   "steps": [{k: v for k, v in row.items() if k != "t"} | {"t": row["t"] - r["train_start"]}
                             for row in r["rows"]]} for r in runs],
     }, indent=1))
-    (args.out / "growth_runs.md").write_text(
-        f"`{command}`: {wall:.0f} s wall time in all ({len(runs)} runs, one after the other).\n\n"
-        f"Targets: {', '.join(f'{label}: {t:.3f}' for label, t in targets.items())} (loss smoothed over the "
-        f"last {args.window:.0f} samples).\n\n{table}\n")
+    text = (f"Runs: `{command}`, {wall:.0f} s wall time in all ({len(runs)} runs, one after the other).\n\n"
+            f"Targets: {', '.join(f'{label}: {t:.3f}' for label, t in targets.items())} (loss smoothed over the "
+            f"last {args.window:.0f} samples).\n\n{table}\n")
+    (args.out / "growth_runs.md").write_text(text)
+    if args.publish:
+        print(f"written to {publish('benchmarks.md', 'growth-runs', text)}")
     print(f"wrote {args.out / 'growth_runs.png'}, growth_runs.json, growth_runs.md", flush=True)
 
 

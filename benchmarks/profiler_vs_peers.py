@@ -2,6 +2,7 @@
 """Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
 
     python benchmarks/profiler_vs_peers.py [--room 1.5] [--seq-len 256] [--accelerate-start 1024] [--json out.json]
+                                             [--publish]
 
 Every method runs in its own fresh child process on the same set-up: the offline tiny Llama-3
 model (config ``tiny_full``), AdamW, worst-case batches (every sample ``seq_len`` tokens, every
@@ -34,6 +35,8 @@ Peers and the exhaustive search run the same plain training step: the trainer's 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -45,6 +48,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import markdown_of, publish  # noqa: E402
 
 GIB = 2**30
 BAR_PERCENT = 97.0
@@ -67,6 +73,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="true maximum under default glibc, and also under the malloc settings ours' profile() "
                         "applies (auto: only when it applies them)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
+    p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
                    help="assets, run outputs and child logs (default: a temporary directory, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
@@ -608,32 +615,37 @@ def main(argv: Optional[list[str]] = None) -> int:
         bar = verdict(rows)
         epoch = ours.get("epoch")
 
-        print()
-        print(f"Set-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
-              f"(all in the loss); each method in a fresh child with RLIMIT_AS = its VmSize after set-up "
-              f"+ {args.room:g} GiB. ✗ = that size did not fit (OOM; for ours also: over its budget).")
-        print()
-        print(markdown_table(rows, exhaustive))
-        print()
-        print(epoch_summary(epoch, args.epoch_time_cap))
-        if "found" in ours:
-            true_max = rows[0]["true_max"]
-            fit = ("" if ours.get("bytes_per_sample") is None else
-                   f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample")
-            print(f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "
-                  f"estimate {ours['estimate']} = {_fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
-                  f"maximum {true_max}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
-                  f"{ours['wall_s']:.1f} s in profile()")
-            if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
-                default_max = exhaustive["default"]["true_max"]
-                print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
-                      f"{_fmt(_pct(ours['found'], default_max), '.1f')}%")
-        print()
-        print(f"Bar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both peers): "
-              f"{'MET' if bar['met'] else 'NOT MET'}")
-        for name, ok in bar["checks"].items():
-            print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            print()
+            print(f"Set-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
+                  f"(all in the loss); each method in a fresh child with RLIMIT_AS = its VmSize after set-up "
+                  f"+ {args.room:g} GiB. ✗ = that size did not fit (OOM; for ours also: over its budget).")
+            print()
+            print(markdown_table(rows, exhaustive))
+            print()
+            print(epoch_summary(epoch, args.epoch_time_cap))
+            if "found" in ours:
+                true_max = rows[0]["true_max"]
+                fit = ("" if ours.get("bytes_per_sample") is None else
+                       f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample")
+                print(f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "
+                      f"estimate {ours['estimate']} = {_fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
+                      f"maximum {true_max}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
+                      f"{ours['wall_s']:.1f} s in profile()")
+                if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
+                    default_max = exhaustive["default"]["true_max"]
+                    print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
+                          f"{_fmt(_pct(ours['found'], default_max), '.1f')}%")
+            print()
+            print(f"Bar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both peers): "
+                  f"{'MET' if bar['met'] else 'NOT MET'}")
+            for name, ok in bar["checks"].items():
+                print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
 
+        print(f"\n{report.getvalue()}", end="")
+        if args.publish:
+            print(f"written to {publish('benchmarks.md', 'profiler-vs-peers', markdown_of(report.getvalue()))}")
         if args.json is not None:
             payload = {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
                        "accelerate_start": args.accelerate_start, "epoch_time_cap": args.epoch_time_cap,

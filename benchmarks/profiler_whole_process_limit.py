@@ -2,7 +2,7 @@
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``).
 
     python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--tolerance 0.02]
-                                                      [--json out.json]
+                                                      [--json out.json] [--publish]
 
 Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` started under
 ``ulimit -v`` (the limit covers imports and set-up too, unlike ``profiler_vs_peers.py``, which
@@ -24,6 +24,8 @@ The figure is ours / fresh-process maximum; the goal is at least 97%.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import shlex
@@ -33,6 +35,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import markdown_of, publish  # noqa: E402
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
@@ -77,10 +82,9 @@ def child(micro_batch: int, assets: Path, out: Path) -> int:
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
-    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=False",
-                                    "batch_increase_function=null"])
+    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "batch_increase_function=null"])
     trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
-    trainer.setup()
+    trainer.setup()  # measures the worst case (the run would profile); profile() is not called
     for _ in range(2):
         trainer.trial_step(micro_batch)
     return 0
@@ -133,12 +137,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
     parser.add_argument("--tolerance", type=float, default=None,
                         help="adaptive_batching.search_tolerance for the profiled runs (default: the recipe's)")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
+                        help="the fresh processes whose maximum is searched: python, tune or both (default both)")
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--publish", action="store_true",
+                        help="write the table into docs/benchmarks.md (one table per --tolerance)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)  # what ``tune run`` requires
     args = parser.parse_args(argv)
+    launchers = tuple(args.launchers.split(","))
+    if not launchers or not set(launchers) <= set(LAUNCHERS):
+        parser.error(f"--launchers: a comma-separated list of {', '.join(LAUNCHERS)}")
     if args.child is not None:
         return child(args.child, args.assets, args.out)
     from adaptive_batching.assets.tiny import write_tiny_assets
@@ -150,35 +161,41 @@ def main(argv: Optional[list[str]] = None) -> int:
         assets = write_tiny_assets(work / "assets").root
         runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance) for i in range(args.repeats)]
         maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher)
-                  for launcher in LAUNCHERS}
+                  for launcher in launchers}
 
     def percent(found: Optional[int], launcher: str) -> Optional[float]:
-        maximum = maxima[launcher][0]
+        maximum = maxima[launcher][0] if launcher in maxima else None
         return 100 * found / maximum if found and maximum else None
 
     rows = [{"run": i + 1, **r, **{f"percent_of_fresh_{launcher}_max": percent(r["max_micro_batch"], launcher)
                                    for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
     result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance,
-              **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in LAUNCHERS},
-              **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in LAUNCHERS},
+              **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in launchers},
+              **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in launchers},
               "runs": rows, "seconds": time.perf_counter() - started}
-    print(f"\nwhole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
-          "the fresh processes")
-    for launcher in LAUNCHERS:
-        print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
-    print("\n| run | largest micro batch that ran | chosen | trained | % of fresh python max | % of fresh tune max "
-          "| trial steps | profile seconds | trials (x: failed) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    report = io.StringIO()
+    with contextlib.redirect_stdout(report):
+        print(f"whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
+              "the fresh processes")
+        for launcher in launchers:
+            print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
+        print("\n| run | largest micro batch that ran | chosen | trained | % of fresh python max | % of fresh tune max "
+              "| trial steps | profile seconds | trials (x: failed) |")
+        print("|---|---|---|---|---|---|---|---|---|")
 
-    def shown(value: Optional[float]) -> str:
-        return f"{value:.1f}" if value is not None else "n/a"
+        def shown(value: Optional[float]) -> str:
+            return f"{value:.1f}" if value is not None else "n/a"
 
-    for row in rows:
-        print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
-              f"{'yes' if row['returncode'] == 0 else 'no'} | {shown(row['percent_of_fresh_python_max'])} | "
-              f"{shown(row['percent_of_fresh_tune_max'])} | {row['trial_steps']} | {shown(row['profile_seconds'])} "
-              f"| {row['trials']} |")
+        for row in rows:
+            print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
+                  f"{'yes' if row['returncode'] == 0 else 'no'} | {shown(row['percent_of_fresh_python_max'])} | "
+                  f"{shown(row['percent_of_fresh_tune_max'])} | {row['trial_steps']} | {shown(row['profile_seconds'])} "
+                  f"| {row['trials']} |")
+    print(f"\n{report.getvalue()}", end="")
+    if args.publish:
+        name = f"whole-process-limit-tolerance-{args.tolerance if args.tolerance is not None else 'default'}"
+        print(f"written to {publish('benchmarks.md', name, markdown_of(report.getvalue()))}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

@@ -2,6 +2,7 @@
 """Our full fine-tune recipe against torchtune's stock single-device one: optimizer steps per second.
 
     python benchmarks/recipe_vs_torchtune.py [--steps 200] [--warmup 3] [--repeats 3] [--threads 1] [--json out.json]
+                                            [--publish]
     python benchmarks/recipe_vs_torchtune.py --switch-only      # only the epoch-switch cost
 
 Both recipes run as a user runs them, ``tune run RECIPE --config FILE``, each in its own fresh
@@ -49,6 +50,8 @@ itself failed.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import io
 import json
 import os
 import re
@@ -61,6 +64,9 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import markdown_of, publish  # noqa: E402
 
 BAR_RATIO = 0.98
 OURS_RECIPE = "adaptive_full_finetune"
@@ -148,6 +154,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--assets", type=Path, default=TINY_DIR,
                    help=f"tiny assets directory, written when missing (default {TINY_DIR})")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
+    p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
                    help="configs, run outputs and child logs (default: a temporary directory, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
@@ -465,16 +472,20 @@ def main(argv: Optional[list[str]] = None) -> int:
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
-        print()
-        print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
-              f"seed {args.seed}" + ("" if args.switch_only
-                                     else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
-        if not args.switch_only:
-            print_table(summary)
-            if summary["dropped_keys"]:
-                print(f"keys of ours' config the stock recipe does not read (left out of its config): "
-                      f"{', '.join(summary['dropped_keys'])}")
-        print_switch(switch)
+        report = io.StringIO()
+        with contextlib.redirect_stdout(report):
+            print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
+                  f"seed {args.seed}" + ("" if args.switch_only
+                                         else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
+            if not args.switch_only:
+                print_table(summary)
+                if summary["dropped_keys"]:
+                    print(f"keys of ours' config the stock recipe does not read (left out of its config): "
+                          f"{', '.join(summary['dropped_keys'])}")
+            print_switch(switch)
+        print(f"\n{report.getvalue()}", end="")
+        if args.publish:
+            print(f"written to {publish('benchmarks.md', 'recipe-vs-torchtune', markdown_of(report.getvalue()))}")
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(figures, indent=2, default=str))

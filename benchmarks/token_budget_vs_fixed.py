@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Token-budget batching against fixed-size batches: padding waste and real tokens per second.
 
-    python benchmarks/token_budget_vs_fixed.py [--samples 600] [--repeats 3] [--budget 512MiB]
+    python benchmarks/token_budget_vs_fixed.py [--samples 600] [--repeats 3] [--budget 512MiB] [--publish]
 
 Same model (the offline tiny Llama-3), same data (the first ``--samples`` of the tiny data set, whose
 lengths are long-tailed: 63 to 256 tokens, median 114), same memory: one profile under
@@ -36,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 HERE = Path(__file__).resolve()
+sys.path.insert(0, str(HERE.parent))
+from doc_tables import publish  # noqa: E402
 
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
@@ -114,6 +116,7 @@ def main() -> None:
     p.add_argument("--budget", default="512MiB", help="adaptive_batching.memory_budget for both")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
+    p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -133,17 +136,21 @@ def main() -> None:
         budget = int(re.search(r"Token budget: (\d+) padded tokens", outputs["token budget"]).group(1))
         waste = padding(args, work, micro, budget)
     real = waste["real_tokens"]
-    print(f"\n{args.samples} samples, {real} real tokens, memory budget {args.budget}, median of {args.repeats}:")
-    print(f"{'mode':<14}{'micro batches':>14}{'padding waste':>15}{'real tokens/s':>15}")
-    for mode, detail in (("fixed", f"{micro} samples"), ("token budget", f"{budget} tokens")):
+    lines = [f"{args.samples} samples, {real:,} real tokens, memory budget {args.budget} for both, {args.threads} "
+             f"thread(s), one epoch each, median of {args.repeats} alternating runs:", "",
+             "| mode | micro batches | padding waste | real tokens/s |", "| --- | --- | --- | --- |"]
+    for mode, detail in (("fixed", f"{micro} samples"), ("token budget", f"{budget:,} padded tokens")):
         speed = real / statistics.median(seconds[mode])
-        print(f"{mode:<14}{waste['micro_batches'][mode]:>14}{100 * waste[mode]:>14.1f}%{speed:>15.0f}  ({detail})")
+        lines.append(f"| {mode}, {detail} | {waste['micro_batches'][mode]} | {100 * waste[mode]:.1f}% | {speed:,.0f} |")
     ratio_waste = waste["token budget"] / waste["fixed"]
     ratio_speed = statistics.median(seconds["fixed"]) / statistics.median(seconds["token budget"])
     verdict = "PASS" if ratio_waste <= 1 / 3 and ratio_speed > 1 else "FAIL"
-    print(f"padding waste ratio {ratio_waste:.3f} (bar <= 0.333), real tokens/s ratio {ratio_speed:.2f} (bar > 1): "
-          f"{verdict}")
-
+    lines += ["", f"The token budget wastes {ratio_waste:.3f} times the padding of fixed batches (bar <= 0.333) and "
+                  f"trains {ratio_speed:.2f} times the real tokens per second (bar > 1): {verdict}."]
+    report = "\n".join(lines)
+    print(f"\n{report}")
+    if args.publish:
+        print(f"written to {publish('benchmarks.md', 'token-budget-vs-fixed', report)}")
 
 if __name__ == "__main__":
     main()
