@@ -2,7 +2,7 @@
 """How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace.
 
     python benchmarks/estimate_speed.py [--models tiny,llama3_2_1b,llama3_8b] [--methods fast,full]
-                                        [--device-memory 80GiB] [--seq-len 8192] [--out-dir DIR]
+                                        [--device-memory 80GiB] [--seq-len 8192] [--out-dir DIR] [--publish]
 
 Every model is estimated at ``--seq-len`` tokens per sample, bf16 weights, AdamW, activation
 checkpointing, for a device of ``--device-memory`` (x 0.9), once with each method, each run in a
@@ -27,6 +27,9 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from doc_tables import publish  # noqa: E402
 
 HERE = Path(__file__).resolve()
 CONFIGS = HERE.parents[1] / "configs"
@@ -158,6 +161,7 @@ def main() -> None:
     p.add_argument("--device-memory", default="80GiB")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--out-dir", type=Path, default=Path("."))
+    p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
     models = [m for m in args.models.split(",") if m]
     methods = [m for m in args.methods.split(",") if m]
@@ -182,6 +186,8 @@ def main() -> None:
             "seq_len": args.seq_len}
     (args.out_dir / "estimate_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"written: {args.out_dir / 'estimate_speed.md'}, {args.out_dir / 'estimate_speed.json'}")
+    if args.publish:
+        print(f"written to {publish('benchmarks.md', 'estimate-speed', table)}")
 
 
 if __name__ == "__main__":
