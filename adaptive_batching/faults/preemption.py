@@ -60,8 +60,8 @@ class Preemption:
         self._work: Any = None
         self.launcher_death: Optional[int] = None  # the signal this worker gets when its torchrun agent dies
         if launched_by_torchrun():  # no worker outlives its agent: the agent's death stops it as a stop signal does
-            fallback = self.signals[0] if self.signals else signal.SIGTERM
-            self.launcher_death = stop_with_launcher(PARENT_DEATH or fallback)
+            self.launcher_death = PARENT_DEATH or (self.signals[0] if self.signals else signal.SIGTERM)
+            stop_with_launcher(self.launcher_death)
 
     @property
     def signal_name(self) -> str:
@@ -160,8 +160,8 @@ def run_pending_handlers() -> None:
 PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
-def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.0) -> int:
-    """Have this process receive ``number`` when its parent dies, by any signal, SIGKILL included; returns it.
+def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.0) -> None:
+    """Have this process receive ``number`` when its parent dies, by any signal, SIGKILL included.
 
     For a worker under torchrun, whose parent is the elastic agent: a worker that outlives its agent would
     train on as an orphan, beside the requeued job that shares its output folder. With the stop handlers
@@ -175,7 +175,7 @@ def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.
         if libc.prctl(PR_SET_PDEATHSIG, int(number), 0, 0, 0) == 0:
             if os.getppid() != parent:  # it died before the prctl took effect
                 os.kill(os.getpid(), number)
-            return number
+            return
 
     def watch() -> None:
         while os.getppid() == parent:
@@ -183,4 +183,3 @@ def stop_with_launcher(number: int = signal.SIGTERM, *, poll_seconds: float = 1.
         os.kill(os.getpid(), number)
 
     threading.Thread(target=watch, name="launcher-watch", daemon=True).start()
-    return number
