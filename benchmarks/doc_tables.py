@@ -6,13 +6,16 @@ them. A figure in the docs is then always the last output of the command printed
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
 import os
 import platform
 import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Iterator, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -79,3 +82,15 @@ def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
     block = f"Measured by {stamp()}:\n\n{body.rstrip()}\n"
     path.write_text(pattern.sub(lambda m: m.group(1) + block + m.group(2), text, count=1), encoding="utf-8")
     return path
+
+
+@contextlib.contextmanager
+def report(name: Optional[str], page: str = "benchmarks.md", *, docs: Path = DOCS) -> Iterator[None]:
+    """What the block prints is the benchmark's report: printed once it is complete, and with a ``name`` (the
+    benchmark's ``--publish``) also written as markdown between that table's markers on ``docs/page``."""
+    text = io.StringIO()
+    with contextlib.redirect_stdout(text):
+        yield
+    print(f"\n{text.getvalue()}", end="")
+    if name is not None:
+        print(f"written to {publish(page, name, markdown_of(text.getvalue()), docs=docs)}")

@@ -35,8 +35,6 @@ Peers and the exhaustive search run the same plain training step: the trainer's 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -50,7 +48,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import markdown_of, publish  # noqa: E402
+from doc_tables import report  # noqa: E402
 
 GIB = 2**30
 BAR_PERCENT = 97.0
@@ -615,8 +613,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         bar = verdict(rows)
         epoch = ours.get("epoch")
 
-        report = io.StringIO()
-        with contextlib.redirect_stdout(report):
+        with report("profiler-vs-peers" if args.publish else None):
             print()
             print(f"Set-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
                   f"(all in the loss); each method in a fresh child with RLIMIT_AS = its VmSize after set-up "
@@ -643,9 +640,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             for name, ok in bar["checks"].items():
                 print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
 
-        print(f"\n{report.getvalue()}", end="")
-        if args.publish:
-            print(f"written to {publish('benchmarks.md', 'profiler-vs-peers', markdown_of(report.getvalue()))}")
         if args.json is not None:
             payload = {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
                        "accelerate_start": args.accelerate_start, "epoch_time_cap": args.epoch_time_cap,

@@ -24,8 +24,6 @@ The figure is ours / fresh-process maximum; the goal is at least 97%.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import shlex
@@ -37,7 +35,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import markdown_of, publish  # noqa: E402
+from doc_tables import report  # noqa: E402
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
@@ -117,16 +115,16 @@ def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Opt
     if tolerance is not None:
         overrides.append(f"adaptive_batching.search_tolerance={tolerance}")
     result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False)
-    report_path = out / "profile" / "profile.json"
-    report = json.loads(report_path.read_text()) if report_path.exists() else {}
-    trials = " ".join(f"{t['micro_batch']}{'' if t['ok'] else 'x'}" for t in report.get("trials", []))
+    profile_path = out / "profile" / "profile.json"
+    found = json.loads(profile_path.read_text()) if profile_path.exists() else {}
+    trials = " ".join(f"{t['micro_batch']}{'' if t['ok'] else 'x'}" for t in found.get("trials", []))
     restarted = "this process starts again with GLIBC_TUNABLES" in result.stdout + result.stderr
-    print(f"  profiled run {name}: exit {result.returncode}, largest that ran {report.get('max_micro_batch')}, "
-          f"chose {report.get('micro_batch')}, trials {trials}, restarted {restarted}", flush=True)
-    return {"returncode": result.returncode, "max_micro_batch": report.get("max_micro_batch"),
-            "micro_batch": report.get("micro_batch"), "budget_source": report.get("budget_source"),
-            "budget_bytes": report.get("budget_bytes"), "trial_steps": report.get("trial_steps"),
-            "profile_seconds": report.get("seconds"), "trials": trials, "restarted": restarted,
+    print(f"  profiled run {name}: exit {result.returncode}, largest that ran {found.get('max_micro_batch')}, "
+          f"chose {found.get('micro_batch')}, trials {trials}, restarted {restarted}", flush=True)
+    return {"returncode": result.returncode, "max_micro_batch": found.get("max_micro_batch"),
+            "micro_batch": found.get("micro_batch"), "budget_source": found.get("budget_source"),
+            "budget_bytes": found.get("budget_bytes"), "trial_steps": found.get("trial_steps"),
+            "profile_seconds": found.get("seconds"), "trials": trials, "restarted": restarted,
             "stderr_tail": result.stderr[-1500:] if result.returncode else ""}
 
 
@@ -174,8 +172,8 @@ def main(argv: Optional[list[str]] = None) -> int:
               **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in launchers},
               **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in launchers},
               "runs": rows, "seconds": time.perf_counter() - started}
-    report = io.StringIO()
-    with contextlib.redirect_stdout(report):
+    tolerance = "default" if args.tolerance is None else args.tolerance
+    with report(f"whole-process-limit-tolerance-{tolerance}" if args.publish else None):
         print(f"whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
               "the fresh processes")
         for launcher in launchers:
@@ -192,10 +190,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                   f"{'yes' if row['returncode'] == 0 else 'no'} | {shown(row['percent_of_fresh_python_max'])} | "
                   f"{shown(row['percent_of_fresh_tune_max'])} | {row['trial_steps']} | {shown(row['profile_seconds'])} "
                   f"| {row['trials']} |")
-    print(f"\n{report.getvalue()}", end="")
-    if args.publish:
-        name = f"whole-process-limit-tolerance-{args.tolerance if args.tolerance is not None else 'default'}"
-        print(f"written to {publish('benchmarks.md', name, markdown_of(report.getvalue()))}")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

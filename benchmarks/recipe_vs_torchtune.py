@@ -50,8 +50,6 @@ itself failed.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
 import json
 import os
 import re
@@ -66,7 +64,7 @@ from pathlib import Path
 from typing import Any, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import markdown_of, publish  # noqa: E402
+from doc_tables import report  # noqa: E402
 
 BAR_RATIO = 0.98
 OURS_RECIPE = "adaptive_full_finetune"
@@ -472,8 +470,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
-        report = io.StringIO()
-        with contextlib.redirect_stdout(report):
+        with report("recipe-vs-torchtune" if args.publish else None):
             print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
                   f"seed {args.seed}" + ("" if args.switch_only
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
@@ -483,9 +480,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"keys of ours' config the stock recipe does not read (left out of its config): "
                           f"{', '.join(summary['dropped_keys'])}")
             print_switch(switch)
-        print(f"\n{report.getvalue()}", end="")
-        if args.publish:
-            print(f"written to {publish('benchmarks.md', 'recipe-vs-torchtune', markdown_of(report.getvalue()))}")
         if args.json is not None:
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(figures, indent=2, default=str))

@@ -152,5 +152,6 @@ def main() -> None:
     if args.publish:
         print(f"written to {publish('benchmarks.md', 'token-budget-vs-fixed', report)}")
 
+
 if __name__ == "__main__":
     main()

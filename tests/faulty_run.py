@@ -70,7 +70,7 @@ def main() -> None:
     with open(f"{record_prefix}rank{rank}-attempt{attempt}.start", "w") as f:
         f.write(repr(time.time()))
     with open(f"{record_prefix}rank{rank}-attempt{attempt}.pid", "w") as f:
-        f.write(open("/proc/self/stat").read())  # a worker forked by the tests' fork server has its command line
+        f.write(open("/proc/self/stat").read())  # a forked worker has the fork server's command line
     if attempt:  # faults hit the first attempt only; a torchrun restart runs clean
         phase, kill_after, fault = "none", None, {k: v for k, v in fault.items() if k != "kill_in_save"}
 
