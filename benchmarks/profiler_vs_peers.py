@@ -2,7 +2,7 @@
 """Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
 
     python benchmarks/profiler_vs_peers.py [--room 1.5] [--seq-len 256] [--accelerate-start 1024] [--json out.json]
-                                             [--publish]
+                                             [--methods ours,lightning,accelerate,exhaustive] [--publish]
 
 Every method runs in its own fresh child process on the same set-up: the offline tiny Llama-3
 model (config ``tiny_full``), AdamW, worst-case batches (every sample ``seq_len`` tokens, every
@@ -72,6 +72,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "applies (auto: only when it applies them)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated subset of the methods to run (default: all; --publish needs all)")
     p.add_argument("--workdir", type=Path, default=None,
                    help="assets, run outputs and child logs (default: a temporary directory, removed afterwards)")
     p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
@@ -85,6 +87,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    args.methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown or not args.methods:
+        p.error(f"--methods takes a comma-separated subset of {', '.join(METHODS)}; got {unknown or 'none'}")
+    if args.publish and set(args.methods) != set(METHODS):
+        p.error("--publish writes the whole table: leave --methods at its default (all)")
     if args.room <= 0 or args.seq_len < 1 or args.accelerate_start < 1 or args.exhaustive_start < 1:
         p.error("--room, --seq-len, --accelerate-start and --exhaustive-start must be positive")
     return args
@@ -513,7 +521,7 @@ def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -
                  "trial_steps": acc.get("trial_steps"), "wall_s": acc.get("wall_s"), "note": note,
                  "regime": "default"})
     for row in rows:
-        row["true_max"] = exhaustive[row["regime"]]["true_max"]
+        row["true_max"] = exhaustive.get(row["regime"], {}).get("true_max")
         row["percent"] = _pct(row["found"], row["true_max"])
     return rows
 
@@ -536,7 +544,7 @@ def markdown_table(rows: list[dict[str, Any]], exhaustive: dict[str, dict[str, A
     lines = ["| method | found micro batch | true maximum | found/true (%) | trial steps | wall seconds | notes |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {_fmt(r['found'])} | {r['true_max']} | {_fmt(r['percent'], '.1f')} | "
+        lines.append(f"| {r['method']} | {_fmt(r['found'])} | {_fmt(r['true_max'])} | {_fmt(r['percent'], '.1f')} | "
                      f"{_fmt(r['trial_steps'])} | {_fmt(r['wall_s'], '.1f')} | {r['note']} |")
     for regime, ex in exhaustive.items():
         search = [c for c in ex["children"] if not c["recheck"]]
@@ -595,6 +603,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         results: dict[str, Any] = {}
         for method in ("ours", "lightning", "accelerate"):
+            if method not in args.methods:
+                results[method] = {"crashed": "not run (--methods)"}
+                continue
             log(f"running {method} ...")
             results[method] = spawn(args, method)
             r = results[method]
@@ -602,12 +613,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                 f"{_fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
         ours = results["ours"]
         regimes = ["default"]
-        if args.exhaustive_regimes == "both" or (args.exhaustive_regimes == "auto" and ours_pinned(ours)):
+        if "exhaustive" in args.methods and (args.exhaustive_regimes == "both"
+                                             or (args.exhaustive_regimes == "auto" and ours_pinned(ours))):
             regimes.append("pinned")
             log("ours' set-up changed glibc's malloc settings: the true maximum is searched both with default "
                 "glibc (the peers' setting) and with ours' settings")
-        log("running the exhaustive search for the true maximum ...")
-        exhaustive = {r: exhaustive_search(args, pinned=(r == "pinned")) for r in regimes}
+        if "exhaustive" in args.methods:
+            log("running the exhaustive search for the true maximum ...")
+        exhaustive = ({r: exhaustive_search(args, pinned=(r == "pinned")) for r in regimes}
+                      if "exhaustive" in args.methods else {})
 
         rows = build_rows(results, exhaustive)
         bar = verdict(rows)
@@ -628,7 +642,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                        f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample")
                 print(f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "
                       f"estimate {ours['estimate']} = {_fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
-                      f"maximum {true_max}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
+                      f"maximum {_fmt(true_max)}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
                       f"{ours['wall_s']:.1f} s in profile()")
                 if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
                     default_max = exhaustive["default"]["true_max"]

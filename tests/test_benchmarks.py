@@ -3,9 +3,8 @@
 One test per script, each the script's own command line (forked from the suite's warm server; the runs it
 starts are its own, fresh processes). What is checked is that it ran through and wrote its table or results;
 its figures at this size mean nothing. ``validate_device.py`` (test_validate_device) and ``chaos.py``
-(test_chaos) have tests of their own that check their results. Not yet here, too slow at its smallest size
-today: ``profiler_vs_peers.py`` (about 10 fresh processes for the true maximum, and Lightning's and
-Accelerate's searches, 3-4 minutes).
+(test_chaos) have tests of their own that check their results. ``profiler_vs_peers.py`` runs ours alone
+(``--methods ours``): the true maximum takes about 10 fresh processes and the peers' searches minutes.
 """
 
 from __future__ import annotations
@@ -81,3 +80,16 @@ def test_profiler_whole_process_limit(tmp_path: Path) -> None:
     result = json.loads(js.read_text())
     (run,) = result["runs"]
     assert run["returncode"] == 0 and run["max_micro_batch"] >= 1 and result["fresh_python_max"] >= 1
+
+
+def test_profiler_vs_peers(tmp_path: Path) -> None:
+    js = tmp_path / "peers.json"
+    script("profiler_vs_peers.py", "--methods", "ours", "--room", "0.3", "--seq-len", "32", "--epoch-time-cap", "1",
+           "--json", str(js), cwd=tmp_path)
+    ours = json.loads(js.read_text())["rows"][0]
+    assert ours["method"].startswith("ours") and ours["found"] >= 1 and ours["trial_steps"] >= 1
+
+
+def test_noise_scale_accuracy(tmp_path: Path) -> None:
+    out = script("noise_scale_accuracy.py", "--seeds", "1", cwd=tmp_path)
+    assert "2 gloo ranks" in out and "Over 1 seeds" in out

@@ -1,16 +1,15 @@
 """The two-batch noise scale estimator against linear regression, whose noise scale is known exactly.
 
-Noisy linear regression ``y = x . w* + eps``, ``x ~ N(0, I_d)``, ``eps ~ N(0, sigma^2)``, loss
-``(x . w - y)^2 / 2``: at ``w`` the per-sample gradient is ``x (x . delta - eps)`` with ``delta = w -
-w*``, so the true gradient is ``G = delta`` and, from Gaussian fourth moments, ``tr(Sigma) = (d + 1)
-|delta|^2 + d sigma^2``: ``B_simple = tr(Sigma) / |G|^2`` in closed form. The tests draw real
-minibatch gradients with torch at a fixed ``w`` and feed the estimator as the trainer would.
+The regression and its closed-form noise scale are ``benchmarks/noise_scale_accuracy.py``'s (which publishes the
+figures); these tests draw real minibatch gradients with torch at a fixed ``w``, feed the estimator as the
+trainer would, and bound the error.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import sys
 import time
 from pathlib import Path
 
@@ -24,55 +23,12 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
 
-D, SIGMA = 64, 0.5  # B_simple = (d + 1) + d sigma^2 = 81 at |delta| = 1
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+from noise_scale_accuracy import (  # noqa: E402
+    D, MICRO, RANKS, SIGMA, STEPS, draw, per_rank_noise_scale, relative_errors, run_single_process,
+    true_noise_scale, unit_delta)
+
 TOLERANCE = 0.15
-
-
-def true_noise_scale(d: int, sigma: float, delta: torch.Tensor) -> float:
-    """``tr(Sigma) / |G|^2`` of the regression at ``w - w* = delta``."""
-    sq = float(delta.pow(2).sum())
-    return ((d + 1) * sq + d * sigma**2) / sq
-
-
-def unit_delta(d: int, seed: int) -> torch.Tensor:
-    """A random direction of norm 1: ``w - w*``."""
-    delta = torch.randn(d, generator=torch.Generator().manual_seed(seed))
-    return delta / delta.norm()
-
-
-def _loss(w: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return 0.5 * (x @ w - y).pow(2).mean()
-
-
-_micro_batch_grads = torch.func.vmap(torch.func.grad(_loss), in_dims=(None, 0, 0))
-
-
-def draw(gen: torch.Generator, shape: tuple[int, ...], d: int, sigma: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inputs ``x`` of ``shape + (d,)`` and targets ``y = eps`` (w* = 0, so w = delta)."""
-    return torch.randn(*shape, d, generator=gen), sigma * torch.randn(*shape, generator=gen)
-
-
-def run_single_process(seed: int, *, steps: int, accumulation: int, micro: int, decay: float,
-                       first_only: bool) -> tuple[float, list]:
-    """Feed ``steps`` steps of ``accumulation`` micro batches; the truth and the values reported.
-
-    ``first_only``: the small batch is the first micro batch only (what FSDP2 leaves observable,
-    one draw per step); else the mean over all micro batches of their squared norms.
-    """
-    delta, gen = unit_delta(D, seed), torch.Generator().manual_seed(1000 + seed)
-    estimator, values = NoiseScaleEstimator(decay=decay), []
-    for _ in range(steps):
-        x, y = draw(gen, (accumulation, micro), D, SIGMA)
-        grads = _micro_batch_grads(delta, x, y)  # one mean gradient per micro batch
-        sq = grads.pow(2).sum(-1)
-        small = float(sq[0]) if first_only else float(sq.mean())
-        big = float(grads.mean(0).pow(2).sum())
-        values.append(estimator.update(small, micro, big, micro * accumulation))
-    return true_noise_scale(D, SIGMA, delta), values
-
-
-def relative_errors(truth: float, values: list) -> list[float]:
-    return [abs(v / truth - 1) if v is not None else math.inf for v in values]
 
 
 # --------------------------------------------------------------------------- #
@@ -208,31 +164,6 @@ def test_squared_grad_norm_sums_all_gradients_and_skips_missing_ones() -> None:
 # Two ranks (gloo)
 # --------------------------------------------------------------------------- #
 
-RANKS, STEPS, ACCUMULATION, MICRO = 2, 400, 8, 32
-
-
-def _per_rank_noise_scale(rank: int, world: int) -> list:
-    """Per-rank small batches (each rank's micro batches, one scalar all-reduce), big all-reduced."""
-    delta = unit_delta(D, seed=7)
-    w = torch.nn.Parameter(delta.clone())
-    gen = torch.Generator().manual_seed(2000 + rank)
-    estimator, values = NoiseScaleEstimator(decay=0.95), []
-    for _ in range(STEPS):
-        total, small = torch.zeros(D), torch.zeros(())
-        for _ in range(ACCUMULATION):
-            x, y = draw(gen, (MICRO,), D, SIGMA)
-            _loss(w, x, y).backward()
-            small += squared_grad_norm([w])
-            total += w.grad
-            w.grad = None
-        dist.all_reduce(small)  # the one scalar all-reduce for the small batches
-        dist.all_reduce(total)  # the gradient all-reduce a step does anyway
-        big = total / (ACCUMULATION * world)
-        values.append(estimator.update(float(small) / (ACCUMULATION * world), MICRO,
-                                       float(big.pow(2).sum()), MICRO * ACCUMULATION * world))
-    return values
-
-
 class _Regression(torch.nn.Module):
     """``x . w + z . v``: ``v`` has an odd size, so FSDP2 shards it unevenly."""
 
@@ -302,7 +233,7 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     try:
-        result = {"values": _per_rank_noise_scale(rank, world), "fsdp": _fsdp_checks(rank, world)}
+        result = {"values": per_rank_noise_scale(rank, world), "fsdp": _fsdp_checks(rank, world)}
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
