@@ -21,6 +21,11 @@ class UnguardedOutOfMemory(RuntimeError):
     """An OOM in a step outside a guard window (several ranks): the others cannot be told in place."""
 
 
+class StepNotRetried(RuntimeError):
+    """An OOM in a step that cannot be run again in smaller pieces (``optimizer_in_bwd``: no accumulation, and
+    the backward may have stepped part of the model)."""
+
+
 class ConfigNotFound(FileNotFoundError):
     """``--config`` names neither a file, nor a shipped config, nor one of torchtune's."""
 

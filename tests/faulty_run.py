@@ -79,12 +79,12 @@ def main() -> None:
 
     original_loss = stepping.summed_token_loss
 
-    def summed_token_loss(model, loss_fn, batch):  # type: ignore[no-untyped-def]
+    def summed_token_loss(model, loss_fn, batch, *rest):  # type: ignore[no-untyped-def]
         self = state["trainer"]()  # a weak reference: the harness must not keep the run (and its process group) alive
         affected = failing_rank and from_step <= self.global_step + 1 <= to_step and batch["tokens"].shape[0] > above
         if affected and phase == "forward":
             raise oom("forward")
-        loss, tokens = original_loss(model, loss_fn, batch)
+        loss, tokens = original_loss(model, loss_fn, batch, *rest)
         if affected and phase == "backward":
             def fail(grad):  # type: ignore[no-untyped-def]
                 raise oom("backward")

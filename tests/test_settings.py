@@ -324,8 +324,7 @@ def test_non_string_knob_key_is_an_unknown_key(base_cfg: DictConfig) -> None:
     assert all(knob in message for knob in KNOBS)
 
 
-@pytest.mark.parametrize("key, value", [("optimizer_in_bwd", True), ("enable_activation_offloading", True),
-                                        ("tensor_parallel_dim", 2), ("profiler.enabled", True)])
+@pytest.mark.parametrize("key, value", [("tensor_parallel_dim", 2), ("profiler.enabled", True)])
 def test_unsupported_torchtune_keys_fail_clearly(base_cfg: DictConfig, key: str, value: Any) -> None:
     message = config_error(modified(base_cfg, {key: value}))
     assert f"'{key}'" in message and "not supported" in message

@@ -73,6 +73,13 @@ def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int
         return Start(reference.micro_batch, reference.accumulation, None, reference)
     if settings.knobs["keep_global_batch"]:
         shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
+        if settings.optimizer_in_bwd and shape.accumulation > 1:
+            raise ConfigError(
+                f"config keys 'adaptive_batching.keep_global_batch' = True and 'optimizer_in_bwd' = True: the "
+                f"config's global batch {reference.global_batch} needs {reference.global_batch // ranks} samples per "
+                f"forward on each of {ranks} rank(s), above the profiled micro batch {profiled}, and an optimizer "
+                f"stepped inside the backward cannot accumulate; lower batch_size x gradient_accumulation_steps to "
+                f"at most {profiled * ranks}, or set one of the two keys to false")
         info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged")
         return Start(shape.micro_batch, shape.accumulation, None, reference)
     use_profile = profiled is not None and settings.use_maximum_batch_size

@@ -141,6 +141,7 @@ class AdaptiveSettings:
     batch_increase_function: Optional[Callable[[int, int], int]] = None
     lr_scaling: str = "sqrt"
     knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
+    optimizer_in_bwd: bool = False  # one micro batch per optimizer step: no accumulation anywhere
 
     @property
     def needs_profile(self) -> bool:
@@ -192,9 +193,11 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
     clip = plain(cfg.get("clip_grad_norm", None))
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise _fail("clip_grad_norm", clip, "null or a number > 0")
+    for key in ("optimizer_in_bwd", "enable_activation_offloading"):
+        value = plain(cfg.get(key, None))
+        if value is not None and not isinstance(value, bool):
+            raise _fail(key, value, "true, false or null")
     unsupported = {  # key: (values that mean "off", why)
-        "optimizer_in_bwd": ((None, False), "it cannot accumulate gradients, which the adaptive batch relies on"),
-        "enable_activation_offloading": ((None, False), "use enable_activation_checkpointing"),
         "tensor_parallel_dim": ((None, 1), "these recipes are data parallel (FSDP2) only"),
         "profiler.enabled": ((None, False), "the torch profiler is not wired into these recipes"),
     }
@@ -250,11 +253,53 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     _check_elastic(knobs, increase)
     _check_keep_global_batch(knobs, increase, use_max)
     _check_growth_interval(knobs, increase)
+    in_bwd = _check_optimizer_in_bwd(cfg, knobs)
+    _check_activation_offloading(cfg)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
                      ranks=1, increase=increase, memory_cap=None)
-    return AdaptiveSettings(use_max, increase, lr_scaling, knobs)
+    return AdaptiveSettings(use_max, increase, lr_scaling, knobs, in_bwd)
+
+
+def _check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
+    """An optimizer stepped inside the backward cannot accumulate gradients, nor clip them (torchtune refuses
+    both); so nothing that needs several micro batches per optimizer step goes with it."""
+    if not plain(cfg.get("optimizer_in_bwd", None)):
+        return False
+    key = "config key 'optimizer_in_bwd' = True"
+    accumulation = plain(cfg.get("gradient_accumulation_steps", 1))
+    if accumulation not in (None, 1):
+        raise ConfigError(f"{key} steps the optimizer inside each backward, so it cannot accumulate gradients: set "
+                          f"gradient_accumulation_steps=1 (it is {accumulation!r}), or optimizer_in_bwd=False")
+    if plain(cfg.get("clip_grad_norm", None)) is not None:
+        raise ConfigError(f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
+                          "set clip_grad_norm=null, or optimizer_in_bwd=False")
+    conflicts = (("grow_past_memory", knobs["grow_past_memory"] == "accumulate",
+                  "grows past the memory cap by accumulating gradients"),
+                 ("elastic", knobs["elastic"] is not None, "realises its global batch by accumulating gradients"),
+                 ("max_tokens", knobs["max_tokens"] is not None,
+                  "runs several token-budget micro batches per optimizer step"))
+    for name, on, why in conflicts:
+        if on:
+            raise ConfigError(f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "
+                              f"'optimizer_in_bwd' = True do not go together: the first {why}, which an optimizer "
+                              f"stepped inside the backward cannot; change one of them")
+    return True
+
+
+def _check_activation_offloading(cfg: DictConfig) -> None:
+    """As torchtune's recipes: activation offloading is for CUDA, on top of activation checkpointing."""
+    if not plain(cfg.get("enable_activation_offloading", None)):
+        return
+    device = str(plain(cfg.get("device", "cpu")))
+    if not device.startswith("cuda"):
+        raise ConfigError(f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
+                          f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
+                          "CUDA. Set it to false")
+    if not plain(cfg.get("enable_activation_checkpointing", False)):
+        raise ConfigError("config key 'enable_activation_offloading' = True needs "
+                          "enable_activation_checkpointing=True, as in torchtune; set both, or it to false")
 
 
 

@@ -17,6 +17,7 @@ from adaptive_batching.batching.data import DEFAULT_COLLATE, build_collate, buil
 from adaptive_batching.config.loading import building
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.model import FinetuneMethod, ModelOptions, build_model
+from adaptive_batching.training.optimizers import build_optimizer
 
 
 @dataclass
@@ -46,7 +47,7 @@ def build_data(cfg: DictConfig) -> Data:
 def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[str, Any], data: Data, *,
                      device: torch.device, dtype: torch.dtype, parallel: ParallelInfo, is_rank_zero: bool) -> Components:
     """The model (sharded over ``parallel``, weights from ``checkpoint``), the optimizer over the trainable
-    parameters, the loss (compiled with ``compile``) and the collate of ``data``."""
+    parameters (one per parameter, stepped in the backward, with ``optimizer_in_bwd``), the loss (compiled with ``compile``) and the collate of ``data``."""
     common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)  # as torchtune's LoRA recipe sets it (QLoRA saves)
     with building("model"):
         model = build_model(
@@ -60,8 +61,7 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[s
             ),
             is_rank_zero=is_rank_zero,
         )
-    with building("optimizer"):
-        optimizer = config.instantiate(cfg.optimizer, [p for p in model.parameters() if p.requires_grad])
+    optimizer = build_optimizer(cfg, model)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)
     if cfg.get("compile", False):

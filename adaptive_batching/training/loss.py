@@ -2,21 +2,24 @@
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 
-def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
+                      activations: ContextManager = contextlib.nullcontext()) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one micro batch; return its loss summed over the tokens that count, and their number.
 
     Labels are shifted by one token (the last position predicts nothing). Summing, not averaging,
     lets a step divide by the tokens of all its micro batches and ranks at once.
     A micro batch with no token that counts (a rank's padding at the end of an epoch) gives 0 and
     zero gradients: one label is un-ignored so the mean inside ``loss_fn`` stays finite, then x 0.
-    ``batch`` loses its ``labels``.
+    ``batch`` loses its ``labels``. ``activations`` wraps the model's forward (not the loss), as torchtune's
+    recipes wrap it in activation offloading.
     """
     labels = batch.pop("labels")
     ignore = loss_fn.ignore_index
@@ -24,7 +27,8 @@ def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Ten
     tokens = (labels != ignore).sum()
     first = labels.view(-1)[:1]
     first.copy_(torch.where(tokens == 0, torch.zeros_like(first), first))
-    logits = model(**batch)
+    with activations:
+        logits = model(**batch)
     if not isinstance(logits, list):
         labels = labels.reshape(-1)
         logits = logits.reshape(-1, logits.size(-1))

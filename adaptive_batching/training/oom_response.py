@@ -13,7 +13,7 @@ from typing import Callable, NoReturn
 
 import torch
 
-from adaptive_batching.errors import OutOfMemoryStop
+from adaptive_batching.errors import OutOfMemoryStop, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.oom import is_out_of_memory
@@ -89,6 +89,30 @@ class OomResponse:
             f"job restarts and resumes by itself from the last complete checkpoint (optimizer step "
             f"{self.progress.saved_step}); otherwise continue with resume_from_checkpoint=True, which resumes under "
             f"the same cut."
+        )
+
+    def stop(self, error: Exception, epoch: int, index: int, *, retries: bool) -> NoReturn:
+        """Stop after an OOM the step did not recover from in place: outside a guard window (``UnguardedOutOfMemory``,
+        with several ranks), or in a step that cannot be retried (``retries`` False: optimizer_in_bwd)."""
+        if not retries:
+            self.stop_not_retried(epoch, index, str(error), broken=isinstance(error, UnguardedOutOfMemory))
+        self.stop_for_restart(epoch, index, str(error))
+
+    def stop_not_retried(self, epoch: int, index: int, error: str, *, broken: bool) -> NoReturn:
+        """An OOM with ``optimizer_in_bwd``: the step cannot run again in smaller pieces (that needs gradient
+        accumulation), and its backward may have stepped part of the model, which must not be saved or trained
+        on. Stop; the last complete checkpoint stays as it was. ``broken``: other ranks were not told (outside
+        a guard window)."""
+        self.process_group_broken = broken
+        failed = self.feed.largest_piece(index)
+        saved = (f"the last complete checkpoint (optimizer step {self.progress.saved_step}) is in {self.output_dir}"
+                 if self.progress.saved_step is not None else "nothing was saved yet")
+        raise OutOfMemoryStop(
+            f"out of memory at micro batch {failed} in {self._where(epoch, index)} ({error}). With "
+            f"optimizer_in_bwd=True a step is not run again in smaller micro batches (that needs gradient "
+            f"accumulation), and its backward may already have stepped part of the model, so the run stops without "
+            f"saving it; {saved}. Continue with resume_from_checkpoint=True and a smaller micro batch "
+            f"(adaptive_batching.memory_fraction lower, or optimizer_in_bwd=False to recover in place)."
         )
 
     def stop_out_of_memory(self, epoch: int, where: str) -> NoReturn:

@@ -8,6 +8,7 @@ model only through :meth:`StepRunner.trial_step`, one measured worst-case step.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -17,7 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
 from adaptive_batching.batching.data import worst_case_batch
-from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, UnguardedOutOfMemory
+from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults.guard import OK, StepGuard, optimizer_step_counts
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
@@ -25,6 +26,7 @@ from adaptive_batching.profiling.profiler import StepMemory
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 from adaptive_batching.training.loss import summed_token_loss
+from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 
 @dataclass
@@ -77,13 +79,19 @@ class StepRunner:
     oom_recovery: bool
     info: Callable[[str], None]
     where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
+    activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
+    gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
+
+    def __post_init__(self) -> None:
+        self.gradients = gradients_for(self.optimizer, self.guard, self.parallel)
 
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
         """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
 
         Returns None, with nothing changed, when the forward or backward ran out of memory on any rank
-        inside a guard window; raises :class:`UnguardedOutOfMemory` for one outside it.
+        inside a guard window; raises :class:`UnguardedOutOfMemory` for one outside it, and
+        :class:`StepNotRetried` for one the gradients cannot recover from in place (optimizer_in_bwd).
         """
         start = time.perf_counter()
         memory.reset_peak_memory(self.device)
@@ -112,6 +120,8 @@ class StepRunner:
             micro_batches.clear()
             self.guard.abandon(self.model, self.optimizer)
             memory.release_memory(self.device)
+            if not self.gradients.retries_out_of_memory:
+                raise StepNotRetried(self.guard.last_error)
             return None
         all_reduce_sum(loss_sum, self.parallel)
         measure = (lambda big: self._measure_noise(first, big, samples)) if first else None
@@ -178,8 +188,8 @@ class StepRunner:
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward of one micro batch; returns its summed loss and token count."""
         utils.batch_to_device(batch, self.device)
-        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch)
-        loss.backward()
+        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch, self.activations)
+        self.gradients.backward(loss, tokens)
         return loss.detach(), tokens
 
     def apply_gradients(self, tokens: torch.Tensor,
@@ -187,10 +197,7 @@ class StepRunner:
         """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm.
 
         ``measure`` receives the step's squared gradient norm (this rank's part) before clipping."""
-        self.guard.sync_point()
-        all_reduce_sum(tokens, self.parallel)
-        # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
-        training.scale_grads(self.model, self.parallel.world_size / tokens.clamp(min=1))
+        self.gradients.normalise(self.model, tokens)
         if measure is not None:
             measure(squared_grad_norm(self.model.parameters(), self.device))
         grad_norm = None

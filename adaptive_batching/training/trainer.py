@@ -23,7 +23,7 @@ from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.config.loading import building, given_argv
 from adaptive_batching.config.nodes import optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
-from adaptive_batching.errors import Preempted, UnguardedOutOfMemory
+from adaptive_batching.errors import Preempted, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
@@ -41,6 +41,7 @@ from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.growing import Growth
 from adaptive_batching.training.model import FinetuneMethod
 from adaptive_batching.training.oom_response import OomResponse
+from adaptive_batching.training.optimizers import offloading
 from adaptive_batching.training.state import Checkpoints, Progress, check_resumable_on, loader_state
 from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
@@ -131,7 +132,8 @@ class Trainer:
         self.runner = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
                                 clip_grad_norm=cfg.get("clip_grad_norm", None),
                                 oom_recovery=self.settings.knobs["oom_recovery"], info=self.info,
-                                where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)))
+                                where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)),
+                                activations=offloading(self.model, cfg.get("enable_activation_offloading", None)))
         if self.restored.get("noise_scale"):
             self.runner.noise.load_state_dict(self.restored["noise_scale"])
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
@@ -258,8 +260,8 @@ class Trainer:
             self.preemption.begin_step()
             try:
                 step_stats = self.train_step(feed.next_step(index))
-            except UnguardedOutOfMemory as error:
-                self.oom.stop_for_restart(epoch, index, str(error))
+            except (StepNotRetried, UnguardedOutOfMemory) as error:
+                self.oom.stop(error, epoch, index, retries=self.runner.gradients.retries_out_of_memory)
             stop = self.preemption.end_step(progress.global_step + 1)
             if step_stats is None:
                 self.oom.after_out_of_memory(epoch, index)
@@ -274,7 +276,7 @@ class Trainer:
             progress.global_step += 1
             progress.step_in_epoch = index + 1
             bar.update(1)
-            bar.set_postfix_str(f"global batch {stats.samples} lr {self.current_lr():.2e} loss {stats.loss:.4f}")
+            bar.set_postfix_str(f"global batch {stats.samples} lr {training.get_lr(self.optimizer):.2e} loss {stats.loss:.4f}")
             if progress.global_step % self.cfg.get("log_every_n_steps", 1) == 0:
                 self.log_step(stats)
             period = self.plan.period_after_step(progress.global_step, self.lr.consumed_samples, stats.samples)
@@ -303,13 +305,10 @@ class Trainer:
             self.feed.recovery.step_done()
         return stats
 
-    def current_lr(self) -> float:
-        return training.get_lr(self.optimizer)
-
     def log_step(self, stats: StepStats) -> None:
         if not self.is_rank_zero:
             return
-        metrics = step_metrics(stats, lr=self.current_lr(), accumulation=self.feed.batch.accumulation * self.feed.split,
+        metrics = step_metrics(stats, lr=training.get_lr(self.optimizer), accumulation=self.feed.batch.accumulation * self.feed.split,
                                ranks=self.parallel.world_size, device=self.device,
                                batching=self.feed.metrics(self.progress.epochs_run),
                                peak_memory_stats=self.cfg.get("log_peak_memory_stats", False))
