@@ -2,7 +2,7 @@
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``).
 
     python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--tolerance 0.02]
-                                                      [--json out.json] [--publish]
+                                                      [--optimizer-in-bwd] [--json out.json] [--publish]
 
 Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` started under
 ``ulimit -v`` (the limit covers imports and set-up too, unlike ``profiler_vs_peers.py``, which
@@ -17,6 +17,9 @@ limits the room above set-up), with no explicit memory budget and ``memory_fract
   arena: what the recipe pins); the largest that trains. Twice: in ``python`` processes running this
   file, and in ``tune run`` processes, launched as the recipe is (``tune``'s own imports and objects
   take address space that no profile inside it can have).
+
+``--optimizer-in-bwd``: both sides run as torchtune's single-device configs do, with ``optimizer_in_bwd: True``
+and bitsandbytes' ``PagedAdamW8bit`` (its paged memory falls back to ordinary memory on CPU).
 
 The figure is ours / fresh-process maximum; the goal is at least 97%.
 """
@@ -39,6 +42,8 @@ from doc_tables import report  # noqa: E402
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
+IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1",
+          "adaptive_batching.grow_past_memory=skip", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"]
 
 
 def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[str], tunables: bool,
@@ -57,12 +62,13 @@ def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[st
 LAUNCHERS = ("python", "tune")
 
 
-def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str) -> bool:
+def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool) -> bool:
     """Two worst-case training steps (every sample full length, the profiler's own trial step) at
     ``micro_batch`` in a fresh process under the limit, glibc tuned from its start. The process is
     ``python this_file.py`` or, as a user's run, ``tune run`` (its CLI's imports and objects included)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLIBC_TUNABLES=TUNABLES)
-    child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}")]
+    child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}"),
+                  *(["--optimizer-in-bwd"] if in_bwd else [])]
     if launcher == "tune":  # ``tune run`` runs a module from the working directory, and wants a --config
         cmd = [TUNE, "run", Path(__file__).stem, "--config", "tiny_full", *child_args]
     else:
@@ -74,13 +80,14 @@ def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher:
     return ok
 
 
-def child(micro_batch: int, assets: Path, out: Path) -> int:
+def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool) -> int:
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.trainer import Trainer
 
-    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "batch_increase_function=null"])
+    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "batch_increase_function=null",
+                                    *(IN_BWD if in_bwd else [])])
     trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
     trainer.setup()  # measures the worst case (the run would profile); profile() is not called
     for _ in range(2):
@@ -89,13 +96,13 @@ def child(micro_batch: int, assets: Path, out: Path) -> int:
 
 
 def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int,
-                          launcher: str) -> tuple[int, list[str]]:
+                          launcher: str, in_bwd: bool) -> tuple[int, list[str]]:
     """The largest micro batch that trains in a fresh process: double from ``start``, then bisect."""
     tried: list[str] = []
     lo, hi = 0, None
     size = start
     while hi is None:
-        ok = trains(limit_kib, work, assets, size, launcher)
+        ok = trains(limit_kib, work, assets, size, launcher, in_bwd)
         tried.append(f"{size}{'' if ok else 'x'}")
         if ok:
             lo, size = size, size * 2
@@ -103,15 +110,17 @@ def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int,
             hi = size
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        ok = trains(limit_kib, work, assets, mid, launcher)
+        ok = trains(limit_kib, work, assets, mid, launcher, in_bwd)
         tried.append(f"{mid}{'' if ok else 'x'}")
         lo, hi = (mid, hi) if ok else (lo, mid)
     return lo, tried
 
 
-def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float]) -> dict[str, Any]:
+def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float],
+             in_bwd: bool) -> dict[str, Any]:
     out = work / name
-    overrides = ["adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0"]
+    overrides = ["adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0",
+                 *(IN_BWD if in_bwd else [])]
     if tolerance is not None:
         overrides.append(f"adaptive_batching.search_tolerance={tolerance}")
     result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False)
@@ -137,6 +146,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="adaptive_batching.search_tolerance for the profiled runs (default: the recipe's)")
     parser.add_argument("--launchers", default=",".join(LAUNCHERS),
                         help="the fresh processes whose maximum is searched: python, tune or both (default both)")
+    parser.add_argument("--optimizer-in-bwd", action="store_true",
+                        help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--publish", action="store_true",
                         help="write the table into docs/benchmarks.md (one table per --tolerance)")
@@ -149,7 +160,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not launchers or not set(launchers) <= set(LAUNCHERS):
         parser.error(f"--launchers: a comma-separated list of {', '.join(LAUNCHERS)}")
     if args.child is not None:
-        return child(args.child, args.assets, args.out)
+        return child(args.child, args.assets, args.out, args.optimizer_in_bwd)
     from adaptive_batching.assets.tiny import write_tiny_assets
 
     limit_kib = int(args.limit_gib * 2**20)
@@ -157,8 +168,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets = write_tiny_assets(work / "assets").root
-        runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance) for i in range(args.repeats)]
-        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher)
+        runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd)
+                for i in range(args.repeats)]
+        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher, args.optimizer_in_bwd)
                   for launcher in launchers}
 
     def percent(found: Optional[int], launcher: str) -> Optional[float]:
@@ -168,14 +180,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [{"run": i + 1, **r, **{f"percent_of_fresh_{launcher}_max": percent(r["max_micro_batch"], launcher)
                                    for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
-    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance,
+    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "optimizer_in_bwd": args.optimizer_in_bwd,
               **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in launchers},
               **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in launchers},
               "runs": rows, "seconds": time.perf_counter() - started}
     tolerance = "default" if args.tolerance is None else args.tolerance
-    with report(f"whole-process-limit-tolerance-{tolerance}" if args.publish else None):
+    name = f"whole-process-limit{'-in-bwd' if args.optimizer_in_bwd else ''}-tolerance-{tolerance}"
+    with report(name if args.publish else None):
         print(f"whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
-              "the fresh processes")
+              "the fresh processes" + (f"; {' '.join(IN_BWD)}" if args.optimizer_in_bwd else ""))
         for launcher in launchers:
             print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
         print("\n| run | largest micro batch that ran | chosen | trained | % of fresh python max | % of fresh tune max "
