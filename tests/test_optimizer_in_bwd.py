@@ -194,3 +194,52 @@ def test_keep_global_batch_that_needs_accumulation_names_both_keys(base_cfg: Dic
         starting_batch(settings, BatchShape(32, 1, 1), 1, 20, print)
     start = starting_batch(settings, BatchShape(16, 1, 1), 1, 20, lambda message: None)
     assert (start.micro_batch, start.accumulation) == (16, 1)
+
+
+def test_an_optimizer_from_a_package_not_installed_names_the_pip_install(base_cfg: DictConfig,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    with pytest.raises(ConfigError) as error:
+        validate_config(modified(base_cfg, {"optimizer._component_": "bitsandbytes.optim.PagedAdamW8bit"}))
+    assert str(error.value) == ("config key 'optimizer._component_' = 'bitsandbytes.optim.PagedAdamW8bit' needs "
+                                "bitsandbytes, which is not installed: pip install \"adaptive-batching[bnb]\"")
+
+
+def test_every_forward_runs_inside_the_activations_context_and_the_loss_outside_it() -> None:
+    from adaptive_batching.training.stepping import StepRunner
+
+    entered: list[str] = []
+
+    class Recording:
+        def __enter__(self) -> None:
+            entered.append("enter")
+
+        def __exit__(self, *exc: object) -> None:
+            entered.append("exit")
+
+    class Loss(nn.Module):
+        ignore_index = -100
+
+        def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+            entered.append("loss")
+            return nn.functional.cross_entropy(logits, labels, ignore_index=self.ignore_index)
+
+    class Model(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(10, 10)
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            entered.append("forward")
+            return self.embed(tokens)
+
+    model = Model()
+    runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), Loss(),
+                        StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK, torch.device("cpu"), clip_grad_norm=None,
+                        oom_recovery=True, info=print, where=lambda: (1, None, "."), activations=Recording())
+    tokens = torch.randint(0, 10, (2, 5))
+    runner.forward_backward({"tokens": tokens, "labels": tokens.clone()})
+    assert entered == ["enter", "forward", "exit", "loss"]

@@ -8,6 +8,7 @@ so a config never silently asks for something that does not happen.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -253,6 +254,7 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     _check_elastic(knobs, increase)
     _check_keep_global_batch(knobs, increase, use_max)
     _check_growth_interval(knobs, increase)
+    _check_optional_packages(cfg)
     in_bwd = _check_optimizer_in_bwd(cfg, knobs)
     _check_activation_offloading(cfg)
     if increase is not None:
@@ -260,6 +262,19 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
                      ranks=1, increase=increase, memory_cap=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs, in_bwd)
+
+
+OPTIONAL_PACKAGES = {"bitsandbytes": "bnb"}  # package a component may come from -> the extra that installs it
+
+
+def _check_optional_packages(cfg: DictConfig) -> None:
+    """A component from an optional package that is not installed: one line with the ``pip install``."""
+    for key in ("optimizer._component_",):
+        component = str(plain(OmegaConf.select(cfg, key, default="")) or "")
+        package = component.split(".", 1)[0]
+        if package in OPTIONAL_PACKAGES and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"config key '{key}' = {component!r} needs {package}, which is not installed: "
+                              f"pip install \"adaptive-batching[{OPTIONAL_PACKAGES[package]}]\"")
 
 
 def _check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:

@@ -17,6 +17,7 @@ checkpoints, the profiler's snapshot and FSDP's full state dict treat it like an
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Optional, Protocol
@@ -29,6 +30,12 @@ from torchtune import config, training
 from adaptive_batching.config.loading import building
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
+
+
+# bitsandbytes 0.50 tries, at import, to fetch a CPU 4-bit matmul kernel from the Hugging Face hub and logs a
+# warning when it cannot. Only its optimizers are used here, which do not need that kernel.
+logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
