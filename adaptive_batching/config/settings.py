@@ -8,7 +8,6 @@ so a config never silently asks for something that does not happen.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from dataclasses import dataclass, field
@@ -22,6 +21,11 @@ from torchtune import config, utils
 from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.config.memory_savers import (
+    check_activation_offloading,
+    check_optimizer_in_bwd,
+    check_optional_packages,
+)
 from adaptive_batching.config.nodes import packed, plain
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import preemption
@@ -194,10 +198,6 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
     clip = plain(cfg.get("clip_grad_norm", None))
     if clip is not None and (isinstance(clip, bool) or not isinstance(clip, (int, float)) or clip <= 0):
         raise _fail("clip_grad_norm", clip, "null or a number > 0")
-    for key in ("optimizer_in_bwd", "enable_activation_offloading"):
-        value = plain(cfg.get(key, None))
-        if value is not None and not isinstance(value, bool):
-            raise _fail(key, value, "true, false or null")
     unsupported = {  # key: (values that mean "off", why)
         "tensor_parallel_dim": ((None, 1), "these recipes are data parallel (FSDP2) only"),
         "profiler.enabled": ((None, False), "the torch profiler is not wired into these recipes"),
@@ -254,68 +254,14 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     _check_elastic(knobs, increase)
     _check_keep_global_batch(knobs, increase, use_max)
     _check_growth_interval(knobs, increase)
-    _check_optional_packages(cfg)
-    in_bwd = _check_optimizer_in_bwd(cfg, knobs)
-    _check_activation_offloading(cfg)
+    check_optional_packages(cfg)
+    in_bwd = check_optimizer_in_bwd(cfg, knobs)
+    check_activation_offloading(cfg)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
                      ranks=1, increase=increase, memory_cap=None)
     return AdaptiveSettings(use_max, increase, lr_scaling, knobs, in_bwd)
-
-
-OPTIONAL_PACKAGES = {"bitsandbytes": "bnb"}  # package a component may come from -> the extra that installs it
-
-
-def _check_optional_packages(cfg: DictConfig) -> None:
-    """A component from an optional package that is not installed: one line with the ``pip install``."""
-    for key in ("optimizer._component_",):
-        component = str(plain(OmegaConf.select(cfg, key, default="")) or "")
-        package = component.split(".", 1)[0]
-        if package in OPTIONAL_PACKAGES and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"config key '{key}' = {component!r} needs {package}, which is not installed: "
-                              f"pip install \"adaptive-batching[{OPTIONAL_PACKAGES[package]}]\"")
-
-
-def _check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
-    """An optimizer stepped inside the backward cannot accumulate gradients, nor clip them (torchtune refuses
-    both); so nothing that needs several micro batches per optimizer step goes with it."""
-    if not plain(cfg.get("optimizer_in_bwd", None)):
-        return False
-    key = "config key 'optimizer_in_bwd' = True"
-    accumulation = plain(cfg.get("gradient_accumulation_steps", 1))
-    if accumulation not in (None, 1):
-        raise ConfigError(f"{key} steps the optimizer inside each backward, so it cannot accumulate gradients: set "
-                          f"gradient_accumulation_steps=1 (it is {accumulation!r}), or optimizer_in_bwd=False")
-    if plain(cfg.get("clip_grad_norm", None)) is not None:
-        raise ConfigError(f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
-                          "set clip_grad_norm=null, or optimizer_in_bwd=False")
-    conflicts = (("grow_past_memory", knobs["grow_past_memory"] == "accumulate",
-                  "grows past the memory cap by accumulating gradients"),
-                 ("elastic", knobs["elastic"] is not None, "realises its global batch by accumulating gradients"),
-                 ("max_tokens", knobs["max_tokens"] is not None,
-                  "runs several token-budget micro batches per optimizer step"))
-    for name, on, why in conflicts:
-        if on:
-            raise ConfigError(f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "
-                              f"'optimizer_in_bwd' = True do not go together: the first {why}, which an optimizer "
-                              f"stepped inside the backward cannot; change one of them")
-    return True
-
-
-def _check_activation_offloading(cfg: DictConfig) -> None:
-    """As torchtune's recipes: activation offloading is for CUDA, on top of activation checkpointing."""
-    if not plain(cfg.get("enable_activation_offloading", None)):
-        return
-    device = str(plain(cfg.get("device", "cpu")))
-    if not device.startswith("cuda"):
-        raise ConfigError(f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
-                          f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
-                          "CUDA. Set it to false")
-    if not plain(cfg.get("enable_activation_checkpointing", False)):
-        raise ConfigError("config key 'enable_activation_offloading' = True needs "
-                          "enable_activation_checkpointing=True, as in torchtune; set both, or it to false")
-
 
 
 def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -> None:

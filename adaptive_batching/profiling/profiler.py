@@ -97,6 +97,7 @@ class ProfileResult:
     optimizer_peak_bytes: Optional[int] = None
     trials: list[dict[str, Any]] = field(default_factory=list)
     from_cache: bool = False
+    compile_seconds: Optional[float] = None  # compile: one step before the trials, not measured
     # Set when training later ran out of memory: the micro batch it fell back to.
     oom_cap: Optional[int] = None
 

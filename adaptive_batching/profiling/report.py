@@ -30,7 +30,8 @@ def format_table(result: ProfileResult) -> str:
         f"{fit}budget {result.budget_bytes / GIB:.3f} GiB ({result.budget_source}); "
         f"estimate {result.estimate}; largest micro batch that ran {result.max_micro_batch}; "
         f"chosen micro batch {result.micro_batch}; {result.trial_steps} trial steps in {result.seconds:.1f} s; "
-        f"samples of {result.seq_len} tokens"
+        + (f"compiled before them in {result.compile_seconds:.1f} s; " if result.compile_seconds is not None else "")
+        + f"samples of {result.seq_len} tokens"
         + (f" ({result.seq_len_source})" if result.seq_len_source else "") + (" (from cache)" if result.from_cache else "")
     )
     return "\n".join(lines)

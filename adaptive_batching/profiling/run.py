@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import torch
 from omegaconf import DictConfig
 from torchtune import utils
 
+from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.profiling.budget import Budget, memory_budget
 from adaptive_batching.profiling.cache import cache_file, load_profile, memory_fingerprint_parts, save_profile
 from adaptive_batching.profiling.profiler import ProfileResult, TrialStep, find_max_micro_batch
@@ -132,6 +134,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
     context.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
                  f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
     with context.preserved():
+        compile_seconds = _compile_first(context, trial_step) if context.cfg.get("compile", False) else None
         result = find_max_micro_batch(
             trial_step, budget, seq_len=context.seq_len, safety_margin=knobs["safety_margin"],
             round_to=knobs["round_to"], upper_limit=max(1, context.samples_per_rank),
@@ -140,8 +143,25 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
             recover=lambda: memory.release_memory(context.device), before_trial=context.before_trial,
         )
     result.seq_len_source = context.seq_len_source
+    result.compile_seconds = compile_seconds
     memory.release_memory(context.device)
     return result
+
+
+def _compile_first(context: ProfileContext, trial_step: TrialStep) -> float:
+    """One step at micro batch 1 before the trials (the weights and state are put back with theirs): compile
+    time and its one-time memory stay out of the measured steps. Its sizes are marked dynamic (see
+    ``training.compiling``), so the trials and training reuse its graphs."""
+    started = time.perf_counter()
+    try:
+        trial_step(1)
+    except Exception as error:  # noqa: BLE001 - an OOM here is the profiler's to report, at its own warm-up
+        if not is_out_of_memory(error):
+            raise
+        memory.release_memory(context.device)
+    seconds = time.perf_counter() - started
+    context.info(f"Profiler: compiled in {seconds:.1f} s (one step at micro batch 1, before the trials)")
+    return seconds
 
 
 class RunProfile:

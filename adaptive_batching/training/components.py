@@ -10,12 +10,13 @@ from typing import Any, Callable
 import torch
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, training
+from torchtune import config
 from torchtune.modules import common_utils
 
 from adaptive_batching.batching.data import DEFAULT_COLLATE, build_collate, build_dataset
 from adaptive_batching.config.loading import building
 from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.training import compiling
 from adaptive_batching.training.model import FinetuneMethod, ModelOptions, build_model
 from adaptive_batching.training.optimizers import build_optimizer
 
@@ -65,7 +66,7 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[s
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)
     if cfg.get("compile", False):
-        training.compile_loss(loss_fn, verbose=is_rank_zero)
+        loss_fn = compiling.compile_loss(loss_fn, verbose=is_rank_zero)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     with building("collate_fn"):

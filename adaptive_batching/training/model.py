@@ -17,6 +17,7 @@ from torch import nn
 from torchtune import config, modules, training
 
 from adaptive_batching.runtime import nf4
+from adaptive_batching.training import compiling
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
 
 
@@ -78,7 +79,7 @@ def build_model(
         model = config.instantiate(cfg_model)
     method.configure(model)
     if options.compile:
-        training.compile_model(model, verbose=is_rank_zero)
+        compiling.compile_model(model, verbose=is_rank_zero)
     if options.activation_checkpointing:
         training.set_activation_checkpointing(
             model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}

@@ -1,0 +1,71 @@
+"""The config checks of torchtune's single-device memory savers (``optimizer_in_bwd``, activation offloading) and of
+the optional packages their optimizers come from: each error one line naming the keys, before any model loads."""
+
+from __future__ import annotations
+
+import importlib.util
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.config.nodes import plain
+from adaptive_batching.errors import ConfigError
+
+OPTIONAL_PACKAGES = {"bitsandbytes": "bnb"}  # package a component may come from -> the extra that installs it
+
+
+def check_optional_packages(cfg: DictConfig) -> None:
+    """A component from an optional package that is not installed: one line with the ``pip install``."""
+    for key in ("optimizer._component_",):
+        component = str(plain(OmegaConf.select(cfg, key, default="")) or "")
+        package = component.split(".", 1)[0]
+        if package in OPTIONAL_PACKAGES and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"config key '{key}' = {component!r} needs {package}, which is not installed: "
+                              f"pip install \"adaptive-batching[{OPTIONAL_PACKAGES[package]}]\"")
+
+
+def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
+    """An optimizer stepped inside the backward cannot accumulate gradients, nor clip them (torchtune refuses
+    both); so nothing that needs several micro batches per optimizer step goes with it."""
+    value = plain(cfg.get("optimizer_in_bwd", None))
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"config key 'optimizer_in_bwd' = {value!r} is invalid: expected true, false or null")
+    if not value:
+        return False
+    key = "config key 'optimizer_in_bwd' = True"
+    accumulation = plain(cfg.get("gradient_accumulation_steps", 1))
+    if accumulation not in (None, 1):
+        raise ConfigError(f"{key} steps the optimizer inside each backward, so it cannot accumulate gradients: set "
+                          f"gradient_accumulation_steps=1 (it is {accumulation!r}), or optimizer_in_bwd=False")
+    if plain(cfg.get("clip_grad_norm", None)) is not None:
+        raise ConfigError(f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
+                          "set clip_grad_norm=null, or optimizer_in_bwd=False")
+    conflicts = (("grow_past_memory", knobs["grow_past_memory"] == "accumulate",
+                  "grows past the memory cap by accumulating gradients"),
+                 ("elastic", knobs["elastic"] is not None, "realises its global batch by accumulating gradients"),
+                 ("max_tokens", knobs["max_tokens"] is not None,
+                  "runs several token-budget micro batches per optimizer step"))
+    for name, on, why in conflicts:
+        if on:
+            raise ConfigError(f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "
+                              f"'optimizer_in_bwd' = True do not go together: the first {why}, which an optimizer "
+                              f"stepped inside the backward cannot; change one of them")
+    return True
+
+
+def check_activation_offloading(cfg: DictConfig) -> None:
+    """As torchtune's recipes: activation offloading is for CUDA, on top of activation checkpointing."""
+    value = plain(cfg.get("enable_activation_offloading", None))
+    if value is not None and not isinstance(value, bool):
+        raise ConfigError(f"config key 'enable_activation_offloading' = {value!r} is invalid: expected true, false or "
+                          "null")
+    if not value:
+        return
+    device = str(plain(cfg.get("device", "cpu")))
+    if not device.startswith("cuda"):
+        raise ConfigError(f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
+                          f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
+                          "CUDA. Set it to false")
+    if not plain(cfg.get("enable_activation_checkpointing", False)):
+        raise ConfigError("config key 'enable_activation_offloading' = True needs "
+                          "enable_activation_checkpointing=True, as in torchtune; set both, or it to false")

@@ -1,0 +1,81 @@
+"""``compile: True``: one graph for every micro batch and sample length (the batch's sizes marked dynamic), and a
+profile whose trials neither compile nor recompile.
+
+Dynamo's behaviour (guards, marks, recompiles) does not depend on the backend; these tests use ``aot_eager``
+(torchtune reads ``TORCH_COMPILE_BACKEND``), which traces forward and backward as inductor's does, in seconds.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+from recipe_runs import TUNE
+from torch._dynamo.utils import counters
+from torchtune import config
+
+from adaptive_batching.config.loading import load_config
+from adaptive_batching.training import compiling
+from adaptive_batching.training.loss import summed_token_loss
+
+
+@pytest.fixture
+def aot_eager(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("TORCH_COMPILE_BACKEND", "aot_eager")
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()
+
+
+def test_one_graph_serves_every_micro_batch_and_length(aot_eager: None, assets: Path) -> None:
+    cfg = load_config("tiny_full", [f"assets_dir={assets}"])
+    model, loss_fn = config.instantiate(cfg.model), config.instantiate(cfg.loss)
+    compiling.compile_model(model, verbose=False)
+    loss_fn = compiling.compile_loss(loss_fn, verbose=False)
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    graphs = []
+    for micro_batch, length in [(1, 64), (2, 64), (5, 64), (3, 40), (1, 17)]:
+        tokens = torch.randint(0, 100, (micro_batch, length))
+        loss, _ = summed_token_loss(model, loss_fn, {"tokens": tokens, "labels": tokens.clone()})
+        loss.backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs == [2] * 5  # the decoder layer (shared by all layers) and the loss's cross-entropy
+
+
+def test_without_the_marks_the_micro_batch_recompiles(aot_eager: None, assets: Path) -> None:
+    from torchtune import training
+
+    cfg = load_config("tiny_full", [f"assets_dir={assets}"])
+    model, loss_fn = config.instantiate(cfg.model), config.instantiate(cfg.loss)
+    training.compile_model(model, verbose=False)  # torchtune's own, as the stock recipes compile
+    training.compile_loss(loss_fn, verbose=False)
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    for micro_batch in (1, 2, 5):
+        tokens = torch.randint(0, 100, (micro_batch, 64))
+        loss, _ = summed_token_loss(model, loss_fn, {"tokens": tokens, "labels": tokens.clone()})
+        loss.backward()
+    assert counters["stats"]["unique_graphs"] > 2
+
+
+@pytest.mark.e2e
+def test_a_compiled_run_compiles_once_before_its_trials_and_never_again(tmp_path: Path, assets: Path) -> None:
+    # A fresh process: TORCH_LOGS is read when torch is imported (the suite's fork server has imported it).
+    result = subprocess.run([TUNE, "run", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
+                             f"output_dir={tmp_path / 'run'}", "compile=True", "epochs=2", "max_steps_per_epoch=2",
+                             f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, capture_output=True,
+                            text=True, timeout=600, env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager",
+                                                             TORCH_LOGS="recompiles", OMP_NUM_THREADS="1"))
+    output = result.stdout + result.stderr
+    assert result.returncode == 0, output[-3000:]
+    assert "Profiler: compiled in" in output and "compiled before them in" in output
+    steps = int(re.search(r"(\d+) trial steps in", output)[1])
+    assert steps <= 8
+    assert "Recompiling function" not in output  # over the profile, training and the epoch switch
+    assert "Epoch switch 1 -> 2" in output
+    fit = re.search(r"fit: peak = (-?[\d.]+) GiB", output)
+    assert fit is not None and float(fit[1]) >= 0  # no negative intercept from a compile inside a probe
