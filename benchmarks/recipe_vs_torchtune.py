@@ -2,7 +2,7 @@
 """Our full fine-tune recipe against torchtune's stock single-device one: optimizer steps per second.
 
     python benchmarks/recipe_vs_torchtune.py [--steps 200] [--warmup 3] [--repeats 3] [--threads 1] [--json out.json]
-                                            [--publish]
+                                            [--compile] [--glibc-tunables T] [--publish]
     python benchmarks/recipe_vs_torchtune.py --switch-only      # only the epoch-switch cost
 
 Both recipes run as a user runs them, ``tune run RECIPE --config FILE``, each in its own fresh
@@ -31,7 +31,13 @@ runs ``tune run`` in-process. Steps per second = ``--steps`` / (time of the last
 time of the ``--warmup``-th step's log call): start-up, the first ``--warmup`` steps and the final
 checkpoint save are excluded, and both recipes are measured exactly the same way. Runs alternate
 (stock, ours, stock, ours, ... ``--repeats`` each) so noise from other processes hits both; the
-table shows the median of each and the ratio of the medians. Bar: ours / stock >= 0.98.
+table shows the median of each and the ratio of the medians. Bar: ours / stock >= 0.99, by steps per second
+and by median step time.
+
+``--compile``: both with ``compile: True`` (torchtune's per-layer compile; ours marks the batch's sizes
+dynamic); raise ``--warmup`` so the measured steps do not include compiling. ``--glibc-tunables T``: both
+children get ``GLIBC_TUNABLES=T`` (e.g. a fixed ``glibc.malloc.mmap_threshold``, which takes glibc's dynamic
+threshold, and so the process's allocation history, out of the comparison).
 
 Epoch switch: ours runs once more with per-epoch batch growth (``--switch-epochs`` epochs of
 ``--switch-steps`` steps, ``batch_increase_function`` = ``--switch-function`` with
@@ -66,7 +72,7 @@ from typing import Any, Optional
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from doc_tables import report  # noqa: E402
 
-BAR_RATIO = 0.98
+BAR_RATIO = 0.99
 OURS_RECIPE = "adaptive_full_finetune"
 STOCK_RECIPE = "full_finetune_single_device"
 CONFIG = "tiny_full"
@@ -151,6 +157,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="keyword argument of the growth function, YAML value; repeatable (default increment=4)")
     p.add_argument("--assets", type=Path, default=TINY_DIR,
                    help=f"tiny assets directory, written when missing (default {TINY_DIR})")
+    p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
+    p.add_argument("--glibc-tunables", default=None, help="GLIBC_TUNABLES for both children")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
@@ -204,7 +212,7 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
         "use_maximum_batch_size=False",
         "device=cpu",
         "dtype=fp32",
-        "compile=False",
+        f"compile={args.compile}",
         "log_every_n_steps=1",
     ])
     out = OmegaConf.to_container(cfg, resolve=True)
@@ -243,8 +251,12 @@ def _yaml_value(text: str) -> Any:
 # --------------------------------------------------------------------------- running
 def child_env(args: argparse.Namespace) -> dict[str, str]:
     threads = str(args.threads)
-    return dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
-                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
+               BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
+    env.pop("GLIBC_TUNABLES", None)
+    if args.glibc_tunables:
+        env["GLIBC_TUNABLES"] = args.glibc_tunables
+    return env
 
 
 def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any]) -> dict[str, Any]:
@@ -395,7 +407,7 @@ def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, A
     ratio = (medians["ours"] / medians["stock"]) if medians["ours"] and medians["stock"] else None
     a, b = rows[0]["median_step_rate"], rows[1]["median_step_rate"]
     return {"rows": rows, "ratio": ratio, "median_step_ratio": a / b if a and b else None,
-            "passed": ratio is not None and ratio >= BAR_RATIO,
+            "passed": ratio is not None and ratio >= BAR_RATIO and a is not None and b is not None and a / b >= BAR_RATIO,
             "same_computation": loss_check(measured["runs"]), "dropped_keys": measured["dropped_keys"]}
 
 
@@ -410,10 +422,9 @@ def print_table(summary: dict[str, Any]) -> None:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")
     ratio = summary["ratio"]
-    if summary.get("median_step_ratio") is not None:
-        print(f"(by median step time: ours / stock = {summary['median_step_ratio']:.3f}x; not the bar's figure)")
     verdict = "PASS" if summary["passed"] else "FAIL"
-    print(f"ours / stock = {_fmt(ratio, '.3f')}x (bar: >= {BAR_RATIO:g}x): {verdict}")
+    print(f"ours / stock = {_fmt(ratio, '.3f')}x by steps/s, {_fmt(summary.get('median_step_ratio'), '.3f')}x by median "
+          f"step time (bar: both >= {BAR_RATIO:g}x): {verdict}")
     check = summary["same_computation"]
     if check is None:
         print("per-step loss and LR, ours vs stock: not compared (no common steps)")
@@ -460,7 +471,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                          "batch_size": args.batch_size, "gradient_accumulation_steps": 1,
                          "seq_len": args.seq_len, "seed": args.seed, "threads": args.threads,
-                         "config": CONFIG, "device": "cpu", "dtype": "fp32"},
+                         "config": CONFIG, "device": "cpu", "dtype": "fp32", "compile": args.compile,
+                         "glibc_tunables": args.glibc_tunables},
             "bar_ratio": BAR_RATIO,
         }
         if not args.switch_only:
@@ -470,9 +482,12 @@ def main(argv: Optional[list[str]] = None) -> int:
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
-        with report("recipe-vs-torchtune" if args.publish else None):
+        name = "recipe-vs-torchtune" + ("-compiled" if args.compile else "") + ("-glibc" if args.glibc_tunables else "")
+        with report(name if args.publish else None):
             print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
-                  f"seed {args.seed}" + ("" if args.switch_only
+                  f"seed {args.seed}" + (", compile=True" if args.compile else "")
+                  + (f", GLIBC_TUNABLES={args.glibc_tunables}" if args.glibc_tunables else "")
+                  + ("" if args.switch_only
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
             if not args.switch_only:
                 print_table(summary)
