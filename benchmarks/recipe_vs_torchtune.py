@@ -59,6 +59,7 @@ import argparse
 import json
 import os
 import re
+import resource
 import shlex
 import shutil
 import statistics
@@ -116,8 +117,10 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> int:
 
     def timed_log_dict(self: Any, payload: Any, step: int) -> None:
         now = time.perf_counter()
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         stamps.append({"step": int(step), "t": now, "loss": _number(payload.get("loss")),
-                       "lr": _number(payload.get("lr")), "batch": _number(payload.get("micro_batch_size"))})
+                       "lr": _number(payload.get("lr")), "batch": _number(payload.get("micro_batch_size")),
+                       "minor_faults": faults})
         original(self, payload, step)
 
     DiskLogger.log_dict = timed_log_dict
@@ -306,6 +309,14 @@ def median_step_rate(stamps: list[dict[str, Any]], warmup: int, steps: int) -> O
     return 1.0 / statistics.median(b - a for a, b in zip(times, times[1:]))
 
 
+def faults_per_step(stamps: list[dict[str, Any]], warmup: int, steps: int) -> Optional[float]:
+    """Minor page faults per measured step: memory the allocator handed out fresh (zeroed by the kernel) in the
+    step, which slows the kernels that first touch it."""
+    if len(stamps) < warmup + steps or "minor_faults" not in stamps[0]:
+        return None
+    return (stamps[warmup + steps - 1]["minor_faults"] - stamps[warmup - 1]["minor_faults"]) / steps
+
+
 def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     runs: dict[str, list[dict[str, Any]]] = {"stock": [], "ours": []}
@@ -323,6 +334,7 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
             result = run_recipe(args, tag, recipe, cfg)
             result["steps_per_second"] = steps_per_second(result["stamps"], args.warmup, args.steps)
             result["median_step_rate"] = median_step_rate(result["stamps"], args.warmup, args.steps)
+            result["faults_per_step"] = faults_per_step(result["stamps"], args.warmup, args.steps)
             if result["steps_per_second"] is None and "error" not in result:
                 result["error"] = (f"only {len(result['stamps'])} steps logged, need {total} "
                                    f"(is the dataset too small for batch {args.batch_size}?)")
@@ -400,9 +412,11 @@ def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, A
         figures = [r["steps_per_second"] for r in runs if r["steps_per_second"] is not None]
         medians[name] = statistics.median(figures) if figures else None
         per_step = [r["median_step_rate"] for r in runs if r["median_step_rate"] is not None]
+        faults = [r["faults_per_step"] for r in runs if r.get("faults_per_step") is not None]
         rows.append({"recipe": f"{name}: {recipe}", "steps_measured": args.steps, "median": medians[name],
                      "runs": [r["steps_per_second"] for r in runs],
                      "median_step_rate": statistics.median(per_step) if per_step else None,
+                     "faults_per_step": statistics.median(faults) if faults else None,
                      "errors": [r["error"] for r in runs if "error" in r]})
     ratio = (medians["ours"] / medians["stock"]) if medians["ours"] and medians["stock"] else None
     a, b = rows[0]["median_step_rate"], rows[1]["median_step_rate"]
@@ -412,12 +426,13 @@ def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, A
 
 
 def print_table(summary: dict[str, Any]) -> None:
-    print("| recipe | steps measured | steps/s (median) | runs (steps/s, in order) | 1 / median step time |")
-    print("|---|---:|---:|---|---:|")
+    print("| recipe | steps measured | steps/s (median) | runs (steps/s, in order) | 1 / median step time | "
+          "minor page faults / step |")
+    print("|---|---:|---:|---|---:|---:|")
     for row in summary["rows"]:
         runs = ", ".join(_fmt(v, ".3f") for v in row["runs"])
         print(f"| {row['recipe']} | {row['steps_measured']} | {_fmt(row['median'], '.3f')} | {runs} | "
-              f"{_fmt(row['median_step_rate'], '.3f')} |")
+              f"{_fmt(row['median_step_rate'], '.3f')} | {_fmt(row.get('faults_per_step'), '.0f')} |")
     for row in summary["rows"]:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")

@@ -66,11 +66,25 @@ def test_larger_cap_doubles_until_it_covers_the_planned_micro_batch() -> None:
 def test_optimizer_step_counts_follow_adam_steps() -> None:
     param = torch.nn.Parameter(torch.ones(3))
     optimizer = torch.optim.AdamW([param], lr=0.1)
-    assert optimizer_step_counts(optimizer) == []
+    before = optimizer_step_counts(optimizer)
+    assert before.host == () and before.device is None
     param.grad = torch.ones(3)
     optimizer.step()
+    once = optimizer_step_counts(optimizer)
     optimizer.step()
-    assert optimizer_step_counts(optimizer) == [2.0]
+    assert optimizer_step_counts(optimizer).host == (2.0,)
+    assert once.same_as(optimizer_step_counts(optimizer)) is False and once.same_as(once)
+    assert not before.same_as(once)
+
+
+def test_step_counters_on_a_device_are_copied_not_read() -> None:
+    from adaptive_batching.faults.guard import StepCounts
+
+    device = torch.device("meta")  # any device but the host: a read would need a sync, a copy does not
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
+    optimizer.state[optimizer.param_groups[0]["params"][0]]["step"] = torch.zeros((), device=device)
+    counts = optimizer_step_counts(optimizer)
+    assert isinstance(counts, StepCounts) and counts.host == () and counts.device.device == device
 
 
 def test_guard_in_one_process_catches_only_out_of_memory() -> None:

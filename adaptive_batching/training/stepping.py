@@ -219,7 +219,7 @@ class StepRunner:
             self.optimizer.step()
             return
         except Exception as error:  # noqa: BLE001 - only a clean OOM is retried
-            if counts is None or not is_out_of_memory(error) or optimizer_step_counts(self.optimizer) != counts:
+            if counts is None or not is_out_of_memory(error) or not optimizer_step_counts(self.optimizer).same_as(counts):
                 raise
         memory.release_memory(self.device)
         step, saved, output_dir = self.where()
