@@ -136,3 +136,16 @@ def test_two_ranks_step_inside_the_backward_under_fsdp2_and_resume_exactly(tmp_p
     assert all(torch.equal(straight[key], again[key]) for key in straight)
     loss = losses(tmp_path / "run" / "logs")
     assert len(loss) == 4 and losses(tmp_path / "resumed" / "logs")[-2:] == loss[-2:]
+
+
+def test_lora_steps_its_adapters_inside_the_backward_and_resumes_exactly(tmp_path: Path, assets: Path) -> None:
+    common = [f"assets_dir={assets}", *IN_BWD_TINY, "save_every_n_steps=null", "epochs=2", "max_steps_per_epoch=2"]
+    check(tune_run("adaptive_lora_finetune", "tiny_lora", [*common, f"output_dir={tmp_path / 'run'}"], cwd=tmp_path))
+    shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("epoch_1"))
+    resumed = check(tune_run("adaptive_lora_finetune", "tiny_lora", [
+        *common, f"output_dir={tmp_path / 'resumed'}", "resume_from_checkpoint=True"], cwd=tmp_path))
+    assert "Resuming at the end of epoch 1 (optimizer step 2)" in resumed.stdout + resumed.stderr
+    straight, again = weights(tmp_path / "run" / "epoch_1"), weights(tmp_path / "resumed" / "epoch_1")
+    assert any("lora" in key for key in straight)
+    assert all(torch.equal(straight[key], again[key]) for key in straight)
+    assert losses(tmp_path / "resumed" / "logs")[-2:] == losses(tmp_path / "run" / "logs")[-2:]
