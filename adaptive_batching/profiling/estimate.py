@@ -76,6 +76,7 @@ class Estimate:
     host_bytes_per_sample: float = 0.0
     paged_state_bytes: int = 0
     max_micro_batch_paged_out: Optional[int] = None
+    compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -99,6 +100,9 @@ class Estimate:
             savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
                           f"in CUDA unified memory, counted as device memory (it stays on the GPU unless evicted); "
                           f"with all of it evicted to host memory: micro batch {self.max_micro_batch_paged_out}")
+        if self.compile:
+            savers.append("compile: the cross-entropy (no float32 copy of the logits) and NF4 dequantization are "
+                          "counted as compiled; the rest of the layers eager, an upper bound")
         if self.activation_offloading:
             savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
                           f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
@@ -248,7 +252,22 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         host_bytes_per_sample=host_at(1) - host_at(0),
         paged_state_bytes=paged,
         max_micro_batch_paged_out=evicted,
+        compile=trace.savers.compile,
     )
+
+
+def peak_at(trace: StepTrace, micro_batch: int, world_size: int = 1, *, paged_out: bool = False) -> int:
+    """A rank's predicted peak in bytes for a step at ``micro_batch`` over ``world_size`` ranks: the larger of
+    the weights and optimizer state with the forward/backward's peak on top, and the optimizer step's peak (what
+    :func:`predict` holds against the budget). ``paged_out``: without the paged optimizer state, which torch's
+    allocator statistics do not count (it is CUDA unified memory)."""
+    if trace.measure is None:
+        raise ValueError("this trace cannot measure more steps")
+    offload = trace.cpu_offload and world_size > 1
+    memory = trace.measure(micro_batch, world_size)
+    model_state = 0 if offload else memory.steady_bytes // world_size
+    peak = max(model_state + memory.activation_bytes, 0 if offload else memory.optimizer_peak // world_size)
+    return peak - (trace.paged_bytes // world_size if paged_out and not offload else 0)
 
 
 def _host_line(host: dict[int, int]) -> Callable[[int], float]:

@@ -22,10 +22,13 @@ Both follow the config's memory savers (:class:`Savers`):
   by ``activation_offload.FakeOffload``; the device figures are what stays on the device, and the host memory the
   offloaded tensors take is kept per micro batch (:attr:`Traced.host_bytes`).
 * bitsandbytes optimizers: counted by ``optimizer_state.BitsAndBytesStandIn``, never imported.
+* ``compile``: the loss, and NF4 dequantization, hold memory as compiled (``compiled``); the rest of the
+  layers is traced eager.
 """
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Optional
@@ -39,6 +42,7 @@ from torchtune import config, modules, training
 from adaptive_batching.config.loading import building
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
+from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
 from adaptive_batching.profiling.layer_timeline import (
     LayerTimeline,
     Segment,
@@ -70,13 +74,14 @@ class Savers:
     activation_offloading: bool = False
     activation_checkpointing: bool = False
     fsdp_cpu_offload: bool = False
+    compile: bool = False  # the loss and NF4 dequantization modelled compiled (``compiled``); the rest eager
 
 
 def savers_of(cfg: DictConfig) -> Savers:
     """The config's memory savers, checked as torchtune's recipes check them (a combination they refuse is a
     one-line :class:`ConfigError` naming the key)."""
-    in_bwd = bool(cfg.get("optimizer_in_bwd", False))
-    offload = bool(cfg.get("enable_activation_offloading", False))
+    in_bwd = bool(cfg.get("optimizer_in_bwd", None))
+    offload = bool(cfg.get("enable_activation_offloading", None))
     checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
     if in_bwd:
         accumulation = cfg.get("gradient_accumulation_steps", 1)
@@ -89,7 +94,8 @@ def savers_of(cfg: DictConfig) -> Savers:
     if offload and not checkpointing:
         raise ConfigError("config key 'enable_activation_offloading' = True needs enable_activation_checkpointing: "
                           "True (torchtune's recipes refuse it otherwise); set it to True, or offloading to False")
-    return Savers(in_bwd, offload, checkpointing, bool(cfg.get("fsdp_cpu_offload", False)))
+    return Savers(in_bwd, offload, checkpointing, bool(cfg.get("fsdp_cpu_offload", False)),
+                  bool(cfg.get("compile", False)))
 
 
 @dataclass(frozen=True)
@@ -164,25 +170,26 @@ def _tracked(model: nn.Module, optimizers: FakeOptimizers) -> tuple[Any, ...]:
 
 
 def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int,
-                      offload: Optional[FakeOffload]) -> None:
+                      offload: Optional[FakeOffload], compiled: bool) -> None:
     handles = offloading_forward(model, offload) if offload is not None else []
-    try:
-        loss, _ = summed_token_loss(model, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
-    finally:
-        for handle in handles:
-            handle.remove()
-    with warnings.catch_warnings():
-        # MemTracker's own gradient hook runs after an optimizer_in_bwd hook has freed the gradient, and warns
-        warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
-        loss.backward()
+    with fused_nf4_dequantization() if compiled else contextlib.nullcontext():
+        try:
+            loss, _ = summed_token_loss(model, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
+        finally:
+            for handle in handles:
+                handle.remove()
+        with warnings.catch_warnings():
+            # MemTracker's own gradient hook runs after an optimizer_in_bwd hook has freed the gradient, and warns
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            loss.backward()
 
 
 def _fake_step(model: nn.Module, optimizers: FakeOptimizers, loss_fn: Any, micro_batch: int,
-               seq_len: int, vocab_size: int, offload: Optional[FakeOffload]) -> StepMemory:
+               seq_len: int, vocab_size: int, offload: Optional[FakeOffload], compiled: bool) -> StepMemory:
     """The memory one training step would use; the tensors are fake, nothing is allocated."""
     tracked = _tracked(model, optimizers)
     with PeakMeter(CPU, *tracked) as forward_backward:
-        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload)
+        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload, compiled)
     with PeakMeter(CPU, *tracked) as optimizer_step:
         optimizers.step()
     return StepMemory(
@@ -219,6 +226,8 @@ def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         loss_fn = config.instantiate(cfg.loss)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
+    if cfg.get("compile", False):
+        as_compiled(loss_fn)
     return model, loss_fn, num_layers
 
 
@@ -251,7 +260,8 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         if micro_batch not in traced:
             offload = FakeOffload() if savers.activation_offloading else None
             with fake:
-                memory = _fake_step(model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload)
+                memory = _fake_step(model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload,
+                                    savers.compile)
             stash = offload.stash_bytes() if offload is not None else 0
             traced[micro_batch] = replace(memory, activation_bytes=memory.activation_bytes + stash,
                                           forward_backward_peak=memory.forward_backward_peak + stash)
@@ -286,7 +296,13 @@ def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers) -> tuple[int,
 
 
 def _bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """The bytes of a module's parameters as FSDP gathers them: NF4 weights (QLoRA) at their quantized size
+    (torchtune all-gathers the NF4 tensors; each is dequantized only while its linear runs)."""
+    total = 0
+    for p in module.parameters():
+        quantized = nf4.local_nf4(p)
+        total += nf4.nf4_bytes(quantized) if quantized is not None else p.numel() * p.element_size()
+    return total
 
 
 def gathered_bytes(model: nn.Module) -> int:
@@ -319,7 +335,7 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     def trace(micro_batch: int) -> None:
         with fake, LayerTimeline(small.layers, small, *optimizers.all) as timeline:
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
-            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload)
+            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
         host[micro_batch] = offload.host_bytes(counts) if offload is not None else 0
