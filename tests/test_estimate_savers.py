@@ -260,3 +260,33 @@ def test_activation_offloading_is_traced_the_same_both_ways(offloading: dict[str
     fast, full = offloading["offloading"], offloading["offloading, full trace"]
     _same_probes(fast, full)
     assert fast.host_bytes == full.host_bytes
+
+
+def test_compile_counts_the_cross_entropy_without_a_float32_copy_of_the_logits() -> None:
+    """Compiled, the chunked cross-entropy keeps the bf16 logits and two values a token for the backward where
+    eager keeps a float32 copy of the logits (4 bytes a logit): a sample costs less, by at most that copy."""
+    seq_len, vocab = 64, 1280  # tiny_lora's vocabulary
+    eager, compiled = (_trace(extra, seq_len=seq_len, config="tiny_lora.yaml") for extra in ([], ["compile=True"]))
+    eager_sample, compiled_sample = (predict(t, device_memory_bytes=64 * MiB, verify=False).bytes_per_sample
+                                     for t in (eager, compiled))
+    assert 0 < eager_sample - compiled_sample <= 4 * seq_len * vocab
+    assert compiled.savers.compile and "compile: the cross-entropy" in predict(
+        compiled, device_memory_bytes=64 * MiB, verify=False).describe()
+
+
+def test_compiled_nf4_dequantization_writes_the_bf16_weight_only() -> None:
+    from torchao.dtypes.nf4tensor import to_nf4
+
+    from adaptive_batching.profiling.compiled import fused_nf4_dequantization
+    from adaptive_batching.runtime.mem_tracker import FrozenAwareMemTracker
+
+    weight = to_nf4(torch.randn(256, 512, dtype=torch.bfloat16))
+    peaks = {}
+    for fused in (False, True):
+        tracker = FrozenAwareMemTracker()
+        with tracker, fused_nf4_dequantization() if fused else _nothing():
+            dense = weight.get_original_weight()
+        peaks[fused] = sum(v.get("Total", 0) for v in tracker.get_tracker_snapshot("peak").values())
+        assert dense.shape == weight.shape and dense.dtype == torch.bfloat16
+    assert peaks[True] == 2 * weight.numel() < peaks[False]
+    assert type(weight).get_original_weight.__name__ == "get_original_weight"  # restored
