@@ -158,6 +158,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
                                             fraction=args.fraction, world_size=args.world_size,
                                             exact=args.full_trace, seq_len=worst.tokens, seq_len_source=worst.source)
+    except ConfigError:
+        raise  # a config key's fault, reported as such by main()
     except ValueError as err:
         raise UsageError(str(err)) from None
     print(estimate.describe())

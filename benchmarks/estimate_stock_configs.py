@@ -7,8 +7,8 @@
 
 Each config (the 121 of the recipes full_finetune_single_device, full_finetune_distributed,
 lora_finetune_single_device and lora_finetune_distributed) is estimated once, offline, on fake tensors (no
-weights, no memory), at ``--seq-len`` tokens per worst-case sample, as the config is (dtype, optimizer,
-activation checkpointing): one trace of fake steps serves the predictions for 24, 40 and 80 GiB at 1 and at
+weights, no memory), at ``--seq-len`` tokens per worst-case sample, as the config is (dtype, optimizer and
+memory savers, named in a column): one trace of fake steps serves the predictions for 24, 40 and 80 GiB at 1 and at
 8 ranks (x 0.9 of the memory, the default fraction). Each runs in a forked child of a process that has
 imported torch and torchtune, so a config that fails or hangs cannot stop the others; a config that cannot be
 estimated gets a one-line reason. ``seconds`` is the child's wall time for the trace and the six
@@ -31,6 +31,7 @@ ROOT = HERE.parents[1]
 DEVICES_GIB = (24, 40, 80)
 RANKS = (1, 8)
 GIB = 2**30
+FIDELITY = "## Fidelity against published GPU measurements"  # the section estimate_fidelity.py writes
 
 
 def method_of(cfg: Any) -> str:
@@ -43,11 +44,25 @@ def method_of(cfg: Any) -> str:
     return "LoRA" if "lora" in name else "full"
 
 
-def refusal(cfg: Any) -> str | None:
-    """Why our recipes refuse the config as it is (the estimate would be for a run that cannot happen)."""
-    if cfg.get("optimizer_in_bwd", False):
-        return "optimizer_in_bwd: True (the recipes accumulate gradients, which it cannot; set it to False)"
-    return None
+def savers(cfg: Any) -> list[str]:
+    """The memory savers the config turns on, as the table names them."""
+    optimizer = str(cfg.optimizer.get("_component_", ""))
+    named = []
+    if optimizer.startswith("bitsandbytes."):
+        named.append(optimizer.rsplit(".", 1)[-1])
+    for key, name in (("optimizer_in_bwd", "optimizer_in_bwd"),
+                      ("enable_activation_checkpointing", "activation checkpointing"),
+                      ("enable_activation_offloading", "activation offloading"),
+                      ("fsdp_cpu_offload", "fsdp_cpu_offload")):
+        if cfg.get(key, False):
+            named.append(name)
+    if cfg.get("compile", False):
+        named.append("compile (loss and NF4 only)")
+    return named
+
+
+VISION_REASON = ("multimodal: needs torchvision, and none for torch 2.13.0+cpu loads here (see above); "
+                 "estimate traces text decoders")
 
 
 def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
@@ -61,23 +76,25 @@ def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
     row: dict[str, Any] = {"config": name}
     try:
         cfg = load_config(path)
-        row.update(model=str(cfg.model._component_).rsplit(".", 1)[-1], method=method_of(cfg))
-        reason = refusal(cfg)
-        if reason is not None:
-            row["reason"] = reason
-            out.send(row)
-            return
+        row.update(model=str(cfg.model._component_).rsplit(".", 1)[-1], method=method_of(cfg), savers=savers(cfg))
         start = time.perf_counter()
         method = method_for(cfg)
         trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len")
-        row["micro_batch"] = {f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB,
-                                                            world_size=ranks).max_micro_batch
-                              for gib in DEVICES_GIB for ranks in RANKS}
+        estimates = {f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB, world_size=ranks)
+                     for gib in DEVICES_GIB for ranks in RANKS}
+        row["micro_batch"] = {key: e.max_micro_batch for key, e in estimates.items()}
+        paged_out = {key: e.max_micro_batch_paged_out for key, e in estimates.items()
+                     if e.max_micro_batch_paged_out is not None}
+        if paged_out:
+            row["micro_batch_paged_out"] = paged_out
+        if trace.savers.activation_offloading:
+            row["host_gib_per_sample"] = round(estimates["24GiB/1"].host_bytes_per_sample / GIB, 3)
         row["seconds"] = round(time.perf_counter() - start, 1)
         row["layers"] = trace.num_layers
         row.update(parameters(cfg, method, nn))
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
-        row["reason"] = one_line(error).split(" Are you sure")[0][:200]
+        reason = one_line(error).split(" Are you sure")[0][:200]
+        row["reason"] = VISION_REASON if "torchvision" in reason else reason
     out.send(row)
 
 
@@ -119,6 +136,21 @@ def count(n: int) -> str:
     return f"{n / 1e9:.1f}B" if n >= 1e9 else f"{n / 1e6:.0f}M"
 
 
+def saver_cell(r: dict[str, Any]) -> str:
+    named = list(r.get("savers", []))
+    if "host_gib_per_sample" in r:
+        named = [f"activation offloading ({r['host_gib_per_sample']} GiB host a sample)" if n == "activation offloading"
+                 else n for n in named]
+    return ", ".join(named) or "-"
+
+
+def cell(r: dict[str, Any], key: str) -> str:
+    """The micro batch, and where paged optimizer state changes it, the answer with that state evicted (``3 / 5``)."""
+    mb = r["micro_batch"][key]
+    out = r.get("micro_batch_paged_out", {}).get(key)
+    return f"{mb}" if out is None or out == mb else f"{mb} / {out}"
+
+
 def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     columns = [f"{gib} GiB x{ranks}" for gib in DEVICES_GIB for ranks in RANKS]
     done = [r for r in rows if "micro_batch" in r]
@@ -129,9 +161,31 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         f"The predicted largest micro batch of every full, LoRA and QLoRA config of torchtune 0.6.1, at {seq_len}-token",
         "samples, for one GPU of 24, 40 or 80 GiB and for 8 of them (FSDP shards weights, gradients and optimizer",
         "state; activations are per rank), with 0.9 of the memory as the budget. The configs run as written (dtype,",
-        "optimizer, activation checkpointing); `0` means that not even one sample fits. Fake tensors: no weights",
-        "are needed and no memory is allocated; allocator overheads are not seen. `seconds`: the trace and the six",
-        "predictions, after the imports.",
+        "optimizer, memory savers); `0` means that not even one sample fits. Fake tensors: no weights are needed and",
+        "no memory is allocated; allocator overheads are not seen. `seconds`: the trace and the six predictions,",
+        "after the imports.",
+        "",
+        "The `memory savers` column names what each config turns on, and `estimate` models each of them:",
+        "",
+        "- `optimizer_in_bwd`: one optimizer per parameter, stepped in its post-accumulate-grad hook, which frees the",
+        "  gradient; the full set of gradients never exists and no optimizer step follows the backward.",
+        "- bitsandbytes optimizers (`PagedAdamW8bit`, `PagedAdamW`, ...): their state counted at its real size",
+        "  (8-bit: two `uint8` moments and a `float32` absmax per 256 values; 32-bit below 4096 values) by a",
+        "  stand-in; bitsandbytes is not imported, so the figures are the same with and without it. Paged state",
+        "  lives in CUDA unified memory: it is counted as device memory (it stays on the GPU unless the driver",
+        "  evicts it). Where that changes the answer, the cell shows both: `counted / evicted to host`.",
+        "- activation checkpointing: each decoder layer recomputed in the backward.",
+        "- activation offloading: torchtune's `OffloadActivations` replayed: the saved tensors go to host memory",
+        "  (the column gives how much a sample takes there), the output projection's stay; the forward stash is",
+        "  added as a bound.",
+        "- `fsdp_cpu_offload` (8 ranks): weights, gradients and optimizer state in host memory.",
+        "- `compile`, in part: the cross-entropy keeps no float32 copy of the logits and NF4 weights are dequantized",
+        "  in one fused step, as compiled; the rest of the layers is counted eager (an upper bound).",
+        "",
+        "The Llama 3.2 Vision configs are not estimated: their builders import torchvision, and the only",
+        "torchvision for torch 2.13.0 in the package registry (0.28.0, a CUDA build) does not load against the CPU",
+        "build of torch (`RuntimeError: operator torchvision::nms does not exist`, checked with",
+        "`pip install --no-deps torchvision==0.28.0`); `estimate` also traces text decoders only.",
         "",
         f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
         f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {__import__('torch').__version__}).",
@@ -139,17 +193,18 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         f"{len(done)} of {len(rows)} configs estimated"
         + (f"; the slowest took {slowest['seconds']} s ({slowest['config']})." if slowest else "."),
         "",
-        "| config | model | method | parameters (trainable) | " + " | ".join(columns) + " | seconds |",
-        "| --- | --- | --- | --- | " + " | ".join("---:" for _ in columns) + " | ---: |",
+        "| config | model | method | parameters (trainable) | memory savers | " + " | ".join(columns) + " | seconds |",
+        "| --- | --- | --- | --- | --- | " + " | ".join("---:" for _ in columns) + " | ---: |",
     ]
     for r in rows:
         head = f"| `{r['config']}` | {r.get('model', '-')} | {r.get('method', '-')} | "
         if "micro_batch" in r:
             params = f"{count(r['parameters'])} ({count(r['trainable'])})"
-            cells = [str(r["micro_batch"][f"{gib}GiB/{ranks}"]) for gib in DEVICES_GIB for ranks in RANKS]
-            lines.append(head + params + " | " + " | ".join(cells) + f" | {r['seconds']} |")
+            cells = [cell(r, f"{gib}GiB/{ranks}") for gib in DEVICES_GIB for ranks in RANKS]
+            lines.append(head + params + f" | {saver_cell(r)} | " + " | ".join(cells) + f" | {r['seconds']} |")
         else:
-            lines.append(head + f"not estimated: {r['reason'].replace('|', '/')} |" + " |" * len(columns) + " |")
+            lines.append(head + f"not estimated: {r['reason'].replace('|', '/')} | {saver_cell(r)} |"
+                         + " |" * len(columns) + " |")
     return "\n".join(lines) + "\n"
 
 
@@ -173,7 +228,10 @@ def main() -> None:
     command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
     Path(args.json).write_text(json.dumps({"seq_len": args.seq_len, "rows": rows}, indent=1) + "\n")
     if not args.only:
-        Path(args.markdown).write_text(markdown(rows, args.seq_len, command))
+        page = Path(args.markdown)
+        kept = page.read_text().split("\n" + FIDELITY, 1) if page.exists() else [""]
+        tail = "\n" + FIDELITY + kept[1] if len(kept) == 2 else ""  # estimate_fidelity.py's section stays
+        page.write_text(markdown(rows, args.seq_len, command) + tail)
     print(f"wrote {args.json}" + ("" if args.only else f" and {args.markdown}"))
 
 

@@ -10,19 +10,24 @@ Two ways to count a step (``fake_steps``), with the same answer on one rank (tes
 micro batch): layer extrapolation (default; seconds for Llama 3 8B at 8192 tokens), and a full trace
 (``exact=True``, ``--full-trace``; minutes for an 8B model). At more than one rank the extrapolation
 follows FSDP: weights, gradients and optimizer state sharded, each layer gathered while it runs.
+
+Both follow the config's memory savers (see ``fake_steps``): ``optimizer_in_bwd`` (no full set of gradients,
+no optimizer step after the backward), activation offloading (the device figures are what stays on the
+device; the host memory the offloaded activations need is reported beside them), and bitsandbytes optimizers,
+counted at their real state size without bitsandbytes (paged state is counted as device memory).
 """
 
 from __future__ import annotations
 
 import time
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import training
 
-from adaptive_batching.profiling.fake_steps import CPU, Measure, extrapolated, full_trace
+from adaptive_batching.profiling.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
 from adaptive_batching.profiling.memory_fit import max_micro_batch_under
 from adaptive_batching.profiling.profiler import StepMemory, fit_probes, probe_until_slope
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
@@ -39,6 +44,13 @@ class Estimate:
     ``method`` says how steps were counted (``layer extrapolation`` or ``full trace``) and
     ``traced_layers`` how many of the model's ``num_layers`` were traced. ``fit_micro_batch`` is
     the linear fit's answer; ``verify_steps`` fake steps from it found ``max_micro_batch``.
+
+    ``optimizer`` is the config's ``optimizer._component_``. With ``activation_offloading``, ``host_bytes`` is the
+    host (pinned) memory a rank's offloaded activations take at ``max_micro_batch`` (``host_bytes_per_sample``
+    per sample); the device figures are what stays on the device. ``paged_state_bytes``: a rank's optimizer
+    state in CUDA unified memory (paged bitsandbytes optimizers), counted in the device figures; the driver
+    moves it to host memory when the GPU runs short (and torch's allocator statistics never count it), so
+    ``max_micro_batch_paged_out`` is the answer with all of it off the device.
     """
 
     max_micro_batch: int
@@ -57,6 +69,14 @@ class Estimate:
     traced_layers: int
     fit_micro_batch: int
     verify_steps: int
+    optimizer: str = ""
+    optimizer_in_bwd: bool = False
+    activation_offloading: bool = False
+    host_bytes: int = 0
+    host_bytes_per_sample: float = 0.0
+    paged_state_bytes: int = 0
+    max_micro_batch_paged_out: Optional[int] = None
+    compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -72,7 +92,22 @@ class Estimate:
             how = f"layer extrapolation (all {self.num_layers} layers traced, nothing to extrapolate)"
         verified = (f"the fit predicted {self.fit_micro_batch}; {self.verify_steps} fake steps from there found "
                     f"{self.max_micro_batch}" if self.verify_steps else "the fit's prediction, not verified")
-        return (
+        savers = []
+        if self.optimizer_in_bwd:
+            savers.append("optimizer_in_bwd: each parameter's optimizer steps in its gradient hook, which frees the "
+                          "gradient; no full set of gradients, no optimizer step after the backward")
+        if self.paged_state_bytes:
+            savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
+                          f"in CUDA unified memory, counted as device memory (it stays on the GPU unless evicted); "
+                          f"with all of it evicted to host memory: micro batch {self.max_micro_batch_paged_out}")
+        if self.compile:
+            savers.append("compile: the cross-entropy (no float32 copy of the logits) and NF4 dequantization are "
+                          "counted as compiled; the rest of the layers eager, an upper bound")
+        if self.activation_offloading:
+            savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
+                          f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
+                          f"sample); device figures are what stays on the GPU")
+        return "\n".join([(
             f"predicted largest micro batch: {self.max_micro_batch} ({self.seq_len}-token samples, "
             f"{self.world_size} rank(s))\n"
             f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
@@ -81,8 +116,7 @@ class Estimate:
             f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
             f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
             f"{verified}\n"
-            f"method: {how}"
-        )
+            f"method: {how}"), *savers])
 
 
 MAX_PROBE = 1024  # the largest micro batch a trace probes for a slope
@@ -107,6 +141,10 @@ class StepTrace:
     seconds: float
     measure: Optional[Measure] = field(default=None, repr=False, compare=False)
     max_probe: int = MAX_PROBE  # the largest micro batch probed for a slope, here and at other ranks
+    savers: Savers = Savers()
+    optimizer: str = ""
+    host_bytes: dict[int, int] = field(default_factory=dict)  # offloaded activations' host memory per probe
+    paged_bytes: int = 0  # optimizer state in CUDA unified memory, whole model
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
@@ -125,16 +163,16 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
     started = time.perf_counter()
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=CPU)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    if exact:
-        measure, num_layers = full_trace(cfg, method, dtype, fake, seq_len)
-        traced = num_layers
-    else:
-        measure, num_layers, traced = extrapolated(cfg, method, dtype, fake, seq_len)
+    steps = (full_trace if exact else extrapolated)(cfg, method, dtype, fake, seq_len)
+    measure = steps.measure
     probed = probe_until_slope(lambda micro_batch: measure(micro_batch, 1), max_probe)
     if fit_probes(probed) is None:
         raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
-    return StepTrace(probed, seq_len, seq_len_source, bool(cfg.get("fsdp_cpu_offload", False)), num_layers, traced,
-                     FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started, measure, max_probe)
+    host = {m: steps.host_bytes(m) for m in probed} if steps.savers.activation_offloading else {}
+    return StepTrace(probed, seq_len, seq_len_source, steps.savers.fsdp_cpu_offload, steps.num_layers,
+                     steps.traced_layers, FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started,
+                     measure, max_probe, steps.savers, str(cfg.optimizer.get("_component_", "")), host,
+                     steps.paged_bytes)
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -179,10 +217,17 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
                   plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)))
     optimizer_peak = 0 if offload else max(m.optimizer_peak for m in probed.values()) // world_size
     budget = int(device_memory_bytes * fraction)
-    fit_batch = max_micro_batch_under(fit, budget) if optimizer_peak <= budget else 0
-    largest, steps = fit_batch, 0
-    if verify and trace.measure is not None and fit_batch >= 1:
-        largest, steps = _verify(trace, fit_batch, budget, model_state, 0 if offload else world_size, world_size)
+
+    def search(room: int) -> tuple[int, int, int]:
+        fit_batch = max_micro_batch_under(fit, room) if optimizer_peak <= room else 0
+        if verify and trace.measure is not None and fit_batch >= 1:
+            return fit_batch, *_verify(trace, fit_batch, room, model_state, 0 if offload else world_size, world_size)
+        return fit_batch, fit_batch, 0
+
+    fit_batch, largest, steps = search(budget)
+    paged = 0 if offload else trace.paged_bytes // world_size
+    evicted = search(budget + paged)[1] if paged else None  # the paged state off the device: as if more room
+    host_at = _host_line(trace.host_bytes)
     return Estimate(
         max_micro_batch=largest,
         device_memory_bytes=device_memory_bytes,
@@ -200,7 +245,39 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         traced_layers=trace.traced_layers,
         fit_micro_batch=fit_batch,
         verify_steps=steps,
+        optimizer=trace.optimizer,
+        optimizer_in_bwd=trace.savers.optimizer_in_bwd,
+        activation_offloading=trace.savers.activation_offloading,
+        host_bytes=round(host_at(largest)),
+        host_bytes_per_sample=host_at(1) - host_at(0),
+        paged_state_bytes=paged,
+        max_micro_batch_paged_out=evicted,
+        compile=trace.savers.compile,
     )
+
+
+def peak_at(trace: StepTrace, micro_batch: int, world_size: int = 1, *, paged_out: bool = False) -> int:
+    """A rank's predicted peak in bytes for a step at ``micro_batch`` over ``world_size`` ranks: the larger of
+    the weights and optimizer state with the forward/backward's peak on top, and the optimizer step's peak (what
+    :func:`predict` holds against the budget). ``paged_out``: without the paged optimizer state, which torch's
+    allocator statistics do not count (it is CUDA unified memory)."""
+    if trace.measure is None:
+        raise ValueError("this trace cannot measure more steps")
+    offload = trace.cpu_offload and world_size > 1
+    memory = trace.measure(micro_batch, world_size)
+    model_state = 0 if offload else memory.steady_bytes // world_size
+    peak = max(model_state + memory.activation_bytes, 0 if offload else memory.optimizer_peak // world_size)
+    return peak - (trace.paged_bytes // world_size if paged_out and not offload else 0)
+
+
+def _host_line(host: dict[int, int]) -> Callable[[int], float]:
+    """Host memory of offloaded activations at any micro batch: the line through the two largest probes (the
+    saved tensors grow linearly with the micro batch); 0 without offloading."""
+    if len(host) < 2:
+        return lambda micro_batch: 0.0
+    low, high = sorted(host)[-2:]
+    slope = (host[high] - host[low]) / (high - low)
+    return lambda micro_batch: max(0.0, host[low] + slope * (micro_batch - low))
 
 
 def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_size: int,

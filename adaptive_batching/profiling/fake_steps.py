@@ -9,11 +9,29 @@ torch's ``MemTracker`` counts the bytes a step would hold. Two ways to count a s
   same trace also gives a rank's share under FSDP at any number of ranks (see :data:`Measure`).
 * :func:`full_trace` (``exact``): every layer is traced, minutes for an 8B model; for more than one rank
   it counts every gradient whole (an upper bound).
+
+Both follow the config's memory savers (:class:`Savers`):
+
+* ``optimizer_in_bwd``: one optimizer per trainable parameter, stepped from the parameter's post-accumulate-grad
+  hook, which then frees the gradient (torchtune's ``create_optim_in_bwd_wrapper`` and
+  ``register_optim_in_bwd_hooks``). The backward trace sees each gradient appear, its optimizer step and the
+  gradient go; the full set of gradients never exists, and there is no optimizer step after the backward. The
+  optimizer state is created before the first probe (a step per parameter on a fake gradient), so every probe
+  starts from the same memory.
+* ``enable_activation_offloading`` (with activation checkpointing): torchtune's ``OffloadActivations``, replayed
+  by ``activation_offload.FakeOffload``; the device figures are what stays on the device, and the host memory the
+  offloaded tensors take is kept per micro batch (:attr:`Traced.host_bytes`).
+* bitsandbytes optimizers: counted by ``optimizer_state.BitsAndBytesStandIn``, never imported.
+* ``compile``: the loss, and NF4 dequantization, hold memory as compiled (``compiled``); the rest of the
+  layers is traced eager.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+import warnings
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -22,6 +40,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
 from adaptive_batching.config.loading import building
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
+from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
 from adaptive_batching.profiling.layer_timeline import (
     LayerTimeline,
     Segment,
@@ -30,6 +51,7 @@ from adaptive_batching.profiling.layer_timeline import (
     layers_to_trace,
     repeats,
 )
+from adaptive_batching.profiling.optimizer_state import build_optimizer, paged_bytes, step_or_explain
 from adaptive_batching.profiling.profiler import StepMemory
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
@@ -44,25 +66,137 @@ micro batch, on the model the trace built), with weights, gradients and optimize
 ``ranks``; the weights, optimizer state and their peak are reported whole (divided by the caller)."""
 
 
+@dataclass(frozen=True)
+class Savers:
+    """The memory savers of a config that change what a training step holds on the device."""
+
+    optimizer_in_bwd: bool = False
+    activation_offloading: bool = False
+    activation_checkpointing: bool = False
+    fsdp_cpu_offload: bool = False
+    compile: bool = False  # the loss and NF4 dequantization modelled compiled (``compiled``); the rest eager
+
+
+def savers_of(cfg: DictConfig) -> Savers:
+    """The config's memory savers, checked as torchtune's recipes check them (a combination they refuse is a
+    one-line :class:`ConfigError` naming the key)."""
+    in_bwd = bool(cfg.get("optimizer_in_bwd", None))
+    offload = bool(cfg.get("enable_activation_offloading", None))
+    checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
+    if in_bwd:
+        accumulation = cfg.get("gradient_accumulation_steps", 1)
+        if accumulation not in (None, 1):
+            raise ConfigError(f"config key 'optimizer_in_bwd' = True needs gradient_accumulation_steps: 1, got "
+                              f"{accumulation!r} (torchtune refuses both; set one of them back)")
+        if cfg.get("clip_grad_norm", None) is not None:
+            raise ConfigError(f"config key 'optimizer_in_bwd' = True needs clip_grad_norm: null, got "
+                              f"{cfg.get('clip_grad_norm')!r} (torchtune refuses both)")
+    if offload and not checkpointing:
+        raise ConfigError("config key 'enable_activation_offloading' = True needs enable_activation_checkpointing: "
+                          "True (torchtune's recipes refuse it otherwise); set it to True, or offloading to False")
+    return Savers(in_bwd, offload, checkpointing, bool(cfg.get("fsdp_cpu_offload", False)),
+                  bool(cfg.get("compile", False)))
+
+
+@dataclass(frozen=True)
+class Traced:
+    """What :func:`full_trace` and :func:`extrapolated` give: the steps, the model's depth and what was traced of
+    it, and what the steps keep off the device.
+
+    ``host_bytes(micro_batch)``: host memory the offloaded activations of one step take (0 without offloading;
+    the step at that micro batch is traced if it was not). ``paged_bytes``: optimizer state in CUDA unified
+    memory (paged bitsandbytes optimizers), whole model, included in the counted state.
+    """
+
+    measure: Measure
+    num_layers: int
+    traced_layers: int
+    host_bytes: Callable[[int], int]
+    paged_bytes: int
+    savers: Savers
+
+
 def _tokens(micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, vocab_size, (micro_batch, seq_len))
     return {"tokens": tokens, "labels": tokens}
 
 
-def _fake_step(model: nn.Module, optimizer: torch.optim.Optimizer, loss_fn: Any, micro_batch: int,
-               seq_len: int, vocab_size: int) -> StepMemory:
-    """The memory one training step would use; the tensors are fake, nothing is allocated."""
-    with PeakMeter(CPU, model, optimizer) as forward_backward:
-        loss, _ = summed_token_loss(model, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
-        loss.backward()
-    with PeakMeter(CPU, model, optimizer) as optimizer_step:
-        optimizer.step()
+class FakeOptimizers:
+    """The config's optimizer over a model's trainable parameters, built under fake tensors: one optimizer, or with
+    ``optimizer_in_bwd`` one per parameter, stepped from the parameter's post-accumulate-grad hook, which then
+    frees its gradient (as torchtune's ``register_optim_in_bwd_hooks``)."""
+
+    def __init__(self, cfg: DictConfig, model: nn.Module, in_backward: bool) -> None:
+        self.component = str(cfg.optimizer.get("_component_", ""))
+        self.in_backward = in_backward
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if in_backward:
+            self._of = {p: build_optimizer(cfg, [p]) for p in self.params}
+            self.all: list[torch.optim.Optimizer] = list(self._of.values())
+            for p in self.params:
+                p.register_post_accumulate_grad_hook(self._step_one)
+        else:
+            self.all = [build_optimizer(cfg, self.params)]
+
+    def _step_one(self, param: torch.Tensor) -> None:
+        optimizer = self._of[param]
+        step_or_explain(self.component, optimizer.step)
         optimizer.zero_grad(set_to_none=True)
+
+    def step(self) -> None:
+        """The optimizer step after the backward (nothing to do with ``optimizer_in_bwd``: no gradient is left)."""
+        for optimizer in self.all:
+            step_or_explain(self.component, optimizer.step)
+            optimizer.zero_grad(set_to_none=True)
+
+    def step_on_fake_gradients(self) -> None:
+        """A step on fake gradients, without a backward; with ``optimizer_in_bwd`` one parameter at a time, as
+        its hook would (this is what creates the optimizer state)."""
+        if self.in_backward:
+            for p in self.params:
+                p.grad = torch.empty_like(p)
+                self._step_one(p)
+        else:
+            for p in self.params:
+                p.grad = torch.empty_like(p)
+            self.step()
+
+    def paged_bytes(self) -> int:
+        return paged_bytes(self.all)
+
+
+def _tracked(model: nn.Module, optimizers: FakeOptimizers) -> tuple[Any, ...]:
+    return (model, *optimizers.all)
+
+
+def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int,
+                      offload: Optional[FakeOffload], compiled: bool) -> None:
+    handles = offloading_forward(model, offload) if offload is not None else []
+    with fused_nf4_dequantization() if compiled else contextlib.nullcontext():
+        try:
+            loss, _ = summed_token_loss(model, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
+        finally:
+            for handle in handles:
+                handle.remove()
+        with warnings.catch_warnings():
+            # MemTracker's own gradient hook runs after an optimizer_in_bwd hook has freed the gradient, and warns
+            warnings.filterwarnings("ignore", message="Expected a tensor or a traceable wrapper-subclass")
+            loss.backward()
+
+
+def _fake_step(model: nn.Module, optimizers: FakeOptimizers, loss_fn: Any, micro_batch: int,
+               seq_len: int, vocab_size: int, offload: Optional[FakeOffload], compiled: bool) -> StepMemory:
+    """The memory one training step would use; the tensors are fake, nothing is allocated."""
+    tracked = _tracked(model, optimizers)
+    with PeakMeter(CPU, *tracked) as forward_backward:
+        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload, compiled)
+    with PeakMeter(CPU, *tracked) as optimizer_step:
+        optimizers.step()
     return StepMemory(
         activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
         forward_backward_peak=forward_backward.peak_bytes,
         optimizer_peak=optimizer_step.peak_bytes,
-        steady_bytes=current_bytes(CPU, model, optimizer),
+        steady_bytes=current_bytes(CPU, *tracked),
     )
 
 
@@ -92,6 +226,8 @@ def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         loss_fn = config.instantiate(cfg.loss)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
+    if cfg.get("compile", False):
+        as_compiled(loss_fn)
     return model, loss_fn, num_layers
 
 
@@ -106,51 +242,67 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
                     module._buffers[name] = fake.from_tensor(buffer)
 
 
-def _optimizer(cfg: DictConfig, model: nn.Module) -> torch.optim.Optimizer:
-    optimizer_cfg = {k: v for k, v in cfg.optimizer.items() if k != "fused"}
-    with building("optimizer"):
-        return config.instantiate(DictConfig(optimizer_cfg), [p for p in model.parameters() if p.requires_grad])
-
-
 def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-               seq_len: int) -> tuple[Measure, int]:
+               seq_len: int) -> Traced:
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
+    savers = savers_of(cfg)
     model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
     vocab_size = model.tok_embeddings.num_embeddings
     with fake:
-        optimizer = _optimizer(cfg, model)
+        optimizers = FakeOptimizers(cfg, model, savers.optimizer_in_bwd)
+        if savers.optimizer_in_bwd:  # the state exists before the first probe, as extrapolated() has it
+            optimizers.step_on_fake_gradients()
     traced: dict[int, StepMemory] = {}
+    host: dict[int, int] = {}
 
     def step(micro_batch: int, ranks: int = 1) -> StepMemory:
         # The first step also creates the optimizer state; activations do not depend on it.
         if micro_batch not in traced:
+            offload = FakeOffload() if savers.activation_offloading else None
             with fake:
-                traced[micro_batch] = _fake_step(model, optimizer, loss_fn, micro_batch, seq_len, vocab_size)
+                memory = _fake_step(model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload,
+                                    savers.compile)
+            stash = offload.stash_bytes() if offload is not None else 0
+            traced[micro_batch] = replace(memory, activation_bytes=memory.activation_bytes + stash,
+                                          forward_backward_peak=memory.forward_backward_peak + stash)
+            host[micro_batch] = offload.host_bytes() if offload is not None else 0
         return traced[micro_batch]
 
-    return step, num_layers
+    def host_bytes(micro_batch: int) -> int:
+        step(micro_batch)
+        return host[micro_batch]
+
+    return Traced(step, num_layers, num_layers, host_bytes, optimizers.paged_bytes(), savers)
 
 
-def _optimizer_steps(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[int, int, list[int]]:
+def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers) -> tuple[int, int, list[int]]:
     """Bytes before the first step, after the steps, and each step's peak: two fake steps on fake gradients.
 
-    The first step creates the optimizer state, the second runs with it, as the probes' steps do.
+    The first step creates the optimizer state, the second runs with it, as the probes' steps do. With
+    ``optimizer_in_bwd`` the steps run inside the backward (the trace sees them), so their peaks are the memory
+    after them: no step follows the backward.
     """
-    before = current_bytes(CPU, model, optimizer)
+    tracked = _tracked(model, optimizers)
+    before = current_bytes(CPU, *tracked)
     peaks = []
     for _ in range(2):
-        for param in model.parameters():
-            if param.requires_grad:
-                param.grad = torch.empty_like(param)
-        with PeakMeter(CPU, model, optimizer) as meter:
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        with PeakMeter(CPU, *tracked) as meter:
+            optimizers.step_on_fake_gradients()
         peaks.append(meter.peak_bytes)
-    return before, current_bytes(CPU, model, optimizer), peaks
+    after = current_bytes(CPU, *tracked)
+    if optimizers.in_backward:
+        return after, after, [after, after]
+    return before, after, peaks
 
 
 def _bytes(module: nn.Module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+    """The bytes of a module's parameters as FSDP gathers them: NF4 weights (QLoRA) at their quantized size
+    (torchtune all-gathers the NF4 tensors; each is dequantized only while its linear runs)."""
+    total = 0
+    for p in module.parameters():
+        quantized = nf4.local_nf4(p)
+        total += nf4.nf4_bytes(quantized) if quantized is not None else p.numel() * p.element_size()
+    return total
 
 
 def gathered_bytes(model: nn.Module) -> int:
@@ -161,33 +313,47 @@ def gathered_bytes(model: nn.Module) -> int:
 
 
 def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-                 seq_len: int) -> tuple[Measure, int, int]:
+                 seq_len: int) -> Traced:
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
+    savers = savers_of(cfg)
     small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
     vocab_size = small.tok_embeddings.num_embeddings
     gathered = gathered_bytes(small)
-    offload = bool(cfg.get("fsdp_cpu_offload", False))
     with fake:
-        initial, steady, optimizer_peaks = _optimizer_steps(small, _optimizer(cfg, small))
+        optimizers = FakeOptimizers(cfg, small, savers.optimizer_in_bwd)
+        initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers)
+    paged = optimizers.paged_bytes()
     traced = layers_to_trace(num_layers)
     small.layers = nn.ModuleList(list(small.layers)[:traced])  # the whole model's optimizer state is gone with it
     counts = repeats(traced, num_layers)
     segments: dict[int, list[Segment]] = {}
+    host: dict[int, int] = {}
+    stash: dict[int, int] = {}
+
+    def trace(micro_batch: int) -> None:
+        with fake, LayerTimeline(small.layers, small, *optimizers.all) as timeline:
+            offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
+            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile)
+        small.zero_grad(set_to_none=True)
+        segments[micro_batch] = timeline.segments()
+        host[micro_batch] = offload.host_bytes(counts) if offload is not None else 0
+        stash[micro_batch] = offload.stash_bytes(counts) if offload is not None else 0
 
     def step(micro_batch: int, ranks: int = 1) -> StepMemory:
         if micro_batch not in segments:
-            with fake, LayerTimeline(small.layers, small) as timeline:
-                loss, _ = summed_token_loss(small, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
-                loss.backward()
-            small.zero_grad(set_to_none=True)
-            segments[micro_batch] = timeline.segments()
-        kept = 1.0 if ranks == 1 else 0.0 if offload else 1 / ranks
-        in_flight = 0 if ranks == 1 else round(gathered * (1.0 if offload else 1 - 1 / ranks))
-        activation = extrapolate_peak(segments[micro_batch], counts, kept) + in_flight
+            trace(micro_batch)
+        kept = 1.0 if ranks == 1 else 0.0 if savers.fsdp_cpu_offload else 1 / ranks
+        in_flight = 0 if ranks == 1 else round(gathered * (1.0 if savers.fsdp_cpu_offload else 1 - 1 / ranks))
+        activation = extrapolate_peak(segments[micro_batch], counts, kept) + in_flight + stash[micro_batch]
         first = micro_batch == min(segments)  # the first step also creates the optimizer state
         start = initial if first else steady
         return StepMemory(activation, start + activation, optimizer_peaks[0 if first else 1], steady)
 
-    return step, num_layers, traced
+    def host_bytes(micro_batch: int) -> int:
+        if micro_batch not in segments:
+            trace(micro_batch)
+        return host[micro_batch]
+
+    return Traced(step, num_layers, traced, host_bytes, paged, savers)

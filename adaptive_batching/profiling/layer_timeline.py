@@ -118,6 +118,10 @@ class LayerTimeline(FrozenAwareMemTracker):
     def _total(self) -> int:
         return int(sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values()))
 
+    def current_segment(self) -> int:
+        """The index of the segment under way (for a record kept per segment, such as saved tensors)."""
+        return len(self._segments) - 1
+
     def _grads(self) -> int:
         return sum(p.grad.numel() * p.grad.element_size() for p in self._model.parameters() if p.grad is not None)
 
