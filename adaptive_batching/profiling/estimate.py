@@ -103,6 +103,8 @@ class Estimate:
         if self.compile:
             savers.append("compile: the cross-entropy (no float32 copy of the logits) and NF4 dequantization are "
                           "counted as compiled; the rest of the layers eager, an upper bound")
+        else:
+            savers.append("compile: off (an eager step)")
         if self.activation_offloading:
             savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
                           f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
