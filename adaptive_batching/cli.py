@@ -21,6 +21,7 @@ from adaptive_batching.config.loading import (
 )
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
 from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+from adaptive_batching.runtime.files import write_atomically
 
 
 class UsageError(Exception):
@@ -164,7 +165,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(str(err)) from None
     print(estimate.describe())
     if args.json:
-        Path(args.json).write_text(json.dumps(estimate.to_dict(), indent=2, sort_keys=True))
+        write_atomically(Path(args.json), json.dumps(estimate.to_dict(), indent=2, sort_keys=True) + "\n")
     return 0
 
 

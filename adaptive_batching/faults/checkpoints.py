@@ -24,6 +24,8 @@ from omegaconf import DictConfig, OmegaConf
 from torchtune import config, training
 from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME
 
+from adaptive_batching.runtime.files import write_atomically
+
 log = logging.getLogger(__name__)
 
 ADAPTIVE_KEY = "adaptive_batching"
@@ -112,15 +114,8 @@ def _fsync_tree(folder: Path) -> dict[str, int]:
 
 
 def _write_marker(folder: Path, record: dict[str, Any]) -> None:
-    """Write ``checkpoint.json`` by temp file, fsync and rename, so it is whole or absent."""
-    tmp = folder / f".{MARKER}.tmp"
-    with open(tmp, "w", encoding="utf-8") as handle:
-        json.dump(record, handle, indent=2, sort_keys=True)
-        handle.write("\n")
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, folder / MARKER)
-    _fsync(folder)
+    """Write ``checkpoint.json`` whole or not at all (temp file, fsync, rename, fsync of the folder)."""
+    write_atomically(folder / MARKER, json.dumps(record, indent=2, sort_keys=True) + "\n")
 
 
 def _swap_in(new: Path, final: Path) -> Path:

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint
+from adaptive_batching.runtime.files import write_atomically
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
 RUN_ID = "TORCHELASTIC_RUN_ID"
@@ -69,10 +70,7 @@ def resume_decision(asked: bool, output_dir: Path, info: Callable[[str], None]) 
 def record_cut(output_dir: Path, recovery_state: dict[str, Any], **details: Any) -> Path:
     """Write the OOM-recovery state a restart must run under, whole or not at all."""
     path = Path(output_dir) / CUT_FILE
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{CUT_FILE}.{os.getpid()}.tmp")
-    tmp.write_text(json.dumps({"recovery": recovery_state, **details}, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_atomically(path, json.dumps({"recovery": recovery_state, **details}, indent=2, sort_keys=True) + "\n")
     return path
 
 

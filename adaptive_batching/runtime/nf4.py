@@ -37,10 +37,6 @@ def _inner_bytes(inner: torch.Tensor) -> int:
     return inner.numel() * inner.element_size()
 
 
-def has_nf4(model: nn.Module) -> bool:
-    return any(local_nf4(param) is not None for param in model.parameters())
-
-
 def quantize_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
                   device: torch.device) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Quantize ``state_dict``'s weights of the model's NF4 parameters into new NF4 parameters on ``device``
