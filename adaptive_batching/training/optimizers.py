@@ -42,8 +42,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     """One optimizer per parameter (each built by ``build([param])``), stepped inside the backward.
 
     :meth:`register_hooks` makes each parameter's post-accumulate-grad hook step its optimizer and free the
-    gradient; ``stepped`` counts the parameters stepped since :meth:`start_step`. :meth:`step` steps the
-    parameters whose gradient is still there (none after a backward; all of them when FSDP's state-dict code
+    gradient. :meth:`step` steps the parameters whose gradient is still there (none after a backward; all of them when FSDP's state-dict code
     initialises the state with zero gradients).
     """
 
@@ -55,7 +54,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         self._of = {param: optimizer for param, optimizer in zip(params, self.optimizers)}
         super().__init__([{"params": [param]} for param in params], dict(self.optimizers[0].defaults))
         self._share()
-        self.stepped = 0
 
     def _share(self) -> None:
         """One state and the per-parameter optimizers' own param groups, seen through this optimizer."""
@@ -83,10 +81,6 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         optimizer = self._of[param]
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        self.stepped += 1
-
-    def start_step(self) -> None:
-        self.stepped = 0
 
     @torch.no_grad()
     def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
@@ -170,7 +164,6 @@ class InBackward:
         self.guard.sync_point()
         self.total = tokens.clone()  # ``loss`` keeps ``tokens`` for its backward
         all_reduce_sum(self.total, self.parallel)
-        self.optimizer.start_step()
         # FSDP averages gradients over ranks; undo that and divide by the step's tokens.
         (loss * (self.parallel.world_size / self.total.clamp(min=1))).backward()
 
