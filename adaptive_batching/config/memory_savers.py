@@ -24,9 +24,9 @@ def check_optional_packages(cfg: DictConfig) -> None:
                               f"pip install \"adaptive-batching[{OPTIONAL_PACKAGES[package]}]\"")
 
 
-def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
-    """An optimizer stepped inside the backward cannot accumulate gradients, nor clip them (torchtune refuses
-    both); so nothing that needs several micro batches per optimizer step goes with it."""
+def optimizer_in_bwd(cfg: DictConfig) -> bool:
+    """Whether the config steps the optimizer inside the backward; it then cannot accumulate gradients, nor clip
+    them (torchtune refuses both). The recipes and ``estimate`` check it so."""
     value = plain(cfg.get("optimizer_in_bwd", None))
     if value is not None and not isinstance(value, bool):
         raise ConfigError(f"config key 'optimizer_in_bwd' = {value!r} is invalid: expected true, false or null")
@@ -40,6 +40,13 @@ def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
     if plain(cfg.get("clip_grad_norm", None)) is not None:
         raise ConfigError(f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
                           "set clip_grad_norm=null, or optimizer_in_bwd=False")
+    return True
+
+
+def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
+    """:func:`optimizer_in_bwd`, and nothing of ours that needs several micro batches per optimizer step with it."""
+    if not optimizer_in_bwd(cfg):
+        return False
     conflicts = (("grow_past_memory", knobs["grow_past_memory"] == "accumulate",
                   "grows past the memory cap by accumulating gradients"),
                  ("elastic", knobs["elastic"] is not None, "realises its global batch by accumulating gradients"),
@@ -53,19 +60,21 @@ def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
     return True
 
 
-def check_activation_offloading(cfg: DictConfig) -> None:
-    """As torchtune's recipes: activation offloading is for CUDA, on top of activation checkpointing."""
+def check_activation_offloading(cfg: DictConfig, *, needs_cuda: bool = True) -> bool:
+    """As torchtune's recipes: activation offloading is for CUDA (``needs_cuda``: the config's device; ``estimate``
+    predicts for a device it does not have), on top of activation checkpointing. Whether it is on."""
     value = plain(cfg.get("enable_activation_offloading", None))
     if value is not None and not isinstance(value, bool):
         raise ConfigError(f"config key 'enable_activation_offloading' = {value!r} is invalid: expected true, false or "
                           "null")
     if not value:
-        return
+        return False
     device = str(plain(cfg.get("device", "cpu")))
-    if not device.startswith("cuda"):
+    if needs_cuda and not device.startswith("cuda"):
         raise ConfigError(f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
                           f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
                           "CUDA. Set it to false")
     if not plain(cfg.get("enable_activation_checkpointing", False)):
         raise ConfigError("config key 'enable_activation_offloading' = True needs "
                           "enable_activation_checkpointing=True, as in torchtune; set both, or it to false")
+    return True

@@ -40,7 +40,7 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
 from adaptive_batching.config.loading import building
-from adaptive_batching.errors import ConfigError
+from adaptive_batching.config.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
 from adaptive_batching.profiling.layer_timeline import (
@@ -78,23 +78,10 @@ class Savers:
 
 
 def savers_of(cfg: DictConfig) -> Savers:
-    """The config's memory savers, checked as torchtune's recipes check them (a combination they refuse is a
-    one-line :class:`ConfigError` naming the key)."""
-    in_bwd = bool(cfg.get("optimizer_in_bwd", None))
-    offload = bool(cfg.get("enable_activation_offloading", None))
-    checkpointing = bool(cfg.get("enable_activation_checkpointing", False))
-    if in_bwd:
-        accumulation = cfg.get("gradient_accumulation_steps", 1)
-        if accumulation not in (None, 1):
-            raise ConfigError(f"config key 'optimizer_in_bwd' = True needs gradient_accumulation_steps: 1, got "
-                              f"{accumulation!r} (torchtune refuses both; set one of them back)")
-        if cfg.get("clip_grad_norm", None) is not None:
-            raise ConfigError(f"config key 'optimizer_in_bwd' = True needs clip_grad_norm: null, got "
-                              f"{cfg.get('clip_grad_norm')!r} (torchtune refuses both)")
-    if offload and not checkpointing:
-        raise ConfigError("config key 'enable_activation_offloading' = True needs enable_activation_checkpointing: "
-                          "True (torchtune's recipes refuse it otherwise); set it to True, or offloading to False")
-    return Savers(in_bwd, offload, checkpointing, bool(cfg.get("fsdp_cpu_offload", False)),
+    """The config's memory savers, checked as the recipes check them (a combination torchtune refuses is a
+    one-line :class:`ConfigError` naming the key; the device is the one predicted for, so not checked)."""
+    return Savers(optimizer_in_bwd(cfg), check_activation_offloading(cfg, needs_cuda=False),
+                  bool(cfg.get("enable_activation_checkpointing", False)), bool(cfg.get("fsdp_cpu_offload", False)),
                   bool(cfg.get("compile", False)))
 
 
