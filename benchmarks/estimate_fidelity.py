@@ -141,7 +141,7 @@ def predict_one(row: Published) -> dict[str, Any]:
 
 
 def _child(row: Published, out: Any) -> None:
-    from adaptive_batching.config.loading import one_line
+    from adaptive_batching.core.nodes import one_line
 
     try:
         out.send(predict_one(row))

@@ -69,7 +69,8 @@ def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
     """In the child: estimate ``name`` and send a row (or a one-line reason) through ``out``."""
     from torch import nn
 
-    from adaptive_batching.config.loading import load_config, one_line
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.core.nodes import one_line
     from adaptive_batching.profiling.estimate import predict, trace_steps
     from adaptive_batching.training.methods import method_for
 

@@ -48,3 +48,23 @@ def stock_on_tiny(stock: str, tiny: str, assets: Path, output_dir: Path, destina
     cfg.device = "cpu"
     OmegaConf.save(cfg, destination)
     return destination
+
+
+def setting(settings: Any, name: str) -> Any:
+    """The typed value of ``adaptive_batching.<name>`` in validated settings: its section's field."""
+    from adaptive_batching.config.settings import ELASTIC, KNOBS
+
+    section = KNOBS[name].section
+    return settings.elastic if section == ELASTIC else getattr(getattr(settings, section), name)
+
+
+def typed(name: str, value: Any) -> Any:
+    """``adaptive_batching.<name>``'s config value as its section holds it."""
+    from adaptive_batching.batching.elastic import ElasticSpec
+    from adaptive_batching.growth.interval import parse_growth_interval
+
+    if name == "growth_interval":
+        return parse_growth_interval(value)
+    if name == "elastic":
+        return None if value is None else ElasticSpec.from_config(value)
+    return tuple(value) if name == "stop_signals" else value

@@ -20,7 +20,7 @@ from torchtune import config
 
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.training import compiling
-from adaptive_batching.training.loss import summed_token_loss
+from adaptive_batching.core.loss import summed_token_loss
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ from torchtune.models.llama3 import lora_llama3
 from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 from adaptive_batching.batching.data import build_dataloader
 from adaptive_batching.batching.shape import BatchShape
-from adaptive_batching.config.nodes import optional_component
+from adaptive_batching.core.nodes import optional_component
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults.checkpoints import resume_config
 from adaptive_batching.runtime.distributed import ParallelInfo

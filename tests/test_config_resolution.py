@@ -11,6 +11,8 @@ from typing import Any
 import pytest
 from omegaconf import DictConfig, OmegaConf
 
+from config_edits import setting, typed
+
 from adaptive_batching.config.loading import (
     parse,
     resolve_config,
@@ -167,7 +169,7 @@ def test_parse_applies_overrides_and_removals(monkeypatch: pytest.MonkeyPatch) -
     assert cfg.epochs == shipped.epochs
     assert cfg.model == shipped.model
     settings = validate_config(cfg)
-    assert settings.knobs["reprofile"] is False
+    assert settings.profiler.reprofile is False
 
 
 def test_parse_component_removal_is_refused_by_torchtune(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -189,7 +191,8 @@ def test_parse_equals_form_and_section_removal(monkeypatch: pytest.MonkeyPatch) 
     assert "adaptive_batching" not in cfg
     assert cfg.epochs == 1
     assert cfg.model._component_ == "torchtune.models.llama3.lora_llama3"
-    assert validate_config(cfg).knobs == {name: knob.default for name, knob in KNOBS.items()}
+    settings = validate_config(cfg)
+    assert {name: setting(settings, name) for name in KNOBS} == {name: typed(name, k.default) for name, k in KNOBS.items()}
 
 
 def test_parse_local_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

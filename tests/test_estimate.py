@@ -25,8 +25,8 @@ from adaptive_batching.profiling.estimate import (
     predict,
     trace_steps,
 )
-from adaptive_batching.profiling.layer_timeline import Segment, decoder_layers, extrapolate_peak, repeats
-from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.profiling.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
@@ -38,24 +38,24 @@ FOUR_LAYERS = {
 }
 
 
-def _segments(head: int, grads_per_layer: int) -> list[Segment]:
+def _segments(head: int, grads_per_layer: int) -> list[PassStretch]:
     """A 3-layer pass: each layer's forward keeps 1 MiB; the head briefly needs ``head`` bytes; each
     layer's backward frees its 1 MiB and keeps ``grads_per_layer`` of gradients."""
     return [
-        Segment("before the layers", 0, MiB, MiB),
-        Segment("forward 0", MiB, 2 * MiB, 2 * MiB),
-        Segment("forward 1", 2 * MiB, 3 * MiB, 3 * MiB),
-        Segment("forward 2", 3 * MiB, 4 * MiB, 4 * MiB + head),
-        Segment("backward 2", 4 * MiB, 4 * MiB + grads_per_layer - MiB, 4 * MiB + grads_per_layer,
+        PassStretch("before the layers", 0, MiB, MiB),
+        PassStretch("forward 0", MiB, 2 * MiB, 2 * MiB),
+        PassStretch("forward 1", 2 * MiB, 3 * MiB, 3 * MiB),
+        PassStretch("forward 2", 3 * MiB, 4 * MiB, 4 * MiB + head),
+        PassStretch("backward 2", 4 * MiB, 4 * MiB + grads_per_layer - MiB, 4 * MiB + grads_per_layer,
                 grads_added=grads_per_layer),
-        Segment("backward 1", 3 * MiB + grads_per_layer, 2 * MiB + 2 * grads_per_layer, 3 * MiB + 2 * grads_per_layer,
+        PassStretch("backward 1", 3 * MiB + grads_per_layer, 2 * MiB + 2 * grads_per_layer, 3 * MiB + 2 * grads_per_layer,
                 grads_added=grads_per_layer),
-        Segment("backward 0", 2 * MiB + 2 * grads_per_layer, MiB + 3 * grads_per_layer, 2 * MiB + 3 * grads_per_layer,
+        PassStretch("backward 0", 2 * MiB + 2 * grads_per_layer, MiB + 3 * grads_per_layer, 2 * MiB + 3 * grads_per_layer,
                 grads_added=grads_per_layer),
     ]
 
 
-def _walk_every_layer(segments: list[Segment], layers: int, ranks: int = 1) -> int:
+def _walk_every_layer(segments: list[PassStretch], layers: int, ranks: int = 1) -> int:
     """The peak of a ``layers``-deep pass, walking every repeat of the middle layer one by one; on one of
     ``ranks``, each layer's gradients are whole during its backward and a 1/ranks shard after it."""
     level, highest = 0, 0
@@ -264,7 +264,7 @@ def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> N
     """A trace where the optimizer step sets the limit: 8 GiB of state on 1 rank, 1 GiB a rank on 8. A 4 GiB
     device fits no micro batch on 1 rank, and some on 8; the reported peak is a rank's share."""
     from adaptive_batching.profiling.estimate import EXTRAPOLATED, StepTrace, predict
-    from adaptive_batching.profiling.profiler import StepMemory
+    from adaptive_batching.core.steps import StepMemory
 
     gib = 2**30
     steady, per_sample, optimizer_peak = 2 * gib, 16 * 2**20, 8 * gib

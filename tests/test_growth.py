@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from omegaconf import OmegaConf
 
-from adaptive_batching.batching.schedule import load_increase_function
+from adaptive_batching.growth.schedule import load_increase_function
 from adaptive_batching.growth.functions import geometric, linear_ramp, step_increase
 
 

@@ -5,11 +5,14 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 from collections import Counter
 from pathlib import Path
 
 import pytest
+import torch
 from recipe_runs import read_metrics
+from test_state_by_part import flat
 from test_oom_recovery import faulty_run, ok
 
 SAMPLES = 40
@@ -22,12 +25,24 @@ GROWING = ("use_maximum_batch_size=False", f"dataset.split=train[:{SAMPLES}]", "
 
 @pytest.fixture(scope="module")
 def grown(runs: Path, assets: Path) -> dict[str, str]:
-    """The uninterrupted run, one killed after optimizer step 9, and its resume (sharing one profile cache)."""
+    """The uninterrupted run, one killed after optimizer step 9, and its resume (sharing one profile cache); and
+    the resume of a copy of the killed run whose checkpoint holds its adaptive state as 51b76ca wrote it (flat)."""
     cache = f"adaptive_batching.cache_dir={runs / 'cache'}"
     outputs = {"straight": ok(faulty_run(runs, "straight", {}, assets, *GROWING, cache))}
     killed = faulty_run(runs, "killed", {"kill_after": 9}, assets, *GROWING, cache)
     assert killed.returncode != 0
     outputs["killed"] = killed.stdout + killed.stderr
+    shutil.copytree(runs / "killed", runs / "legacy")
+    recipe_state = runs / "legacy" / "epoch_0" / "recipe_state.pt"
+    saved = torch.load(recipe_state, weights_only=False)
+    saved["adaptive_batching"] = flat(saved["adaptive_batching"])
+    torch.save(saved, recipe_state)
+    record_file = recipe_state.parent / "checkpoint.json"  # it lists each file's size, which the new state changed
+    record = json.loads(record_file.read_text())
+    record["files"]["recipe_state.pt"] = recipe_state.stat().st_size
+    record_file.write_text(json.dumps(record))
+    outputs["legacy"] = ok(faulty_run(runs, "legacy-resumed", {}, assets, *GROWING, cache,
+                                      f"output_dir={runs / 'legacy'}", "resume_from_checkpoint=True"))
     outputs["resumed"] = ok(faulty_run(runs, "resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'killed'}",
                                        "resume_from_checkpoint=True"))
     return outputs
@@ -76,3 +91,12 @@ def test_a_resume_after_an_in_epoch_switch_trains_the_same_samples_and_losses(gr
     straight = {int(m["step"]): m["loss"] for m in read_metrics(runs / "straight" / "logs")}
     resumed = {int(m["step"]): m["loss"] for m in read_metrics(runs / "killed" / "logs") if m["step"] > 8}
     assert resumed and all(resumed[k] == pytest.approx(straight[k], rel=1e-5) for k in resumed)
+
+
+@pytest.mark.e2e
+def test_a_checkpoint_whose_state_is_flat_as_before_resumes_the_same(grown: dict[str, str], runs: Path) -> None:
+    assert "Resuming at step 8 of epoch 1 (optimizer step 8)" in grown["legacy"]
+    assert [s["samples"] for s in steps(runs, "legacy-resumed")] == [s["samples"] for s in steps(runs, "resumed")]
+    resumed = {int(m["step"]): m["loss"] for m in read_metrics(runs / "killed" / "logs") if m["step"] > 8}
+    legacy = {int(m["step"]): m["loss"] for m in read_metrics(runs / "legacy" / "logs") if m["step"] > 8}
+    assert legacy == resumed

@@ -6,11 +6,13 @@ import pytest
 from config_edits import modified
 from omegaconf import DictConfig
 
-from adaptive_batching.batching.schedule import EpochBatch, grow_entry, plan_batches
+from adaptive_batching.growth.schedule import grow_entry, plan_batches
+from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth.interval import GrowthInterval, Segment, parse_growth_interval
+from adaptive_batching.batching.sampler import SamplerSpan
+from adaptive_batching.growth.interval import GrowthInterval, parse_growth_interval
 
 
 @pytest.mark.parametrize("value, expected", [
@@ -49,7 +51,8 @@ def test_an_interval_needs_a_growth_function_and_sample_count_batching(base_cfg:
         validate_config(modified(base_cfg, {"adaptive_batching.growth_interval": "5 steps",
                                             "adaptive_batching.max_tokens": 4096}))
     settings = validate_config(modified(base_cfg, {"adaptive_batching.growth_interval": "64 samples"}))
-    assert settings.knobs["growth_interval"] == "64 samples"
+    assert settings.growth.growth_interval == GrowthInterval("samples", 64)
+    assert settings.growth.growth_interval.spelling == "64 samples"
 
 
 def test_grow_entry_is_one_step_of_the_epoch_plan() -> None:
@@ -67,6 +70,6 @@ def test_grow_entry_is_one_step_of_the_epoch_plan() -> None:
 
 
 def test_a_segment_maps_epoch_steps_to_its_sampler_and_round_trips() -> None:
-    segment = Segment(first_sample=24, start_step=3)
+    segment = SamplerSpan(first_sample=24, start_step=3)
     assert segment.local(5) == 2
-    assert Segment.from_state(segment.state_dict()) == segment and Segment.from_state(None) == Segment()
+    assert SamplerSpan.from_state(segment.state_dict()) == segment and SamplerSpan.from_state(None) == SamplerSpan()

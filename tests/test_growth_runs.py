@@ -13,7 +13,7 @@ import pytest
 import torch
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
-from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "growth_runs.py"
 _SPEC = importlib.util.spec_from_file_location("growth_runs", _PATH)

@@ -1,4 +1,5 @@
-"""The package's shape: no import cycle between its modules, and no module too long to read."""
+"""The package's shape: layers that only look down (no import cycle between modules or subpackages, imports
+inside functions included), and no module too long to read."""
 
 from __future__ import annotations
 
@@ -70,6 +71,57 @@ def cycles(graph: dict[str, set[str]]) -> list[list[str]]:
         if node not in index:
             visit(node)
     return found
+
+
+# Bottom to top; a subpackage (or top-level module) imports only from layers below its own (docs/contributing.md).
+LAYERS: list[set[str]] = [
+    {"errors", "units"},
+    {"core"},
+    {"runtime"},
+    {"faults", "assets"},
+    {"batching"},
+    {"growth"},
+    {"profiling"},
+    {"config"},
+    {"training"},
+    {"cli", "growth_stats", "configs"},
+]
+
+
+def part_of(module: str) -> str:
+    """``adaptive_batching.growth.plan`` -> ``growth``; the package itself -> ``""``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def package_graph(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    """The module graph collapsed to subpackages and top-level modules."""
+    collapsed: dict[str, set[str]] = {}
+    for module, deps in graph.items():
+        part = part_of(module)
+        if part:
+            collapsed.setdefault(part, set()).update(part_of(d) for d in deps if part_of(d) not in ("", part))
+    return collapsed
+
+
+def test_no_import_cycle_between_subpackages() -> None:
+    assert cycles(package_graph(import_graph())) == []
+
+
+def test_each_subpackage_imports_only_the_layers_below_it() -> None:
+    level = {part: i for i, layer in enumerate(LAYERS) for part in layer}
+    graph = package_graph(import_graph())
+    assert set(graph) - set(level) == set(), "place the new subpackage in LAYERS (and docs/contributing.md)"
+    upward = sorted((a, b) for a, deps in graph.items() for b in deps if level[b] >= level[a])
+    assert upward == []
+
+
+def test_the_layer_check_sees_an_import_inside_a_function(tmp_path: Path) -> None:
+    module = tmp_path / "m.py"
+    module.write_text("def f():\n    from adaptive_batching.training import trainer\n")
+    assert imported_modules(module, {"adaptive_batching.training", "adaptive_batching.training.trainer"}) == {
+        "adaptive_batching.training", "adaptive_batching.training.trainer"}
+    assert package_graph({"adaptive_batching.core.x": {"adaptive_batching.training.trainer"}}) == {"core": {"training"}}
 
 
 def test_no_import_cycle_between_modules() -> None:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 
-from adaptive_batching.growth.lr_scaling import SampleDrivenLR, default_rule, lr_factor, reference_steps
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR, default_rule, lr_factor, reference_steps
 
 
 def optimizer(*lrs: float) -> torch.optim.Optimizer:

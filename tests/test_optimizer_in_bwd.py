@@ -12,7 +12,7 @@ from config_edits import modified
 from omegaconf import DictConfig
 from torch import nn
 
-from adaptive_batching.batching.plan import starting_batch
+from adaptive_batching.growth.plan import starting_batch
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
@@ -191,8 +191,10 @@ def test_keep_global_batch_that_needs_accumulation_names_both_keys(base_cfg: Dic
     with pytest.raises(ConfigError, match=r"keep_global_batch' = True and 'optimizer_in_bwd' = True: the config's "
                                           r"global batch 32 needs 32 samples per forward .* above the profiled micro "
                                           r"batch 20"):
-        starting_batch(settings, BatchShape(32, 1, 1), 1, 20, print)
-    start = starting_batch(settings, BatchShape(16, 1, 1), 1, 20, lambda message: None)
+        starting_batch(settings.growth, None, BatchShape(32, 1, 1), 1, 20, print, use_maximum_batch_size=True,
+                       optimizer_in_bwd=settings.optimizer_in_bwd)
+    start = starting_batch(settings.growth, None, BatchShape(16, 1, 1), 1, 20, lambda message: None,
+                           use_maximum_batch_size=True, optimizer_in_bwd=settings.optimizer_in_bwd)
     assert (start.micro_batch, start.accumulation) == (16, 1)
 
 

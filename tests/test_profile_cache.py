@@ -13,21 +13,21 @@ import torch
 from config_edits import modified
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.settings import KNOBS, validate_config
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling import cache as profile_cache
 from adaptive_batching.profiling.cache import (
     CACHE_SCHEMA,
     cache_file,
-    default_cache_dir,
     load_profile,
     memory_fingerprint_parts,
     save_profile,
 )
+from adaptive_batching.core.paths import default_cache_dir
 from adaptive_batching.runtime.files import fingerprint
 
 KEY = "ab" * 32
-DEFAULT_KNOBS = {name: knob.default for name, knob in KNOBS.items()}
 RESULT = {"micro_batch": 24, "peak_bytes": [1, 2, 3], "budget": {"bytes": 10, "source": "explicit"}}
 
 
@@ -37,7 +37,7 @@ def key_of(cfg: DictConfig, **overrides: Any) -> str:
     machine = dict(world_size=1, device=torch.device("cpu"), device_name="cpu", device_memory_bytes=2**34,
                    torch_version="2.13.0", seq_len=256)
     machine.update(overrides)
-    return fingerprint(memory_fingerprint_parts(cfg, validate_config(cfg).knobs, **machine))
+    return fingerprint(memory_fingerprint_parts(cfg, validate_config(cfg).profiler, **machine))
 
 
 # --- load and save ------------------------------------------------------------------------------
@@ -106,7 +106,7 @@ def test_a_failed_save_keeps_the_old_profile_and_no_temporary_file(tmp_path: Pat
     def crash(src: str, dst: str) -> None:
         raise OSError("disk went away")
 
-    monkeypatch.setattr(profile_cache.os, "replace", crash)
+    monkeypatch.setattr(os, "replace", crash)
     with pytest.raises(OSError, match="disk went away"):
         save_profile(path, KEY, {"micro_batch": 1})
     monkeypatch.undo()
@@ -146,7 +146,7 @@ def test_fingerprint_ignores_key_order() -> None:
 
 
 def test_fingerprint_parts_are_plain_json(base_cfg: DictConfig) -> None:
-    parts = memory_fingerprint_parts(base_cfg, validate_config(base_cfg).knobs, world_size=1, device=torch.device("cpu"), device_name="cpu",
+    parts = memory_fingerprint_parts(base_cfg, validate_config(base_cfg).profiler, world_size=1, device=torch.device("cpu"), device_name="cpu",
                                      device_memory_bytes=2**34, torch_version="2.13.0", seq_len=1450)
     assert json.loads(json.dumps(parts)) == parts
     assert parts["model"]["embed_dim"] == 64 and parts["worst_case_seq_len"] == 1450
@@ -210,7 +210,7 @@ def test_equivalent_budget_settings_fingerprint_alike(base_cfg: DictConfig) -> N
 
 def test_configs_without_optional_keys_still_fingerprint() -> None:
     minimal = OmegaConf.create({"model": {"_component_": "m", "embed_dim": 8}, "adaptive_batching": None})
-    parts = memory_fingerprint_parts(minimal, DEFAULT_KNOBS, world_size=1, device=torch.device("cpu"), device_name="cpu",
+    parts = memory_fingerprint_parts(minimal, ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
                                      device_memory_bytes=1, torch_version="x", seq_len=8)
     assert parts["dtype"] == "fp32" and parts["compile"] is False and parts["worst_case_seq_len"] == 8
     assert parts["adaptive_batching.memory_fraction"] == 0.9 and parts["adaptive_batching.memory_budget"] is None
@@ -221,7 +221,7 @@ def test_configs_without_optional_keys_still_fingerprint() -> None:
 def test_a_dataset_list_is_packed_when_all_are_and_a_mix_is_an_error(base_cfg: DictConfig) -> None:
     def packed(datasets: list[dict[str, Any]]) -> bool:
         cfg = modified(base_cfg, {"dataset": datasets})
-        return memory_fingerprint_parts(cfg, DEFAULT_KNOBS, world_size=1, device=torch.device("cpu"), device_name="cpu",
+        return memory_fingerprint_parts(cfg, ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
                                         device_memory_bytes=1, torch_version="x", seq_len=8)["dataset.packed"]
 
     assert packed([{"_component_": "a", "packed": True}, {"_component_": "b", "packed": True}]) is True

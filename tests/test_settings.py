@@ -6,11 +6,14 @@ import dataclasses
 from typing import Any
 
 import pytest
-from config_edits import CONFIGS, DELETE, modified
+from config_edits import CONFIGS, DELETE, modified, setting, typed
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.batching.elastic import ElasticSpec
+from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
+from adaptive_batching.faults.settings import FaultSettings
+from adaptive_batching.growth.settings import GrowthSettings
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.units import parse_bytes
 
 
@@ -31,11 +34,11 @@ def test_shipped_tiny_configs_profile_then_grow(name: str) -> None:
     assert settings.use_maximum_batch_size is True
     assert settings.batch_increase_function(1, 86) == 86  # geometric, factor 2
     assert settings.lr_scaling == "sqrt"  # AdamW's default
-    assert settings.knobs["memory_budget"] == "512MiB"
-    assert settings.knobs["grow_past_memory"] == "accumulate"
-    assert settings.knobs["cache_dir"] == "/tmp/adaptive-batching/" + name + "/profile_cache"
+    assert settings.profiler.memory_budget == "512MiB"
+    assert settings.growth.grow_past_memory == "accumulate"
+    assert settings.profiler.cache_dir == settings.batching.cache_dir == f"/tmp/adaptive-batching/{name}/profile_cache"
     untouched = {k for k in KNOBS if k not in ("memory_budget", "cache_dir", "grow_past_memory")}
-    assert {k: settings.knobs[k] for k in untouched} == {k: KNOBS[k].default for k in untouched}
+    assert {k: setting(settings, k) for k in untouched} == {k: typed(k, KNOBS[k].default) for k in untouched}
 
 
 def test_knob_defaults_are_the_documented_ones() -> None:
@@ -66,7 +69,15 @@ def test_optional_recipe_keys_may_be_absent(base_cfg: DictConfig) -> None:
                              "batch_increase_function", "lr_scaling", "adaptive_batching")},
     )
     settings = validate_config(cfg)
-    assert settings.knobs == {name: knob.default for name, knob in KNOBS.items()}
+    assert {name: setting(settings, name) for name in KNOBS} == {name: typed(name, k.default) for name, k in KNOBS.items()}
+
+
+def test_each_sections_own_defaults_are_the_documented_ones(base_cfg: DictConfig) -> None:
+    """The dataclasses' defaults, which code that builds a section itself gets, equal KNOBS' (docs/config-keys.md)."""
+    settings = validate_config(modified(base_cfg, {"adaptive_batching": DELETE}))
+    assert (settings.profiler, settings.batching, settings.faults, settings.elastic) == \
+        (ProfilerSettings(), BatchingSettings(), FaultSettings(), None)
+    assert dataclasses.replace(settings.growth, increase=None, lr_scaling="sqrt") == GrowthSettings()
 
 
 @pytest.mark.parametrize("rule", ["linear", "sqrt", "none"])
@@ -76,14 +87,8 @@ def test_lr_scaling_rules_accepted(base_cfg: DictConfig, rule: str) -> None:
 
 @pytest.mark.parametrize("value", ["power_of_two", "none", "multiple_of_8", "multiple_of_1"])
 def test_round_to_valid_values_pass_the_type_check(base_cfg: DictConfig, value: str) -> None:
-    """A well-formed round_to either validates or fails only because its feature is not available."""
     cfg = modified(base_cfg, {"adaptive_batching.round_to": value})
-    if value == KNOBS["round_to"].default or KNOBS["round_to"].available:
-        assert validate_config(cfg).knobs["round_to"] == value
-    else:
-        message = config_error(cfg)
-        assert "is invalid" not in message
-        assert "does not provide" in message
+    assert validate_config(cfg).profiler.round_to == value
 
 
 # --------------------------------------------------------------------------- #
@@ -186,26 +191,10 @@ def test_unknown_knobs_are_all_named(base_cfg: DictConfig) -> None:
     assert "known keys under 'adaptive_batching'" in message
 
 
-def test_bad_knob_type_reported_before_availability(base_cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A malformed value is reported as invalid, not as an unavailable feature."""
-    monkeypatch.setitem(KNOBS, "max_batch_size", dataclasses.replace(KNOBS["max_batch_size"], available=False))
+def test_bad_knob_type_names_the_key_and_the_allowed_values(base_cfg: DictConfig) -> None:
     message = config_error(modified(base_cfg, {"adaptive_batching.max_batch_size": 0}))
     assert "'adaptive_batching.max_batch_size' = 0 is invalid" in message
     assert "null or an integer >= 1" in message
-
-
-# --------------------------------------------------------------------------- #
-# Features this version does not provide
-# --------------------------------------------------------------------------- #
-
-def test_unavailable_features_fail_clearly(base_cfg: DictConfig, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The mechanism for a feature a version does not provide (every knob is available in this one)."""
-    monkeypatch.setitem(KNOBS, "max_batch_size", dataclasses.replace(KNOBS["max_batch_size"], available=False))
-    message = config_error(modified(base_cfg, {"adaptive_batching.max_batch_size": 8}))
-    assert "'adaptive_batching.max_batch_size'" in message
-    assert "token-budget batching" in message
-    assert "does not provide" in message
-    assert "remove the key or set it to its default" in message
 
 
 NON_DEFAULT_VALID = {
@@ -246,16 +235,14 @@ def test_each_knob_non_default(base_cfg: DictConfig, name: str) -> None:
     companions = {"adaptive_batching.max_tokens": 4096} if name in TOKEN_BUDGET_COMPANIONS else \
         {"batch_increase_function": None} if name in ("elastic", "keep_global_batch") else {}
     cfg = modified(base_cfg, {f"adaptive_batching.{name}": value, **companions})
-    assert KNOBS[name].available
-    expected = ElasticSpec.from_config(value) if name == "elastic" else value
-    assert validate_config(cfg).knobs[name] == expected
+    assert setting(validate_config(cfg), name) == typed(name, value)
 
 
 @pytest.mark.parametrize("name", sorted(KNOBS))
 def test_each_knob_at_its_default_passes(base_cfg: DictConfig, name: str) -> None:
     default = KNOBS[name].default
     settings = validate_config(modified(base_cfg, {f"adaptive_batching.{name}": default}))
-    assert settings.knobs[name] == default
+    assert setting(settings, name) == typed(name, default)
 
 
 def test_all_knobs_explicitly_at_default_pass(base_cfg: DictConfig) -> None:

@@ -98,9 +98,9 @@ def test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only(
 def test_the_shipped_real_model_configs_profile_and_say_how_their_batch_adapts(name: str) -> None:
     settings = validate_config(load_config(name))
     assert settings.needs_profile
-    assert settings.knobs["keep_global_batch"] != (settings.batch_increase_function is not None)
+    assert settings.growth.keep_global_batch != (settings.batch_increase_function is not None)
     text = resolve_config(name).read_text()
-    why = "keeps the global batch" if settings.knobs["keep_global_batch"] else "Growth" if "noise" in text else "warmup"
+    why = "keeps the global batch" if settings.growth.keep_global_batch else "Growth" if "noise" in text else "warmup"
     assert why in text
 
 

@@ -59,12 +59,12 @@ def test_a_worst_case_beyond_the_model_is_a_config_error_naming_the_key() -> Non
         worst_case.check_fits(worst_case.WorstCase(1450, "the longest"), 512)
 
 
-def test_estimate_without_data_asks_for_the_length() -> None:
+def test_estimate_without_data_asks_for_the_length(tmp_path: Path) -> None:
     cfg = OmegaConf.create({"tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
                                           "path": "/nonexistent/tokenizer.model"},
                             "dataset": {"_component_": "torchtune.datasets.alpaca_dataset"}})
     with pytest.raises(ConfigError, match=r"could not be read here \(FileNotFoundError: .*give it with --seq-len N"):
-        worst_case.from_config(cfg)
+        worst_case.from_config(cfg, tmp_path)
 
 
 @pytest.mark.e2e

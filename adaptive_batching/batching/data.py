@@ -16,7 +16,7 @@ from torchtune.data import padded_collate_packed
 
 from adaptive_batching.batching.sampler import StepBatchSampler, collate_allowing_empty
 from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler
-from adaptive_batching.config.nodes import packed
+from adaptive_batching.core.nodes import packed
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime.distributed import ParallelInfo
 

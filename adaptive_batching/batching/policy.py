@@ -20,7 +20,8 @@ from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
 from adaptive_batching.batching.data import build_dataloader, build_token_dataloader
 from adaptive_batching.batching.sampler import epoch_extent
-from adaptive_batching.batching.schedule import EpochBatch
+from adaptive_batching.batching.settings import BatchingSettings
+from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.batching.token_sampler import padding_waste
 from adaptive_batching.batching.worst_case import WorstCase
@@ -28,10 +29,9 @@ from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults.guard import piece_size
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.faults.recovery import Cuts, SampleCuts, TokenCuts
-from adaptive_batching.growth.interval import Segment
-from adaptive_batching.growth.lr_scaling import lr_factor
-from adaptive_batching.profiling.cache import default_cache_dir
-from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.batching.sampler import SamplerSpan
+from adaptive_batching.batching.lr_scaling import lr_factor
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime.distributed import ParallelInfo
 
 
@@ -55,8 +55,8 @@ class DataContext:
 class SampleBatching:
     """A fixed number of samples per micro batch: the plan's micro batch, cut into ``split`` after an OOM."""
 
-    def __init__(self, knobs: dict[str, Any]) -> None:
-        self.knobs = knobs
+    def __init__(self, settings: BatchingSettings) -> None:
+        self.settings = settings
         self.data: Optional[DataContext] = None
         self.epoch_plan: list[EpochBatch] = []
         self.worst: Optional[WorstCase] = None  # the longest sample, when the profiler needs it
@@ -64,7 +64,7 @@ class SampleBatching:
     @property
     def cache_dir(self) -> Path:
         """Where profiles and sample lengths are cached."""
-        return default_cache_dir() if self.knobs["cache_dir"] is None else Path(self.knobs["cache_dir"])
+        return self.settings.cache_path
 
     def cuts(self) -> Cuts:
         return SampleCuts()
@@ -76,8 +76,8 @@ class SampleBatching:
             self.worst, _ = worst_case.measure(data.dataset, cfg, packed=data.packed, cache_dir=self.cache_dir,
                                                info=info)
 
-    def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
-             profiled: Optional[int], verify: "Verifier", info: Callable[[str], None]) -> None:
+    def plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: "Verifier",
+             info: Callable[[str], None]) -> None:
         self.epoch_plan = epoch_plan
 
     def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
@@ -85,23 +85,23 @@ class SampleBatching:
         assert self.data is not None
         check_plan_against_data(
             self.epoch_plan, dataset_size=len(self.data.dataset), profiled=profiled,
-            allow_above_data=self.knobs["allow_global_batch_above_data"],
+            allow_above_data=self.settings.allow_global_batch_above_data,
             reference_global_batch=reference_global_batch, rule=rule,
         )
         warnings = lr_factor_warnings(self.epoch_plan, reference_global_batch=reference_global_batch, rule=rule)
         if warnings:
             warn("\n".join(warnings))
 
-    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
-        """``epoch``'s loader from the sampler's step ``start_step``, serving ``segment`` of the epoch."""
+    def loader(self, epoch: int, split: int, start_step: int, span: Optional[SamplerSpan] = None) -> Any:
+        """``epoch``'s loader from the sampler's step ``start_step``, serving ``span`` of the epoch."""
         assert self.data is not None
-        segment = segment or Segment()
+        span = span or SamplerSpan()
         shape = self.epoch_plan[epoch].shape
         common = self.data.common(epoch, split, start_step)
         if common["max_steps"] is not None:
-            common["max_steps"] = max(1, common["max_steps"] - segment.start_step)
+            common["max_steps"] = max(1, common["max_steps"] - span.start_step)
         return build_dataloader(self.data.dataset, micro_batch=shape.micro_batch, accumulation=shape.accumulation,
-                                first_sample=segment.first_sample, **common)
+                                first_sample=span.first_sample, **common)
 
     def extent(self, epoch: int) -> tuple[int, int]:
         """Optimizer steps and samples (all ranks) of ``epoch`` as planned."""
@@ -163,6 +163,9 @@ class SampleBatching:
     def state_dict(self) -> dict[str, Any]:
         return {"token_budget": None}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Nothing to restore: a sample count is the plan's."""
+
 
 # Opens a context (training state preserved) that yields ``trial_step(samples, seq_len) -> StepMemory``.
 Verifier = Callable[[], AbstractContextManager[Callable[[int, int], StepMemory]]]
@@ -172,8 +175,8 @@ class TokenBatching(SampleBatching):
     """Micro batches filled up to a token budget (padded tokens); the budget grows as a micro batch would,
     and after an OOM each micro batch runs as ``split`` pieces."""
 
-    def __init__(self, knobs: dict[str, Any]) -> None:
-        super().__init__(knobs)
+    def __init__(self, settings: BatchingSettings) -> None:
+        super().__init__(settings)
         self.lengths: list[int] = []
         self.budgets: list[int] = []
 
@@ -190,16 +193,17 @@ class TokenBatching(SampleBatching):
         info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
              f"(median {ordered[len(ordered) // 2]})")
 
-    def plan(self, epoch_plan: list[EpochBatch], *, start: int, resumed: dict[str, Any],
-             profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> None:
+    def plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier,
+             info: Callable[[str], None]) -> None:
+        """Each epoch's budget; the first epoch's is decided once (a resumed run's and a re-plan keep it)."""
         self.epoch_plan = epoch_plan
-        base = resumed.get("token_budget") or self._base(start, profiled, verify, info)
+        base = self.budgets[0] if self.budgets else self._base(start, profiled, verify, info)
         # Growth scales the budget as it would scale a micro batch of samples.
         self.budgets = [base * entry.shape.micro_batch // start for entry in epoch_plan]
 
     def _base(self, start: int, profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> int:
         """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
-        value = self.knobs["max_tokens"]
+        value = self.settings.max_tokens
         if profiled is None:
             return int(value)
         seq_len = max(self.lengths)
@@ -235,12 +239,12 @@ class TokenBatching(SampleBatching):
     def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
         """Steps hold as many samples as the budget packs: the sample-count rails do not apply."""
 
-    def loader(self, epoch: int, split: int, start_step: int, segment: Optional[Segment] = None) -> Any:
+    def loader(self, epoch: int, split: int, start_step: int, span: Optional[SamplerSpan] = None) -> Any:
         assert self.data is not None
         return build_token_dataloader(
             self.data.dataset, self.lengths, max_tokens=self.budgets[epoch],
-            picking_order=self.knobs["picking_order"], min_batch_size=self.knobs["min_batch_size"],
-            max_batch_size=self.knobs["max_batch_size"], accumulation=self.epoch_plan[epoch].shape.accumulation,
+            picking_order=self.settings.picking_order, min_batch_size=self.settings.min_batch_size,
+            max_batch_size=self.settings.max_batch_size, accumulation=self.epoch_plan[epoch].shape.accumulation,
             **self.data.common(epoch, split, start_step),
         )
 
@@ -298,7 +302,10 @@ class TokenBatching(SampleBatching):
     def state_dict(self) -> dict[str, Any]:
         return {"token_budget": self.budgets[0] if self.budgets else None}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.budgets = [state["token_budget"]] if state.get("token_budget") else []
 
-def batching_for(knobs: dict[str, Any]) -> SampleBatching:
+
+def batching_for(settings: BatchingSettings) -> SampleBatching:
     """The policy ``adaptive_batching.max_tokens`` asks for: a token budget when set, else samples."""
-    return TokenBatching(knobs) if knobs["max_tokens"] is not None else SampleBatching(knobs)
+    return TokenBatching(settings) if settings.token_budget else SampleBatching(settings)

@@ -10,6 +10,7 @@ that counts no tokens.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
@@ -318,3 +319,23 @@ def collate_allowing_empty(collate_fn: Callable[[list[Any]], Batch], *, pad_id: 
                            packed: bool) -> Callable[[list[Any]], Batch]:
     """Wrap a torchtune collate so that the sampler's empty micro batches become ignored batches."""
     return EmptyTolerantCollate(collate_fn, pad_id=pad_id, ignore_index=ignore_index, packed=packed)
+
+
+@dataclass
+class SamplerSpan:
+    """The part of an epoch one sampler serves: from ``first_sample`` in the epoch's order, after
+    ``start_step`` optimizer steps of the epoch served by earlier samplers."""
+
+    first_sample: int = 0
+    start_step: int = 0
+
+    def local(self, step_in_epoch: int) -> int:
+        """The sampler's own step index of the epoch's step ``step_in_epoch``."""
+        return step_in_epoch - self.start_step
+
+    def state_dict(self) -> dict[str, int]:
+        return {"first_sample": self.first_sample, "start_step": self.start_step}
+
+    @classmethod
+    def from_state(cls, state: Any) -> "SamplerSpan":
+        return cls(**state) if state else cls()

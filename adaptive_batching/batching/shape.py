@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -53,3 +54,25 @@ def shape_keeping_global_batch(global_batch: int, ranks: int, memory_cap: int) -
                f"{micro} is the largest divisor under it (a global batch with more divisors, such as a power of "
                "two, lets the micro batch come closer)")
     return shape, why
+
+
+@dataclass(frozen=True)
+class EpochBatch:
+    """The batch of one epoch in a plan.
+
+    ``requested``: the micro batch asked for at this epoch: ``start`` at epoch 0, then what the
+    function saw plus its increment (under ``skip`` a growth past the cap is not asked for, so
+    it stays what the function saw). ``increment``: what the function returned (0 at epoch 0).
+    ``shape``: the micro batch, accumulation and ranks realised. ``reason``: ``start`` (epoch 0
+    within the cap), ``function`` (the function's change applied within the cap), ``capped``
+    (the cap held the micro batch back), ``accumulated`` (the requested size realised with extra
+    accumulation), ``unchanged`` (the function returned 0). ``memory_cap``: the memory cap
+    the plan used (None = none).
+    """
+
+    epoch: int
+    requested: int
+    increment: int
+    shape: BatchShape
+    reason: str
+    memory_cap: Optional[int] = None

@@ -86,18 +86,15 @@ def check_fits(worst: Optional[WorstCase], model_max_seq_len: int) -> None:
                           f"{model_max_seq_len}: set tokenizer.max_seq_len to at most {model_max_seq_len}")
 
 
-def from_config(cfg: DictConfig, info: Callable[[str], None] = lambda message: None) -> WorstCase:
+def from_config(cfg: DictConfig, cache_dir: Path, info: Callable[[str], None] = lambda message: None) -> WorstCase:
     """The worst case of a config's data, building its tokenizer and data set here (``estimate``, which has
     no run). A data set or tokenizer that cannot be read here (a hub data set offline, a tokenizer file
     not downloaded) is one error that says to give the length instead."""
     from torchtune import config
 
     from adaptive_batching.batching.data import build_dataset
-    from adaptive_batching.config.loading import one_line
-    from adaptive_batching.profiling.cache import default_cache_dir
+    from adaptive_batching.core.nodes import one_line
 
-    section = cfg.get("adaptive_batching", None) or {}
-    cache_dir = section.get("cache_dir", None)
     try:
         tokenizer = config.instantiate(cfg.tokenizer)
         dataset, packed = build_dataset(cfg.dataset, tokenizer)
@@ -105,5 +102,4 @@ def from_config(cfg: DictConfig, info: Callable[[str], None] = lambda message: N
         raise ConfigError(f"the worst-case sample length comes from the data of config keys 'tokenizer' and "
                           f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
                           f"--seq-len N (tokens in the longest sample after truncation)") from None
-    return measure(dataset, cfg, packed=packed, info=info,
-                   cache_dir=default_cache_dir() if cache_dir is None else Path(cache_dir))[0]
+    return measure(dataset, cfg, packed=packed, info=info, cache_dir=cache_dir)[0]

@@ -7,19 +7,16 @@ so the recipes resolve it themselves before handing over to torchtune's own pars
 
 from __future__ import annotations
 
-import contextlib
 import difflib
 import functools
 import os
 import sys
-import traceback
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from omegaconf import DictConfig
 from torchtune import config as tune_config
-from torchtune.config._errors import InstantiationError
 
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
 from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
@@ -101,36 +98,6 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> DictConfig:
 
     yaml = OmegaConf.to_container(OmegaConf.load(resolve_config(name)), resolve=False)
     return _merge_yaml_and_cli_args(Namespace(**yaml), list(overrides))
-
-
-def one_line(error: BaseException) -> str:
-    """An error as one line: its type and its message, lines joined."""
-    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
-    return f"{type(error).__name__}: {text}" if text else type(error).__name__
-
-
-def _is_config_error(error: BaseException) -> bool:
-    """Errors a config node causes while it is built: a `_component_` that does not import, a file that is not
-    there, or arguments the component does not take (a TypeError raised at torchtune's call of the component,
-    not inside it, which would be a bug with a traceback worth keeping)."""
-    if isinstance(error, (InstantiationError, FileNotFoundError)):
-        return True
-    frames = traceback.extract_tb(error.__traceback__)
-    return isinstance(error, TypeError) and bool(frames) and frames[-1].name == "_create_component"
-
-
-@contextlib.contextmanager
-def building(key: str) -> Iterator[None]:
-    """Build the config node ``key``: an error that is the config's (see :func:`_is_config_error`) becomes a
-    :class:`ConfigError` naming the key, reported in one line."""
-    try:
-        yield
-    except Exception as error:
-        if not _is_config_error(error):
-            raise
-        raise ConfigError(f"config key '{key}': {one_line(error)}") from error
-
-
 
 
 _GIVEN_ARGV: list[str] = []

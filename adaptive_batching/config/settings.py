@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -19,19 +19,23 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtune import config, utils
 
 from adaptive_batching.batching.elastic import ElasticSpec
-from adaptive_batching.batching.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
+from adaptive_batching.batching.settings import BatchingSettings
+from adaptive_batching.growth.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
-from adaptive_batching.config.memory_savers import (
+from adaptive_batching.core.memory_savers import (
     check_activation_offloading,
     check_optimizer_in_bwd,
     check_optional_packages,
 )
-from adaptive_batching.config.nodes import packed, plain
+from adaptive_batching.core.nodes import packed, plain
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import preemption
+from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
-from adaptive_batching.growth.interval import growth_interval_error
-from adaptive_batching.growth.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.growth.interval import growth_interval_error, parse_growth_interval
+from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.growth.settings import GrowthSettings
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.units import parse_bytes
 
 ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
@@ -105,64 +109,87 @@ def _opt_mapping(v: Any) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Knob:
-    """One key under ``adaptive_batching:``."""
+    """One key under ``adaptive_batching:``: its default as a config writes it, its check, the section it
+    belongs to and the feature it is for (named in errors)."""
 
     default: Any
     check: Check
-    available: bool
+    section: str
     feature: str
 
 
+PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", "elastic", "faults"
+
 KNOBS: dict[str, Knob] = {
-    "memory_budget": Knob(None, _memory, True, "the start-up batch-size profiler"),
-    "memory_fraction": Knob(0.9, _fraction, True, "the start-up batch-size profiler"),
-    "safety_margin": Knob(0.05, _margin, True, "the start-up batch-size profiler"),
-    "round_to": Knob("none", _round_to, True, "the start-up batch-size profiler"),
-    "search_tolerance": Knob(0.01, _tolerance, True, "the start-up batch-size profiler"),
-    "reprofile": Knob(False, _bool, True, "the start-up batch-size profiler"),
-    "cache_dir": Knob(None, _opt_str, True, "the start-up batch-size profiler"),
-    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), True, "per-epoch batch growth"),
-    "growth_interval": Knob("epoch", growth_interval_error, True, "batch growth inside an epoch"),
-    "allow_global_batch_above_data": Knob(False, _bool, True, "a global batch larger than the epoch's samples"),
-    "keep_global_batch": Knob(False, _bool, True, "the fixed-global-batch mode"),
-    "max_tokens": Knob(None, _max_tokens, True, "token-budget batching"),
-    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), True,
-                          "token-budget batching"),
-    "min_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
-    "max_batch_size": Knob(None, _opt_pos_int, True, "token-budget batching"),
-    "elastic": Knob(None, _opt_mapping, True, "elastic global batch sizes"),
-    "oom_recovery": Knob(True, _bool, True, "recovery from an out-of-memory error"),
-    "oom_grow_back_after": Knob(None, _opt_pos_int, True, "recovery from an out-of-memory error"),
-    "guard_steps": Knob(4, _non_neg_int, True, "recovery from an out-of-memory error"),
-    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, True, "stopping cleanly on a signal"),
+    "memory_budget": Knob(None, _memory, PROFILER, "the start-up batch-size profiler"),
+    "memory_fraction": Knob(0.9, _fraction, PROFILER, "the start-up batch-size profiler"),
+    "safety_margin": Knob(0.05, _margin, PROFILER, "the start-up batch-size profiler"),
+    "round_to": Knob("none", _round_to, PROFILER, "the start-up batch-size profiler"),
+    "search_tolerance": Knob(0.01, _tolerance, PROFILER, "the start-up batch-size profiler"),
+    "reprofile": Knob(False, _bool, PROFILER, "the start-up batch-size profiler"),
+    "cache_dir": Knob(None, _opt_str, PROFILER, "the start-up batch-size profiler"),
+    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), GROWTH, "per-epoch batch growth"),
+    "growth_interval": Knob("epoch", growth_interval_error, GROWTH, "batch growth inside an epoch"),
+    "allow_global_batch_above_data": Knob(False, _bool, BATCHING, "a global batch larger than the epoch's samples"),
+    "keep_global_batch": Knob(False, _bool, GROWTH, "the fixed-global-batch mode"),
+    "max_tokens": Knob(None, _max_tokens, BATCHING, "token-budget batching"),
+    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), BATCHING, "token-budget batching"),
+    "min_batch_size": Knob(None, _opt_pos_int, BATCHING, "token-budget batching"),
+    "max_batch_size": Knob(None, _opt_pos_int, BATCHING, "token-budget batching"),
+    "elastic": Knob(None, _opt_mapping, ELASTIC, "elastic global batch sizes"),
+    "oom_recovery": Knob(True, _bool, FAULTS, "recovery from an out-of-memory error"),
+    "oom_grow_back_after": Knob(None, _opt_pos_int, FAULTS, "recovery from an out-of-memory error"),
+    "guard_steps": Knob(4, _non_neg_int, FAULTS, "recovery from an out-of-memory error"),
+    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, FAULTS, "stopping cleanly on a signal"),
 }
 
 
 @dataclass(frozen=True)
 class AdaptiveSettings:
-    """The validated adaptive configuration of one run."""
+    """The validated adaptive configuration of one run: a few run-wide switches and one typed section per part,
+    each part given only its own."""
 
     use_maximum_batch_size: bool = False
-    batch_increase_function: Optional[Callable[[int, int], int]] = None
-    lr_scaling: str = "sqrt"
-    knobs: dict[str, Any] = field(default_factory=lambda: {k: v.default for k, v in KNOBS.items()})
     optimizer_in_bwd: bool = False  # one micro batch per optimizer step: no accumulation anywhere
+    profiler: ProfilerSettings = ProfilerSettings()
+    batching: BatchingSettings = BatchingSettings()
+    growth: GrowthSettings = GrowthSettings()
+    elastic: Optional[ElasticSpec] = None
+    faults: FaultSettings = FaultSettings()
+
+    @property
+    def batch_increase_function(self) -> Optional[Callable[[int, int], int]]:
+        return self.growth.increase
+
+    @property
+    def lr_scaling(self) -> str:
+        return self.growth.lr_scaling
 
     @property
     def needs_profile(self) -> bool:
         """The profile gives the starting micro batch (``use_maximum_batch_size``) and the cap on growth."""
-        return self.use_maximum_batch_size or self.batch_increase_function is not None
+        return self.use_maximum_batch_size or self.growth.increase is not None
+
+
+def sections(values: Mapping[str, Any], increase: Optional[Callable[[int, int], int]] = None,
+             lr_scaling: str = "sqrt") -> dict[str, Any]:
+    """The typed sections of ``adaptive_batching:`` values already checked (every knob present)."""
+    of = {part: {name: values[name] for name, knob in KNOBS.items() if knob.section == part}
+          for part in (PROFILER, BATCHING, GROWTH, FAULTS)}
+    growth = {**of[GROWTH], "growth_interval": parse_growth_interval(of[GROWTH]["growth_interval"])}
+    elastic = values["elastic"]
+    return dict(
+        profiler=ProfilerSettings(**of[PROFILER]),
+        batching=BatchingSettings(**of[BATCHING], cache_dir=values["cache_dir"]),
+        growth=GrowthSettings(increase=increase, lr_scaling=lr_scaling, **growth),
+        elastic=None if elastic is None else ElasticSpec.from_config(elastic),
+        faults=FaultSettings(**{**of[FAULTS], "stop_signals": tuple(of[FAULTS]["stop_signals"])}),
+    )
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}' = {value!r} is invalid: expected {allowed}")
 
-
-def _not_available(key: str, value: Any, feature: str) -> ConfigError:
-    return ConfigError(
-        f"config key '{key}' = {value!r} asks for {feature}, which this version of "
-        f"adaptive-batching does not provide yet; remove the key or set it to its default"
-    )
 
 
 
@@ -241,37 +268,37 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
             f"unknown config key(s) {', '.join('adaptive_batching.' + k for k in unknown)}; "
             f"known keys under 'adaptive_batching': {', '.join(KNOBS)}"
         )
-    knobs = {name: knob.default for name, knob in KNOBS.items()}
+    values = {name: knob.default for name, knob in KNOBS.items()}
     for name, value in section.items():
-        knob = KNOBS[name]
-        allowed = knob.check(value)
+        allowed = KNOBS[name].check(value)
         if allowed:
             raise _fail(f"adaptive_batching.{name}", value, allowed)
-        if value != knob.default and not knob.available:
-            raise _not_available(f"adaptive_batching.{name}", value, knob.feature)
-        knobs[name] = value
-    _check_token_budget(cfg, knobs, use_max)
-    _check_elastic(knobs, increase)
-    _check_keep_global_batch(knobs, increase, use_max)
-    _check_growth_interval(knobs, increase)
+        values[name] = value
+    parts = sections(values, increase, lr_scaling)
+    growth, batching = parts["growth"], parts["batching"]
+    _check_token_budget(cfg, batching, use_max)
+    _check_elastic(parts["elastic"], growth, batching)
+    _check_keep_global_batch(growth, use_max, elastic=parts["elastic"], batching=batching)
+    _check_growth_interval(growth, batching)
     check_optional_packages(cfg)
-    in_bwd = check_optimizer_in_bwd(cfg, knobs)
+    in_bwd = check_optimizer_in_bwd(cfg, grow_past_memory=growth.grow_past_memory,
+                                    elastic=parts["elastic"] is not None, max_tokens=batching.token_budget)
     check_activation_offloading(cfg)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
         plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
                      ranks=1, increase=increase, memory_cap=None)
-    return AdaptiveSettings(use_max, increase, lr_scaling, knobs, in_bwd)
+    return AdaptiveSettings(use_max, in_bwd, **parts)
 
 
-def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -> None:
+def _check_token_budget(cfg: DictConfig, batching: BatchingSettings, use_max: bool) -> None:
     """The token-budget keys go together, on unpacked data; their bounds must not contradict."""
-    budget = knobs["max_tokens"]
+    budget = batching.max_tokens
     if budget is None:
         for name, default in (("picking_order", "dataloader"), ("min_batch_size", None), ("max_batch_size", None)):
-            if knobs[name] != default:
-                raise ConfigError(f"config key 'adaptive_batching.{name}' = {knobs[name]!r} only applies to "
-                                  "token-budget batching; set adaptive_batching.max_tokens too, or remove it")
+            if getattr(batching, name) != default:
+                raise ConfigError(f"config key 'adaptive_batching.{name}' = {getattr(batching, name)!r} only applies "
+                                  "to token-budget batching; set adaptive_batching.max_tokens too, or remove it")
         return
     if packed(cfg.get("dataset", None)):
         raise ConfigError(f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
@@ -280,50 +307,49 @@ def _check_token_budget(cfg: DictConfig, knobs: dict[str, Any], use_max: bool) -
     if budget == "auto" and not use_max:
         raise ConfigError("config key 'adaptive_batching.max_tokens' = 'auto' asks the profiler for the budget; "
                           "set use_maximum_batch_size=True, or give a number of tokens")
-    low, high = knobs["min_batch_size"], knobs["max_batch_size"]
+    low, high = batching.min_batch_size, batching.max_batch_size
     if low is not None and high is not None and low > high:
         raise ConfigError(f"config keys 'adaptive_batching.min_batch_size' = {low} and "
                           f"'adaptive_batching.max_batch_size' = {high} contradict: expected min <= max")
 
 
-def _check_elastic(knobs: dict[str, Any], increase: Any) -> None:
-    node = knobs["elastic"]
-    if node is None:
+def _check_elastic(elastic: Optional[ElasticSpec], growth: GrowthSettings, batching: BatchingSettings) -> None:
+    if elastic is None:
         return
-    knobs["elastic"] = ElasticSpec.from_config(node)
-    if increase is not None:
+    if growth.increase is not None:
         raise ConfigError("config key 'adaptive_batching.elastic' fixes one global batch for the whole run; "
                           "it cannot be combined with batch_increase_function (set it to null)")
-    if knobs["max_tokens"] is not None:
+    if batching.token_budget:
         raise ConfigError("config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
                           "it cannot be combined with adaptive_batching.max_tokens (set it to null)")
 
 
-def _check_keep_global_batch(knobs: dict[str, Any], increase: Any, use_max: bool) -> None:
+def _check_keep_global_batch(growth: GrowthSettings, use_max: bool, *, elastic: Optional[ElasticSpec],
+                             batching: BatchingSettings) -> None:
     """The fixed-global-batch mode takes its micro batch from the profiler and fixes the global batch."""
-    if not knobs["keep_global_batch"]:
+    if not growth.keep_global_batch:
         return
     key = "config key 'adaptive_batching.keep_global_batch' = True"
     if not use_max:
         raise ConfigError(f"{key} takes the micro batch from the profiler; set use_maximum_batch_size=True")
-    if increase is not None:
+    if growth.increase is not None:
         raise ConfigError(f"{key} keeps one global batch for the whole run; it cannot be combined with "
                           "batch_increase_function (set it to null)")
-    for other, default in (("max_tokens", None), ("elastic", None)):
-        if knobs[other] != default:
+    for other, on in (("max_tokens", batching.token_budget), ("elastic", elastic is not None)):
+        if on:
             raise ConfigError(f"{key} cannot be combined with adaptive_batching.{other} (set it to null)")
 
 
-def _check_growth_interval(knobs: dict[str, Any], increase: Any) -> None:
+def _check_growth_interval(growth: GrowthSettings, batching: BatchingSettings) -> None:
     """Growth inside an epoch needs a growth function and sample-count batching."""
-    value = knobs["growth_interval"]
-    if value == "epoch":
+    interval = growth.growth_interval
+    if interval.per_epoch:
         return
-    key = f"config key '{GROWTH_KEY}' = {value!r}"
-    if increase is None:
+    key = f"config key '{GROWTH_KEY}' = {interval.spelling!r}"
+    if growth.increase is None:
         raise ConfigError(f"{key} says when the batch grows, but batch_increase_function is null: set one, "
                           "or remove the key")
-    if knobs["max_tokens"] is not None:
+    if batching.token_budget:
         raise ConfigError(f"{key} needs sample-count batching; token-budget batching "
                           "(adaptive_batching.max_tokens) grows at epoch starts only: set growth_interval to 'epoch'")
 

@@ -7,14 +7,14 @@ period's 0-based index in the place of the epoch: with ``epoch`` the two are the
 keeps its meaning (``linear_ramp`` with ``every: 2`` grows at every second boundary).
 
 Growth inside an epoch swaps the sampler at a step boundary; the new one continues the epoch's
-order where the old one stopped (:class:`Segment`), so no sample is skipped or repeated, and a
+order where the old one stopped (:class:`~adaptive_batching.batching.sampler.SamplerSpan`), so no sample is skipped or repeated, and a
 checkpoint saves the segment so resume stays exact.
 """
 
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 KEY = "adaptive_batching.growth_interval"
@@ -29,6 +29,7 @@ class GrowthInterval:
 
     unit: str = "epoch"
     every: int = 1
+    spelling: str = field(default="epoch", compare=False)  # as the config wrote it, for messages
 
     @property
     def per_epoch(self) -> bool:
@@ -61,24 +62,4 @@ def parse_growth_interval(value: Any) -> GrowthInterval:
     if match is None or int(match.group(1)) < 1:
         raise ValueError(f"config key '{KEY}' = {value!r} is invalid: expected {ALLOWED}")
     unit = match.group(2) if match.group(2).endswith("s") else match.group(2) + "s"
-    return GrowthInterval(unit, int(match.group(1)))
-
-
-@dataclass
-class Segment:
-    """The part of an epoch one sampler serves: from ``first_sample`` in the epoch's order, after
-    ``start_step`` optimizer steps of the epoch served by earlier samplers."""
-
-    first_sample: int = 0
-    start_step: int = 0
-
-    def local(self, step_in_epoch: int) -> int:
-        """The sampler's own step index of the epoch's step ``step_in_epoch``."""
-        return step_in_epoch - self.start_step
-
-    def state_dict(self) -> dict[str, int]:
-        return {"first_sample": self.first_sample, "start_step": self.start_step}
-
-    @classmethod
-    def from_state(cls, state: Any) -> "Segment":
-        return cls(**state) if state else cls()
+    return GrowthInterval(unit, int(match.group(1)), value)

@@ -25,9 +25,39 @@ import functools
 import inspect
 import math
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Callable, Iterator, Optional
 
 from adaptive_batching.growth.functions import check_call
+
+
+@dataclass(frozen=True)
+class TrainingStatistics(Mapping):
+    """What a statistics-reading growth function is given as ``stats`` (the keys of the module docstring). It is
+    a mapping too, so a user's function may read ``stats["noise_scale"]`` or ``stats.get(...)``."""
+
+    noise_scale: Optional[float]
+    global_batch: int
+    micro_batch: int
+    accumulation: int
+    ranks: int
+    epoch: int
+    lr_decay: Optional[float]
+
+    def __getitem__(self, key: str) -> Any:
+        if key not in self._keys():
+            raise KeyError(key)
+        return getattr(self, key)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._keys())
+
+    def __len__(self) -> int:
+        return len(self._keys())
+
+    @classmethod
+    def _keys(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in fields(cls))
 
 
 def unwrapped(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -43,7 +73,7 @@ def accepts_stats(fn: Callable[..., Any]) -> bool:
     True when its signature has a parameter named ``stats`` that is keyword-passable; a bare
     ``**kwargs`` does not count (a user's function that forwards its keywords did not ask for
     statistics). ``functools.partial`` objects, nested or not, and the partials that
-    :func:`adaptive_batching.batching.schedule.load_increase_function` builds from a YAML node are seen
+    :func:`adaptive_batching.growth.schedule.load_increase_function` builds from a YAML node are seen
     through by :func:`inspect.signature`, as are callable objects. A callable without a readable
     signature (some builtins) gives False.
     """
@@ -60,7 +90,7 @@ def call_increase(fn: Callable[..., Any], epoch: int, current: int,
                   stats: Optional[Mapping[str, Any]]) -> Any:
     """``fn(epoch, current, stats=stats)`` if ``fn`` accepts ``stats``, else ``fn(epoch, current)``.
 
-    The result is returned unchecked; :mod:`adaptive_batching.batching.schedule` checks increments.
+    The result is returned unchecked; :mod:`adaptive_batching.growth.schedule` checks increments.
     """
     if accepts_stats(fn):
         return fn(epoch, current, stats=stats)

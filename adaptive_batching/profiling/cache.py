@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Mapping, Optional
@@ -17,7 +16,9 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.nodes import packed, plain
+from adaptive_batching.core.nodes import packed, plain
+from adaptive_batching.core.paths import default_cache_dir
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime.files import read_json_cache, write_atomically
 from adaptive_batching.units import parse_bytes
 
@@ -27,13 +28,6 @@ CACHE_SCHEMA = 1
 
 # Optimizer arguments that change the numbers, not the state tensors kept per parameter.
 _OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")
-
-
-def default_cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/adaptive-batching/profiles``, else ``~/.cache/adaptive-batching/profiles``."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
-    return base / "adaptive-batching" / "profiles"
 
 
 def cache_file(cache_dir: Path | str | None, key: str) -> Path:
@@ -76,7 +70,6 @@ def save_profile(path: Path, key: str, result: Mapping[str, Any]) -> None:
     write_atomically(path, json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-
 def _select(cfg: DictConfig, key: str, default: Any) -> Any:
     return plain(OmegaConf.select(cfg, key, default=default))
 
@@ -94,8 +87,7 @@ def _fraction_setting(value: Any) -> Any:
     return float(value) if is_number else value
 
 
-
-def memory_fingerprint_parts(cfg: DictConfig, knobs: Mapping[str, Any], *, world_size: int, device: torch.device,
+def memory_fingerprint_parts(cfg: DictConfig, settings: ProfilerSettings, *, world_size: int, device: torch.device,
                              device_name: str, device_memory_bytes: int, torch_version: str,
                              seq_len: int) -> dict[str, Any]:
     """Everything in a run that changes the largest micro batch that fits, or how closely the search
@@ -125,8 +117,8 @@ def memory_fingerprint_parts(cfg: DictConfig, knobs: Mapping[str, Any], *, world
         "device_name": device_name,
         "device_memory_bytes": int(device_memory_bytes),
         "torch_version": torch_version,
-        "adaptive_batching.memory_budget": _budget_setting(knobs["memory_budget"]),
-        "adaptive_batching.memory_fraction": _fraction_setting(knobs["memory_fraction"]),
+        "adaptive_batching.memory_budget": _budget_setting(settings.memory_budget),
+        "adaptive_batching.memory_fraction": _fraction_setting(settings.memory_fraction),
         # Not memory, but how close to the largest that fits the search went.
-        "adaptive_batching.search_tolerance": float(knobs["search_tolerance"]),
+        "adaptive_batching.search_tolerance": float(settings.search_tolerance),
     }

@@ -29,9 +29,10 @@ from torchtune import training
 
 from adaptive_batching.profiling.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
 from adaptive_batching.profiling.memory_fit import max_micro_batch_under
-from adaptive_batching.profiling.profiler import StepMemory, fit_probes, probe_until_slope
+from adaptive_batching.profiling.profiler import fit_probes, probe_until_slope
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
-from adaptive_batching.training.model import FinetuneMethod
+from adaptive_batching.core.method import FinetuneMethod
 
 EXTRAPOLATED = "layer extrapolation"
 FULL_TRACE = "full trace"

@@ -39,24 +39,24 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.config.loading import building
-from adaptive_batching.config.memory_savers import check_activation_offloading, optimizer_in_bwd
+from adaptive_batching.core.nodes import building
+from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
 from adaptive_batching.profiling.layer_timeline import (
     LayerTimeline,
-    Segment,
+    PassStretch,
     decoder_layers,
     extrapolate_peak,
     layers_to_trace,
     repeats,
 )
 from adaptive_batching.profiling.optimizer_state import build_optimizer, paged_bytes, step_or_explain
-from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
-from adaptive_batching.training.loss import summed_token_loss
-from adaptive_batching.training.model import FinetuneMethod
+from adaptive_batching.core.loss import summed_token_loss
+from adaptive_batching.core.method import FinetuneMethod
 
 CPU = torch.device("cpu")
 
@@ -315,7 +315,7 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     traced = layers_to_trace(num_layers)
     small.layers = nn.ModuleList(list(small.layers)[:traced])  # the whole model's optimizer state is gone with it
     counts = repeats(traced, num_layers)
-    segments: dict[int, list[Segment]] = {}
+    segments: dict[int, list[PassStretch]] = {}
     host: dict[int, int] = {}
     stash: dict[int, int] = {}
 

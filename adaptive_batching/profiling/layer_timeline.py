@@ -31,7 +31,7 @@ TRACED_LAYERS = 3  # a bottom, a middle and a top layer
 
 
 @dataclass
-class Segment:
+class PassStretch:
     """Tensor bytes at the start and end of one stretch of the pass, and its highest point after an op."""
 
     label: str
@@ -78,7 +78,7 @@ def repeats(traced: int, total: int) -> list[int]:
     return counts
 
 
-def extrapolate_peak(segments: Sequence[Segment], counts: Sequence[int], kept_grads: float = 1.0) -> int:
+def extrapolate_peak(segments: Sequence[PassStretch], counts: Sequence[int], kept_grads: float = 1.0) -> int:
     """The pass's highest point above its start when each segment runs ``counts[i]`` times in a row.
 
     ``kept_grads``: the share of each segment's new gradients that stays on this rank once the segment ends
@@ -112,7 +112,7 @@ class LayerTimeline(FrozenAwareMemTracker):
         self.track_external(model, *tracked)
         self._layers = layers
         self._model = model
-        self._segments: list[Segment] = []
+        self._segments: list[PassStretch] = []
         self._handles: list[Any] = []
 
     def _total(self) -> int:
@@ -133,7 +133,7 @@ class LayerTimeline(FrozenAwareMemTracker):
     def _mark(self, label: str) -> None:
         if self._segments:
             self._end_segment()
-        self._segments.append(Segment(label, start=self._total(), grads_start=self._grads()))
+        self._segments.append(PassStretch(label, start=self._total(), grads_start=self._grads()))
 
     def _update_peak_stats(self, peak_state: Any) -> None:
         """Called by ``MemTracker`` after every op, where it samples its peaks.
@@ -173,7 +173,7 @@ class LayerTimeline(FrozenAwareMemTracker):
                 output.register_hook(lambda grad: self._mark(f"backward {i}"))
         return hook
 
-    def segments(self) -> list[Segment]:
+    def segments(self) -> list[PassStretch]:
         """The segments, checked to be in layer order (bottom to top, then back) and to have seen ops."""
         n = len(self._layers)
         expected = (["before the layers"] + [f"forward {i}" for i in range(n)]

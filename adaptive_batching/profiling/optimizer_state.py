@@ -27,7 +27,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 
-from adaptive_batching.config.loading import building
+from adaptive_batching.core.nodes import building
 from adaptive_batching.errors import ConfigError
 
 BNB_PREFIX = "bitsandbytes.optim."

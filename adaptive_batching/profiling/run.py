@@ -24,6 +24,7 @@ from adaptive_batching.profiling.cache import cache_file, load_profile, memory_f
 from adaptive_batching.profiling.profiler import ProfileResult, TrialStep, find_max_micro_batch
 from adaptive_batching.profiling.report import format_table, write_report
 from adaptive_batching.profiling.search import choose_micro_batch
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
 from adaptive_batching.runtime.files import fingerprint
@@ -38,7 +39,7 @@ class ProfileContext:
     state back afterwards; ``live_bytes`` is the tensor memory alive before the first trial."""
 
     cfg: DictConfig
-    knobs: dict[str, Any]
+    settings: ProfilerSettings
     device: torch.device
     parallel: ParallelInfo
     seq_len: int  # tokens in the worst-case sample the trial steps use
@@ -62,10 +63,10 @@ def cache_location(context: ProfileContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
-        context.cfg, context.knobs, world_size=context.parallel.world_size, device=context.device, device_name=name,
+        context.cfg, context.settings, world_size=context.parallel.world_size, device=context.device, device_name=name,
         device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
     ))
-    return cache_file(context.knobs["cache_dir"], key), key
+    return cache_file(context.settings.cache_dir, key), key
 
 
 def remember_out_of_memory(context: ProfileContext, profile: ProfileResult, cap: int) -> Path:
@@ -81,10 +82,11 @@ def remember_out_of_memory(context: ProfileContext, profile: ProfileResult, cap:
     return path
 
 
-def saved_profile(resumed: Mapping[str, Any], ranks: int, info: Callable[[str], None]) -> Optional[ProfileResult]:
-    """The profile a resumed checkpoint holds, if it was measured on as many ranks as this run has."""
-    saved = resumed.get("profile")
-    saved_ranks = resumed.get("ranks", ranks)
+def saved_profile(state: Mapping[str, Any], ranks: int, info: Callable[[str], None]) -> Optional[ProfileResult]:
+    """The profile a resumed checkpoint holds (:meth:`RunProfile.state_dict`), if it was measured on as many ranks
+    as this run has."""
+    saved = state.get("result")
+    saved_ranks = state.get("ranks", ranks)
     if saved is not None and saved_ranks != ranks:
         info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); profiling for {ranks}")
         return None
@@ -97,14 +99,14 @@ def saved_profile(resumed: Mapping[str, Any], ranks: int, info: Callable[[str], 
 
 def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
     """The profile for this set-up: from the cache when its fingerprint matches, else measured now."""
-    knobs = context.knobs
+    settings = context.settings
     path, key = cache_location(context)
-    cached = None if knobs["reprofile"] else load_profile(path, key)
+    cached = None if settings.reprofile else load_profile(path, key)
     # Every rank must take the same branch: use the cache only if all ranks have it (caches can be per node).
     if minimum_over_ranks(int(cached is not None), context.parallel, context.device):
         result = ProfileResult.from_dict(cached)
         result.max_micro_batch = minimum_over_ranks(result.max_micro_batch, context.parallel, context.device)
-        result.micro_batch = choose_micro_batch(result.max_micro_batch, knobs["safety_margin"], knobs["round_to"])
+        result.micro_batch = choose_micro_batch(result.max_micro_batch, settings.safety_margin, settings.round_to)
         result.from_cache = True
         context.info(f"Profiler: using the cached profile {path}")
         if result.oom_cap is not None and result.oom_cap < result.micro_batch:
@@ -124,9 +126,9 @@ def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult
 
 
 def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
-    knobs = context.knobs
+    settings = context.settings
     live = context.live_bytes()
-    budget = memory_budget(context.device, explicit=knobs["memory_budget"], fraction=knobs["memory_fraction"],
+    budget = memory_budget(context.device, explicit=settings.memory_budget, fraction=settings.memory_fraction,
                            live_tensor_bytes=live)
     if context.parallel.is_distributed:
         budget = Budget(minimum_over_ranks(budget.bytes, context.parallel, context.device),
@@ -136,9 +138,9 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
     with context.preserved():
         compile_seconds = _compile_first(context, trial_step) if context.cfg.get("compile", False) else None
         result = find_max_micro_batch(
-            trial_step, budget, seq_len=context.seq_len, safety_margin=knobs["safety_margin"],
-            round_to=knobs["round_to"], upper_limit=max(1, context.samples_per_rank),
-            tolerance=knobs["search_tolerance"],
+            trial_step, budget, seq_len=context.seq_len, safety_margin=settings.safety_margin,
+            round_to=settings.round_to, upper_limit=max(1, context.samples_per_rank),
+            tolerance=settings.search_tolerance,
             agree=agree_on_trial(context.parallel, context.device),
             recover=lambda: memory.release_memory(context.device), before_trial=context.before_trial,
         )
@@ -170,15 +172,21 @@ class RunProfile:
     written into the cache, so the next run on this set-up starts under it. ``context`` builds the
     :class:`ProfileContext` when it is needed (after set-up)."""
 
-    def __init__(self, context: Callable[[], ProfileContext]) -> None:
-        self.context = context
+    def __init__(self, context: Callable[[], ProfileContext], ranks: int) -> None:
+        self.context, self.ranks = context, ranks
         self.result: Optional[ProfileResult] = None
+        self.saved: Mapping[str, Any] = {}  # a resumed run's
 
-    def find(self, restored: Mapping[str, Any], trial_step: TrialStep) -> ProfileResult:
+    def find(self, trial_step: TrialStep) -> ProfileResult:
         context = self.context()
-        self.result = saved_profile(restored, context.parallel.world_size, context.info) \
-            or run_profile(context, trial_step)
+        self.result = saved_profile(self.saved, self.ranks, context.info) or run_profile(context, trial_step)
         return self.result
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"result": self.result.to_dict() if self.result else None, "ranks": self.ranks}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.saved = state
 
     def remember_cap(self, cap_for: Callable[[int], int], *, any_rank: bool) -> None:
         """Write ``cap_for(profiled micro batch)`` into the profile cache (from rank 0, or from any rank)."""

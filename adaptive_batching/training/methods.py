@@ -21,7 +21,7 @@ from torchtune.modules.peft import (
 )
 
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.training.model import FinetuneMethod
+from adaptive_batching.core.method import FinetuneMethod
 
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
 

@@ -27,7 +27,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, training
 
-from adaptive_batching.config.loading import building
+from adaptive_batching.core.nodes import building
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 

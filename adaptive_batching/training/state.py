@@ -1,9 +1,9 @@
 """Where a run stands, and its checkpoints: what is saved besides the weights and optimizer, and how a run
 continues from it (at the end of an epoch or at a step inside one).
 
-The adaptive state is one flat mapping that each part of the run contributes its own entries to
-(:meth:`Progress.state_dict`, the feed's, the plan's, the LR's, ...); it travels inside the checkpoint
-folder with the weights (see :mod:`~adaptive_batching.faults.checkpoints`).
+The adaptive state holds one entry per part of the run, each part's own ``state_dict()`` under its key
+(``progress``, ``feed``, ``plan``, ``lr``, ``noise_scale``, ``profile``), as torchtitan's ``Stateful`` parts;
+it travels inside the checkpoint folder with the weights (see :mod:`~adaptive_batching.faults.checkpoints`).
 """
 
 from __future__ import annotations
@@ -11,23 +11,18 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Mapping, Optional
 
 import torch
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtune import training
 
-from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
-from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
-from adaptive_batching.training.model import (
-    FinetuneMethod,
-    full_optimizer_state_dict,
-    full_state_dict,
-    load_optimizer_state_dict,
-)
+from adaptive_batching.training.model import full_optimizer_state_dict, full_state_dict, load_optimizer_state_dict
+from adaptive_batching.core.method import FinetuneMethod
 
 
 @dataclass
@@ -47,29 +42,62 @@ class Progress:
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch": self.epochs_run, "step_in_epoch": self.step_in_epoch}
 
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Where the saved run stood; it was saved there, so ``saved_step`` too."""
+        self.epochs_run = int(state["epoch"])
+        self.global_step = self.saved_step = int(state["global_step"])
+        self.step_in_epoch = int(state.get("step_in_epoch", 0))
 
-def loader_state(restored: dict[str, Any], *, elastic: bool, ranks: int, reference: BatchShape,
-                 info: Callable[[str], None]) -> Optional[dict[str, Any]]:
-    """The resumed run's saved loader position, taken out of ``restored`` (it serves once). An elastic run
-    resumed on another number of ranks has the same global batch, so the same samples per step: it starts at
-    the saved step instead."""
-    state = restored.pop("dataloader", None)
-    if state and elastic and restored.get("ranks") != ranks:
-        info(f"Resuming on {ranks} rank(s) instead of {restored['ranks']}: the same global batch "
-             f"{reference.global_batch}, as {reference.describe()}")
-        return None
-    return state
+
+class PendingState:
+    """Holds a part's saved state in ``owner.<name>`` until the part exists (the LR schedule, which the plan
+    builds after the checkpoint is loaded)."""
+
+    def __init__(self, owner: Any, name: str) -> None:
+        self.owner, self.name = owner, name
+
+    def state_dict(self) -> dict[str, Any]:
+        return getattr(self.owner, self.name) or {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        setattr(self.owner, self.name, state)
+
+
+STATE_VERSION = 2
+# Before version 2 the parts' entries were one flat mapping; the keys each part had there.
+_FLAT_KEYS = {
+    "progress": ("global_step", "epoch", "step_in_epoch"),
+    "feed": ("micro_batch", "accumulation", "planned_micro_batch", "planned_accumulation", "ranks", "dataloader"),
+    "recovery": ("split", "oom_cap", "micro_cap", "clean_steps", "grew_back", "wait"),
+    "batching": ("token_budget",),
+    "plan": ("measured_increments", "grown"),
+}
+
+
+def state_by_part(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's adaptive state as one entry per part (version 2); a flat one, as saved before, is split
+    into the same entries, so every checkpoint written since resumes."""
+    if saved.get("version") == STATE_VERSION:
+        return dict(saved)
+    flat = dict(saved)
+    if "data_parallel" in flat:  # saved before "ranks" was the one word for it
+        flat["ranks"] = flat.pop("data_parallel")
+    part = {name: {k: flat[k] for k in keys if k in flat} for name, keys in _FLAT_KEYS.items()}
+    feed = {**part["feed"], "span": flat.get("segment"), "recovery": part["recovery"], "batching": part["batching"]}
+    return {"version": STATE_VERSION, "progress": part["progress"], "feed": feed, "plan": part["plan"],
+            "lr": flat.get("lr"), "noise_scale": flat.get("noise_scale"),
+            "profile": {"result": flat.get("profile"), "ranks": flat.get("ranks")}}
 
 
 def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool, info: Callable[[str], None]) -> None:
     """A run saved inside an epoch resumes there on its own number of ranks only (each rank's place in the data is
     saved), unless its global batch is elastic; from an epoch's end another number of ranks changes the global
     batch, which is said in one line. Checked before any model is built."""
-    saved = checkpoint.get(checkpointing.ADAPTIVE_KEY) or {}
-    saved_ranks = saved.get("ranks", saved.get("data_parallel"))
+    saved = state_by_part(checkpoint.get(checkpointing.ADAPTIVE_KEY) or {})
+    saved_ranks = saved["feed"].get("ranks")
     if saved_ranks is None or saved_ranks == ranks or elastic:
         return
-    if saved.get("step_in_epoch"):
+    if saved["progress"].get("step_in_epoch"):
         raise ConfigError(
             f"the checkpoint was saved inside epoch {checkpoint.get(training.EPOCHS_KEY, 0) + 1} on {saved_ranks} "
             f"rank(s); resume it on {saved_ranks} rank(s) (tune run --nproc_per_node {saved_ranks} ...), or give a run "
@@ -89,31 +117,28 @@ class Checkpoints:
         self.info = info
         self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
 
-    def restore(self, checkpoint: dict[str, Any], *, seed: int, progress: Progress, recovery: OomRecovery,
-                model: torch.nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path) -> tuple[dict[str, Any], int]:
-        """Put ``progress``, ``recovery`` and the optimizer where the saved run stood (the end of an epoch, or a
-        step inside one); return the saved adaptive state and the run's seed."""
+    def restore(self, checkpoint: dict[str, Any], *, seed: int, parts: Mapping[str, Stateful], feed: Any,
+                model: torch.nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path) -> int:
+        """Put each of ``parts`` (its key in the adaptive state: the part), the feed's OOM cut and the optimizer
+        where the saved run stood (the end of an epoch, or a step inside one); return the run's seed."""
         if checkpoint.get(training.SEED_KEY, seed) != seed:
             self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
             seed = checkpoint[training.SEED_KEY]
-        resumed = dict(checkpoint[checkpointing.ADAPTIVE_KEY])
-        if "data_parallel" in resumed:  # saved before "ranks" was the one word for it
-            resumed["ranks"] = resumed.pop("data_parallel")
-        progress.epochs_run = checkpoint[training.EPOCHS_KEY]
-        progress.global_step = progress.saved_step = resumed["global_step"]
-        progress.step_in_epoch = resumed.get("step_in_epoch", 0)
-        recovery.load_state_dict(resumed)
+        state = state_by_part(checkpoint[checkpointing.ADAPTIVE_KEY])
+        for key, part in parts.items():
+            if state.get(key) is not None:
+                part.load_state_dict(state[key])
+        recovery = feed.recovery
         recorded = restart.recorded_cut(output_dir)
-        if recorded is not None and recovery.adopt(recorded["recovery"]):
-            # The saved loader position was for the old cut; the same samples come from the step index.
-            resumed.pop("dataloader", None)
+        if recorded is not None and feed.adopt_cut(recorded["recovery"]):
             capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
             self.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
                       f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}")
         load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
         cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
-        self.info(f"Resuming at {progress.where()} (optimizer step {progress.global_step}){cap}")
-        return resumed, seed
+        where = parts["progress"]
+        self.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
+        return seed
 
     def save(self, epoch: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
              progress: Progress, adaptive_state: Callable[[], dict[str, Any]]) -> None:

@@ -22,10 +22,10 @@ from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRe
 from adaptive_batching.faults.guard import OK, StepGuard, optimizer_step_counts
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
-from adaptive_batching.profiling.profiler import StepMemory
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
-from adaptive_batching.training.loss import summed_token_loss
+from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 

@@ -14,14 +14,16 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig
+from torch.distributed.checkpoint.stateful import Stateful
 from torchtune import config, training, utils
 from tqdm import tqdm
 
 from adaptive_batching.batching import worst_case
-from adaptive_batching.batching.plan import BatchPlan, reference_batch, starting_batch
+from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.batching.policy import DataContext, batching_for
-from adaptive_batching.config.loading import building, given_argv
-from adaptive_batching.config.nodes import optional_component
+from adaptive_batching.config.loading import given_argv
+from adaptive_batching.core.nodes import building
+from adaptive_batching.core.nodes import optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.errors import Preempted, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
@@ -29,20 +31,20 @@ from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
-from adaptive_batching.growth.interval import Segment
-from adaptive_batching.growth.lr_scaling import SampleDrivenLR, reference_steps
-from adaptive_batching.profiling.profiler import ProfileResult, StepMemory, preserved_training_state
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
+from adaptive_batching.profiling.profiler import ProfileResult, preserved_training_state
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.files import write_atomically
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
-from adaptive_batching.training.growing import Growth
-from adaptive_batching.training.model import FinetuneMethod
+from adaptive_batching.growth.growing import Growth
+from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.training.oom_response import OomResponse
 from adaptive_batching.training.optimizers import offloading
-from adaptive_batching.training.state import Checkpoints, Progress, check_resumable_on, loader_state
+from adaptive_batching.training.state import STATE_VERSION, Checkpoints, PendingState, Progress, check_resumable_on
 from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
 log = utils.get_logger("INFO")
@@ -62,22 +64,24 @@ class Trainer:
         self.output_dir = Path(cfg.checkpointer.output_dir)
         self.total_epochs: int = cfg.epochs
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
-        self.reference = reference_batch(cfg, settings.knobs["elastic"], self.parallel.world_size)
+        self.reference = reference_batch(cfg, settings.elastic, self.parallel.world_size)
         # A torchrun restart resumes by itself, and only its own job's checkpoints (``resume_job``).
         self.resume, self.resume_job = restart.resume_decision(cfg.get("resume_from_checkpoint", False),
                                                                self.output_dir, self.info)
-        self.progress = Progress()
-        self.restored: dict[str, Any] = {}
+        progress = self.progress = Progress()
         self.metric_logger: Any = None
-        self.profile_run = RunProfile(self.profile_context)
-        self.plan = BatchPlan(settings, self.total_epochs, self.parallel.world_size)
+        self.profile_run = RunProfile(self.profile_context, self.parallel.world_size)
+        self.plan = BatchPlan(settings.growth, self.total_epochs, self.parallel.world_size,
+                              epochs_run=lambda: progress.epochs_run)
         self.guard = StepGuard(self.parallel, self.device)
-        batching = batching_for(settings.knobs)
-        self.feed = Feed(batching, OomRecovery(batching.cuts(), settings.knobs["oom_grow_back_after"]), self.guard,
-                         settings.knobs["guard_steps"], self.reference)
+        batching, faults = batching_for(settings.batching), settings.faults
+        self.feed = Feed(batching, OomRecovery(batching.cuts(), faults.oom_grow_back_after), self.guard,
+                         faults.guard_steps, self.reference, step_in_epoch=lambda: progress.step_in_epoch,
+                         elastic=settings.elastic is not None)
+        self.saved_lr: Optional[dict[str, Any]] = None  # a resumed run's LR schedule, which the plan builds
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
                                output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
-        self.preemption = Preemption(settings.knobs["stop_signals"], self.parallel, self.device)
+        self.preemption = Preemption(faults.stop_signals, self.parallel, self.device)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -113,7 +117,7 @@ class Trainer:
         with building("checkpointer"):
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
         if self.resume:
-            check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.knobs["elastic"] is not None,
+            check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.elastic is not None,
                                info=self.info)
         parts = build_components(cfg, self.method, checkpoint, data, device=self.device, dtype=self.dtype,
                                  parallel=self.parallel, is_rank_zero=self.is_rank_zero)
@@ -124,18 +128,15 @@ class Trainer:
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
         self.checkpoints = Checkpoints(checkpointer, self.method, self.parallel, self.device, self.info,
                                        total_epochs=self.total_epochs, max_steps_per_epoch=self.max_steps_per_epoch)
-        if self.resume:
-            self.restored, self.seed = self.checkpoints.restore(
-                checkpoint, seed=self.seed, progress=self.progress, recovery=self.feed.recovery, model=self.model,
-                optimizer=self.optimizer, output_dir=self.output_dir)
         progress = self.progress
         self.runner = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
                                 clip_grad_norm=cfg.get("clip_grad_norm", None),
-                                oom_recovery=self.settings.knobs["oom_recovery"], info=self.info,
+                                oom_recovery=self.settings.faults.oom_recovery, info=self.info,
                                 where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)),
                                 activations=offloading(self.model, cfg.get("enable_activation_offloading", None)))
-        if self.restored.get("noise_scale"):
-            self.runner.noise.load_state_dict(self.restored["noise_scale"])
+        if self.resume:
+            self.seed = self.checkpoints.restore(checkpoint, seed=self.seed, parts=self.parts(), feed=self.feed,
+                                                 model=self.model, optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
                               cfg, self.info, profiles=self.settings.needs_profile)
@@ -146,12 +147,12 @@ class Trainer:
     # ------------------------------------------------------------------ profiling
     def profile(self) -> Optional[ProfileResult]:
         """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint."""
-        return self.profile_run.find(self.restored, self.trial_step) if self.settings.needs_profile else None
+        return self.profile_run.find(self.trial_step) if self.settings.needs_profile else None
 
     def profile_context(self) -> ProfileContext:
         """All the profiler sees of this run, besides :meth:`trial_step`."""
         return ProfileContext(
-            cfg=self.cfg, knobs=self.settings.knobs, device=self.device, parallel=self.parallel,
+            cfg=self.cfg, settings=self.settings.profiler, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
             live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info,
@@ -173,24 +174,25 @@ class Trainer:
     def make_plan(self) -> BatchPlan:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
         profile, settings = self.profile_run.result, self.settings
-        start = starting_batch(settings, self.reference, self.parallel.world_size,
-                               profile.micro_batch if profile is not None else None, self.info)
+        start = starting_batch(settings.growth, settings.elastic, self.reference, self.parallel.world_size,
+                               profile.micro_batch if profile is not None else None, self.info,
+                               use_maximum_batch_size=settings.use_maximum_batch_size,
+                               optimizer_in_bwd=settings.optimizer_in_bwd)
         self.reference = start.reference
-        self.plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap,
-                       resumed=self.restored, epochs_run=self.progress.epochs_run)
-        self.feed.segment = Segment.from_state(self.restored.get("segment"))
+        self.plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap)
         profiled = start.micro_batch if profile is not None and settings.use_maximum_batch_size else None
-        self.batching.plan(self.plan.entries, start=start.micro_batch, resumed=self.restored, profiled=profiled,
-                           verify=self._verifying, info=self.info)
-        self.batching.check(profiled=settings.use_maximum_batch_size and settings.knobs["elastic"] is None,
+        self.batching.plan(self.plan.entries, start=start.micro_batch, profiled=profiled, verify=self._verifying,
+                           info=self.info)
+        self.batching.check(profiled=settings.use_maximum_batch_size and settings.elastic is None,
                             reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
                             warn=self.warn)
         extents = [self.batching.extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
-        self.lr = self.feed.lr = SampleDrivenLR.from_config(
+        self.lr = SampleDrivenLR.from_config(
             optional_component(self.cfg.get("lr_scheduler", None)), self.optimizer, self.base_lrs,
             total_steps=total_steps, reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
-            state=self.restored.get("lr"))
+            state=self.saved_lr)
+        self.feed.follow(self.lr)
         self.growth = Growth(self.plan, self.feed, self.lr, self.runner.noise, self.progress,
                              verify=self._verifying, info=self.info)
         self.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, self.lr.rule,
@@ -215,7 +217,8 @@ class Trainer:
         for epoch in range(first, self.total_epochs):
             self.start_epoch(epoch, switch=epoch > first)
             last = self.train_epoch(epoch) or last
-            progress.epochs_run, progress.step_in_epoch, self.feed.segment = epoch + 1, 0, Segment()
+            progress.epochs_run, progress.step_in_epoch = epoch + 1, 0
+            self.feed.end_epoch()
             self.save(epoch)
             if self.preemption.stopping:
                 self.preemption.stop(f"at the end of epoch {epoch + 1}", f"saved epoch {epoch + 1} in {self.output_dir}")
@@ -229,13 +232,7 @@ class Trainer:
         if switch:
             self.growth.at_epoch_start(epoch)
         previous, lr_before = feed.batch, self.lr.lrs()[0]
-        feed.plan(self.plan.entries[epoch].shape)
-        if switch:
-            feed.segment = Segment()
-        state = loader_state(self.restored, elastic=self.settings.knobs["elastic"] is not None,
-                             ranks=self.parallel.world_size, reference=self.reference, info=self.info)
-        feed.serve(epoch, start_step=self.progress.step_in_epoch, state=state)
-        feed.set_step_lr(self.progress.step_in_epoch)
+        feed.start_epoch(epoch, self.plan.entries[epoch].shape, self.info)
         took_ms = (time.perf_counter() - start) * 1e3
         if not switch:
             self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {feed.describe_epoch(epoch)}, "
@@ -320,16 +317,16 @@ class Trainer:
         self.checkpoints.save(epoch, model=self.model, optimizer=self.optimizer, seed=self.seed,
                               progress=self.progress, adaptive_state=self.adaptive_state)
 
+    def parts(self) -> dict[str, Stateful]:
+        """The parts that resume, by their key in the checkpoint (the LR schedule, built by the plan, resumes
+        from :attr:`saved_lr`)."""
+        lr = getattr(self, "lr", None) or PendingState(self, "saved_lr")
+        return {"progress": self.progress, "feed": self.feed, "plan": self.plan, "lr": lr,
+                "noise_scale": self.runner.noise, "profile": self.profile_run}
+
     def adaptive_state(self) -> dict[str, Any]:
-        """The adaptive part of the recipe state: each part of the run's own entries."""
-        return {
-            **self.progress.state_dict(),
-            **self.feed.state_dict(self.progress.step_in_epoch),
-            **self.plan.state_dict(self.progress.epochs_run),
-            "lr": self.lr.state_dict(),
-            "profile": self.profile_run.result.to_dict() if self.profile_run.result else None,
-            "noise_scale": self.runner.noise.state_dict(),
-        }
+        """The adaptive part of the recipe state: each part's own state under its key."""
+        return {"version": STATE_VERSION, **{key: part.state_dict() for key, part in self.parts().items()}}
 
     def __enter__(self) -> "Trainer":
         return self

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Mapping, Optional
+import contextlib
+import traceback
+from typing import Any, Iterator, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
+from torchtune.config._errors import InstantiationError
 
 from adaptive_batching.errors import ConfigError
 
@@ -37,3 +40,31 @@ def packed(dataset: Any) -> bool:
         raise ConfigError("config key 'dataset' mixes packed and unpacked data sets (packed: "
                           f"{flags}); torchtune cannot concatenate them: pack all or none")
     return all(flags)
+
+
+def one_line(error: BaseException) -> str:
+    """An error as one line: its type and its message, lines joined."""
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip())
+    return f"{type(error).__name__}: {text}" if text else type(error).__name__
+
+
+def _is_config_error(error: BaseException) -> bool:
+    """Errors a config node causes while it is built: a `_component_` that does not import, a file that is not
+    there, or arguments the component does not take (a TypeError raised at torchtune's call of the component,
+    not inside it, which would be a bug with a traceback worth keeping)."""
+    if isinstance(error, (InstantiationError, FileNotFoundError)):
+        return True
+    frames = traceback.extract_tb(error.__traceback__)
+    return isinstance(error, TypeError) and bool(frames) and frames[-1].name == "_create_component"
+
+
+@contextlib.contextmanager
+def building(key: str) -> Iterator[None]:
+    """Build the config node ``key``: an error that is the config's (see :func:`_is_config_error`) becomes a
+    :class:`ConfigError` naming the key, reported in one line."""
+    try:
+        yield
+    except Exception as error:
+        if not _is_config_error(error):
+            raise
+        raise ConfigError(f"config key '{key}': {one_line(error)}") from error

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
-from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.errors import ConfigError
 
 IncreaseFunction = Callable[[int, int], int]
@@ -115,28 +114,6 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
                 f"expected f(epoch, current_batch_size, *, <keyword arguments>) -> int"
             ) from exc
     return functools.partial(obj, **kwargs) if kwargs else obj
-
-
-@dataclass(frozen=True)
-class EpochBatch:
-    """The batch of one epoch in a plan.
-
-    ``requested``: the micro batch asked for at this epoch: ``start`` at epoch 0, then what the
-    function saw plus its increment (under ``skip`` a growth past the cap is not asked for, so
-    it stays what the function saw). ``increment``: what the function returned (0 at epoch 0).
-    ``shape``: the micro batch, accumulation and ranks realised. ``reason``: ``start`` (epoch 0
-    within the cap), ``function`` (the function's change applied within the cap), ``capped``
-    (the cap held the micro batch back), ``accumulated`` (the requested size realised with extra
-    accumulation), ``unchanged`` (the function returned 0). ``memory_cap``: the memory cap
-    the plan used (None = none).
-    """
-
-    epoch: int
-    requested: int
-    increment: int
-    shape: BatchShape
-    reason: str
-    memory_cap: Optional[int] = None
 
 
 def _check_arg(name: str, value: Any, minimum: int) -> None:

@@ -1,7 +1,7 @@
 """The batch over the whole run: the plan made before training, and its growth while training.
 
 One state machine for growth. The plan fixes every epoch's batch from the growth function and the memory
-cap (:func:`~adaptive_batching.batching.schedule.plan_batches`). While training it changes in two ways only:
+cap (:func:`~adaptive_batching.growth.schedule.plan_batches`). While training it changes in two ways only:
 
 * at an epoch start, a growth function that reads training statistics decides that epoch's increment
   from what the run measured, and the epochs from there are planned again;
@@ -16,9 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
-from adaptive_batching.batching.elastic import shape_at
-from adaptive_batching.batching.schedule import (
-    EpochBatch,
+from adaptive_batching.batching.elastic import ElasticSpec, shape_at
+from adaptive_batching.growth.schedule import (
     checked_increment,
     describe_plan,
     epoch_switch_reason,
@@ -26,10 +25,10 @@ from adaptive_batching.batching.schedule import (
     plan_batches,
     seen_size,
 )
+from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_batch
-from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth.interval import parse_growth_interval
+from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.growth.statistics import accepts_stats, call_increase, noise_scale, unwrapped
 
 
@@ -44,7 +43,7 @@ class Start:
     reference: BatchShape
 
 
-def reference_batch(cfg: Any, elastic: Any, ranks: int) -> BatchShape:
+def reference_batch(cfg: Any, elastic: Optional[ElasticSpec], ranks: int) -> BatchShape:
     """The batch as written in the config (or the elastic global batch at these ranks): the reference for LR
     scaling and the LR schedule. An elastic spec that does not fit these ranks fails here, before any model
     loads."""
@@ -57,11 +56,11 @@ def reference_batch(cfg: Any, elastic: Any, ranks: int) -> BatchShape:
         raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
 
 
-def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Optional[int],
-                   info: Callable[[str], None]) -> Start:
+def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], reference: BatchShape, ranks: int,
+                   profiled: Optional[int], info: Callable[[str], None], *, use_maximum_batch_size: bool,
+                   optimizer_in_bwd: bool) -> Start:
     """Epoch 1's batch from the mode asked for: an elastic global batch, the config's global batch kept
     (``keep_global_batch``), the profiled micro batch (``use_maximum_batch_size``), or ``batch_size``."""
-    elastic = settings.knobs["elastic"]
     if elastic is not None:
         try:
             choice, reference = shape_at(elastic, ranks, memory_cap=profiled)
@@ -71,9 +70,9 @@ def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int
         info(f"{choice.describe()}; this run: {reference.describe()} "
              "(batch_size and gradient_accumulation_steps in the config are not used)")
         return Start(reference.micro_batch, reference.accumulation, None, reference)
-    if settings.knobs["keep_global_batch"]:
+    if growth.keep_global_batch:
         shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
-        if settings.optimizer_in_bwd and shape.accumulation > 1:
+        if optimizer_in_bwd and shape.accumulation > 1:
             raise ConfigError(
                 f"config keys 'adaptive_batching.keep_global_batch' = True and 'optimizer_in_bwd' = True: the "
                 f"config's global batch {reference.global_batch} needs {reference.global_batch // ranks} samples per "
@@ -82,18 +81,20 @@ def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int
                 f"at most {profiled * ranks}, or set one of the two keys to false")
         info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged")
         return Start(shape.micro_batch, shape.accumulation, None, reference)
-    use_profile = profiled is not None and settings.use_maximum_batch_size
+    use_profile = profiled is not None and use_maximum_batch_size
     return Start(profiled if use_profile else reference.micro_batch, reference.accumulation, profiled, reference)
 
 
 class BatchPlan:
     """Every epoch's batch, and how it grows (see the module docstring)."""
 
-    def __init__(self, settings: AdaptiveSettings, epochs: int, ranks: int) -> None:
-        self.fn = settings.batch_increase_function
-        self.grow_past_memory: str = settings.knobs["grow_past_memory"]
-        self.interval = parse_growth_interval(settings.knobs["growth_interval"])
-        self.epochs, self.ranks = epochs, ranks
+    def __init__(self, settings: GrowthSettings, epochs: int, ranks: int,
+                 epochs_run: Callable[[], int] = lambda: 0) -> None:
+        self.fn = settings.increase
+        self.grow_past_memory: str = settings.grow_past_memory
+        self.interval = settings.growth_interval
+        self.epochs, self.ranks, self.epochs_run = epochs, ranks, epochs_run
+        self._grown: Optional[Mapping[str, Any]] = None  # a resumed run's batch grown inside its epoch
         self.entries: list[EpochBatch] = []
         self.measured: dict[int, int] = {}  # epoch -> what a statistics-reading function returned at its start
         self.start, self.accumulation, self.memory_cap = 1, 1, None
@@ -107,18 +108,16 @@ class BatchPlan:
     def grows_inside_epochs(self) -> bool:
         return self.fn is not None and not self.interval.per_epoch
 
-    def make(self, *, start: int, accumulation: int, memory_cap: Optional[int], resumed: Mapping[str, Any],
-             epochs_run: int) -> list[EpochBatch]:
+    def make(self, *, start: int, accumulation: int, memory_cap: Optional[int]) -> list[EpochBatch]:
         """The plan from ``start`` (micro batch) and ``accumulation``, with what a resumed run had decided."""
         self.start, self.accumulation, self.memory_cap = start, accumulation, memory_cap
-        self.measured = {int(k): v for k, v in (resumed.get("measured_increments") or {}).items()}
         self.entries = self._plan()
         self.start_global_batch = self.entries[0].shape.global_batch  # before any growth inside an epoch
-        grown = resumed.get("grown")
+        grown, epoch = self._grown, self.epochs_run()
         if grown is not None:
             shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.ranks)
-            self.continue_with(EpochBatch(epochs_run, grown["requested"], grown["increment"], shape,
-                                          grown["reason"], memory_cap), epochs_run)
+            self.continue_with(EpochBatch(epoch, grown["requested"], grown["increment"], shape,
+                                          grown["reason"], memory_cap), epoch)
         return self.entries
 
     def _plan(self) -> list[EpochBatch]:
@@ -196,9 +195,14 @@ class BatchPlan:
             return f"the batch grows {self.interval.describe()}, not at epoch starts"
         return epoch_switch_reason(self.entries[epoch - 1], self.entries[epoch])
 
-    def state_dict(self, epochs_run: int) -> dict[str, Any]:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """A resumed run's decisions, which :meth:`make` plans with."""
+        self.measured = {int(k): v for k, v in (state.get("measured_increments") or {}).items()}
+        self._grown = state.get("grown")
+
+    def state_dict(self) -> dict[str, Any]:
         """The decisions made while training: measured increments, and the batch grown inside epochs."""
-        grown = None
+        grown, epochs_run = None, self.epochs_run()
         if self.grows_inside_epochs and epochs_run < len(self.entries):
             entry = self.entries[epochs_run]
             grown = {"requested": entry.requested, "increment": entry.increment, "reason": entry.reason,

@@ -4,11 +4,10 @@ the optional packages their optimizers come from: each error one line naming the
 from __future__ import annotations
 
 import importlib.util
-from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.nodes import plain
+from adaptive_batching.core.nodes import plain
 from adaptive_batching.errors import ConfigError
 
 OPTIONAL_PACKAGES = {"bitsandbytes": "bnb"}  # package a component may come from -> the extra that installs it
@@ -43,15 +42,15 @@ def optimizer_in_bwd(cfg: DictConfig) -> bool:
     return True
 
 
-def check_optimizer_in_bwd(cfg: DictConfig, knobs: dict[str, Any]) -> bool:
-    """:func:`optimizer_in_bwd`, and nothing of ours that needs several micro batches per optimizer step with it."""
+def check_optimizer_in_bwd(cfg: DictConfig, *, grow_past_memory: str, elastic: bool, max_tokens: bool) -> bool:
+    """:func:`optimizer_in_bwd`, and nothing of ours that needs several micro batches per optimizer step with it
+    (``elastic``, ``max_tokens``: whether those keys are set)."""
     if not optimizer_in_bwd(cfg):
         return False
-    conflicts = (("grow_past_memory", knobs["grow_past_memory"] == "accumulate",
+    conflicts = (("grow_past_memory", grow_past_memory == "accumulate",
                   "grows past the memory cap by accumulating gradients"),
-                 ("elastic", knobs["elastic"] is not None, "realises its global batch by accumulating gradients"),
-                 ("max_tokens", knobs["max_tokens"] is not None,
-                  "runs several token-budget micro batches per optimizer step"))
+                 ("elastic", elastic, "realises its global batch by accumulating gradients"),
+                 ("max_tokens", max_tokens, "runs several token-budget micro batches per optimizer step"))
     for name, on, why in conflicts:
         if on:
             raise ConfigError(f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "

@@ -1,6 +1,6 @@
 """Growing the batch while training: at an epoch start from measured statistics, or at a growth period
 inside an epoch, where the rest of the epoch is served by a new sampler from the first sample not yet
-served. The decisions are :class:`~adaptive_batching.batching.plan.BatchPlan`'s; :class:`Growth` gives
+served. The decisions are :class:`~adaptive_batching.growth.plan.BatchPlan`'s; :class:`Growth` gives
 them their statistics and has the feed serve the result.
 """
 
@@ -9,20 +9,22 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from adaptive_batching.batching.plan import BatchPlan
+from adaptive_batching.growth.plan import BatchPlan
 from adaptive_batching.batching.policy import Verifier
-from adaptive_batching.batching.schedule import EpochBatch, epoch_switch_reason
+from adaptive_batching.growth.schedule import epoch_switch_reason
+from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator
-from adaptive_batching.growth.lr_scaling import SampleDrivenLR
-from adaptive_batching.training.feed import Feed
-from adaptive_batching.training.state import Progress
+from adaptive_batching.growth.statistics import TrainingStatistics
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 
 
 class Growth:
     """Growth while training (see the module docstring)."""
 
-    def __init__(self, plan: BatchPlan, feed: Feed, lr: SampleDrivenLR, noise: NoiseScaleEstimator,
-                 progress: Progress, *, verify: Verifier, info: Callable[[str], None]) -> None:
+    def __init__(self, plan: BatchPlan, feed: Any, lr: SampleDrivenLR, noise: NoiseScaleEstimator,
+                 progress: Any, *, verify: Verifier, info: Callable[[str], None]) -> None:
+        """``feed``: the trainer's :class:`~adaptive_batching.training.feed.Feed`, which serves what growth decides;
+        ``progress``: where the run stands (``epochs_run``, ``step_in_epoch``, ``global_step``)."""
         self.plan, self.feed, self.lr, self.noise, self.progress = plan, feed, lr, noise, progress
         self.verify, self.info = verify, info
 
@@ -37,23 +39,22 @@ class Growth:
         if increment is None:
             return
         batching = self.feed.batching
-        batching.plan(self.plan.entries, start=self.plan.start, resumed=batching.state_dict(), profiled=None,
-                      verify=self.verify, info=self.info)
-        noise = stats["noise_scale"]
+        batching.plan(self.plan.entries, start=self.plan.start, profiled=None, verify=self.verify, info=self.info)
+        noise = stats.noise_scale
         self.info(f"Growth from statistics at epoch {epoch + 1}: gradient noise scale "
                   f"{'not measured yet' if noise is None else f'{noise:.1f}'}, global batch {previous.shape.global_batch}"
                   f": the function returned {increment:+d}")
 
-    def statistics(self, previous: EpochBatch) -> dict[str, Any]:
+    def statistics(self, previous: EpochBatch) -> TrainingStatistics:
         """What a statistics-reading growth function is given (see ``growth.statistics``)."""
         # Seesaw's lr_decay (growth.statistics.seesaw): the schedule now over its peak so far, times the batch's
         # growth since the start (not entries[0]: growth inside the first epoch overwrites it with the grown batch).
-        shape, peak = self.lr.schedule_shape(), self.lr.peak_shape
-        return {"noise_scale": self.noise.value, "global_batch": previous.shape.global_batch,
-                "micro_batch": previous.shape.micro_batch, "accumulation": previous.shape.accumulation,
-                "ranks": previous.shape.ranks, "epoch": self.progress.epochs_run,
-                "lr_decay": None if shape is None else
-                (shape / peak if peak else 1.0) * previous.shape.global_batch / self.plan.start_global_batch}
+        shape, peak, batch = self.lr.schedule_shape(), self.lr.peak_shape, previous.shape
+        return TrainingStatistics(
+            noise_scale=self.noise.value, global_batch=batch.global_batch, micro_batch=batch.micro_batch,
+            accumulation=batch.accumulation, ranks=batch.ranks, epoch=self.progress.epochs_run,
+            lr_decay=None if shape is None else
+            (shape / peak if peak else 1.0) * batch.global_batch / self.plan.start_global_batch)
 
     def in_period(self, epoch: int, period: int) -> None:
         """Growth period ``period`` starts after this step: ask the growth function, and serve the rest of the
@@ -65,11 +66,8 @@ class Growth:
         before, lr_before = feed.batch, self.lr.lrs()[0]
         inside = step < feed.epoch_steps
         if entry.shape != before and inside:
-            feed.continue_after(step)
-            feed.plan(entry.shape)
-            feed.serve(epoch, start_step=step)
-            feed.set_step_lr(step)
-        noise = stats["noise_scale"]
+            feed.grow_inside_epoch(epoch, step, entry.shape)
+        noise = stats.noise_scale
         self.info(f"Growth period {period} ({self.plan.interval.describe()}) after optimizer step "
                   f"{self.progress.global_step}: {feed.batching.describe_change(epoch, before, entry.shape)} for "
                   f"{'the rest of this epoch' if inside else 'the next epoch'}, LR {lr_before:.3e} -> "

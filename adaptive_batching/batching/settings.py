@@ -1,0 +1,35 @@
+"""The batching's settings: its section of ``adaptive_batching:`` (see docs/config-keys.md)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional, Union
+
+from adaptive_batching.core.paths import default_cache_dir
+
+
+@dataclass(frozen=True)
+class BatchingSettings:
+    """How each step's samples are chosen: a number of samples, or a token budget per micro batch."""
+
+    max_tokens: Optional[Union[int, str]] = None
+    """Padded tokens per micro batch (token-budget batching); ``'auto'``: the profiler's; None: count samples."""
+    picking_order: str = "dataloader"
+    """``dataloader``, ``seqlen`` or ``random``: the order a token budget is filled in."""
+    min_batch_size: Optional[int] = None
+    """The fewest samples in a token-budget micro batch; None: no bound."""
+    max_batch_size: Optional[int] = None
+    """The most samples in a token-budget micro batch; None: no bound."""
+    allow_global_batch_above_data: bool = False
+    """Let a planned global batch exceed the epoch's samples (else a config error)."""
+    cache_dir: Optional[str] = None
+    """The folder of the sample-length cache (``adaptive_batching.cache_dir``); None: the default."""
+
+    @property
+    def token_budget(self) -> bool:
+        return self.max_tokens is not None
+
+    @property
+    def cache_path(self) -> Path:
+        return default_cache_dir() if self.cache_dir is None else Path(self.cache_dir)
