@@ -81,7 +81,7 @@ class SampleBatching:
         self.epoch_plan = epoch_plan
 
     def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
-        """The plan's guard rails (see ``plan_checks``)."""
+        """The plan's guard rails (see :mod:`~adaptive_batching.batching.checks`)."""
         assert self.data is not None
         check_plan_against_data(
             self.epoch_plan, dataset_size=len(self.data.dataset), profiled=profiled,

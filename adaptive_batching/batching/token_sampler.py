@@ -230,11 +230,6 @@ class TokenBudgetBatchSampler(StepSampler):
         """Samples the ``step``-th step of the epoch trains on, over all ranks."""
         return sum(len(batch) for mine in self.plan()[step] for batch in mine)
 
-    def tokens_in_step(self, step: int) -> int:
-        """Padded tokens of the ``step``-th step's forwards as served (after ``split``), over all ranks."""
-        return sum(padded_tokens(self.lengths, piece) for mine in self.plan()[step] for batch in mine
-                   for piece in _pieces(batch, self.split))
-
     def _micro_batches(self, start: int) -> Iterator[list[int]]:
         """This rank's pieces of the epoch from the ``start``-th on."""
         skip = start

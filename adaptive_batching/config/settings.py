@@ -9,7 +9,6 @@ so a config never silently asks for something that does not happen.
 from __future__ import annotations
 
 import os
-import re
 from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
@@ -35,10 +34,11 @@ from adaptive_batching.growth.interval import KEY as GROWTH_KEY
 from adaptive_batching.growth.interval import growth_interval_error, parse_growth_interval
 from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.growth.settings import GrowthSettings
+from adaptive_batching.profiling.budget import fraction_error
+from adaptive_batching.profiling.search import round_to_error
 from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.units import parse_bytes
 
-ROUND_TO_PATTERN = re.compile(r"^(power_of_two|none|multiple_of_([1-9][0-9]*))$")
 # A check returns None when the value is fine, else a description of what is allowed.
 Check = Callable[[Any], Optional[str]]
 
@@ -63,11 +63,6 @@ def _choice(*allowed: str) -> Check:
     return lambda v: None if v in allowed else " | ".join(allowed)
 
 
-def _fraction(v: Any) -> Optional[str]:
-    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= 1
-    return None if ok else "a number in (0, 1]"
-
-
 def _margin(v: Any) -> Optional[str]:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 0.5
     return None if ok else "a number in [0, 0.5)"
@@ -76,11 +71,6 @@ def _margin(v: Any) -> Optional[str]:
 def _tolerance(v: Any) -> Optional[str]:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 0.25
     return None if ok else "a number in [0, 0.25] (0.01: the search stops within 1% of the largest that fits)"
-
-
-def _round_to(v: Any) -> Optional[str]:
-    ok = isinstance(v, str) and ROUND_TO_PATTERN.match(v)
-    return None if ok else "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
 
 
 def _memory(v: Any) -> Optional[str]:
@@ -122,9 +112,9 @@ PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", 
 
 KNOBS: dict[str, Knob] = {
     "memory_budget": Knob(None, _memory, PROFILER, "the start-up batch-size profiler"),
-    "memory_fraction": Knob(0.9, _fraction, PROFILER, "the start-up batch-size profiler"),
+    "memory_fraction": Knob(0.9, fraction_error, PROFILER, "the start-up batch-size profiler"),
     "safety_margin": Knob(0.05, _margin, PROFILER, "the start-up batch-size profiler"),
-    "round_to": Knob("none", _round_to, PROFILER, "the start-up batch-size profiler"),
+    "round_to": Knob("none", round_to_error, PROFILER, "the start-up batch-size profiler"),
     "search_tolerance": Knob(0.01, _tolerance, PROFILER, "the start-up batch-size profiler"),
     "reprofile": Knob(False, _bool, PROFILER, "the start-up batch-size profiler"),
     "cache_dir": Knob(None, _opt_str, PROFILER, "the start-up batch-size profiler"),

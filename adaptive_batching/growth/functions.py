@@ -22,35 +22,28 @@ import math
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
-
-def _check_int(where: str, name: str, value: Any, minimum: Optional[int] = None) -> int:
-    """``value`` as an int (bool excluded), at least ``minimum``; else ValueError naming it."""
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise ValueError(f"{where}: {name} must be an integer, got {value!r}")
-    if minimum is not None and value < minimum:
-        raise ValueError(f"{where}: {name} must be an integer >= {minimum}, got {value!r}")
-    return value
+from adaptive_batching.core.checks import check_int
 
 
 def check_call(where: str, epoch: Any, current_batch_size: Any) -> None:
     """The two positional arguments every increase function receives."""
-    _check_int(where, "epoch", epoch, 0)
-    _check_int(where, "current_batch_size", current_batch_size, 1)
+    check_int(where, "epoch", epoch, 0)
+    check_int(where, "current_batch_size", current_batch_size, 1)
 
 
 def _int_list(where: str, name: str, value: Any) -> list[int]:
     """A list of ints from a sequence (not a string); else ValueError naming it."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
         raise ValueError(f"{where}: {name} must be a list of integers, got {value!r}")
-    return [_check_int(where, f"{name}[{i}]", v) for i, v in enumerate(value)]
+    return [check_int(where, f"{name}[{i}]", v) for i, v in enumerate(value)]
 
 
 def _on_period(where: str, epoch: int, every: Any, start_epoch: Any, stop_epoch: Any) -> bool:
     """Whether ``epoch`` is ``start_epoch + n * every`` (n >= 0) and below ``stop_epoch``."""
-    _check_int(where, "every", every, 1)
-    _check_int(where, "start_epoch", start_epoch, 0)
+    check_int(where, "every", every, 1)
+    check_int(where, "start_epoch", start_epoch, 0)
     if stop_epoch is not None:
-        _check_int(where, "stop_epoch", stop_epoch)
+        check_int(where, "stop_epoch", stop_epoch)
         if stop_epoch <= start_epoch:
             raise ValueError(
                 f"{where}: stop_epoch must be null or greater than start_epoch "
@@ -92,7 +85,7 @@ def step_increase(
     check_call(where, epoch, current_batch_size)
     epochs = _int_list(where, "at_epochs", at_epochs)
     for i, e in enumerate(epochs):
-        _check_int(where, f"at_epochs[{i}]", e, 1)
+        check_int(where, f"at_epochs[{i}]", e, 1)
     if len(set(epochs)) != len(epochs):
         raise ValueError(f"{where}: at_epochs must not repeat an epoch, got {list(at_epochs)!r}")
     if isinstance(increment, int) and not isinstance(increment, bool):
@@ -146,7 +139,7 @@ def linear_ramp(
     """
     where = "linear_ramp"
     check_call(where, epoch, current_batch_size)
-    _check_int(where, "increment", increment)
+    check_int(where, "increment", increment)
     return increment if _on_period(where, epoch, every, start_epoch, stop_epoch) else 0
 
 

@@ -19,12 +19,14 @@ from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
 
 from adaptive_batching.batching.shape import BatchShape, EpochBatch
+from adaptive_batching.core.checks import check_int
 from adaptive_batching.errors import ConfigError
 
 IncreaseFunction = Callable[[int, int], int]
 
 KEY = "batch_increase_function"
-GROW_PAST_MEMORY = ("skip", "accumulate")
+SKIP, ACCUMULATE = "skip", "accumulate"
+GROW_PAST_MEMORY = (SKIP, ACCUMULATE)
 REASONS = ("start", "function", "capped", "accumulated", "unchanged")
 _EXAMPLE = "'adaptive_batching.growth.linear_ramp'"
 
@@ -116,11 +118,6 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 
-def _check_arg(name: str, value: Any, minimum: int) -> None:
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"plan_batches: {name} must be an integer >= {minimum}, got {value!r}")
-
-
 def _realise(
     requested: int, accumulation: int, ranks: int, cap: Optional[int], mode: str
 ) -> tuple[BatchShape, Optional[str]]:
@@ -128,7 +125,7 @@ def _realise(
     ``accumulated`` when the cap changed it (None when it did not)."""
     if cap is None or requested <= cap:
         return BatchShape(requested, accumulation, ranks), None
-    if mode == "skip":
+    if mode == SKIP:
         return BatchShape(cap, accumulation, ranks), "capped"
     k = max(1, (2 * requested + cap) // (2 * cap))  # floor(requested / cap + 0.5), exact
     return BatchShape(cap, accumulation * k, ranks), "accumulated" if k > 1 else "capped"
@@ -169,7 +166,7 @@ def plan_batches(
     ranks: int,
     increase: Optional[IncreaseFunction],
     memory_cap: Optional[int],
-    grow_past_memory: str = "skip",
+    grow_past_memory: str = SKIP,
 ) -> list[EpochBatch]:
     """The batch of every epoch, calling ``increase(epoch, current)`` for each epoch >= 1.
 
@@ -189,12 +186,12 @@ def plan_batches(
     A function returning 0 gives reason ``unchanged``. A function that raises, returns a
     non-int (bool included) or takes the batch below 1 raises ConfigError naming the epoch.
     """
-    _check_arg("epochs", epochs, 1)
-    _check_arg("start", start, 1)
-    _check_arg("accumulation", accumulation, 1)
-    _check_arg("ranks", ranks, 1)
+    check_int("plan_batches", "epochs", epochs, 1)
+    check_int("plan_batches", "start", start, 1)
+    check_int("plan_batches", "accumulation", accumulation, 1)
+    check_int("plan_batches", "ranks", ranks, 1)
     if memory_cap is not None:
-        _check_arg("memory_cap", memory_cap, 1)
+        check_int("plan_batches", "memory_cap", memory_cap, 1)
     if grow_past_memory not in GROW_PAST_MEMORY:
         raise ConfigError(
             f"config key 'adaptive_batching.grow_past_memory' = {grow_past_memory!r} is invalid: "
@@ -213,7 +210,7 @@ def plan_batches(
 def seen_size(entry: EpochBatch, grow_past_memory: str) -> int:
     """The ``current_batch_size`` a growth function sees after ``entry``: the micro batch that ran
     under ``skip``, the size it asked for under ``accumulate``."""
-    return entry.shape.micro_batch if grow_past_memory == "skip" else entry.requested
+    return entry.shape.micro_batch if grow_past_memory == SKIP else entry.requested
 
 
 def grow_entry(previous: EpochBatch, inc: int, *, epoch: int, accumulation: int, ranks: int,
@@ -221,7 +218,7 @@ def grow_entry(previous: EpochBatch, inc: int, *, epoch: int, accumulation: int,
     """The batch after a growth function returned ``inc`` following ``previous`` (see :func:`plan_batches`)."""
     current = seen_size(previous, grow_past_memory)
     requested = current + inc
-    if grow_past_memory == "skip" and inc > 0 and memory_cap is not None and requested > memory_cap:
+    if grow_past_memory == SKIP and inc > 0 and memory_cap is not None and requested > memory_cap:
         return EpochBatch(epoch, current, inc, previous.shape, "capped", memory_cap)
     shape, capped = _realise(requested, accumulation, ranks, memory_cap, grow_past_memory)
     return EpochBatch(epoch, requested, inc, shape, "unchanged" if inc == 0 else capped or "function", memory_cap)

@@ -39,13 +39,17 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def _check_fraction(fraction: Any) -> float:
+def fraction_error(fraction: Any) -> Optional[str]:
+    """None when ``fraction`` is a share of memory, else what is allowed."""
     ok = (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
           and math.isfinite(fraction) and 0 < fraction <= 1)
-    if not ok:
-        raise ConfigError(
-            f"config key 'adaptive_batching.memory_fraction' = {fraction!r} is invalid: expected a number in (0, 1]"
-        )
+    return None if ok else "a number in (0, 1]"
+
+
+def _check_fraction(fraction: Any) -> float:
+    allowed = fraction_error(fraction)
+    if allowed:
+        raise ConfigError(f"config key 'adaptive_batching.memory_fraction' = {fraction!r} is invalid: expected {allowed}")
     return float(fraction)
 
 

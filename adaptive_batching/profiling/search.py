@@ -21,8 +21,16 @@ from dataclasses import dataclass
 from fractions import Fraction
 from typing import Callable, Optional
 
+from adaptive_batching.core.checks import check_int
+
 _MULTIPLE_OF = re.compile(r"^multiple_of_([1-9][0-9]*)$")
-_ROUND_TO_ALLOWED = "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
+ROUND_TO_ALLOWED = "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
+
+
+def round_to_error(round_to: object) -> Optional[str]:
+    """None when ``round_to`` is a rounding :func:`choose_micro_batch` knows, else the allowed values."""
+    ok = round_to in ("power_of_two", "none") or (isinstance(round_to, str) and _MULTIPLE_OF.match(round_to))
+    return None if ok else ROUND_TO_ALLOWED
 # Gallop positions beyond this are meaningless for a micro batch; it keeps the arithmetic finite.
 _LARGEST = 2.0**62
 
@@ -62,10 +70,10 @@ def search_max_micro_batch(
     when ``upper_limit`` (never exceeded) runs, when size 1 fails, or after ``max_steps`` trials.
     No size is tried twice.
     """
-    _check_int("start", start, 1)
-    _check_int("max_steps", max_steps, 1)
+    check_int("search_max_micro_batch", "start", start, 1)
+    check_int("search_max_micro_batch", "max_steps", max_steps, 1)
     if upper_limit is not None:
-        _check_int("upper_limit", upper_limit, 1)
+        check_int("search_max_micro_batch", "upper_limit", upper_limit, 1)
         start = min(start, upper_limit)
     if not (math.isfinite(tolerance) and tolerance >= 0):
         raise ValueError(f"tolerance must be a finite number >= 0, got {tolerance!r}")
@@ -118,12 +126,12 @@ def choose_micro_batch(max_ok: int, safety_margin: float, round_to: str) -> int:
 
     Never 0 when ``max_ok >= 1``: a rounding that would reach 0 keeps the unrounded value.
     """
-    _check_int("max_ok", max_ok, 0)
+    check_int("choose_micro_batch", "max_ok", max_ok, 0)
     if not (isinstance(safety_margin, (int, float)) and 0 <= safety_margin < 1):
         raise ValueError(f"safety_margin must be a number in [0, 1), got {safety_margin!r}")
-    multiple = _MULTIPLE_OF.match(round_to) if isinstance(round_to, str) else None
-    if round_to not in ("power_of_two", "none") and multiple is None:
-        raise ValueError(f"adaptive_batching.round_to must be one of {_ROUND_TO_ALLOWED}, got {round_to!r}")
+    if round_to_error(round_to):
+        raise ValueError(f"adaptive_batching.round_to must be one of {ROUND_TO_ALLOWED}, got {round_to!r}")
+    multiple = _MULTIPLE_OF.match(str(round_to))
     if max_ok == 0:
         return 0
     value = max(1, math.floor(max_ok * (1 - _exact(safety_margin))))
@@ -133,11 +141,6 @@ def choose_micro_batch(max_ok: int, safety_margin: float, round_to: str) -> int:
         n = int(multiple.group(1))
         return value // n * n or value
     return value
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _exact(number: float) -> Fraction:
