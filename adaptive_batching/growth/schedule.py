@@ -58,6 +58,17 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
     """
     if OmegaConf.is_config(spec):
         spec = OmegaConf.to_container(spec, resolve=True)
+    named = _named_function(spec)
+    if named is None:
+        return None
+    path, kwargs, key = named
+    obj = _imported(path, key)
+    _check_callable_with(obj, path, kwargs)
+    return functools.partial(obj, **kwargs) if kwargs else obj
+
+
+def _named_function(spec: Any) -> Optional[tuple[str, dict[str, Any], str]]:
+    """The dotted path, the keyword arguments and the config key that named the path; None when off."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("none", "null")):
         return None
     if isinstance(spec, str) and spec.strip():
@@ -82,6 +93,11 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
             f"config key '{key}' = {path!r} is invalid: expected a dotted path to a function "
             f"like {_EXAMPLE}"
         )
+    return path, kwargs, key
+
+
+def _imported(path: str, key: str) -> Callable[..., Any]:
+    """The callable at ``path``; a ConfigError naming ``key`` when it does not import or cannot be called."""
     try:
         obj = _get_component_from_path(path)
     except Exception as exc:
@@ -94,28 +110,31 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
             f"config key '{key}' = {path!r} is invalid: it is a {type(obj).__name__}, not "
             f"callable; expected a function f(epoch, current_batch_size) -> int"
         )
+    return obj
+
+
+def _check_callable_with(obj: Callable[..., Any], path: str, kwargs: dict[str, Any]) -> None:
+    """``obj`` takes ``kwargs`` and, with them bound, ``f(epoch, current_batch_size)``."""
     try:
         signature = inspect.signature(obj)
     except (TypeError, ValueError):
-        signature = None  # some builtins have no signature: the plan's calls check them
-    if signature is not None:
-        try:
-            signature.bind_partial(**kwargs)
-        except TypeError as exc:
-            raise ConfigError(
-                f"config key '{KEY}' binds {sorted(kwargs)} to {path!r}, which does not accept "
-                f"them: {exc}; expected keyword arguments among {_keyword_names(signature)}"
-            ) from exc
-        try:
-            signature.bind(0, 1, **kwargs)
-        except TypeError as exc:
-            bound = f" with keyword arguments {sorted(kwargs)}" if kwargs else ""
-            raise ConfigError(
-                f"config key '{KEY}': {path!r}{bound} cannot be called as "
-                f"f(epoch, current_batch_size): {exc}; its signature is {_bare(signature)}, "
-                f"expected f(epoch, current_batch_size, *, <keyword arguments>) -> int"
-            ) from exc
-    return functools.partial(obj, **kwargs) if kwargs else obj
+        return  # some builtins have no signature: the plan's calls check them
+    try:
+        signature.bind_partial(**kwargs)
+    except TypeError as exc:
+        raise ConfigError(
+            f"config key '{KEY}' binds {sorted(kwargs)} to {path!r}, which does not accept "
+            f"them: {exc}; expected keyword arguments among {_keyword_names(signature)}"
+        ) from exc
+    try:
+        signature.bind(0, 1, **kwargs)
+    except TypeError as exc:
+        bound = f" with keyword arguments {sorted(kwargs)}" if kwargs else ""
+        raise ConfigError(
+            f"config key '{KEY}': {path!r}{bound} cannot be called as "
+            f"f(epoch, current_batch_size): {exc}; its signature is {_bare(signature)}, "
+            f"expected f(epoch, current_batch_size, *, <keyword arguments>) -> int"
+        ) from exc
 
 
 def _realise(

@@ -86,6 +86,83 @@ class ProfileResult:
         return cls(**{k: v for k, v in data.items() if k in known})
 
 
+class TrialLog:
+    """The trial steps of one search: runs each size (once, unless asked again), agrees on its outcome over the
+    ranks and keeps what it measured. ``recover`` frees memory after an out-of-memory error, once the error and
+    the tensors its traceback holds are gone; ``before_trial`` runs before every step (a stop signal ends the
+    search there)."""
+
+    def __init__(self, step: TrialStep, budget: Budget, agree: Agree, recover: Callable[[], None],
+                 before_trial: Callable[[], None]) -> None:
+        self.step, self.budget, self.agree, self.recover, self.before_trial = step, budget, agree, recover, before_trial
+        self.trials: list[Trial] = []
+        self.ran: dict[int, Trial] = {}  # each size's latest trial
+        self.memory: dict[int, StepMemory] = {}
+
+    def attempt(self, micro_batch: int, phase: str, again: bool = False) -> Trial:
+        if micro_batch in self.ran and not again:
+            return self.ran[micro_batch]
+        self.before_trial()
+        t0 = time.perf_counter()
+        used: Optional[StepMemory] = None
+        try:
+            used = self.step(micro_batch)
+        except Exception as error:  # noqa: BLE001 - only out-of-memory errors are expected
+            if not is_out_of_memory(error):
+                raise
+        if used is None:
+            self.recover()
+        ok = used is not None and used.fits(self.budget.bytes)
+        values = ([float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes),
+                   float(used.reserved_peak if used.reserved_peak is not None else -1), float(used.alloc_retries)]
+                  if used else [0.0, 0.0, 0.0, -1.0, 0.0])
+        ok, values = self.agree(ok, values)
+        if used is not None:
+            self.memory[micro_batch] = StepMemory(int(values[1]), used.forward_backward_peak, used.optimizer_peak,
+                                                  int(values[2]))
+        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase,
+                      reserved_bytes=values[3] if values[3] >= 0 else None, alloc_retries=int(values[4]))
+        self.trials.append(trial)
+        self.ran[micro_batch] = trial
+        return trial
+
+    def largest_fit(self, fallback: int) -> int:
+        """The largest size that ran within the budget below every size that did not (a size's latest step: a
+        warm-up retried counts once); ``fallback`` when none did."""
+        failed = [t.micro_batch for t in self.ran.values() if not t.ok]
+        return max([b for b, t in self.ran.items() if t.ok and all(b < f for f in failed)], default=fallback)
+
+
+def _warm_up(log: TrialLog, seq_len: int) -> None:
+    """Micro batch 1 (one-time costs: optimizer state, lazy initialisation); it fails only if a second step fails
+    too, since the first one's peak holds the one-time costs."""
+    if log.attempt(1, "warmup").ok or log.attempt(1, "warmup", again=True).ok:
+        return
+    budget, used = log.budget, log.trials[-1].peak_bytes
+    measured = f" (its step used {used / 2**30:.3f} GiB)" if used is not None else " (out of memory)"
+    raise ProfileError(
+        f"micro batch 1 does not fit the memory budget of {budget.bytes / 2**30:.2f} GiB ({budget.source}) "
+        f"with {seq_len}-token samples{measured}: lower tokenizer.max_seq_len, enable activation checkpointing, "
+        f"or raise adaptive_batching.memory_budget / memory_fraction"
+    )
+
+
+def _estimate(log: TrialLog, upper_limit: int) -> tuple[int, Optional[LinearFit]]:
+    """Probes until the memory shows a slope, one far probe to measure it over many samples, and the largest micro
+    batch the fitted line puts under the budget (at least the largest probe, at most ``upper_limit``)."""
+    probed = probe_until_slope(lambda b: log.memory.get(b) if log.attempt(b, "probe").ok else None, upper_limit,
+                               first=2)
+    fit = fit_probes(probed)
+    if fit is not None:
+        far = max_micro_batch_under(fit, log.budget.bytes) // FAR_PROBE_DIVISOR
+        if 2 * max(probed) <= far <= upper_limit and log.attempt(far, "probe").ok:
+            probed[far] = log.memory[far]
+            fit = fit_probes(probed) or fit
+    largest_probe = max(probed, default=1)
+    estimate = max_micro_batch_under(fit, log.budget.bytes) if fit is not None else largest_probe
+    return max(min(estimate, upper_limit), largest_probe), fit
+
+
 def find_max_micro_batch(
     step: TrialStep,
     budget: Budget,
@@ -100,87 +177,28 @@ def find_max_micro_batch(
     max_verify_steps: int = 16,
     before_trial: Callable[[], None] = lambda: None,
 ) -> ProfileResult:
-    """Probe, fit, verify, choose (see the module docstring).
-
-    ``recover`` frees memory after an out-of-memory error, once the error and the tensors its
-    traceback holds are gone. ``before_trial`` runs before every trial step (a stop signal ends the
-    search there).
-    """
+    """Warm up, probe and fit, verify with real steps from the estimate, choose (see the module docstring and
+    :class:`TrialLog`)."""
     started = time.perf_counter()
-    trials: list[Trial] = []
-    ran: dict[int, Trial] = {}
-    memory: dict[int, StepMemory] = {}
-
-    def attempt(micro_batch: int, phase: str, again: bool = False) -> Trial:
-        if micro_batch in ran and not again:
-            return ran[micro_batch]
-        before_trial()
-        t0 = time.perf_counter()
-        used: Optional[StepMemory] = None
-        try:
-            used = step(micro_batch)
-        except Exception as error:  # noqa: BLE001 - only out-of-memory errors are expected
-            if not is_out_of_memory(error):
-                raise
-        if used is None:
-            recover()
-        ok = used is not None and used.fits(budget.bytes)
-        values = ([float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes),
-                   float(used.reserved_peak if used.reserved_peak is not None else -1), float(used.alloc_retries)]
-                  if used else [0.0, 0.0, 0.0, -1.0, 0.0])
-        ok, values = agree(ok, values)
-        if used is not None:
-            memory[micro_batch] = StepMemory(int(values[1]), used.forward_backward_peak, used.optimizer_peak,
-                                             int(values[2]))
-        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase,
-                      reserved_bytes=values[3] if values[3] >= 0 else None, alloc_retries=int(values[4]))
-        trials.append(trial)
-        ran[micro_batch] = trial
-        return trial
-
-    # 1. A warm-up step (one-time costs: optimizer state, lazy initialisation), probes, the estimate.
-    # Micro batch 1 fails only if a second step fails too: the first one's peak holds the one-time costs.
-    warm = attempt(1, "warmup").ok or attempt(1, "warmup", again=True).ok
-    probed = probe_until_slope(lambda b: memory.get(b) if attempt(b, "probe").ok else None, upper_limit,
-                               first=2) if warm else {}
-    if not warm:
-        used = trials[-1].peak_bytes
-        measured = f" (its step used {used / 2**30:.3f} GiB)" if used is not None else " (out of memory)"
-        raise ProfileError(
-            f"micro batch 1 does not fit the memory budget of {budget.bytes / 2**30:.2f} GiB ({budget.source}) "
-            f"with {seq_len}-token samples{measured}: lower tokenizer.max_seq_len, enable activation checkpointing, "
-            f"or raise adaptive_batching.memory_budget / memory_fraction"
-        )
-    fit = fit_probes(probed)
-    if fit is not None:
-        # One probe far out, at a fraction of the first estimate, so the slope is measured over many samples.
-        far = max_micro_batch_under(fit, budget.bytes) // FAR_PROBE_DIVISOR
-        if 2 * max(probed) <= far <= upper_limit and attempt(far, "probe").ok:
-            probed[far] = memory[far]
-            fit = fit_probes(probed) or fit
-    largest_probe = max(probed, default=1)
-    estimate = max_micro_batch_under(fit, budget.bytes) if fit is not None else largest_probe
-    estimate = max(min(estimate, upper_limit), largest_probe)
-
-    # 2. Verify with real steps from the estimate.
-    search = search_max_micro_batch(lambda b: attempt(b, "verify"), estimate, tolerance=tolerance,
+    log = TrialLog(step, budget, agree, recover, before_trial)
+    _warm_up(log, seq_len)
+    estimate, fit = _estimate(log, upper_limit)
+    search = search_max_micro_batch(lambda b: log.attempt(b, "verify"), estimate, tolerance=tolerance,
                                     upper_limit=upper_limit, max_steps=max_verify_steps)
-    failed = [t.micro_batch for t in ran.values() if not t.ok]  # a size's latest step: a warm-up retried counts once
-    max_ok = max([b for b, t in ran.items() if t.ok and all(b < f for f in failed)], default=search.max_ok)
-    optimizer_peak = max((m.optimizer_peak for m in memory.values()), default=None)
+    max_ok = log.largest_fit(search.max_ok)
     return ProfileResult(
         max_micro_batch=max_ok,
         micro_batch=choose_micro_batch(max_ok, safety_margin, round_to),
         estimate=estimate,
-        trial_steps=len(trials),
+        trial_steps=len(log.trials),
         seconds=time.perf_counter() - started,
         budget_bytes=budget.bytes,
         budget_source=budget.source,
         seq_len=seq_len,
         fixed_bytes=fit.fixed_bytes if fit else None,
         bytes_per_sample=fit.bytes_per_sample if fit else None,
-        optimizer_peak_bytes=optimizer_peak,
-        trials=[asdict(t) for t in trials],
+        optimizer_peak_bytes=max((m.optimizer_peak for m in log.memory.values()), default=None),
+        trials=[asdict(t) for t in log.trials],
     )
 
 
