@@ -136,3 +136,12 @@ def test_no_module_is_over_400_lines_and_the_trainer_over_350() -> None:
     lengths = {module_name(p): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
     assert {name: n for name, n in lengths.items() if n > MAX_LINES} == {}
     assert lengths["adaptive_batching.training.trainer"] <= MAX_TRAINER_LINES
+
+
+def test_every_subpackage_is_installed() -> None:
+    """pyproject.toml lists the packages by name: one left out imports from a checkout but not once installed."""
+    import tomllib
+
+    listed = set(tomllib.loads((PACKAGE.parent / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
+    found = {module_name(p.parent) for p in PACKAGE.rglob("__init__.py")}
+    assert found - listed == set()
