@@ -143,8 +143,10 @@ class StepRunner:
         the first micro batch's and the whole step's squared gradient norms, the first micro batch's tokens and
         both sizes in samples (read by :meth:`_update_noise` once the optimizer step is queued)."""
         small, first_tokens = first
-        packed = torch.stack([small.float(), big.float(), first_tokens.to(small.device),
-                              torch.tensor(samples[0], device=small.device), torch.tensor(sum(samples), device=small.device)])
+        # The sizes go to the device without waiting (``torch.tensor(x, device=cuda)`` would wait for the stream).
+        sizes = torch.tensor([samples[0], sum(samples)], dtype=torch.float32).to(small.device, non_blocking=True)
+        packed = torch.cat([torch.stack([small.float(), big.float(), first_tokens.to(small.device, torch.float32)]),
+                            sizes])
         all_reduce_sum(packed, self.parallel)
         return packed
 
