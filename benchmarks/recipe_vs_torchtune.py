@@ -47,7 +47,9 @@ at every switch; the median of those is reported ("n/a" when the recipe logs no 
 With the defaults the whole script takes about 4 minutes on 2 busy CPU cores (each child spends
 about 7 s starting up, then about 0.1 s per step). Timings on a shared machine are noisy: prefer
 more ``--repeats`` to more ``--steps``; the table also shows 1 / the median step time, which
-bursts of load from other processes move less.
+bursts of load from other processes move less. At glibc's defaults a run's minor page faults per step (printed
+for each run) differ from one process to the next, for either recipe, and its speed with them (about 2.4 us a
+fault on the 2-core machine): ``--glibc-tunables`` takes that out.
 
 The exit code is 0 whether or not the bar is met (PASS/FAIL is printed); it is 1 only when a run
 itself failed.
