@@ -47,7 +47,9 @@ at every switch; the median of those is reported ("n/a" when the recipe logs no 
 With the defaults the whole script takes about 4 minutes on 2 busy CPU cores (each child spends
 about 7 s starting up, then about 0.1 s per step). Timings on a shared machine are noisy: prefer
 more ``--repeats`` to more ``--steps``; the table also shows 1 / the median step time, which
-bursts of load from other processes move less.
+bursts of load from other processes move less. At glibc's defaults a run's minor page faults per step (printed
+for each run) differ from one process to the next, for either recipe, and its speed with them (about 2.4 us a
+fault on the 2-core machine): ``--glibc-tunables`` takes that out.
 
 The exit code is 0 whether or not the bar is met (PASS/FAIL is printed); it is 1 only when a run
 itself failed.
@@ -417,6 +419,7 @@ def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, A
                      "runs": [r["steps_per_second"] for r in runs],
                      "median_step_rate": statistics.median(per_step) if per_step else None,
                      "faults_per_step": statistics.median(faults) if faults else None,
+                     "faults_runs": [r.get("faults_per_step") for r in runs],
                      "errors": [r["error"] for r in runs if "error" in r]})
     ratio = (medians["ours"] / medians["stock"]) if medians["ours"] and medians["stock"] else None
     a, b = rows[0]["median_step_rate"], rows[1]["median_step_rate"]
@@ -433,6 +436,9 @@ def print_table(summary: dict[str, Any]) -> None:
         runs = ", ".join(_fmt(v, ".3f") for v in row["runs"])
         print(f"| {row['recipe']} | {row['steps_measured']} | {_fmt(row['median'], '.3f')} | {runs} | "
               f"{_fmt(row['median_step_rate'], '.3f')} | {_fmt(row.get('faults_per_step'), '.0f')} |")
+    print("minor page faults / step, runs in the order above: " + "; ".join(
+        f"{row['recipe'].split(':')[0]} " + ", ".join(_fmt(v, ".0f") for v in row.get("faults_runs", []))
+        for row in summary["rows"]))
     for row in summary["rows"]:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")

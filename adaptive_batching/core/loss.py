@@ -25,8 +25,7 @@ def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Ten
     ignore = loss_fn.ignore_index
     labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
     tokens = (labels != ignore).sum()
-    first = labels.view(-1)[:1]
-    first.copy_(torch.where(tokens == 0, torch.zeros_like(first), first))
+    labels.view(-1)[:1].masked_fill_(tokens == 0, 0)  # on the device: no host sync
     with activations:
         logits = model(**batch)
     if not isinstance(logits, list):

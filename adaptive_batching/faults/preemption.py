@@ -104,9 +104,10 @@ class Preemption:
         return self.parallel.is_distributed and bool(self.signals)
 
     def begin_step(self) -> None:
-        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only)."""
-        run_pending_handlers()
+        """Start this step's agreement: a non-blocking all-reduce of this rank's flag (several ranks only; one
+        process reads its flag in :meth:`end_step`, which runs the pending handlers itself)."""
         if self._agreeing:
+            run_pending_handlers()
             self._flag = torch.tensor([int(self.received is not None)], device=self.device)
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
 

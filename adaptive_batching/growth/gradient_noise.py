@@ -52,23 +52,23 @@ from torch.distributed.tensor import DTensor
 _STATE_KEYS = ("ema_gradient_sq_norm", "ema_trace_sigma", "ema_weight", "updates", "skipped")
 
 
-def _local_sum_of_squares(grad: torch.Tensor) -> torch.Tensor:
-    """This rank's share of ``|grad|^2`` in float32, so the sum over all ranks is the exact square.
+def _local_part(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
+    """This rank's part of ``grad`` and how many ranks hold the same values, so that the sum over all ranks of
+    ``|part|^2 / copies`` is the exact ``|grad|^2``.
 
-    A DTensor contributes the squares of its local shard; a dimension of its mesh on which it is
-    replicated holds the same values on every rank of that dimension, so its share is divided by that
-    dimension's size. A pending reduction (``Partial``) is not a gradient yet and is refused.
+    A DTensor contributes its local shard; a dimension of its mesh on which it is replicated holds the same
+    values on every rank of that dimension, so its share is divided by that dimension's size. A pending
+    reduction (``Partial``) is not a gradient yet and is refused.
     """
     if not isinstance(grad, DTensor):
-        return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
+        return grad, 1
     copies = 1
     for dim, placement in enumerate(grad.placements):
         if placement.is_partial():
             raise ValueError("squared_grad_norm: a gradient has a Partial placement (not reduced yet)")
         if placement.is_replicate():
             copies *= grad.device_mesh.size(dim)
-    local = torch.linalg.vector_norm(grad.to_local(), dtype=torch.float32).square()
-    return local / copies if copies > 1 else local
+    return grad.to_local(), copies
 
 
 def squared_grad_norm(parameters: Iterable[torch.Tensor],
@@ -80,11 +80,18 @@ def squared_grad_norm(parameters: Iterable[torch.Tensor],
     which the caller can batch with others) is the exact squared norm of the whole gradient.
     Parameters without a gradient count 0. ``device`` places the zero returned when no parameter has
     a gradient (default: CPU); otherwise the result is on the gradients' device.
+
+    The norms are taken in float32 by one ``_foreach_norm`` (a few multi-tensor kernels on a GPU, not one per
+    parameter), and nothing is read back: no host sync.
     """
-    parts = [_local_sum_of_squares(p.grad) for p in parameters if p.grad is not None]
+    parts = [_local_part(p.grad) for p in parameters if p.grad is not None]
     if not parts:
         return torch.zeros((), dtype=torch.float32, device=device)
-    return torch.stack(parts).sum()
+    squares = torch.stack(torch._foreach_norm([part for part, _ in parts], 2, dtype=torch.float32)).square()
+    copies = [c for _, c in parts]
+    if any(c > 1 for c in copies):
+        squares = squares / torch.tensor(copies, dtype=torch.float32).to(squares.device, non_blocking=True)
+    return squares.sum()
 
 
 def two_batch_estimates(small_sq_norm_mean: float, small_size: float,

