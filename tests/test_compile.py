@@ -19,8 +19,8 @@ from torch._dynamo.utils import counters
 from torchtune import config
 
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.training import compiling
 from adaptive_batching.core.loss import summed_token_loss
+from adaptive_batching.training import compiling
 
 
 @pytest.fixture

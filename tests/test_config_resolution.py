@@ -9,9 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from omegaconf import DictConfig, OmegaConf
-
 from config_edits import setting, typed
+from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.config.loading import (
     parse,

@@ -17,6 +17,7 @@ from torch import nn
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.estimate import (
     EXTRAPOLATED,
     FULL_TRACE,
@@ -26,7 +27,6 @@ from adaptive_batching.profiling.estimate import (
     trace_steps,
 )
 from adaptive_batching.profiling.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
@@ -263,8 +263,8 @@ def test_bad_arguments_are_refused_before_any_tracing() -> None:
 def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> None:
     """A trace where the optimizer step sets the limit: 8 GiB of state on 1 rank, 1 GiB a rank on 8. A 4 GiB
     device fits no micro batch on 1 rank, and some on 8; the reported peak is a rank's share."""
-    from adaptive_batching.profiling.estimate import EXTRAPOLATED, StepTrace, predict
     from adaptive_batching.core.steps import StepMemory
+    from adaptive_batching.profiling.estimate import EXTRAPOLATED, StepTrace, predict
 
     gib = 2**30
     steady, per_sample, optimizer_peak = 2 * gib, 16 * 2**20, 8 * gib

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 from recipe_runs import read_metrics
-from test_state_by_part import flat
 from test_oom_recovery import faulty_run, ok
+from test_state_by_part import flat
 
 SAMPLES = 40
 # geometric x2 (the config's function) every 3 steps, from micro batch 2, under a budget that caps it.

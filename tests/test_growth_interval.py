@@ -6,13 +6,12 @@ import pytest
 from config_edits import modified
 from omegaconf import DictConfig
 
-from adaptive_batching.growth.schedule import grow_entry, plan_batches
-from adaptive_batching.batching.shape import EpochBatch
-from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.batching.sampler import SamplerSpan
+from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.batching.sampler import SamplerSpan
 from adaptive_batching.growth.interval import GrowthInterval, parse_growth_interval
+from adaptive_batching.growth.schedule import grow_entry, plan_batches
 
 
 @pytest.mark.parametrize("value, expected", [

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 
 import pytest
 import torch
-from recipe_runs import unclean_exit, read_metrics, run_command
+from recipe_runs import read_metrics, run_command, unclean_exit
 from safetensors.torch import load_file
 
 from adaptive_batching.errors import PeerOutOfMemory

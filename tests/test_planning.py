@@ -7,11 +7,11 @@ from typing import Any, Optional
 import pytest
 import torch
 
-from adaptive_batching.growth import plan
-from adaptive_batching.growth.plan import BatchPlan
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import KNOBS, AdaptiveSettings, sections
-from adaptive_batching.batching.lr_scaling import SampleDrivenLR
+from adaptive_batching.growth import plan
+from adaptive_batching.growth.plan import BatchPlan
 
 REFERENCE = BatchShape(4, 2, 1)  # batch_size 4 x accumulation 2: global batch 8
 

@@ -14,7 +14,7 @@ from config_edits import modified
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.profiling.settings import ProfilerSettings
+from adaptive_batching.core.paths import cache_dir, default_cache_dir
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling import cache as profile_cache
 from adaptive_batching.profiling.cache import (
@@ -24,7 +24,7 @@ from adaptive_batching.profiling.cache import (
     memory_fingerprint_parts,
     save_profile,
 )
-from adaptive_batching.core.paths import default_cache_dir
+from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime.files import fingerprint
 
 KEY = "ab" * 32
@@ -228,3 +228,12 @@ def test_a_dataset_list_is_packed_when_all_are_and_a_mix_is_an_error(base_cfg: D
     assert packed([{"_component_": "a"}, {"_component_": "b", "packed": False}]) is False
     with pytest.raises(ConfigError, match="config key 'dataset' mixes packed and unpacked data sets"):
         packed([{"_component_": "a", "packed": True}, {"_component_": "b"}])
+
+
+def test_the_configured_cache_dir_is_expanded_and_null_is_the_default(monkeypatch: pytest.MonkeyPatch,
+                                                                       tmp_path: Path) -> None:
+    """One rule for the profile cache, the sample-length cache and ``estimate`` (core.paths.cache_dir)."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert cache_dir("~/profiles") == tmp_path / "profiles"
+    assert cache_dir(None) == default_cache_dir()
+    assert cache_file("~/profiles", "abcdef" * 4).parent == tmp_path / "profiles"

@@ -12,10 +12,10 @@ from torchtune.models.llama3 import llama3
 
 from adaptive_batching.assets.tiny import TINY_MODEL_ARGS
 from adaptive_batching.config.settings import KNOBS
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import ProfileError
 from adaptive_batching.profiling.budget import Budget
 from adaptive_batching.profiling.profiler import find_max_micro_batch, preserved_training_state
-from adaptive_batching.core.steps import StepMemory
 
 MIB = 2**20
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from adaptive_batching.batching.lr_scaling import lr_factor
 from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.batching.lr_scaling import lr_factor
 
 MAX_QUIET_LR_FACTOR = 8.0
 ALLOW_KEY = "adaptive_batching.allow_global_batch_above_data"

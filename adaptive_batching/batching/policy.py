@@ -19,19 +19,18 @@ from omegaconf import DictConfig
 from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
 from adaptive_batching.batching.data import build_dataloader, build_token_dataloader
-from adaptive_batching.batching.sampler import epoch_extent
+from adaptive_batching.batching.lr_scaling import lr_factor
+from adaptive_batching.batching.sampler import SamplerSpan, epoch_extent
 from adaptive_batching.batching.settings import BatchingSettings
-from adaptive_batching.batching.shape import EpochBatch
-from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.batching.token_sampler import padding_waste
 from adaptive_batching.batching.worst_case import WorstCase
+from adaptive_batching.core.paths import cache_dir
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults.guard import piece_size
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.faults.recovery import Cuts, SampleCuts, TokenCuts
-from adaptive_batching.batching.sampler import SamplerSpan
-from adaptive_batching.batching.lr_scaling import lr_factor
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime.distributed import ParallelInfo
 
 
@@ -64,7 +63,7 @@ class SampleBatching:
     @property
     def cache_dir(self) -> Path:
         """Where profiles and sample lengths are cached."""
-        return self.settings.cache_path
+        return cache_dir(self.settings.cache_dir)
 
     def cuts(self) -> Cuts:
         return SampleCuts()

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Optional, Union
-
-from adaptive_batching.core.paths import default_cache_dir
 
 
 @dataclass(frozen=True)
@@ -29,7 +26,3 @@ class BatchingSettings:
     @property
     def token_budget(self) -> bool:
         return self.max_tokens is not None
-
-    @property
-    def cache_path(self) -> Path:
-        return default_cache_dir() if self.cache_dir is None else Path(self.cache_dir)

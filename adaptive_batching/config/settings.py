@@ -18,8 +18,8 @@ from torch.optim.lr_scheduler import LambdaLR
 from torchtune import config, utils
 
 from adaptive_batching.batching.elastic import ElasticSpec
+from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.settings import BatchingSettings
-from adaptive_batching.growth.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.config.keys import check_top_level_keys
 from adaptive_batching.core.memory_savers import (
     check_activation_offloading,
@@ -32,7 +32,7 @@ from adaptive_batching.faults import preemption
 from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
 from adaptive_batching.growth.interval import growth_interval_error, parse_growth_interval
-from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
+from adaptive_batching.growth.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.profiling.budget import fraction_error
 from adaptive_batching.profiling.search import round_to_error
@@ -99,38 +99,37 @@ def _opt_mapping(v: Any) -> Optional[str]:
 
 @dataclass(frozen=True)
 class Knob:
-    """One key under ``adaptive_batching:``: its default as a config writes it, its check, the section it
-    belongs to and the feature it is for (named in errors)."""
+    """One key under ``adaptive_batching:``: its default as a config writes it, its check and the section it
+    belongs to."""
 
     default: Any
     check: Check
     section: str
-    feature: str
 
 
 PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", "elastic", "faults"
 
 KNOBS: dict[str, Knob] = {
-    "memory_budget": Knob(None, _memory, PROFILER, "the start-up batch-size profiler"),
-    "memory_fraction": Knob(0.9, fraction_error, PROFILER, "the start-up batch-size profiler"),
-    "safety_margin": Knob(0.05, _margin, PROFILER, "the start-up batch-size profiler"),
-    "round_to": Knob("none", round_to_error, PROFILER, "the start-up batch-size profiler"),
-    "search_tolerance": Knob(0.01, _tolerance, PROFILER, "the start-up batch-size profiler"),
-    "reprofile": Knob(False, _bool, PROFILER, "the start-up batch-size profiler"),
-    "cache_dir": Knob(None, _opt_str, PROFILER, "the start-up batch-size profiler"),
-    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), GROWTH, "per-epoch batch growth"),
-    "growth_interval": Knob("epoch", growth_interval_error, GROWTH, "batch growth inside an epoch"),
-    "allow_global_batch_above_data": Knob(False, _bool, BATCHING, "a global batch larger than the epoch's samples"),
-    "keep_global_batch": Knob(False, _bool, GROWTH, "the fixed-global-batch mode"),
-    "max_tokens": Knob(None, _max_tokens, BATCHING, "token-budget batching"),
-    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), BATCHING, "token-budget batching"),
-    "min_batch_size": Knob(None, _opt_pos_int, BATCHING, "token-budget batching"),
-    "max_batch_size": Knob(None, _opt_pos_int, BATCHING, "token-budget batching"),
-    "elastic": Knob(None, _opt_mapping, ELASTIC, "elastic global batch sizes"),
-    "oom_recovery": Knob(True, _bool, FAULTS, "recovery from an out-of-memory error"),
-    "oom_grow_back_after": Knob(None, _opt_pos_int, FAULTS, "recovery from an out-of-memory error"),
-    "guard_steps": Knob(4, _non_neg_int, FAULTS, "recovery from an out-of-memory error"),
-    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, FAULTS, "stopping cleanly on a signal"),
+    "memory_budget": Knob(None, _memory, PROFILER),
+    "memory_fraction": Knob(0.9, fraction_error, PROFILER),
+    "safety_margin": Knob(0.05, _margin, PROFILER),
+    "round_to": Knob("none", round_to_error, PROFILER),
+    "search_tolerance": Knob(0.01, _tolerance, PROFILER),
+    "reprofile": Knob(False, _bool, PROFILER),
+    "cache_dir": Knob(None, _opt_str, PROFILER),
+    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), GROWTH),
+    "growth_interval": Knob("epoch", growth_interval_error, GROWTH),
+    "allow_global_batch_above_data": Knob(False, _bool, BATCHING),
+    "keep_global_batch": Knob(False, _bool, GROWTH),
+    "max_tokens": Knob(None, _max_tokens, BATCHING),
+    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), BATCHING),
+    "min_batch_size": Knob(None, _opt_pos_int, BATCHING),
+    "max_batch_size": Knob(None, _opt_pos_int, BATCHING),
+    "elastic": Knob(None, _opt_mapping, ELASTIC),
+    "oom_recovery": Knob(True, _bool, FAULTS),
+    "oom_grow_back_after": Knob(None, _opt_pos_int, FAULTS),
+    "guard_steps": Knob(4, _non_neg_int, FAULTS),
+    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, FAULTS),
 }
 
 

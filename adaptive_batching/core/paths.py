@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Optional, Union
 
 
 def default_cache_dir() -> Path:
@@ -11,3 +12,8 @@ def default_cache_dir() -> Path:
     xdg = os.environ.get("XDG_CACHE_HOME", "")
     base = Path(xdg) if xdg and Path(xdg).is_absolute() else Path.home() / ".cache"
     return base / "adaptive-batching" / "profiles"
+
+
+def cache_dir(configured: Optional[Union[str, Path]]) -> Path:
+    """The cache folder ``adaptive_batching.cache_dir`` names (``~`` expanded), or :func:`default_cache_dir`."""
+    return default_cache_dir() if configured is None else Path(configured).expanduser()

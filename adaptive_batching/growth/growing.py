@@ -9,13 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from adaptive_batching.growth.plan import BatchPlan
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.policy import Verifier
-from adaptive_batching.growth.schedule import epoch_switch_reason
 from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator
+from adaptive_batching.growth.plan import BatchPlan
+from adaptive_batching.growth.schedule import epoch_switch_reason
 from adaptive_batching.growth.statistics import TrainingStatistics
-from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 
 
 class Growth:

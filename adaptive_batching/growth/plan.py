@@ -17,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Mapping, Optional
 
 from adaptive_batching.batching.elastic import ElasticSpec, shape_at
+from adaptive_batching.batching.shape import BatchShape, EpochBatch, shape_keeping_global_batch
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.schedule import (
     checked_increment,
     describe_plan,
@@ -25,9 +27,6 @@ from adaptive_batching.growth.schedule import (
     plan_batches,
     seen_size,
 )
-from adaptive_batching.batching.shape import EpochBatch
-from adaptive_batching.batching.shape import BatchShape, shape_keeping_global_batch
-from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.growth.statistics import accepts_stats, call_increase, noise_scale, unwrapped
 

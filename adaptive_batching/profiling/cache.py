@@ -16,8 +16,8 @@ from typing import Any, Mapping, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.core import paths
 from adaptive_batching.core.nodes import packed, plain
-from adaptive_batching.core.paths import default_cache_dir
 from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime.files import read_json_cache, write_atomically
 from adaptive_batching.units import parse_bytes
@@ -32,8 +32,7 @@ _OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")
 
 def cache_file(cache_dir: Path | str | None, key: str) -> Path:
     """The file for ``key``: ``<dir>/<key[:16]>.json`` (the full key is checked inside the file)."""
-    directory = default_cache_dir() if cache_dir is None else Path(cache_dir).expanduser()
-    return directory / f"{key[:16]}.json"
+    return paths.cache_dir(cache_dir) / f"{key[:16]}.json"
 
 
 def load_profile(path: Path, key: str) -> Optional[dict]:

@@ -27,12 +27,12 @@ from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import training
 
+from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
 from adaptive_batching.profiling.memory_fit import max_micro_batch_under
 from adaptive_batching.profiling.profiler import fit_probes, probe_until_slope
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
-from adaptive_batching.core.method import FinetuneMethod
 
 EXTRAPOLATED = "layer extrapolation"
 FULL_TRACE = "full trace"

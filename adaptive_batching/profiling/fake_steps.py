@@ -39,8 +39,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.core.nodes import building
+from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
+from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.nodes import building
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
 from adaptive_batching.profiling.layer_timeline import (
@@ -52,11 +55,8 @@ from adaptive_batching.profiling.layer_timeline import (
     repeats,
 )
 from adaptive_batching.profiling.optimizer_state import build_optimizer, paged_bytes, step_or_explain
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
-from adaptive_batching.core.loss import summed_token_loss
-from adaptive_batching.core.method import FinetuneMethod
 
 CPU = torch.device("cpu")
 

@@ -41,7 +41,6 @@ from adaptive_batching.profiling.memory_fit import (
 )
 from adaptive_batching.profiling.search import Trial, choose_micro_batch, search_max_micro_batch
 
-
 FAR_PROBE_DIVISOR = 8
 
 TrialStep = Callable[[int], StepMemory]

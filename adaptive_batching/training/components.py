@@ -14,11 +14,11 @@ from torchtune import config
 from torchtune.modules import common_utils
 
 from adaptive_batching.batching.data import DEFAULT_COLLATE, build_collate, build_dataset
+from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training import compiling
 from adaptive_batching.training.model import ModelOptions, build_model
-from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.training.optimizers import build_optimizer
 
 

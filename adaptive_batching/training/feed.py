@@ -13,12 +13,12 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.policy import SampleBatching
+from adaptive_batching.batching.sampler import SamplerSpan
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.faults.guard import StepGuard, piece_size
 from adaptive_batching.faults.recovery import OomRecovery
-from adaptive_batching.batching.sampler import SamplerSpan
-from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 
 
 class Feed:

@@ -20,8 +20,8 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
-from adaptive_batching.errors import ConfigError
 from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.errors import ConfigError
 
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
 

@@ -18,8 +18,8 @@ from torchtune import config, modules, training
 
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.runtime import nf4
-from adaptive_batching.training import compiling
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
+from adaptive_batching.training import compiling
 
 
 @dataclass(frozen=True)

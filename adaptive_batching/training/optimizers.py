@@ -31,7 +31,6 @@ from adaptive_batching.core.nodes import building
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 
-
 # bitsandbytes 0.50 tries, at import, to fetch a CPU 4-bit matmul kernel from the Hugging Face hub and logs a
 # warning when it cannot. Only its optimizers are used here, which do not need that kernel.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(

@@ -17,12 +17,12 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtune import training
 
+from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
 from adaptive_batching.training.model import full_optimizer_state_dict, full_state_dict, load_optimizer_state_dict
-from adaptive_batching.core.method import FinetuneMethod
 
 
 @dataclass
@@ -117,10 +117,11 @@ class Checkpoints:
         self.info = info
         self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
 
-    def restore(self, checkpoint: dict[str, Any], *, seed: int, parts: Mapping[str, Stateful], feed: Any,
+    def restore(self, checkpoint: dict[str, Any], *, seed: int, parts: Mapping[str, Stateful],
                 model: torch.nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path) -> int:
-        """Put each of ``parts`` (its key in the adaptive state: the part), the feed's OOM cut and the optimizer
-        where the saved run stood (the end of an epoch, or a step inside one); return the run's seed."""
+        """Put each of ``parts`` (its key in the adaptive state: the part; among them ``progress`` and ``feed``),
+        the OOM cut a rank recorded before a restart and the optimizer where the saved run stood (the end of an
+        epoch, or a step inside one); return the run's seed."""
         if checkpoint.get(training.SEED_KEY, seed) != seed:
             self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
             seed = checkpoint[training.SEED_KEY]
@@ -128,6 +129,8 @@ class Checkpoints:
         for key, part in parts.items():
             if state.get(key) is not None:
                 part.load_state_dict(state[key])
+        feed: Any = parts["feed"]
+        where: Any = parts["progress"]
         recovery = feed.recovery
         recorded = restart.recorded_cut(output_dir)
         if recorded is not None and feed.adopt_cut(recorded["recovery"]):
@@ -136,7 +139,6 @@ class Checkpoints:
                       f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}")
         load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
         cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
-        where = parts["progress"]
         self.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
         return seed
 

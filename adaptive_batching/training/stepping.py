@@ -18,14 +18,14 @@ from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
 from adaptive_batching.batching.data import worst_case_batch
+from adaptive_batching.core.loss import summed_token_loss
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults.guard import OK, StepGuard, optimizer_step_counts
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
-from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 

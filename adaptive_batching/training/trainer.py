@@ -19,29 +19,28 @@ from torchtune import config, training, utils
 from tqdm import tqdm
 
 from adaptive_batching.batching import worst_case
-from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
+from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.config.loading import given_argv
-from adaptive_batching.core.nodes import building
-from adaptive_batching.core.nodes import optional_component
 from adaptive_batching.config.settings import AdaptiveSettings
+from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.nodes import building, optional_component
+from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import Preempted, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
-from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
+from adaptive_batching.growth.growing import Growth
+from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.profiling.profiler import ProfileResult, preserved_training_state
-from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
-from adaptive_batching.runtime.files import write_atomically
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
+from adaptive_batching.runtime.files import write_atomically
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
-from adaptive_batching.growth.growing import Growth
-from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.training.oom_response import OomResponse
 from adaptive_batching.training.optimizers import offloading
 from adaptive_batching.training.state import STATE_VERSION, Checkpoints, PendingState, Progress, check_resumable_on
@@ -79,6 +78,7 @@ class Trainer:
         self.feed = Feed(batching, OomRecovery(batching.cuts(), faults.oom_grow_back_after), self.guard,
                          faults.guard_steps, self.reference, step_in_epoch=lambda: progress.step_in_epoch,
                          elastic=settings.elastic is not None)
+        self.lr: Optional[SampleDrivenLR] = None  # built with the plan
         self.saved_lr: Optional[dict[str, Any]] = None  # a resumed run's LR schedule, which the plan builds
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
                                output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
@@ -136,8 +136,8 @@ class Trainer:
                                 where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)),
                                 activations=offloading(self.model, cfg.get("enable_activation_offloading", None)))
         if self.resume:
-            self.seed = self.checkpoints.restore(checkpoint, seed=self.seed, parts=self.parts(), feed=self.feed,
-                                                 model=self.model, optimizer=self.optimizer, output_dir=self.output_dir)
+            self.seed = self.checkpoints.restore(checkpoint, seed=self.seed, parts=self.parts(), model=self.model,
+                                                 optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
                               cfg, self.info, profiles=self.settings.needs_profile)
@@ -321,8 +321,8 @@ class Trainer:
     def parts(self) -> dict[str, Stateful]:
         """The parts that resume, by their key in the checkpoint (the LR schedule, built by the plan, resumes
         from :attr:`saved_lr`)."""
-        lr = getattr(self, "lr", None) or PendingState(self, "saved_lr")
-        return {"progress": self.progress, "feed": self.feed, "plan": self.plan, "lr": lr,
+        return {"progress": self.progress, "feed": self.feed, "plan": self.plan,
+                "lr": self.lr or PendingState(self, "saved_lr"),
                 "noise_scale": self.runner.noise, "profile": self.profile_run}
 
     def adaptive_state(self) -> dict[str, Any]:
