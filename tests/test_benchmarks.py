@@ -93,3 +93,8 @@ def test_profiler_vs_peers(tmp_path: Path) -> None:
 def test_noise_scale_accuracy(tmp_path: Path) -> None:
     out = script("noise_scale_accuracy.py", "--seeds", "1", cwd=tmp_path)
     assert "2 gloo ranks" in out and "Over 1 seeds" in out
+
+
+def test_step_counters(tmp_path: Path) -> None:
+    out = script("step_counters.py", "--tensors", "3", "--repeats", "1", "--number", "2", cwd=tmp_path)
+    assert "| 3 |" in out

@@ -63,28 +63,35 @@ def test_larger_cap_doubles_until_it_covers_the_planned_micro_batch() -> None:
     assert larger_cap(44, 87) is None and larger_cap(22, 87) == 44
 
 
-def test_optimizer_step_counts_follow_adam_steps() -> None:
+@pytest.mark.parametrize("implementation", [{}, {"foreach": True}, {"fused": True}])
+def test_optimizer_step_counts_follow_adam_steps(implementation: dict) -> None:
     param = torch.nn.Parameter(torch.ones(3))
-    optimizer = torch.optim.AdamW([param], lr=0.1)
+    optimizer = torch.optim.AdamW([param], lr=0.1, **implementation)
     before = optimizer_step_counts(optimizer)
-    assert before.host == () and before.device is None
+    assert before.counters == ()
     param.grad = torch.ones(3)
     optimizer.step()
     once = optimizer_step_counts(optimizer)
+    assert once.same_as(optimizer_step_counts(optimizer)) and not before.same_as(once)
     optimizer.step()
-    assert optimizer_step_counts(optimizer).host == (2.0,)
-    assert once.same_as(optimizer_step_counts(optimizer)) is False and once.same_as(once)
-    assert not before.same_as(once)
+    assert not once.same_as(optimizer_step_counts(optimizer))
+    assert float(optimizer.state[param]["step"]) == 2.0
 
 
-def test_step_counters_on_a_device_are_copied_not_read() -> None:
-    from adaptive_batching.faults.guard import StepCounts
-
-    device = torch.device("meta")  # any device but the host: a read would need a sync, a copy does not
-    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3))], lr=0.1)
-    optimizer.state[optimizer.param_groups[0]["params"][0]]["step"] = torch.zeros((), device=device)
+def test_step_counters_on_a_device_are_not_read_and_numbers_are() -> None:
+    device = torch.device("meta")  # any device but the host: reading a value would need a sync (here: fail)
+    optimizer = torch.optim.AdamW([torch.nn.Parameter(torch.ones(3)), torch.nn.Parameter(torch.ones(2))], lr=0.1)
+    first, second = optimizer.param_groups[0]["params"]
+    optimizer.state[first]["step"] = torch.zeros((), device=device)
+    optimizer.state[second]["step"] = 4  # bitsandbytes' optimizers count in a Python int
     counts = optimizer_step_counts(optimizer)
-    assert isinstance(counts, StepCounts) and counts.host == () and counts.device.device == device
+    assert counts.same_as(optimizer_step_counts(optimizer))
+    optimizer.state[first]["step"] += 1
+    assert not counts.same_as(after := optimizer_step_counts(optimizer))
+    optimizer.state[second]["step"] += 1
+    assert not after.same_as(latest := optimizer_step_counts(optimizer))
+    optimizer.state[first]["step"] = torch.zeros((), device=device)  # replaced, not updated: still a change
+    assert not latest.same_as(optimizer_step_counts(optimizer))
 
 
 def test_guard_in_one_process_catches_only_out_of_memory() -> None:

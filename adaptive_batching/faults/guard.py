@@ -10,7 +10,7 @@ next sync point instead of waiting in an all-gather or reduce-scatter its peer w
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -52,27 +52,22 @@ def larger_cap(cap: int, planned: int) -> Optional[int]:
     return None if 2 * cap >= planned else 2 * cap
 
 
-@dataclass(frozen=True, eq=False)
+@dataclass(frozen=True)
 class StepCounts:
     """The optimizer's per-parameter step counters (Adam-family state), to tell whether a failed step changed
-    anything. Counters on the host are read; counters on the device (fused or capturable Adam) are copied there in
-    one kernel, so taking them before every optimizer step costs no host sync: only a comparison (after an OOM,
-    or in a test) waits for the device."""
+    anything. A counter held in a tensor is taken by identity and version (bumped on the host by every in-place
+    update, wherever the tensor lives), never by value: taking them before every optimizer step costs no device
+    work and no host sync (``benchmarks/step_counters.py``). A counter held as a number is taken by value."""
 
-    host: tuple[float, ...]
-    device: Optional[torch.Tensor] = None
+    counters: tuple[Any, ...]
 
     def same_as(self, other: "StepCounts") -> bool:
-        if self.host != other.host or (self.device is None) != (other.device is None):
-            return False
-        return self.device is None or bool(torch.equal(self.device, other.device))
+        return self.counters == other.counters
 
 
 def optimizer_step_counts(optimizer: torch.optim.Optimizer) -> StepCounts:
-    steps = [state["step"] for state in optimizer.state.values() if "step" in state]
-    on_device = [s for s in steps if isinstance(s, torch.Tensor) and s.device.type != "cpu"]
-    return StepCounts(tuple(float(s) for s in steps if not (isinstance(s, torch.Tensor) and s.device.type != "cpu")),
-                      torch.stack([s.reshape(()) for s in on_device]) if on_device else None)
+    steps = (state["step"] for state in optimizer.state.values() if "step" in state)
+    return StepCounts(tuple((id(s), s._version) if isinstance(s, torch.Tensor) else s for s in steps))
 
 
 class StepGuard:
