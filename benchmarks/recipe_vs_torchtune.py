@@ -2,7 +2,7 @@
 """Our full fine-tune recipe against torchtune's stock single-device one: optimizer steps per second.
 
     python benchmarks/recipe_vs_torchtune.py [--steps 200] [--warmup 3] [--repeats 3] [--threads 1] [--json out.json]
-                                            [--compile] [--glibc-tunables T] [--publish]
+                                            [--compile] [--glibc-tunables T] [--phases] [--publish]
     python benchmarks/recipe_vs_torchtune.py --switch-only      # only the epoch-switch cost
 
 Both recipes run as a user runs them, ``tune run RECIPE --config FILE``, each in its own fresh
@@ -37,7 +37,10 @@ and by median step time.
 ``--compile``: both with ``compile: True`` (torchtune's per-layer compile; ours marks the batch's sizes
 dynamic); raise ``--warmup`` so the measured steps do not include compiling. ``--glibc-tunables T``: both
 children get ``GLIBC_TUNABLES=T`` (e.g. a fixed ``glibc.malloc.mmap_threshold``, which takes glibc's dynamic
-threshold, and so the process's allocation history, out of the comparison).
+threshold, and so the process's allocation history, out of the comparison). ``--phases``: the child also wraps
+the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
+zero_grad) and counts the page faults and time inside each; a table gives the median per step of each, and the
+rest of the step as ``other`` (the wrappers add a few us per step to both).
 
 Epoch switch: ours runs once more with per-epoch batch growth (``--switch-epochs`` epochs of
 ``--switch-steps`` steps, ``batch_increase_function`` = ``--switch-function`` with
@@ -106,6 +109,70 @@ def _number(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
+PHASES = {  # name: (module, attribute path) of a function both recipes call in each step
+    "data": ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__"),
+    "forward": ("torchtune.modules", "TransformerDecoder.forward"),
+    "loss": ("torchtune.modules.loss", "CEWithChunkedOutputLoss.forward"),
+    "backward": ("torch.autograd", "backward"),
+    "clip": ("torch.nn.utils", "clip_grad_norm_"),
+    "optimizer": ("torch.optim", "AdamW.step"),
+    "zero_grad": ("torch.optim", "Optimizer.zero_grad"),
+}
+
+
+def _heap_bytes() -> Optional[int]:
+    """glibc's main heap plus its mmapped blocks (``mallinfo2``), or None without glibc."""
+    import ctypes
+
+    class MallInfo2(ctypes.Structure):
+        _fields_ = [(name, ctypes.c_size_t) for name in
+                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")]
+
+    try:
+        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.restype = MallInfo2
+    info = mallinfo2()
+    return int(info.arena + info.hblkhd)
+
+
+def _watch_phases() -> dict[str, list[float]]:
+    """Wrap each function of :data:`PHASES` to sum, per phase, the minor page faults and seconds spent inside
+    it (outermost calls only): ``{phase: [faults, seconds, calls]}``, read at each metric line."""
+    import functools
+    import importlib
+
+    totals: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in PHASES}
+    depth = [0]
+
+    def wrap(name: str, fn: Any) -> Any:
+        @functools.wraps(fn)
+        def watched(*a: Any, **kw: Any) -> Any:
+            if depth[0]:
+                return fn(*a, **kw)
+            depth[0] += 1
+            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                depth[0] -= 1
+                total = totals[name]
+                total[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+                total[1] += time.perf_counter() - t0
+                total[2] += 1
+        return watched
+
+    for name, (module, path) in PHASES.items():
+        owner: Any = importlib.import_module(module)
+        *parents, attr = path.split(".")
+        for parent in parents:
+            owner = getattr(owner, parent)
+        setattr(owner, attr, wrap(name, getattr(owner, attr)))
+    return totals
+
+
 def tune_child(stamps_path: str, tune_args: list[str]) -> int:
     """Run ``tune TUNE_ARGS`` in this process, recording when each metric line is logged."""
     import torch
@@ -116,6 +183,7 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> int:
         torch.set_num_threads(int(threads))
     stamps: list[dict[str, Any]] = []
     original = DiskLogger.log_dict
+    phases = _watch_phases() if os.environ.get("BENCH_PHASES") else None
 
     def timed_log_dict(self: Any, payload: Any, step: int) -> None:
         now = time.perf_counter()
@@ -123,6 +191,9 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> int:
         stamps.append({"step": int(step), "t": now, "loss": _number(payload.get("loss")),
                        "lr": _number(payload.get("lr")), "batch": _number(payload.get("micro_batch_size")),
                        "minor_faults": faults})
+        if phases is not None:
+            stamps[-1]["phases"] = {name: list(v) for name, v in phases.items()}
+            stamps[-1]["heap_bytes"] = _heap_bytes()
         original(self, payload, step)
 
     DiskLogger.log_dict = timed_log_dict
@@ -164,6 +235,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"tiny assets directory, written when missing (default {TINY_DIR})")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--glibc-tunables", default=None, help="GLIBC_TUNABLES for both children")
+    p.add_argument("--phases", action="store_true",
+                   help="also count page faults and time inside each part of a step (eager only: the wrappers "
+                        "cost a few us per call and break compiled graphs)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
@@ -259,6 +333,9 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     env.pop("GLIBC_TUNABLES", None)
+    env.pop("BENCH_PHASES", None)
+    if args.phases:
+        env["BENCH_PHASES"] = "1"
     if args.glibc_tunables:
         env["GLIBC_TUNABLES"] = args.glibc_tunables
     return env
@@ -474,6 +551,45 @@ def print_switch(switch: Optional[dict[str, Any]]) -> None:
               f"against {switch['ordinary_step_ms']:.0f} ms for the step after it)")
 
 
+def phases_per_step(stamps: list[dict[str, Any]], warmup: int, steps: int) -> Optional[dict[str, tuple[float, float]]]:
+    """Per measured step, each phase's minor page faults and microseconds, and the rest of the step as ``other``."""
+    if len(stamps) < warmup + steps or "phases" not in stamps[0]:
+        return None
+    first, last = stamps[warmup - 1], stamps[warmup + steps - 1]
+    out = {name: ((last["phases"][name][0] - first["phases"][name][0]) / steps,
+                  (last["phases"][name][1] - first["phases"][name][1]) * 1e6 / steps) for name in PHASES}
+    out["other"] = ((last["minor_faults"] - first["minor_faults"]) / steps - sum(v[0] for v in out.values()),
+                    (last["t"] - first["t"]) * 1e6 / steps - sum(v[1] for v in out.values()))
+    return out
+
+
+def median_phases(runs: dict[str, list[dict[str, Any]]], warmup: int,
+                  steps: int) -> Optional[dict[str, dict[str, tuple[float, float]]]]:
+    """The median over runs of each phase's faults and microseconds per step: ``{recipe: {phase: (faults, us)}}``."""
+    per = {name: [p for p in (phases_per_step(r["stamps"], warmup, steps) for r in runs[name]) if p]
+           for name in ("ours", "stock")}
+    if not per["ours"] or not per["stock"]:
+        return None
+    medians = {name: {phase: (statistics.median(p[phase][0] for p in per[name]),
+                              statistics.median(p[phase][1] for p in per[name])) for phase in [*PHASES, "other"]}
+               for name in per}
+    heaps = {name: [max(s.get("heap_bytes") or 0 for s in r["stamps"][warmup - 1:warmup + steps]) for r in runs[name]
+                    if r["stamps"]] for name in per}
+    for name in per:
+        medians[name]["heap MB (glibc), the largest at a metric line"] = (statistics.median(heaps[name]) / 2**20, None)
+    return medians
+
+
+def print_phases(phases: dict[str, dict[str, tuple[float, float]]]) -> None:
+    print("\nper step, median over runs (--phases): minor page faults, then microseconds\n")
+    print("| phase | faults ours | faults stock | us ours | us stock |")
+    print("|---|---:|---:|---:|---:|")
+    for phase in phases["ours"]:
+        ours, stock = phases["ours"][phase], phases["stock"][phase]
+        cells = [_fmt(value, ".0f") for value in (ours[0], stock[0], ours[1], stock[1])]
+        print(f"| {phase} | " + " | ".join(cells) + " |")
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
@@ -500,6 +616,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             measured = throughput_runs(args)
             summary = summarise(args, measured)
             figures.update(summary)
+            figures["phases"] = median_phases(measured["runs"], args.warmup, args.steps) if args.phases else None
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
@@ -512,6 +629,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
             if not args.switch_only:
                 print_table(summary)
+                if figures["phases"]:
+                    print_phases(figures["phases"])
                 if summary["dropped_keys"]:
                     print(f"keys of ours' config the stock recipe does not read (left out of its config): "
                           f"{', '.join(summary['dropped_keys'])}")

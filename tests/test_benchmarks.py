@@ -46,9 +46,11 @@ def test_growth_runs(tmp_path: Path) -> None:
 
 def test_recipe_vs_torchtune(tmp_path: Path) -> None:
     js = tmp_path / "speed.json"
-    script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-switch",
-           "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
-    assert json.loads(js.read_text())
+    out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-switch", "--phases",
+                 "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    phases = json.loads(js.read_text())["phases"]
+    assert set(phases) == {"ours", "stock"} and {"forward", "backward", "optimizer", "other"} <= set(phases["ours"])
+    assert "| backward |" in out
 
 
 def test_token_budget_vs_fixed(tmp_path: Path) -> None:
