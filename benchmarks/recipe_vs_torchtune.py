@@ -37,8 +37,10 @@ and by median step time.
 ``--compile``: both with ``compile: True`` (torchtune's per-layer compile; ours marks the batch's sizes
 dynamic); raise ``--warmup`` so the measured steps do not include compiling. ``--glibc-tunables T``: both
 children get ``GLIBC_TUNABLES=T`` (e.g. a fixed ``glibc.malloc.mmap_threshold``, which takes glibc's dynamic
-threshold, and so the process's allocation history, out of the comparison). ``--phases``: the child also wraps
-the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
+threshold, and so the process's allocation history, out of the comparison). ``--prefree-mib N``: each child first
+allocates and frees one N MiB block, which keeps glibc's dynamic thresholds but starts both recipes from the same
+ones (how high they rise depends on the largest mmapped block a process freed so far). ``--phases``: the child also
+wraps the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
 zero_grad) and counts the page faults and time inside each; a table gives the median per step of each, and the
 rest of the step as ``other`` (the wrappers add a few us per step to both).
 
@@ -120,6 +122,18 @@ PHASES = {  # name: (module, attribute path) of a function both recipes call in 
 }
 
 
+def _malloc_and_free(size: int) -> None:
+    """One glibc block of ``size`` bytes, allocated and freed: above glibc's mmap threshold (128 KiB at start) it is
+    mmapped, and freeing it raises the dynamic threshold to ``size`` and the trim threshold to twice that (glibc moves
+    them only for a block of at most 32 MiB, its header included)."""
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.malloc.restype = ctypes.c_void_p
+    libc.free.argtypes = [ctypes.c_void_p]
+    libc.free(libc.malloc(size))
+
+
 def _heap_bytes() -> Optional[int]:
     """glibc's main heap plus its mmapped blocks (``mallinfo2``), or None without glibc."""
     import ctypes
@@ -175,6 +189,9 @@ def _watch_phases() -> dict[str, list[float]]:
 
 def tune_child(stamps_path: str, tune_args: list[str]) -> int:
     """Run ``tune TUNE_ARGS`` in this process, recording when each metric line is logged."""
+    prefree = int(os.environ.get("BENCH_PREFREE_MIB") or 0)
+    if prefree:
+        _malloc_and_free(prefree * 2**20)
     import torch
     from torchtune.training.metric_logging import DiskLogger
 
@@ -235,6 +252,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help=f"tiny assets directory, written when missing (default {TINY_DIR})")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--glibc-tunables", default=None, help="GLIBC_TUNABLES for both children")
+    p.add_argument("--prefree-mib", type=int, default=0,
+                   help="each child first allocates and frees one block of this many MiB (at most 31), which sets "
+                        "glibc's dynamic mmap threshold to it and the trim threshold to twice it, the same in both "
+                        "recipes, before anything else runs (default 0: not done)")
     p.add_argument("--phases", action="store_true",
                    help="also count page faults and time inside each part of a step (eager only: the wrappers "
                         "cost a few us per call and break compiled graphs)")
@@ -251,6 +272,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--threads and --switch-steps must be positive, --switch-epochs at least 2")
     if args.switch_only and args.no_switch:
         p.error("--switch-only and --no-switch exclude each other")
+    if not 0 <= args.prefree_mib <= 31:
+        p.error("--prefree-mib must be between 0 and 31 (glibc's dynamic mmap threshold moves only for a block of at "
+                "most 32 MiB, its header included)")
     if args.switch_arg is None:
         args.switch_arg = ["increment=4"]
     return args
@@ -334,6 +358,9 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     env.pop("GLIBC_TUNABLES", None)
     env.pop("BENCH_PHASES", None)
+    env.pop("BENCH_PREFREE_MIB", None)
+    if args.prefree_mib:
+        env["BENCH_PREFREE_MIB"] = str(args.prefree_mib)
     if args.phases:
         env["BENCH_PHASES"] = "1"
     if args.glibc_tunables:
@@ -609,7 +636,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "batch_size": args.batch_size, "gradient_accumulation_steps": 1,
                          "seq_len": args.seq_len, "seed": args.seed, "threads": args.threads,
                          "config": CONFIG, "device": "cpu", "dtype": "fp32", "compile": args.compile,
-                         "glibc_tunables": args.glibc_tunables},
+                         "glibc_tunables": args.glibc_tunables, "prefree_mib": args.prefree_mib},
             "bar_ratio": BAR_RATIO,
         }
         if not args.switch_only:
@@ -620,11 +647,13 @@ def main(argv: Optional[list[str]] = None) -> int:
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
-        name = "recipe-vs-torchtune" + ("-compiled" if args.compile else "") + ("-glibc" if args.glibc_tunables else "")
+        name = ("recipe-vs-torchtune" + ("-compiled" if args.compile else "")
+                + ("-glibc" if args.glibc_tunables else "") + ("-prefree" if args.prefree_mib else ""))
         with report(name if args.publish else None):
             print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
                   f"seed {args.seed}" + (", compile=True" if args.compile else "")
                   + (f", GLIBC_TUNABLES={args.glibc_tunables}" if args.glibc_tunables else "")
+                  + (f", one {args.prefree_mib} MiB block freed at start" if args.prefree_mib else "")
                   + ("" if args.switch_only
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
             if not args.switch_only:

@@ -47,8 +47,10 @@ def test_growth_runs(tmp_path: Path) -> None:
 def test_recipe_vs_torchtune(tmp_path: Path) -> None:
     js = tmp_path / "speed.json"
     out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-switch", "--phases",
-                 "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
-    phases = json.loads(js.read_text())["phases"]
+                 "--prefree-mib", "31", "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    figures = json.loads(js.read_text())
+    phases = figures["phases"]
+    assert figures["settings"]["prefree_mib"] == 31 and "one 31 MiB block freed at start" in out
     assert set(phases) == {"ours", "stock"} and {"forward", "backward", "optimizer", "other"} <= set(phases["ours"])
     assert "| backward |" in out
 
