@@ -74,6 +74,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
@@ -256,6 +257,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="each child first allocates and frees one block of this many MiB (at most 31), which sets "
                         "glibc's dynamic mmap threshold to it and the trim threshold to twice it, the same in both "
                         "recipes, before anything else runs (default 0: not done)")
+    p.add_argument("--together", action="store_true",
+                   help="run each repeat's two recipes at the same time, each pinned to its own core (swapped every "
+                        "repeat): a machine whose speed drifts then slows both alike; needs 2 cores")
     p.add_argument("--phases", action="store_true",
                    help="also count page faults and time inside each part of a step (eager only: the wrappers "
                         "cost a few us per call and break compiled graphs)")
@@ -272,6 +276,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--threads and --switch-steps must be positive, --switch-epochs at least 2")
     if args.switch_only and args.no_switch:
         p.error("--switch-only and --no-switch exclude each other")
+    if args.together and len(os.sched_getaffinity(0)) < 2:
+        p.error("--together needs 2 cores")
     if not 0 <= args.prefree_mib <= 31:
         p.error("--prefree-mib must be between 0 and 31 (glibc's dynamic mmap threshold moves only for a block of at "
                 "most 32 MiB, its header included)")
@@ -368,8 +374,10 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     return env
 
 
-def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any]) -> dict[str, Any]:
-    """``tune run RECIPE --config <cfg>`` in a fresh child; its per-step log stamps and output."""
+def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any],
+               cpu: Optional[int] = None) -> dict[str, Any]:
+    """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` when given); its per-step log
+    stamps and output."""
     config_path = write_yaml(cfg, args.workdir / "configs" / f"{tag}.yaml")
     stamps_path = args.workdir / "stamps" / f"{tag}.json"
     stamps_path.parent.mkdir(parents=True, exist_ok=True)
@@ -381,8 +389,9 @@ def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, A
     started = time.perf_counter()
     with open(log_path, "w") as log_file:
         try:
+            pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
             code: Optional[int] = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT,
-                                                 env=child_env(args), cwd=args.workdir,
+                                                 env=child_env(args), cwd=args.workdir, preexec_fn=pin,
                                                  timeout=args.child_timeout).returncode
         except subprocess.TimeoutExpired:
             code = None
@@ -427,30 +436,64 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
     total = args.warmup + args.steps
     runs: dict[str, list[dict[str, Any]]] = {"stock": [], "ours": []}
     dropped: list[str] = []
+    cores = sorted(os.sched_getaffinity(0))[:2]
+
+    def one(i: int, name: str) -> dict[str, Any]:
+        nonlocal dropped
+        tag = f"{name}_{i + 1}"
+        output_dir = args.workdir / "runs" / tag
+        ours = ours_config(args, output_dir, epochs=1, steps_per_epoch=total)
+        if name == "ours":
+            recipe, cfg = OURS_RECIPE, ours
+        else:
+            recipe, (cfg, dropped) = STOCK_RECIPE, stock_config(ours)
+        # together: the two share a time window, each on its own core, the cores swapped every repeat
+        cpu = cores[(i + (name == "ours")) % 2] if args.together else None
+        log(f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps"
+            + (f", core {cpu}" if cpu is not None else "") + ") ...")
+        result = run_recipe(args, tag, recipe, cfg, cpu=cpu)
+        result["steps_per_second"] = steps_per_second(result["stamps"], args.warmup, args.steps)
+        result["median_step_rate"] = median_step_rate(result["stamps"], args.warmup, args.steps)
+        result["faults_per_step"] = faults_per_step(result["stamps"], args.warmup, args.steps)
+        if result["steps_per_second"] is None and "error" not in result:
+            result["error"] = (f"only {len(result['stamps'])} steps logged, need {total} "
+                               f"(is the dataset too small for batch {args.batch_size}?)")
+        sps = result["steps_per_second"]
+        log(f"  {name}: " + (f"{sps:.3f} steps/s" if sps else "no figure")
+            + f", child {result['child_seconds']:.1f} s, {result.get('threads', '?')} thread(s)"
+            + (f" [{result['error']}]" if "error" in result else ""))
+        shutil.rmtree(output_dir, ignore_errors=True)  # checkpoints: not needed, and they take space
+        return result
+
     for i in range(args.repeats):
-        for name in ("stock", "ours"):  # alternate so that noise hits both
-            tag = f"{name}_{i + 1}"
-            output_dir = args.workdir / "runs" / tag
-            ours = ours_config(args, output_dir, epochs=1, steps_per_epoch=total)
-            if name == "ours":
-                recipe, cfg = OURS_RECIPE, ours
-            else:
-                recipe, (cfg, dropped) = STOCK_RECIPE, stock_config(ours)
-            log(f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps) ...")
-            result = run_recipe(args, tag, recipe, cfg)
-            result["steps_per_second"] = steps_per_second(result["stamps"], args.warmup, args.steps)
-            result["median_step_rate"] = median_step_rate(result["stamps"], args.warmup, args.steps)
-            result["faults_per_step"] = faults_per_step(result["stamps"], args.warmup, args.steps)
-            if result["steps_per_second"] is None and "error" not in result:
-                result["error"] = (f"only {len(result['stamps'])} steps logged, need {total} "
-                                   f"(is the dataset too small for batch {args.batch_size}?)")
-            sps = result["steps_per_second"]
-            log(f"  {name}: " + (f"{sps:.3f} steps/s" if sps else "no figure")
-                + f", child {result['child_seconds']:.1f} s, {result.get('threads', '?')} thread(s)"
-                + (f" [{result['error']}]" if "error" in result else ""))
+        if args.together:
+            with ThreadPoolExecutor(max_workers=2) as pool:
+                pair = dict(zip(("stock", "ours"), pool.map(lambda name: one(i, name), ("stock", "ours"))))
+        else:
+            pair = {name: one(i, name) for name in ("stock", "ours")}  # alternate so that noise hits both
+        for name, result in pair.items():
             runs[name].append(result)
-            shutil.rmtree(output_dir, ignore_errors=True)  # checkpoints: not needed, and they take space
     return {"runs": runs, "dropped_keys": dropped}
+
+
+def pair_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[float]:
+    """ours / stock by steps per second, for each repeat in which both ran."""
+    return [o["steps_per_second"] / s["steps_per_second"] for o, s in zip(runs["ours"], runs["stock"])
+            if o["steps_per_second"] and s["steps_per_second"]]
+
+
+def window_overlaps(runs: dict[str, list[dict[str, Any]]], warmup: int, steps: int) -> list[float]:
+    """For each repeat, the share of the shorter measured window (from the ``warmup``-th step's log line to the
+    last measured one) that the other run's window covers: 1.0 when the two ran side by side throughout."""
+    shares = []
+    for ours, stock in zip(runs["ours"], runs["stock"]):
+        if len(ours["stamps"]) < warmup + steps or len(stock["stamps"]) < warmup + steps:
+            continue
+        a = (ours["stamps"][warmup - 1]["t"], ours["stamps"][warmup + steps - 1]["t"])
+        b = (stock["stamps"][warmup - 1]["t"], stock["stamps"][warmup + steps - 1]["t"])
+        common = min(a[1], b[1]) - max(a[0], b[0])
+        shares.append(max(common, 0.0) / min(a[1] - a[0], b[1] - b[0]))
+    return shares
 
 
 def loss_check(runs: dict[str, list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
@@ -636,7 +679,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "batch_size": args.batch_size, "gradient_accumulation_steps": 1,
                          "seq_len": args.seq_len, "seed": args.seed, "threads": args.threads,
                          "config": CONFIG, "device": "cpu", "dtype": "fp32", "compile": args.compile,
-                         "glibc_tunables": args.glibc_tunables, "prefree_mib": args.prefree_mib},
+                         "glibc_tunables": args.glibc_tunables, "prefree_mib": args.prefree_mib,
+                         "together": args.together},
             "bar_ratio": BAR_RATIO,
         }
         if not args.switch_only:
@@ -644,20 +688,31 @@ def main(argv: Optional[list[str]] = None) -> int:
             summary = summarise(args, measured)
             figures.update(summary)
             figures["phases"] = median_phases(measured["runs"], args.warmup, args.steps) if args.phases else None
+            figures["window_overlaps"] = (window_overlaps(measured["runs"], args.warmup, args.steps)
+                                          if args.together else None)
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
         name = ("recipe-vs-torchtune" + ("-compiled" if args.compile else "")
-                + ("-glibc" if args.glibc_tunables else "") + ("-prefree" if args.prefree_mib else ""))
+                + ("-glibc" if args.glibc_tunables else "") + ("-prefree" if args.prefree_mib else "")
+                + ("-together" if args.together else ""))
         with report(name if args.publish else None):
             print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
                   f"seed {args.seed}" + (", compile=True" if args.compile else "")
                   + (f", GLIBC_TUNABLES={args.glibc_tunables}" if args.glibc_tunables else "")
                   + (f", one {args.prefree_mib} MiB block freed at start" if args.prefree_mib else "")
+                  + (", each repeat's two runs at the same time on their own cores" if args.together else "")
                   + ("" if args.switch_only
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
             if not args.switch_only:
                 print_table(summary)
+                if figures["window_overlaps"]:
+                    pairs = pair_ratios(measured["runs"])
+                    figures["pair_ratios"] = pairs
+                    print(f"measured windows of each pair overlap: "
+                          f"{', '.join(f'{100 * share:.0f}%' for share in figures['window_overlaps'])}; "
+                          f"ours / stock in each pair, by steps/s: {', '.join(f'{r:.3f}' for r in pairs)} "
+                          f"(median {statistics.median(pairs):.3f}x)" if pairs else "")
                 if figures["phases"]:
                     print_phases(figures["phases"])
                 if summary["dropped_keys"]:

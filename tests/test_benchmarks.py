@@ -10,6 +10,7 @@ its figures at this size mean nothing. ``validate_device.py`` (test_validate_dev
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -53,6 +54,16 @@ def test_recipe_vs_torchtune(tmp_path: Path) -> None:
     assert figures["settings"]["prefree_mib"] == 31 and "one 31 MiB block freed at start" in out
     assert set(phases) == {"ours", "stock"} and {"forward", "backward", "optimizer", "other"} <= set(phases["ours"])
     assert "| backward |" in out
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="--together pins each recipe to its own core")
+def test_recipe_vs_torchtune_together(tmp_path: Path) -> None:
+    js = tmp_path / "together.json"
+    out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-switch", "--together",
+                 "--json", str(js), cwd=tmp_path)
+    figures = json.loads(js.read_text())
+    assert figures["settings"]["together"] and len(figures["window_overlaps"]) == len(figures["pair_ratios"]) == 1
+    assert "measured windows of each pair overlap" in out
 
 
 def test_token_budget_vs_fixed(tmp_path: Path) -> None:
