@@ -135,6 +135,32 @@ def _malloc_and_free(size: int) -> None:
     libc.free(libc.malloc(size))
 
 
+def _mp_offset() -> Optional[int]:
+    """Where glibc keeps its malloc parameters (``mp_``, a static symbol) in libc.so.6, from ``gdb``; None without."""
+    libc = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if line.split()[-1].endswith("/libc.so.6")), None)
+    if libc is None or shutil.which("gdb") is None:
+        return None
+    out = subprocess.run(["gdb", "-batch", "-ex", "info address mp_", libc], capture_output=True, text=True,
+                         timeout=60).stdout
+    match = re.search(r"at address (0x[0-9a-f]+)", out)
+    return int(match.group(1), 16) if match else None
+
+
+def _glibc_thresholds() -> Optional[tuple[int, int]]:
+    """glibc's trim and mmap thresholds now, read from its ``mp_`` (``trim_threshold``, ``top_pad``,
+    ``mmap_threshold`` are its first fields), at the offset the parent found (``BENCH_MP_OFFSET``)."""
+    import ctypes
+
+    offset = os.environ.get("BENCH_MP_OFFSET")
+    if not offset:
+        return None
+    base = next(int(line.split("-")[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()
+                if line.split()[-1].endswith("/libc.so.6") and line.split()[2] == "00000000")
+    fields = (ctypes.c_ulong * 3).from_address(base + int(offset))
+    return int(fields[0]), int(fields[2])
+
+
 def _heap_bytes() -> Optional[int]:
     """glibc's main heap plus its mmapped blocks (``mallinfo2``), or None without glibc."""
     import ctypes
@@ -212,6 +238,7 @@ def tune_child(stamps_path: str, tune_args: list[str]) -> int:
         if phases is not None:
             stamps[-1]["phases"] = {name: list(v) for name, v in phases.items()}
             stamps[-1]["heap_bytes"] = _heap_bytes()
+            stamps[-1]["glibc_thresholds"] = _glibc_thresholds()
         original(self, payload, step)
 
     DiskLogger.log_dict = timed_log_dict
@@ -364,6 +391,9 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
     env.pop("GLIBC_TUNABLES", None)
     env.pop("BENCH_PHASES", None)
+    env.pop("BENCH_MP_OFFSET", None)
+    if args.phases and args.mp_offset is not None:
+        env["BENCH_MP_OFFSET"] = str(args.mp_offset)
     env.pop("BENCH_PREFREE_MIB", None)
     if args.prefree_mib:
         env["BENCH_PREFREE_MIB"] = str(args.prefree_mib)
@@ -647,6 +677,13 @@ def median_phases(runs: dict[str, list[dict[str, Any]]], warmup: int,
                     if r["stamps"]] for name in per}
     for name in per:
         medians[name]["heap MB (glibc), the largest at a metric line"] = (statistics.median(heaps[name]) / 2**20, None)
+        seen = {tuple(s["glibc_thresholds"]) for r in runs[name] for s in r["stamps"][warmup - 1:warmup + steps]
+                if s.get("glibc_thresholds")}
+        for label, index in (("trim", 0), ("mmap", 1)):
+            values = sorted({t[index] for t in seen})
+            if values:  # the lowest and the highest over every measured step of every run
+                medians[name][f"glibc {label} threshold MiB, lowest / highest"] = (values[0] / 2**20,
+                                                                                   values[-1] / 2**20)
     return medians
 
 
@@ -656,6 +693,9 @@ def print_phases(phases: dict[str, dict[str, tuple[float, float]]]) -> None:
     print("|---|---:|---:|---:|---:|")
     for phase in phases["ours"]:
         ours, stock = phases["ours"][phase], phases["stock"][phase]
+        if phase.startswith("glibc"):
+            print(f"| {phase} | {ours[0]:.2f} / {ours[1]:.2f} | {stock[0]:.2f} / {stock[1]:.2f} | - | - |")
+            continue
         cells = [_fmt(value, ".0f") for value in (ours[0], stock[0], ours[1], stock[1])]
         print(f"| {phase} | " + " | ".join(cells) + " |")
 
@@ -670,6 +710,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir = Path(tempfile.mkdtemp(prefix="recipe_vs_torchtune_")) if temporary else args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.assets = args.assets.resolve()
+    args.mp_offset = _mp_offset() if args.phases else None
     failed = False
     try:
         ensure_assets(args.assets)
