@@ -42,7 +42,11 @@ allocates and frees one N MiB block, which keeps glibc's dynamic thresholds but 
 ones (how high they rise depends on the largest mmapped block a process freed so far). ``--phases``: the child also
 wraps the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
 zero_grad) and counts the page faults and time inside each; a table gives the median per step of each, and the
-rest of the step as ``other`` (the wrappers add a few us per step to both).
+rest of the step as ``other`` (the wrappers and the reads below add to both), with glibc's heap at its largest
+(``mallinfo2``) and its trim and mmap thresholds (read from its ``mp_``, found with ``gdb`` when installed).
+``--together``: each repeat's two runs at the same time, each pinned to its own core (swapped every repeat), so
+that a machine whose speed drifts slows both alike; the table adds how much their measured windows overlap and
+each pair's ratio.
 
 Epoch switch: ours runs once more with per-epoch batch growth (``--switch-epochs`` epochs of
 ``--switch-steps`` steps, ``batch_increase_function`` = ``--switch-function`` with
@@ -147,6 +151,9 @@ def _mp_offset() -> Optional[int]:
     return int(match.group(1), 16) if match else None
 
 
+_LIBC_BASE: list[int] = []
+
+
 def _glibc_thresholds() -> Optional[tuple[int, int]]:
     """glibc's trim and mmap thresholds now, read from its ``mp_`` (``trim_threshold``, ``top_pad``,
     ``mmap_threshold`` are its first fields), at the offset the parent found (``BENCH_MP_OFFSET``)."""
@@ -155,9 +162,10 @@ def _glibc_thresholds() -> Optional[tuple[int, int]]:
     offset = os.environ.get("BENCH_MP_OFFSET")
     if not offset:
         return None
-    base = next(int(line.split("-")[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()
-                if line.split()[-1].endswith("/libc.so.6") and line.split()[2] == "00000000")
-    fields = (ctypes.c_ulong * 3).from_address(base + int(offset))
+    if not _LIBC_BASE:  # read once: reading the maps costs milliseconds
+        _LIBC_BASE.append(next(int(line.split("-")[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()
+                               if line.split()[-1].endswith("/libc.so.6") and line.split()[2] == "00000000"))
+    fields = (ctypes.c_ulong * 3).from_address(_LIBC_BASE[0] + int(offset))
     return int(fields[0]), int(fields[2])
 
 
