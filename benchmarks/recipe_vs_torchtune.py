@@ -38,8 +38,9 @@ and by median step time.
 dynamic); raise ``--warmup`` so the measured steps do not include compiling. ``--glibc-tunables T``: both
 children get ``GLIBC_TUNABLES=T`` (e.g. a fixed ``glibc.malloc.mmap_threshold``, which takes glibc's dynamic
 threshold, and so the process's allocation history, out of the comparison). ``--prefree-mib N``: each child first
-allocates and frees one N MiB block, which keeps glibc's dynamic thresholds but starts both recipes from the same
-ones (how high they rise depends on the largest mmapped block a process freed so far). ``--phases``: the child also
+allocates and frees one N MiB block, which raises glibc's dynamic thresholds in both (mmap N MiB, trim 2N MiB; left
+alone they stay at 1.84 and 3.67 MiB in every run here), so that little of the heap's top is given back between
+steps, wherever the process's long-lived blocks lie. ``--phases``: the child also
 wraps the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
 zero_grad) and counts the page faults and time inside each; a table gives the median per step of each, and the
 rest of the step as ``other`` (the wrappers and the reads below add to both), with glibc's heap at its largest
@@ -289,9 +290,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--glibc-tunables", default=None, help="GLIBC_TUNABLES for both children")
     p.add_argument("--prefree-mib", type=int, default=0,
-                   help="each child first allocates and frees one block of this many MiB (at most 31), which sets "
-                        "glibc's dynamic mmap threshold to it and the trim threshold to twice it, the same in both "
-                        "recipes, before anything else runs (default 0: not done)")
+                   help="each child first allocates and frees one block of this many MiB (at most 31), which raises "
+                        "glibc's dynamic mmap threshold to it and the trim threshold to twice it, in both recipes, "
+                        "before anything else runs (default 0: not done)")
     p.add_argument("--together", action="store_true",
                    help="run each repeat's two recipes at the same time, each pinned to its own core (swapped every "
                         "repeat): a machine whose speed drifts then slows both alike; needs 2 cores")
