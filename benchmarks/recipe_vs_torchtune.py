@@ -68,6 +68,9 @@ itself failed.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import functools
+import importlib
 import json
 import os
 import re
@@ -132,69 +135,72 @@ def _malloc_and_free(size: int) -> None:
     """One glibc block of ``size`` bytes, allocated and freed: above glibc's mmap threshold (128 KiB at start) it is
     mmapped, and freeing it raises the dynamic threshold to ``size`` and the trim threshold to twice that (glibc moves
     them only for a block of at most 32 MiB, its header included)."""
-    import ctypes
-
     libc = ctypes.CDLL("libc.so.6")
     libc.malloc.restype = ctypes.c_void_p
     libc.free.argtypes = [ctypes.c_void_p]
     libc.free(libc.malloc(size))
 
 
+@functools.lru_cache(maxsize=None)
+def _libc() -> Optional[tuple[str, int]]:
+    """This process's libc.so.6: its path and the address it is loaded at (read once: reading the maps takes ms)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        fields = line.split()
+        if fields[-1].endswith("/libc.so.6") and fields[2] == "00000000":
+            return fields[-1], int(fields[0].split("-")[0], 16)
+    return None
+
+
 def _mp_offset() -> Optional[int]:
     """Where glibc keeps its malloc parameters (``mp_``, a static symbol) in libc.so.6, from ``gdb``; None without."""
-    libc = next((line.split()[-1] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if line.split()[-1].endswith("/libc.so.6")), None)
+    libc = _libc()
     if libc is None or shutil.which("gdb") is None:
         return None
-    out = subprocess.run(["gdb", "-batch", "-ex", "info address mp_", libc], capture_output=True, text=True,
+    out = subprocess.run(["gdb", "-batch", "-ex", "info address mp_", libc[0]], capture_output=True, text=True,
                          timeout=60).stdout
     match = re.search(r"at address (0x[0-9a-f]+)", out)
     return int(match.group(1), 16) if match else None
 
 
-_LIBC_BASE: list[int] = []
-
-
 def _glibc_thresholds() -> Optional[tuple[int, int]]:
     """glibc's trim and mmap thresholds now, read from its ``mp_`` (``trim_threshold``, ``top_pad``,
     ``mmap_threshold`` are its first fields), at the offset the parent found (``BENCH_MP_OFFSET``)."""
-    import ctypes
-
-    offset = os.environ.get("BENCH_MP_OFFSET")
-    if not offset:
+    offset, libc = os.environ.get("BENCH_MP_OFFSET"), _libc()
+    if not offset or libc is None:
         return None
-    if not _LIBC_BASE:  # read once: reading the maps costs milliseconds
-        _LIBC_BASE.append(next(int(line.split("-")[0], 16) for line in Path("/proc/self/maps").read_text().splitlines()
-                               if line.split()[-1].endswith("/libc.so.6") and line.split()[2] == "00000000"))
-    fields = (ctypes.c_ulong * 3).from_address(_LIBC_BASE[0] + int(offset))
+    fields = (ctypes.c_ulong * 3).from_address(libc[1] + int(offset))
     return int(fields[0]), int(fields[2])
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+
+@functools.lru_cache(maxsize=None)
+def _mallinfo2() -> Optional[Any]:
+    try:
+        function = ctypes.CDLL("libc.so.6").mallinfo2
+    except (OSError, AttributeError):
+        return None
+    function.restype = _MallInfo2
+    return function
 
 
 def _heap_bytes() -> Optional[int]:
     """glibc's main heap plus its mmapped blocks (``mallinfo2``), or None without glibc."""
-    import ctypes
-
-    class MallInfo2(ctypes.Structure):
-        _fields_ = [(name, ctypes.c_size_t) for name in
-                    ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")]
-
-    try:
-        mallinfo2 = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
+    mallinfo2 = _mallinfo2()
+    if mallinfo2 is None:
         return None
-    mallinfo2.restype = MallInfo2
     info = mallinfo2()
     return int(info.arena + info.hblkhd)
 
 
 def _watch_phases() -> dict[str, list[float]]:
     """Wrap each function of :data:`PHASES` to sum, per phase, the minor page faults and seconds spent inside
-    it (outermost calls only): ``{phase: [faults, seconds, calls]}``, read at each metric line."""
-    import functools
-    import importlib
-
-    totals: dict[str, list[float]] = {name: [0.0, 0.0, 0.0] for name in PHASES}
+    it (outermost calls only): ``{phase: [faults, seconds]}``, read at each metric line."""
+    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in PHASES}
     depth = [0]
 
     def wrap(name: str, fn: Any) -> Any:
@@ -211,7 +217,6 @@ def _watch_phases() -> dict[str, list[float]]:
                 total = totals[name]
                 total[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
                 total[1] += time.perf_counter() - t0
-                total[2] += 1
         return watched
 
     for name, (module, path) in PHASES.items():
@@ -297,8 +302,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="run each repeat's two recipes at the same time, each pinned to its own core (swapped every "
                         "repeat): a machine whose speed drifts then slows both alike; needs 2 cores")
     p.add_argument("--phases", action="store_true",
-                   help="also count page faults and time inside each part of a step (eager only: the wrappers "
-                        "cost a few us per call and break compiled graphs)")
+                   help="also count page faults and time inside each part of a step, and read glibc's heap size and "
+                        "thresholds at each (the wrappers sit outside the compiled regions, and add to both recipes)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
@@ -398,16 +403,14 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     threads = str(args.threads)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
-    env.pop("GLIBC_TUNABLES", None)
-    env.pop("BENCH_PHASES", None)
-    env.pop("BENCH_MP_OFFSET", None)
-    if args.phases and args.mp_offset is not None:
-        env["BENCH_MP_OFFSET"] = str(args.mp_offset)
-    env.pop("BENCH_PREFREE_MIB", None)
-    if args.prefree_mib:
-        env["BENCH_PREFREE_MIB"] = str(args.prefree_mib)
+    for key in ("GLIBC_TUNABLES", "BENCH_PHASES", "BENCH_MP_OFFSET", "BENCH_PREFREE_MIB"):
+        env.pop(key, None)
     if args.phases:
         env["BENCH_PHASES"] = "1"
+        if args.mp_offset is not None:
+            env["BENCH_MP_OFFSET"] = str(args.mp_offset)
+    if args.prefree_mib:
+        env["BENCH_PREFREE_MIB"] = str(args.prefree_mib)
     if args.glibc_tunables:
         env["GLIBC_TUNABLES"] = args.glibc_tunables
     return env
@@ -740,6 +743,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             figures["phases"] = median_phases(measured["runs"], args.warmup, args.steps) if args.phases else None
             figures["window_overlaps"] = (window_overlaps(measured["runs"], args.warmup, args.steps)
                                           if args.together else None)
+            figures["pair_ratios"] = pair_ratios(measured["runs"]) if args.together else None
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
@@ -756,13 +760,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
             if not args.switch_only:
                 print_table(summary)
-                if figures["window_overlaps"]:
-                    pairs = pair_ratios(measured["runs"])
-                    figures["pair_ratios"] = pairs
+                pairs = figures["pair_ratios"]
+                if figures["window_overlaps"] and pairs:
                     print(f"measured windows of each pair overlap: "
                           f"{', '.join(f'{100 * share:.0f}%' for share in figures['window_overlaps'])}; "
                           f"ours / stock in each pair, by steps/s: {', '.join(f'{r:.3f}' for r in pairs)} "
-                          f"(median {statistics.median(pairs):.3f}x)" if pairs else "")
+                          f"(median {statistics.median(pairs):.3f}x)")
                 if figures["phases"]:
                     print_phases(figures["phases"])
                 if summary["dropped_keys"]:
