@@ -86,6 +86,7 @@ class StepRunner:
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
     gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
+    last_loss: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.gradients = gradients_for(self.optimizer, self.guard, self.parallel)
@@ -200,10 +201,17 @@ class StepRunner:
             memory.release_memory(self.device)
 
     def forward_backward(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward of one micro batch; returns its summed loss and token count."""
+        """Forward and backward of one micro batch; returns its summed loss and token count.
+
+        The loss stays in :attr:`last_loss` until the next micro batch's backward is done, as ``current_loss`` stays
+        in torchtune's loop: its autograd nodes (the backward freed their saved tensors, so they hold no device
+        memory) then lie among the next step's blocks on glibc's heap and keep its top from being given back to the
+        kernel between steps. Freed at once, they cost ours about 40% more page faults per step than stock's on CPU,
+        and 1-3% of its speed (docs/benchmarks.md)."""
         utils.batch_to_device(batch, self.device)
         loss, tokens = summed_token_loss(self.model, self.loss_fn, batch, self.activations)
         self.gradients.backward(loss, tokens)
+        self.last_loss = loss
         return loss.detach(), tokens
 
     def apply_gradients(self, tokens: torch.Tensor,
