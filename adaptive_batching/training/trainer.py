@@ -339,7 +339,12 @@ class Trainer:
         self.close(finished=exc[0] is None)
 
     def close(self, finished: bool = False) -> None:
-        """Close the metric logger and leave the process group (unless a rank broke it); runs after any error."""
+        """Close the metric logger and leave the process group (unless a rank broke it); runs after any error.
+
+        The last loss goes first: its autograd nodes hold FSDP's parameter groups, and with them the process group."""
+        runner: Optional[StepRunner] = getattr(self, "runner", None)
+        if runner is not None:
+            runner.last_loss = None
         self.preemption.uninstall()
         if self.metric_logger is not None:
             self.metric_logger.close()
