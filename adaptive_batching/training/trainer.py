@@ -339,11 +339,9 @@ class Trainer:
         self.close(finished=exc[0] is None)
 
     def close(self, finished: bool = False) -> None:
-        """Close the metric logger and leave the process group (unless a rank broke it); runs after any error.
-
-        The last loss goes first: its autograd nodes hold FSDP's parameter groups, and with them the process group."""
-        runner: Optional[StepRunner] = getattr(self, "runner", None)
-        if runner is not None:
+        """Drop the last loss (its autograd nodes hold FSDP's groups), close the metric logger and leave the process
+        group (unless a rank broke it); runs after any error."""
+        if (runner := getattr(self, "runner", None)) is not None:
             runner.last_loss = None
         self.preemption.uninstall()
         if self.metric_logger is not None:
