@@ -47,6 +47,32 @@ def test_one_graph_serves_every_micro_batch_and_length(aot_eager: None, assets: 
     assert graphs == [2] * 5  # the decoder layer (shared by all layers) and the loss's cross-entropy
 
 
+def test_the_marks_step_aside_once_a_call_with_gradients_has_compiled(aot_eager: None, assets: Path) -> None:
+    cfg = load_config("tiny_full", [f"assets_dir={assets}"])
+    model, loss_fn = config.instantiate(cfg.model), config.instantiate(cfg.loss)
+    compiling.compile_model(model, verbose=False)
+    loss_fn = compiling.compile_loss(loss_fn, verbose=False)
+    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    marking = loss_fn.compute_cross_entropy
+
+    def step(micro_batch: int) -> None:
+        tokens = torch.randint(0, 100, (micro_batch, 48))
+        loss, _ = summed_token_loss(model, loss_fn, {"tokens": tokens, "labels": tokens.clone()})
+        if loss.requires_grad:
+            loss.backward()
+
+    with torch.no_grad():
+        step(1)  # a forward without gradients compiles a graph of its own: the marks stay for the next
+    assert loss_fn.compute_cross_entropy is marking and model.tok_embeddings._forward_hooks and model._forward_hooks
+    step(1)
+    assert loss_fn.compute_cross_entropy is not marking  # the compiled function itself: no wrapper, no marks
+    assert not model.tok_embeddings._forward_hooks and not model._forward_hooks
+    graphs = counters["stats"]["unique_graphs"]
+    for micro_batch in (2, 5, 3):
+        step(micro_batch)
+    assert counters["stats"]["unique_graphs"] == graphs  # unmarked inputs reuse the unbacked graphs
+
+
 def test_without_the_marks_the_micro_batch_recompiles(aot_eager: None, assets: Path) -> None:
     from torchtune import training
 
