@@ -46,8 +46,9 @@ zero_grad) and counts the page faults and time inside each; a table gives the me
 rest of the step as ``other`` (the wrappers and the reads below add to both), with glibc's heap at its largest
 (``mallinfo2``) and its trim and mmap thresholds (read from its ``mp_``, found with ``gdb`` when installed).
 ``--together``: each repeat's two runs at the same time, each pinned to its own core (swapped every repeat), so
-that a machine whose speed drifts slows both alike; the table adds how much their measured windows overlap and
-each pair's ratio.
+that a machine whose speed drifts slows both alike; the table adds how much their measured windows overlap, each
+pair's ratio by steps/s and by median step time, and the bar applied to the medians of those paired ratios (the
+estimate a paired design calls for) beside the bar on the ratio of the two recipes' medians.
 
 Epoch switch: ours runs once more with per-epoch batch growth (``--switch-epochs`` epochs of
 ``--switch-steps`` steps, ``batch_increase_function`` = ``--switch-function`` with
@@ -518,10 +519,9 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
     return {"runs": runs, "dropped_keys": dropped}
 
 
-def pair_ratios(runs: dict[str, list[dict[str, Any]]]) -> list[float]:
-    """ours / stock by steps per second, for each repeat in which both ran."""
-    return [o["steps_per_second"] / s["steps_per_second"] for o, s in zip(runs["ours"], runs["stock"])
-            if o["steps_per_second"] and s["steps_per_second"]]
+def pair_ratios(runs: dict[str, list[dict[str, Any]]], key: str = "steps_per_second") -> list[float]:
+    """ours / stock by ``key`` (steps per second, or ``median_step_rate``), for each repeat in which both ran."""
+    return [o[key] / s[key] for o, s in zip(runs["ours"], runs["stock"]) if o[key] and s[key]]
 
 
 def window_overlaps(runs: dict[str, list[dict[str, Any]]], warmup: int, steps: int) -> list[float]:
@@ -744,6 +744,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             figures["window_overlaps"] = (window_overlaps(measured["runs"], args.warmup, args.steps)
                                           if args.together else None)
             figures["pair_ratios"] = pair_ratios(measured["runs"]) if args.together else None
+            figures["pair_step_ratios"] = (pair_ratios(measured["runs"], "median_step_rate") if args.together
+                                           else None)
             failed |= any(row["errors"] for row in summary["rows"])
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
@@ -766,6 +768,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                           f"{', '.join(f'{100 * share:.0f}%' for share in figures['window_overlaps'])}; "
                           f"ours / stock in each pair, by steps/s: {', '.join(f'{r:.3f}' for r in pairs)} "
                           f"(median {statistics.median(pairs):.3f}x)")
+                    steps = figures["pair_step_ratios"]
+                    if steps:
+                        paired = (statistics.median(pairs), statistics.median(steps))
+                        print(f"ours / stock in each pair, by median step time: {', '.join(f'{r:.3f}' for r in steps)}"
+                              f" (median {paired[1]:.3f}x); the pairs' medians, {paired[0]:.3f}x by steps/s and "
+                              f"{paired[1]:.3f}x by median step time (bar: both >= {BAR_RATIO:g}x): "
+                              + ("PASS" if min(paired) >= BAR_RATIO else "FAIL"))
                 if figures["phases"]:
                     print_phases(figures["phases"])
                 if summary["dropped_keys"]:

@@ -62,8 +62,9 @@ def test_recipe_vs_torchtune_together(tmp_path: Path) -> None:
     out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--no-switch", "--together",
                  "--json", str(js), cwd=tmp_path)
     figures = json.loads(js.read_text())
-    assert figures["settings"]["together"] and len(figures["window_overlaps"]) == len(figures["pair_ratios"]) == 1
-    assert "measured windows of each pair overlap" in out
+    assert figures["settings"]["together"]
+    assert len(figures["window_overlaps"]) == len(figures["pair_ratios"]) == len(figures["pair_step_ratios"]) == 1
+    assert "measured windows of each pair overlap" in out and "the pairs' medians" in out
 
 
 def test_token_budget_vs_fixed(tmp_path: Path) -> None:

@@ -73,6 +73,16 @@ def test_the_marks_step_aside_once_a_call_with_gradients_has_compiled(aot_eager:
     assert counters["stats"]["unique_graphs"] == graphs  # unmarked inputs reuse the unbacked graphs
 
 
+def test_the_micro_batch_is_unbacked_with_the_traced_size_as_its_hint(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Without a hint inductor cannot size the dimension and fuses less (on CPU, silu and its backward in two kernels
+    # instead of one); the size traced is the hint a backed dimension would have had.
+    seen: list[tuple[int, object]] = []
+    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked",
+                        lambda t, index, **kwargs: seen.append((index, kwargs.get("hint_override"))))
+    compiling._mark(torch.zeros(3, 5, 4))
+    assert seen == [(0, 3)]
+
+
 def test_without_the_marks_the_micro_batch_recompiles(aot_eager: None, assets: Path) -> None:
     from torchtune import training
 
