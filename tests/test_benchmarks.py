@@ -111,6 +111,13 @@ def test_noise_scale_accuracy(tmp_path: Path) -> None:
     assert "2 gloo ranks" in out and "Over 1 seeds" in out
 
 
+def test_compile_marks(tmp_path: Path) -> None:
+    # aot_eager (torchtune reads TORCH_COMPILE_BACKEND): the marks and guards are Dynamo's, the same on any backend
+    result = check(run_command("script", [str(BENCHMARKS / "compile_marks.py"), "--calls", "6"], cwd=tmp_path,
+                               env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager")))
+    assert "| marked every call |" in result.stdout and "| ours |" in result.stdout
+
+
 def test_step_counters(tmp_path: Path) -> None:
     out = script("step_counters.py", "--tensors", "3", "--repeats", "1", "--number", "2", cwd=tmp_path)
     assert "| 3 |" in out
