@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -32,12 +33,18 @@ def aot_eager(monkeypatch: pytest.MonkeyPatch):
     torch._dynamo.reset()
 
 
-def test_one_graph_serves_every_micro_batch_and_length(aot_eager: None, assets: Path) -> None:
+def _compiled_tiny(assets: Path) -> tuple[torch.nn.Module, Any]:
+    """The tiny Llama and its chunked loss, compiled as ours compiles them."""
     cfg = load_config("tiny_full", [f"assets_dir={assets}"])
     model, loss_fn = config.instantiate(cfg.model), config.instantiate(cfg.loss)
     compiling.compile_model(model, verbose=False)
     loss_fn = compiling.compile_loss(loss_fn, verbose=False)
     model.set_num_output_chunks(loss_fn.num_output_chunks)
+    return model, loss_fn
+
+
+def test_one_graph_serves_every_micro_batch_and_length(aot_eager: None, assets: Path) -> None:
+    model, loss_fn = _compiled_tiny(assets)
     graphs = []
     for micro_batch, length in [(1, 64), (2, 64), (5, 64), (3, 40), (1, 17)]:
         tokens = torch.randint(0, 100, (micro_batch, length))
@@ -48,11 +55,7 @@ def test_one_graph_serves_every_micro_batch_and_length(aot_eager: None, assets: 
 
 
 def test_the_marks_step_aside_once_a_call_with_gradients_has_compiled(aot_eager: None, assets: Path) -> None:
-    cfg = load_config("tiny_full", [f"assets_dir={assets}"])
-    model, loss_fn = config.instantiate(cfg.model), config.instantiate(cfg.loss)
-    compiling.compile_model(model, verbose=False)
-    loss_fn = compiling.compile_loss(loss_fn, verbose=False)
-    model.set_num_output_chunks(loss_fn.num_output_chunks)
+    model, loss_fn = _compiled_tiny(assets)
     marking = loss_fn.compute_cross_entropy
 
     def step(micro_batch: int) -> None:
