@@ -33,6 +33,7 @@ from torchtune.modules.loss import CEWithChunkedOutputLoss
 from adaptive_batching.training import compiling
 
 
+# Three copies on purpose: Dynamo caches per code object, and a class made by a factory shares one.
 class _Stock(CEWithChunkedOutputLoss):
     def compute_cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor, normalize: bool = True) -> Any:
         return F.cross_entropy(logits.float(), labels, ignore_index=self.ignore_index, reduction="sum")
