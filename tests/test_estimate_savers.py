@@ -262,16 +262,25 @@ def test_activation_offloading_is_traced_the_same_both_ways(offloading: dict[str
     assert fast.host_bytes == full.host_bytes
 
 
-def test_compile_counts_the_cross_entropy_without_a_float32_copy_of_the_logits() -> None:
-    """Compiled, the chunked cross-entropy keeps the bf16 logits and two values a token for the backward where
-    eager keeps a float32 copy of the logits (4 bytes a logit): a sample costs less, by at most that copy."""
+def test_compile_traces_a_compiled_step_that_keeps_less_a_sample() -> None:
+    """Compiled (layers through the min-cut partition, the cross-entropy without a float32 copy of the logits) a
+    sample costs less than eager, by more than the logits' float32 copy alone; what each part keeps is checked
+    against inductor in ``test_compiled_fake.py``."""
     seq_len, vocab = 64, 1280  # tiny_lora's vocabulary
     eager, compiled = (_trace(extra, seq_len=seq_len, config="tiny_lora.yaml") for extra in ([], ["compile=True"]))
     eager_sample, compiled_sample = (predict(t, device_memory_bytes=64 * MiB, verify=False).bytes_per_sample
                                      for t in (eager, compiled))
-    assert 0 < eager_sample - compiled_sample <= 4 * seq_len * vocab
-    assert compiled.savers.compile and "compile: the cross-entropy" in predict(
+    assert eager_sample - compiled_sample > 4 * seq_len * vocab
+    assert compiled.savers.compile and "compile: a compiled step" in predict(
         compiled, device_memory_bytes=64 * MiB, verify=False).describe()
+    assert "compile: off" in predict(eager, device_memory_bytes=64 * MiB, verify=False).describe()
+
+
+@pytest.mark.parametrize("extra", [[], ["enable_activation_checkpointing=True"]], ids=["plain", "checkpointing"])
+def test_a_compiled_step_is_traced_the_same_both_ways(extra: list[str]) -> None:
+    """Layer extrapolation over partitioned layers gives what tracing every layer gives."""
+    fast, full = (_trace(["compile=True", *extra], exact=exact, config="tiny_lora.yaml") for exact in (False, True))
+    _same_probes(fast, full)
 
 
 def test_compiled_nf4_dequantization_writes_the_bf16_weight_only() -> None:

@@ -22,8 +22,8 @@ Both follow the config's memory savers (:class:`Savers`):
   by ``activation_offload.FakeOffload``; the device figures are what stays on the device, and the host memory the
   offloaded tensors take is kept per micro batch (:attr:`Traced.host_bytes`).
 * bitsandbytes optimizers: counted by ``optimizer_state.BitsAndBytesStandIn``, never imported.
-* ``compile``: the loss, and NF4 dequantization, hold memory as compiled (``compiled``); the rest of the
-  layers is traced eager.
+* ``compile``: the decoder layers, the loss and NF4 dequantization hold memory as compiled: each layer through
+  AOTAutograd's min-cut partition, as inductor (``compiled``).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
-from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization
+from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
 from adaptive_batching.profiling.layer_timeline import (
     LayerTimeline,
     PassStretch,
@@ -74,7 +74,7 @@ class Savers:
     activation_offloading: bool = False
     activation_checkpointing: bool = False
     fsdp_cpu_offload: bool = False
-    compile: bool = False  # the loss and NF4 dequantization modelled compiled (``compiled``); the rest eager
+    compile: bool = False  # layers, loss and NF4 dequantization as compiled (``compiled``)
 
 
 def savers_of(cfg: DictConfig) -> Savers:
@@ -215,6 +215,7 @@ def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     if cfg.get("compile", False):
         as_compiled(loss_fn)
+        partitioned_layers(model)
     return model, loss_fn, num_layers
 
 
