@@ -209,6 +209,7 @@ class PartitionedLayer:
     def _trace(self, x: torch.Tensor) -> Any:
         from torch._functorch.aot_autograd import aot_function
         from torch._functorch.partitioners import min_cut_rematerialization_partition
+        from torch._guards import detect_fake_mode
         from torch._inductor.decomposition import select_decomp_table
         from torch.utils._python_dispatch import _disable_current_modes
 
@@ -221,10 +222,12 @@ class PartitionedLayer:
                              partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table(),
                              num_params_buffers=len(names))
         # traced on its first call, on an input of its own: the graph's nodes keep the values they were traced
-        # with, and the step's input carries trackers' hooks; no mode counts the trace, and its saved tensors stay
-        # out of the step's hooks (activation checkpointing counts what is saved)
-        with _disable_current_modes(), _no_global_module_hooks(), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        # with, and the step's input carries trackers' hooks; no mode counts the trace (the fake one goes on making
+        # the tensors no input leads to), and its saved tensors stay out of the step's hooks (activation
+        # checkpointing counts what is saved)
+        fake = detect_fake_mode((x, *self._inputs(x)))
+        with _disable_current_modes(), fake if fake is not None else contextlib.nullcontext(), \
+                _no_global_module_hooks(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
             graph(*self._inputs(torch.empty_like(x).requires_grad_(x.requires_grad)))
         return graph
 
