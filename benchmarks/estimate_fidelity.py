@@ -10,8 +10,8 @@ fake-step trace of that config (layer extrapolation) at that micro batch: a rank
 plus the forward/backward's peak, or the optimizer step's peak if higher (``estimate.peak_at``). Nothing is
 fitted to a published figure. Paged optimizer state is left out of the prediction here, because the published
 figures are torch's allocator statistics (``torchtune.training.get_memory_stats``), which do not see CUDA
-unified memory. ``compile`` is modelled in part (the cross-entropy and NF4 dequantization as compiled; see
-``profiling/compiled.py``), the rest of the layers eager.
+unified memory. ``compile`` is traced as compiled (``profiling/compiled.py``): each decoder layer through
+AOTAutograd's min-cut partition, the cross-entropy and NF4 dequantization as inductor fuses them.
 
 The table replaces the section "Fidelity against published GPU measurements" of ``docs/estimates.md`` (the
 rest of the page is ``estimate_stock_configs.py``'s).
@@ -132,7 +132,8 @@ def predict_one(row: Published) -> dict[str, Any]:
     peak = peak_at(trace, row.micro_batch, row.ranks, paged_out=paged)
     result = {"predicted_gib": round(peak / GIB, 2), "paged_left_out_gib": round(trace.paged_bytes / row.ranks / GIB, 2),
               "compile": bool(cfg.get("compile", False)),
-              "checkpointing": bool(cfg.get("enable_activation_checkpointing", False))}
+              "checkpointing": bool(cfg.get("enable_activation_checkpointing", False)),
+              "nf4": "qlora" in str(cfg.model.get("_component_", ""))}
     if row.also_micro_batch:
         also = peak_at(trace, row.also_micro_batch, row.ranks, paged_out=paged)
         result["also_predicted_gib"] = round(also / GIB, 2)
@@ -175,9 +176,10 @@ def why(r: dict[str, Any]) -> str:
     """What is known to move the ratio, from the row's settings and the source's facts (never from the ratio)."""
     reasons = []
     if r.get("compile"):
-        reasons.append("compile: loss and NF4 dequantization counted compiled, the rest of the layers eager"
-                       + ("; without checkpointing the compiled layers keep less for the backward than the eager "
-                          "ones counted" if not r.get("checkpointing") else ""))
+        reasons.append("compile: traced with torch 2.13's partitioner, measured with the older torch of its day")
+    if r.get("compile") and r.get("nf4"):
+        reasons.append("compiled, a QLoRA layer keeps its dequantized bf16 weights for its backward"
+                       + (" (the layer being recomputed)" if r.get("checkpointing") else ""))
     if r.get("paged_left_out_gib"):
         reasons.append(f"{r['paged_left_out_gib']} GiB of paged optimizer state left out (torch's statistics do not "
                        f"see it)")
@@ -203,10 +205,10 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         "The prediction is a rank's weights and optimizer state plus the fake forward/backward's peak, or the",
         "optimizer step's peak if higher, at that micro batch (`estimate.peak_at`, layer extrapolation); nothing is",
         "fitted to a published figure. Paged optimizer state (bitsandbytes) is left out here, because the published",
-        "figures are torch's allocator statistics, which do not see CUDA unified memory. Compile is modelled in part:",
-        "the cross-entropy and NF4 dequantization as compiled, the rest of the layers eager, so rows measured with",
-        "compile on can come out high (most of all without activation checkpointing, where the compiled layers keep",
-        "less for the backward).",
+        "figures are torch's allocator statistics, which do not see CUDA unified memory. With compile on, each",
+        "decoder layer keeps for the backward what AOTAutograd's min-cut partition keeps (what inductor's compiled",
+        "layer keeps; checked against `torch.compile` in `tests/test_compiled_fake.py`), the cross-entropy no",
+        "float32 copy of the logits, and NF4 weights are dequantized in one fused op.",
         "",
         "Sources:",
         "",

@@ -57,7 +57,7 @@ def savers(cfg: Any) -> list[str]:
         if cfg.get(key, False):
             named.append(name)
     if cfg.get("compile", False):
-        named.append("compile (loss and NF4 only)")
+        named.append("compile")
     return named
 
 
@@ -180,8 +180,9 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         "  (the column gives how much a sample takes there), the output projection's stay; the forward stash is",
         "  added as a bound.",
         "- `fsdp_cpu_offload` (8 ranks): weights, gradients and optimizer state in host memory.",
-        "- `compile`, in part: the cross-entropy keeps no float32 copy of the logits and NF4 weights are dequantized",
-        "  in one fused step, as compiled; the rest of the layers is counted eager (an upper bound).",
+        "- `compile`: each decoder layer keeps for the backward what AOTAutograd's min-cut partition keeps, as",
+        "  inductor's compiled layer does; the cross-entropy keeps no float32 copy of the logits; NF4 weights are",
+        "  dequantized in one fused op.",
         "",
         "The Llama 3.2 Vision configs are not estimated: their builders import torchvision, and the only",
         "torchvision for torch 2.13.0 in the package registry (0.28.0, a CUDA build) does not load against the CPU",
