@@ -53,6 +53,24 @@ def test_an_nf4_weight_is_counted_by_the_bytes_it_holds() -> None:
     assert live_tensor_bytes(model) == dense + sum(nf4_layout_bytes(p.numel()) for p in quantized)
 
 
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_nf4_weights_load_into_a_model_with_or_without_activation_checkpointing(checkpointing: bool) -> None:
+    """torchtune's stock QLoRA configs turn on activation checkpointing: the quantized weights' names are those
+    ``load_state_dict`` reports missing inside the wrapper, so only the adapters are left missing."""
+    from torchtune import modules
+
+    checkpoint = {k: v.get_original_weight() if isinstance(v, NF4Tensor) else v
+                  for k, v in qlora_model().state_dict().items() if "lora_" not in k}
+    model = qlora_model()
+    if checkpointing:
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
+    rest, quantized = nf4.quantize_into(model, checkpoint, CPU)
+    result = model.load_state_dict(rest, strict=False)
+    left = {k.replace("_checkpoint_wrapped_module.", "") for k in set(result.missing_keys) - quantized}
+    assert len(quantized) == 2 * 7 and left and all("lora_" in k for k in left)
+    assert not result.unexpected_keys
+
+
 def test_estimate_counts_fake_nf4_weights_at_their_real_bytes() -> None:
     """The model ``estimate`` builds on fake tensors holds what the real one holds (within 1%)."""
     cfg = load_config(str(CONFIGS / "tiny_qlora.yaml"))

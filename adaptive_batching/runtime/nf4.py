@@ -40,7 +40,8 @@ def _inner_bytes(inner: torch.Tensor) -> int:
 def quantize_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
                   device: torch.device) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Quantize ``state_dict``'s weights of the model's NF4 parameters into new NF4 parameters on ``device``
-    (same block sizes and dtype); return the rest of the state dict and the keys quantized."""
+    (same block sizes and dtype); return the rest of the state dict and the names of the parameters quantized,
+    as the model's ``load_state_dict`` reports them missing (inside activation checkpointing's wrapper too)."""
     rest = dict(state_dict)
     quantized: set[str] = set()
     for name, param in list(model.named_parameters()):
@@ -52,7 +53,7 @@ def quantize_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
         module = model.get_submodule(module_name)
         weight = to_nf4(dense, block_size=param.block_size, scaler_block_size=param.scaler_block_size)
         setattr(module, attr, nn.Parameter(weight, requires_grad=False))
-        quantized.add(key)
+        quantized.add(name)
     return rest, quantized
 
 
