@@ -78,16 +78,16 @@ def as_compiled(loss_fn: Any) -> bool:
     return False
 
 
-@torch.library.custom_op("adaptive_batching::fused_nf4_dequantization", mutates_args=())
-def _fused_nf4_dequantization(quantized_data: torch.Tensor, size: list[int], dtype: torch.dtype) -> torch.Tensor:
+def _dequantized_weight(quantized_data: torch.Tensor, size: list[int], dtype: torch.dtype) -> torch.Tensor:
     """The bf16 weight of an NF4 tensor as one fused kernel writes it; shapes and bytes only (its values are not
-    computed). One opaque op, so the partitioner weighs saving its output against running it again."""
+    computed). One opaque op, real and fake alike, so the partitioner weighs saving its output against running it
+    again."""
     return torch.empty(size, dtype=dtype, device=quantized_data.device)
 
 
-@_fused_nf4_dequantization.register_fake
-def _(quantized_data: torch.Tensor, size: list[int], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(size, dtype=dtype, device=quantized_data.device)
+_fused_nf4_dequantization = torch.library.custom_op(
+    "adaptive_batching::fused_nf4_dequantization", mutates_args=())(_dequantized_weight)
+_fused_nf4_dequantization.register_fake(_dequantized_weight)
 
 
 @contextlib.contextmanager
