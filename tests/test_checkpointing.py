@@ -362,19 +362,38 @@ def test_a_resume_waits_for_a_save_under_way(tmp_path: Path) -> None:
     assert not (tmp_path / ".incomplete-epoch_0-1").exists()
 
 
+def state_on(*, ranks: int, step_in_epoch: int) -> dict[str, Any]:
+    """The adaptive state's entries check_resumable_on reads, as this version writes them."""
+    from adaptive_batching.training.state import STATE_VERSION
+
+    return {"version": STATE_VERSION, "progress": {"global_step": 7, "epoch": 1, "step_in_epoch": step_in_epoch},
+            "feed": {"ranks": ranks}}
+
+
 def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ranks() -> None:
     from adaptive_batching.errors import ConfigError
     from adaptive_batching.training.state import check_resumable_on
 
     said: list[str] = []
-    inside = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: {"ranks": 2, "step_in_epoch": 3}}
+    inside = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: state_on(ranks=2, step_in_epoch=3)}
     check_resumable_on(inside, 2, elastic=False, info=said.append)  # the same ranks: nothing to say
     check_resumable_on(inside, 1, elastic=True, info=said.append)  # elastic: the feed keeps the global batch
     assert said == []
     with pytest.raises(ConfigError, match=r"saved inside epoch 2 on 2 rank\(s\); resume it on 2 rank\(s\) "
                                           r"\(tune run --nproc_per_node 2"):
         check_resumable_on(inside, 1, elastic=False, info=said.append)
-    at_the_end = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: {"data_parallel": 2, "step_in_epoch": 0}}
+    at_the_end = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: state_on(ranks=2, step_in_epoch=0)}
     check_resumable_on(at_the_end, 4, elastic=False, info=said.append)
     assert said == ["Resuming on 4 rank(s) instead of 2: the global batch follows the ranks (batch_size x "
                     "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks"]
+
+
+def test_a_state_in_another_format_version_is_refused_before_the_ranks_are_checked() -> None:
+    from adaptive_batching.errors import ConfigError
+    from adaptive_batching.training.state import STATE_VERSION, check_resumable_on
+
+    older = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: {**state_on(ranks=2, step_in_epoch=3),
+                                                           "version": STATE_VERSION - 1}}
+    with pytest.raises(ConfigError, match=f"format version {STATE_VERSION - 1}, and this adaptive-batching reads "
+                                          f"version {STATE_VERSION} only"):
+        check_resumable_on(older, 2, elastic=False, info=print)

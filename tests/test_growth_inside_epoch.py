@@ -13,7 +13,8 @@ import pytest
 import torch
 from recipe_runs import read_metrics
 from test_oom_recovery import faulty_run, ok
-from test_state_by_part import flat
+
+from adaptive_batching.training.state import STATE_VERSION
 
 SAMPLES = 40
 # geometric x2 (the config's function) every 3 steps, from micro batch 2, under a budget that caps it.
@@ -26,23 +27,25 @@ GROWING = ("use_maximum_batch_size=False", f"dataset.split=train[:{SAMPLES}]", "
 @pytest.fixture(scope="module")
 def grown(runs: Path, assets: Path) -> dict[str, str]:
     """The uninterrupted run, one killed after optimizer step 9, and its resume (sharing one profile cache); and
-    the resume of a copy of the killed run whose checkpoint holds its adaptive state as 51b76ca wrote it (flat)."""
+    the resume of a copy of the killed run whose checkpoint holds its adaptive state in an older format version."""
     cache = f"adaptive_batching.cache_dir={runs / 'cache'}"
     outputs = {"straight": ok(faulty_run(runs, "straight", {}, assets, *GROWING, cache))}
     killed = faulty_run(runs, "killed", {"kill_after": 9}, assets, *GROWING, cache)
     assert killed.returncode != 0
     outputs["killed"] = killed.stdout + killed.stderr
-    shutil.copytree(runs / "killed", runs / "legacy")
-    recipe_state = runs / "legacy" / "epoch_0" / "recipe_state.pt"
+    shutil.copytree(runs / "killed", runs / "older")
+    recipe_state = runs / "older" / "epoch_0" / "recipe_state.pt"
     saved = torch.load(recipe_state, weights_only=False)
-    saved["adaptive_batching"] = flat(saved["adaptive_batching"])
+    saved["adaptive_batching"]["version"] = STATE_VERSION - 1
     torch.save(saved, recipe_state)
     record_file = recipe_state.parent / "checkpoint.json"  # it lists each file's size, which the new state changed
     record = json.loads(record_file.read_text())
     record["files"]["recipe_state.pt"] = recipe_state.stat().st_size
     record_file.write_text(json.dumps(record))
-    outputs["legacy"] = ok(faulty_run(runs, "legacy-resumed", {}, assets, *GROWING, cache,
-                                      f"output_dir={runs / 'legacy'}", "resume_from_checkpoint=True"))
+    older = faulty_run(runs, "older-resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'older'}",
+                       "resume_from_checkpoint=True")
+    assert older.returncode == 1
+    outputs["older"] = older.stdout + older.stderr
     outputs["resumed"] = ok(faulty_run(runs, "resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'killed'}",
                                        "resume_from_checkpoint=True"))
     return outputs
@@ -94,9 +97,9 @@ def test_a_resume_after_an_in_epoch_switch_trains_the_same_samples_and_losses(gr
 
 
 @pytest.mark.e2e
-def test_a_checkpoint_whose_state_is_flat_as_before_resumes_the_same(grown: dict[str, str], runs: Path) -> None:
-    assert "Resuming at step 8 of epoch 1 (optimizer step 8)" in grown["legacy"]
-    assert [s["samples"] for s in steps(runs, "legacy-resumed")] == [s["samples"] for s in steps(runs, "resumed")]
-    resumed = {int(m["step"]): m["loss"] for m in read_metrics(runs / "killed" / "logs") if m["step"] > 8}
-    legacy = {int(m["step"]): m["loss"] for m in read_metrics(runs / "legacy" / "logs") if m["step"] > 8}
-    assert legacy == resumed
+def test_a_checkpoint_in_an_older_state_format_stops_the_resume_in_one_line(grown: dict[str, str]) -> None:
+    line = (f"config error: the checkpoint to resume holds adaptive state format version {STATE_VERSION - 1}, and "
+            f"this adaptive-batching reads version {STATE_VERSION} only: start a fresh output_dir, or resume it "
+            "with the adaptive-batching version that wrote it")
+    assert line in grown["older"].splitlines()
+    assert "Traceback" not in grown["older"] and "Resuming at" not in grown["older"]

@@ -75,7 +75,7 @@ def test_noise_scale_refuses_bad_settings_and_stats_by_name(kwargs, name) -> Non
 
 
 def test_noise_scale_plans_no_growth_before_training() -> None:
-    f = load_increase_function({"_component_": "adaptive_batching.growth_stats.noise_scale", "fraction": 0.5})
+    f = load_increase_function({"_component_": "adaptive_batching.growth.noise_scale", "fraction": 0.5})
     plan = plan_batches(epochs=4, start=8, accumulation=2, ranks=1, increase=f, memory_cap=None)
     assert [entry.reason for entry in plan] == ["start", "unchanged", "unchanged", "unchanged"]
 
@@ -183,8 +183,8 @@ def test_accepts_stats_reads_the_signature(fn, expected) -> None:
 
 def test_accepts_stats_sees_through_config_partials() -> None:
     assert accepts_stats(load_increase_function(
-        {"_component_": "adaptive_batching.growth_stats.noise_scale", "fraction": 0.25}))
-    assert accepts_stats(load_increase_function("adaptive_batching.growth_stats.seesaw"))
+        {"_component_": "adaptive_batching.growth.noise_scale", "fraction": 0.25}))
+    assert accepts_stats(load_increase_function("adaptive_batching.growth.seesaw"))
     assert not accepts_stats(load_increase_function(
         {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}))
 
@@ -196,6 +196,6 @@ def test_call_increase_passes_stats_only_where_accepted() -> None:
     assert call_increase(wants_stats, 2, 8, stats) == 7
     assert call_increase(wants_stats, 2, 8, None) == -1
     assert call_increase(Callable_(), 2, 8, stats) == 5
-    f = load_increase_function({"_component_": "adaptive_batching.growth_stats.noise_scale", "max_factor": 1.5})
+    f = load_increase_function({"_component_": "adaptive_batching.growth.noise_scale", "max_factor": 1.5})
     assert call_increase(f, 2, 8, stats) == 4
     assert call_increase(functools.partial(linear_ramp, increment=4), 1, 8, stats) == 4

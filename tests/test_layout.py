@@ -84,7 +84,7 @@ LAYERS: list[set[str]] = [
     {"profiling"},
     {"config"},
     {"training"},
-    {"cli", "growth_stats", "configs"},
+    {"cli", "configs"},
 ]
 
 

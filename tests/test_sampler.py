@@ -219,15 +219,16 @@ def test_start_step_begins_the_first_iteration_at_that_step(start: int) -> None:
     assert list(later) == list(whole)  # the next iteration is the whole epoch again
 
 
-def test_a_state_from_another_split_is_refused_and_an_old_state_means_split_1() -> None:
+def test_a_state_from_another_split_or_without_one_is_refused() -> None:
     sampler = make(40, 4, 1, 0, 1, split=2)
     iterator = iter(sampler)
     next(iterator)
     state = sampler.state_dict()
     with pytest.raises(ValueError, match="split 2 \\(saved\\) != 1 \\(now\\)"):
         make(40, 4, 1, 0, 1).load_state_dict(state)
-    old = {k: v for k, v in make(40, 4, 1, 0, 1).state_dict().items() if k != "split"}
-    make(40, 4, 1, 0, 1).load_state_dict(old)
+    without = {k: v for k, v in make(40, 4, 1, 0, 1).state_dict().items() if k != "split"}
+    with pytest.raises(ValueError, match=r"missing \['split'\]"):
+        make(40, 4, 1, 0, 1).load_state_dict(without)
 
 
 # ---------------------------------------------------------------- resume through torchdata
@@ -475,7 +476,7 @@ def test_a_sampler_from_first_sample_continues_the_epoch_so_every_sample_is_seen
     assert sorted(i for r in range(world) for b in after[r] for i in b) == sorted(order[served:])
 
 
-def test_a_state_from_another_first_sample_is_refused_and_an_old_state_means_0() -> None:
+def test_a_state_from_another_first_sample_or_without_one_is_refused() -> None:
     grown = make(40, 3, 1, 0, 1, first_sample=6)
     it = iter(grown)
     next(it)
@@ -483,7 +484,8 @@ def test_a_state_from_another_first_sample_is_refused_and_an_old_state_means_0()
     assert state["first_sample"] == 6
     with pytest.raises(ValueError, match="first_sample 6 \\(saved\\) != 0"):
         make(40, 3, 1, 0, 1).load_state_dict(state)
-    old = {k: v for k, v in make(40, 3, 1, 0, 1).state_dict().items() if k != "first_sample"}
-    make(40, 3, 1, 0, 1).load_state_dict(old)
+    without = {k: v for k, v in make(40, 3, 1, 0, 1).state_dict().items() if k != "first_sample"}
+    with pytest.raises(ValueError, match=r"missing \['first_sample'\]"):
+        make(40, 3, 1, 0, 1).load_state_dict(without)
     with pytest.raises(ValueError, match="first_sample"):
         make(40, 3, 1, 0, 1, first_sample=41)

@@ -128,5 +128,5 @@ class SampleDrivenLR:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed_samples = int(state["consumed_samples"])
         self.global_batch = int(state["global_batch"])
-        self.peak_shape = state.get("peak_shape", self.schedule_shape())  # older checkpoints: the shape now
+        self.peak_shape = state["peak_shape"]
         self.apply()

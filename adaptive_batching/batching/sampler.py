@@ -39,13 +39,11 @@ class StepSampler(Sampler[list[int]]):
     torchdata's ``StatefulDataLoader`` saves and restores, and the check that a restored position
     belongs to the same layout.
 
-    A subclass sets ``checked_keys`` (attributes a saved state must match), ``state_defaults`` (values
-    of keys older states lack) and ``resume_advice``, and provides ``step_layout()`` and
-    ``_micro_batches(start)``.
+    A subclass sets ``checked_keys`` (attributes a saved state must match) and ``resume_advice``, and
+    provides ``step_layout()`` and ``_micro_batches(start)``.
     """
 
     checked_keys: tuple[str, ...] = ()
-    state_defaults: Mapping[str, Any] = {}
     resume_advice = "the same batch settings"
     epoch: int
 
@@ -138,7 +136,6 @@ class StepSampler(Sampler[list[int]]):
         names other samples, so some would be repeated and others skipped.
         """
         name = type(self).__name__
-        state_dict = {**self.state_defaults, **state_dict}
         missing = [key for key in ("epoch", "yielded", *self.checked_keys) if key not in state_dict]
         if missing:
             raise ValueError(f"{name} state is missing {missing}")
@@ -183,7 +180,6 @@ class StepBatchSampler(StepSampler):
     """
 
     checked_keys = _CHECKED_KEYS
-    state_defaults = {"split": 1, "first_sample": 0}  # states saved before pieces and in-epoch growth existed
     resume_advice = "the same batch size, gradient accumulation, ranks, dataset, seed and shuffle"
 
     def __init__(

@@ -46,7 +46,7 @@ class Progress:
         """Where the saved run stood; it was saved there, so ``saved_step`` too."""
         self.epochs_run = int(state["epoch"])
         self.global_step = self.saved_step = int(state["global_step"])
-        self.step_in_epoch = int(state.get("step_in_epoch", 0))
+        self.step_in_epoch = int(state["step_in_epoch"])
 
 
 class PendingState:
@@ -64,36 +64,27 @@ class PendingState:
 
 
 STATE_VERSION = 2
-# Before version 2 the parts' entries were one flat mapping; the keys each part had there.
-_FLAT_KEYS = {
-    "progress": ("global_step", "epoch", "step_in_epoch"),
-    "feed": ("micro_batch", "accumulation", "planned_micro_batch", "planned_accumulation", "ranks", "dataloader"),
-    "recovery": ("split", "oom_cap", "micro_cap", "clean_steps", "grew_back", "wait"),
-    "batching": ("token_budget",),
-    "plan": ("measured_increments", "grown"),
-}
+"""The adaptive state's format. Until the first release it changes without a migration; from then on see
+docs/contributing.md ("Each part owns its state")."""
 
 
-def state_by_part(saved: Mapping[str, Any]) -> dict[str, Any]:
-    """A checkpoint's adaptive state as one entry per part (version 2); a flat one, as saved before, is split
-    into the same entries, so every checkpoint written since resumes."""
-    if saved.get("version") == STATE_VERSION:
-        return dict(saved)
-    flat = dict(saved)
-    if "data_parallel" in flat:  # saved before "ranks" was the one word for it
-        flat["ranks"] = flat.pop("data_parallel")
-    part = {name: {k: flat[k] for k in keys if k in flat} for name, keys in _FLAT_KEYS.items()}
-    feed = {**part["feed"], "span": flat.get("segment"), "recovery": part["recovery"], "batching": part["batching"]}
-    return {"version": STATE_VERSION, "progress": part["progress"], "feed": feed, "plan": part["plan"],
-            "lr": flat.get("lr"), "noise_scale": flat.get("noise_scale"),
-            "profile": {"result": flat.get("profile"), "ranks": flat.get("ranks")}}
+def read_state(saved: Mapping[str, Any]) -> dict[str, Any]:
+    """A checkpoint's adaptive state, one entry per part, if it is in this version's format; another format
+    fails in one line naming both versions, before any model is built (its parts' keys would not be ours)."""
+    version = saved.get("version", 1)
+    if version != STATE_VERSION:
+        raise ConfigError(
+            f"the checkpoint to resume holds adaptive state format version {version}, and this adaptive-batching "
+            f"reads version {STATE_VERSION} only: start a fresh output_dir, or resume it with the adaptive-batching "
+            "version that wrote it")
+    return dict(saved)
 
 
 def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool, info: Callable[[str], None]) -> None:
     """A run saved inside an epoch resumes there on its own number of ranks only (each rank's place in the data is
     saved), unless its global batch is elastic; from an epoch's end another number of ranks changes the global
     batch, which is said in one line. Checked before any model is built."""
-    saved = state_by_part(checkpoint.get(checkpointing.ADAPTIVE_KEY) or {})
+    saved = read_state(checkpoint.get(checkpointing.ADAPTIVE_KEY) or {})
     saved_ranks = saved["feed"].get("ranks")
     if saved_ranks is None or saved_ranks == ranks or elastic:
         return
@@ -125,7 +116,7 @@ class Checkpoints:
         if checkpoint.get(training.SEED_KEY, seed) != seed:
             self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
             seed = checkpoint[training.SEED_KEY]
-        state = state_by_part(checkpoint[checkpointing.ADAPTIVE_KEY])
+        state = read_state(checkpoint[checkpointing.ADAPTIVE_KEY])
         for key, part in parts.items():
             if state.get(key) is not None:
                 part.load_state_dict(state[key])
