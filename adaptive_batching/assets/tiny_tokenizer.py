@@ -42,19 +42,7 @@ def train_bpe(texts: Iterable[str], num_merges: int = NUM_MERGEABLE_RANKS - NUM_
     training is deterministic. The result always has ``256 + num_merges`` distinct
     tokens: the single bytes first, then the merges.
     """
-    pattern = regex.compile(CL100K_PATTERN)
-    chunk_counts: Counter[str] = Counter()
-    for text in texts:
-        chunk_counts.update(pattern.findall(text))
-
-    words: list[list[bytes]] = []
-    freqs: list[int] = []
-    for chunk, count in sorted(chunk_counts.items()):
-        symbols = [bytes([b]) for b in chunk.encode("utf-8")]
-        if len(symbols) > 1:
-            words.append(symbols)
-            freqs.append(count)
-
+    words, freqs = _split_words(texts)
     pair_counts: Counter[tuple[bytes, bytes]] = Counter()
     pair_words: dict[tuple[bytes, bytes], set[int]] = {}
     for index, symbols in enumerate(words):
@@ -77,22 +65,12 @@ def train_bpe(texts: Iterable[str], num_merges: int = NUM_MERGEABLE_RANKS - NUM_
             vocab.append(merged)
         touched: set[tuple[bytes, bytes]] = set()
         for index in pair_words.pop(pair):
-            symbols = words[index]
-            freq = freqs[index]
+            symbols, freq = words[index], freqs[index]
             for old in zip(symbols, symbols[1:]):
                 pair_counts[old] -= freq
                 touched.add(old)
-            new_symbols: list[bytes] = []
-            i = 0
-            while i < len(symbols):
-                if i + 1 < len(symbols) and symbols[i] == pair[0] and symbols[i + 1] == pair[1]:
-                    new_symbols.append(merged)
-                    i += 2
-                else:
-                    new_symbols.append(symbols[i])
-                    i += 1
-            words[index] = new_symbols
-            for new in zip(new_symbols, new_symbols[1:]):
+            words[index] = symbols = _merge_pair(symbols, pair)
+            for new in zip(symbols, symbols[1:]):
                 pair_counts[new] += freq
                 pair_words.setdefault(new, set()).add(index)
                 touched.add(new)
@@ -105,6 +83,36 @@ def train_bpe(texts: Iterable[str], num_merges: int = NUM_MERGEABLE_RANKS - NUM_
                 pair_counts.pop(other, None)
 
     return _pad_vocab(vocab, known, target)
+
+
+def _split_words(texts: Iterable[str]) -> tuple[list[list[bytes]], list[int]]:
+    """The distinct pre-split chunks of two or more bytes, as byte symbols, in sorted order, with their counts."""
+    pattern = regex.compile(CL100K_PATTERN)
+    chunk_counts: Counter[str] = Counter()
+    for text in texts:
+        chunk_counts.update(pattern.findall(text))
+    words: list[list[bytes]] = []
+    freqs: list[int] = []
+    for chunk, count in sorted(chunk_counts.items()):
+        symbols = [bytes([b]) for b in chunk.encode("utf-8")]
+        if len(symbols) > 1:
+            words.append(symbols)
+            freqs.append(count)
+    return words, freqs
+
+
+def _merge_pair(symbols: list[bytes], pair: tuple[bytes, bytes]) -> list[bytes]:
+    """``symbols`` with every non-overlapping occurrence of ``pair``, left to right, replaced by its merge."""
+    merged: list[bytes] = []
+    i = 0
+    while i < len(symbols):
+        if i + 1 < len(symbols) and symbols[i] == pair[0] and symbols[i + 1] == pair[1]:
+            merged.append(pair[0] + pair[1])
+            i += 2
+        else:
+            merged.append(symbols[i])
+            i += 1
+    return merged
 
 
 def _pad_vocab(vocab: list[bytes], known: set[bytes], target: int) -> list[bytes]:
