@@ -95,30 +95,40 @@ def search_max_micro_batch(
     hi: Optional[int] = None if started_ok else start  # smallest failure
     gallop = 1
     while len(trials) < max_steps:
-        if hi is not None and hi <= _enough(lo, tolerance):
+        size = _next_size(start, lo, hi, gallop, tolerance, upper_limit)
+        if size is None:
             break
-        if hi is None:
-            if upper_limit is not None and lo >= upper_limit:
-                break
-            if gallop == 1:
-                size = _enough(start, tolerance)
-            else:
-                size = max(lo + 1, math.ceil(_shift(start, _doubled(gallop), tolerance)))
-            size = min(size, upper_limit) if upper_limit is not None else size
+        if hi is None or lo == 0:
             gallop += 1
-        elif lo == 0:
-            if gallop == 1:
-                size = _first_below(start, tolerance)
-            else:
-                size = max(1, min(hi - 1, math.floor(_shift(start, -_doubled(gallop), tolerance))))
-            gallop += 1
-        else:
-            size = _between(lo, hi, tolerance)
         if attempt(size):
             lo = size
         else:
             hi = size
     return SearchResult(_largest_below_failures(trials), tuple(trials))
+
+
+def _next_size(start: int, lo: int, hi: Optional[int], gallop: int, tolerance: float,
+               upper_limit: Optional[int]) -> Optional[int]:
+    """The next micro batch to try, or None when the search is done.
+
+    ``lo`` is the largest success (0: none yet), ``hi`` the smallest failure (None: none yet). While nothing has
+    failed it gallops up from ``start``, while nothing has run it gallops down, then it bisects between the two.
+    """
+    if hi is not None and hi <= _enough(lo, tolerance):
+        return None
+    if hi is None:
+        if upper_limit is not None and lo >= upper_limit:
+            return None
+        if gallop == 1:
+            size = _enough(start, tolerance)
+        else:
+            size = max(lo + 1, math.ceil(_shift(start, _doubled(gallop), tolerance)))
+        return min(size, upper_limit) if upper_limit is not None else size
+    if lo == 0:
+        if gallop == 1:
+            return _first_below(start, tolerance)
+        return max(1, min(hi - 1, math.floor(_shift(start, -_doubled(gallop), tolerance))))
+    return _between(lo, hi, tolerance)
 
 
 def choose_micro_batch(max_ok: int, safety_margin: float, round_to: str) -> int:
