@@ -230,22 +230,11 @@ def seesaw(
     last Seesaw step it multiplies the micro batch by ``factor`` (:func:`seesaw_doublings`; several
     at once when one epoch covers several, at most ``max_steps`` per call).
 
-    The trainer's side (LR and bookkeeping):
-
-    * LR: relative to the schedule, ``seesaw_lr_factor(n) = sqrt(factor) ** n`` after ``n`` steps
-      taken, i.e. per step the LR falls by ``1/sqrt(factor)`` where the schedule alone would fall
-      by ``1/factor``. The trainer's ``lr_scaling: sqrt`` already multiplies the schedule by
-      ``sqrt(global / reference)``, which is exactly this: use it and add no factor of your own
-      (``linear`` or ``none`` would be wrong for Seesaw). The schedule runs on samples consumed,
-      as Seesaw's runs on tokens.
-    * ``lr_decay``: the schedule's shape (the scheduler's lambda, no batch factor) now over its
-      value at the last Seesaw step *that really grew the batch* (a growth refused by
-      ``grow_past_memory: skip`` did not happen; it is asked for again at the next epoch). Without
-      keeping that point, the trainer can compute the same number as ``shape(now) / peak_shape *
-      global_batch / start_global_batch``: ``peak_shape`` the schedule's largest value so far
-      (the end of a warm-up), ``start_global_batch`` the global batch Seesaw started from. Dividing
-      the reference by the realised growth keeps the Seesaw points on the schedule's grid (LR =
-      peak / factor**k) however epochs fall, and a refused growth retried.
+    The trainer's side: with ``lr_scaling: sqrt`` the LR is the schedule's times ``sqrt(global / reference)``,
+    exactly Seesaw's ``sqrt(factor) ** n`` (:func:`seesaw_lr_factor`; ``linear`` or ``none`` would be wrong).
+    ``lr_decay`` is the schedule's shape now over its value at the last Seesaw step that really grew the batch
+    (a growth refused by ``grow_past_memory: skip`` is asked for again), computed as ``shape(now) / peak_shape
+    x global_batch / start_global_batch``, which keeps the steps on the grid LR = peak / factor**k.
 
     Args:
         epoch: 0-based index of the epoch about to start.
