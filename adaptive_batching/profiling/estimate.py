@@ -30,7 +30,7 @@ from torchtune import training
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.profiling.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
-from adaptive_batching.profiling.memory_fit import max_micro_batch_under
+from adaptive_batching.profiling.memory_fit import LinearFit, max_micro_batch_under
 from adaptive_batching.profiling.profiler import fit_probes, probe_until_slope
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
 
@@ -192,6 +192,25 @@ def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> N
         raise ValueError(f"world_size (--world-size) must be an integer >= 1, got {world_size!r}")
 
 
+def _rank_fit(trace: StepTrace, world_size: int, offload: bool) -> tuple[LinearFit, int, int]:
+    """One rank's fit of peak bytes against the micro batch, its model state and its optimizer step's peak.
+
+    Weights, gradients and optimizer state are a rank's FSDP shard (none of them with ``offload``).
+    """
+    probed = trace.probes
+    if trace.measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
+        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), trace.max_probe)
+    fit = fit_probes(probed)
+    if fit is None:
+        raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
+    steady = probed[max(probed)].steady_bytes
+    model_state = 0 if offload else steady // world_size
+    fit = replace(fit, fixed_bytes=fit.fixed_bytes - (steady - model_state),
+                  plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)))
+    optimizer_peak = 0 if offload else max(m.optimizer_peak for m in probed.values()) // world_size
+    return fit, model_state, optimizer_peak
+
+
 def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9, world_size: int = 1,
             verify: bool = True) -> Estimate:
     """The largest micro batch under ``device_memory_bytes x fraction`` for the traced steps.
@@ -208,18 +227,8 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
     """
     _check_device(device_memory_bytes, fraction, world_size)
     started = time.perf_counter()
-    probed = trace.probes
-    if trace.measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
-        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), trace.max_probe)
-    fit = fit_probes(probed)
-    if fit is None:
-        raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
-    steady = probed[max(probed)].steady_bytes
     offload = trace.cpu_offload and world_size > 1
-    model_state = 0 if offload else steady // world_size
-    fit = replace(fit, fixed_bytes=fit.fixed_bytes - (steady - model_state),
-                  plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)))
-    optimizer_peak = 0 if offload else max(m.optimizer_peak for m in probed.values()) // world_size
+    fit, model_state, optimizer_peak = _rank_fit(trace, world_size, offload)
     budget = int(device_memory_bytes * fraction)
 
     def search(room: int) -> tuple[int, int, int]:
