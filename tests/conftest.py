@@ -17,9 +17,9 @@ def base_cfg() -> DictConfig:
     return OmegaConf.load(CONFIGS / "tiny_full.yaml")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The offline tiny model, tokenizer and data, written once per test module."""
+    """The offline tiny model, tokenizer and data, written once per test session (per xdist worker); read only."""
     return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
