@@ -88,6 +88,7 @@ def save_checkpoint_atomically(checkpointer: Any, state: dict[str, Any], *, epoc
             raise
         final = _swap_in(new, output_dir / name)
         shutil.rmtree(staging, ignore_errors=True)
+        (output_dir / STOPPED_FILE).unlink(missing_ok=True)  # the run has a checkpoint now
         _fsync(output_dir)
     return final
 
@@ -173,13 +174,14 @@ def latest_complete_checkpoint(output_dir: Path, job_id: Optional[str] = None) -
 
 def run_status(output_dir: Path) -> str:
     """What ``output_dir`` says of a run, in one line that starts with ``finished``, ``resumable`` (a complete
-    checkpoint of an unfinished run), ``stopped`` (a stop signal before the first checkpoint: start again) or
-    ``none``: for a job script that decides from the disk whether to run again (see docs/preemption.md)."""
+    checkpoint of an unfinished run), ``stopped`` (a stop signal before the first checkpoint: a resume starts from
+    the beginning) or ``none``: for a job script that decides from the disk whether to run again (see
+    docs/preemption.md)."""
     latest = latest_complete_checkpoint(Path(output_dir))
     if latest is None:
-        stopped = Path(output_dir) / STOPPED_FILE
-        if stopped.is_file():
-            return f"stopped: {json.loads(stopped.read_text(encoding='utf-8'))['why']}; run it again from the start"
+        why = stopped_before_first_save(Path(output_dir))
+        if why is not None:
+            return f"stopped: {why}, before the first checkpoint; resume_from_checkpoint=True starts it from the beginning"
         return f"none: no complete checkpoint in {output_dir}"
     record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
     where = (f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "
@@ -188,6 +190,26 @@ def run_status(output_dir: Path) -> str:
     if total is not None and record.get("epochs_run", 0) >= total:  # all epochs run: saved at the last one's end
         return f"finished: {latest} ({where})"
     return f"resumable: {latest} ({where}); continue with resume_from_checkpoint=True"
+
+
+def mark_stopped(output_dir: Path, why: str) -> None:
+    """Record in ``output_dir`` that a stop signal came before the run's first checkpoint (``why``): the run is to
+    go on, from the beginning (see :func:`stopped_before_first_save`). The first save deletes the record."""
+    write_atomically(Path(output_dir) / STOPPED_FILE, json.dumps({"why": why}) + "\n")
+
+
+def stopped_before_first_save(output_dir: Path) -> Optional[str]:
+    """Why the run in ``output_dir`` stopped before its first checkpoint, if :func:`mark_stopped` recorded it and no
+    ``epoch_N`` folder is there: a folder that holds one, complete or not, saved once (the save deletes the record),
+    so a record beside it says nothing of the run, and an incomplete one is not to be started over silently."""
+    output_dir = Path(output_dir)
+    if not output_dir.is_dir() or any(_EPOCH_DIR.match(path.name) for path in output_dir.iterdir()):
+        return None
+    try:
+        why = json.loads((output_dir / STOPPED_FILE).read_text(encoding="utf-8"))["why"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return why if isinstance(why, str) else None
 
 
 def _inspect(folder: Path) -> tuple[Optional[dict[str, Any]], str]:

@@ -12,6 +12,12 @@ collective. The signal may reach the ranks at different steps, or only one of th
 a non-blocking all-reduce (MAX) of the rank's flag and reads it at the step's end, after the step's own
 host synchronisation: all ranks stop after the step in which every rank's flag was in, the step the
 signal arrived in or the next. One process needs no collective.
+
+The handlers are in from the trainer's start: a signal during the set-up (data, model, token counts) stops the run at
+the set-up's end, one during the profile (or the compiling before it) at the next trial, with nothing to save. Until
+the run has a checkpoint, the first signal is also recorded in the output folder at once
+(:func:`~adaptive_batching.faults.checkpoints.mark_stopped`), so that a job script sees a stopped run even if the
+scheduler kills it before it stops: the run is then to go on from the beginning.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import signal
 import sys
 import threading
 import time
+from pathlib import Path
 from types import FrameType
 from typing import Any, NoReturn, Optional, Sequence
 
@@ -29,7 +36,8 @@ import torch
 import torch.distributed as dist
 
 from adaptive_batching.errors import Preempted
-from adaptive_batching.runtime.distributed import ParallelInfo, launched_by_torchrun
+from adaptive_batching.faults.checkpoints import STOPPED_FILE, mark_stopped
+from adaptive_batching.runtime.distributed import ParallelInfo, barrier, launched_by_torchrun
 
 EXIT_CODE = 75  # sysexits' EX_TEMPFAIL: stopped on request, resumable; a crash exits 1
 ALLOWED = ("SIGTERM", "SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT")
@@ -49,9 +57,11 @@ def check_signals(value: Any) -> Optional[str]:
 class Preemption:
     """The stop flag, its signal handlers and the ranks' agreement (see the module docstring)."""
 
-    def __init__(self, signals: Sequence[str], parallel: ParallelInfo, device: torch.device) -> None:
+    def __init__(self, signals: Sequence[str], parallel: ParallelInfo, device: torch.device,
+                 output_dir: Optional[Path] = None) -> None:
         self.signals = [getattr(signal, name) for name in signals]
         self.parallel, self.device = parallel, device
+        self.output_dir = output_dir  # where a stop is recorded while the run has no checkpoint (None: it has one)
         self.received: Optional[int] = None  # the first stop signal this process received
         self.seen_at: Optional[int] = None  # the optimizer step at whose end this rank first saw it
         self.stopping = False  # every rank agreed to stop
@@ -74,11 +84,27 @@ class Preemption:
 
     def install(self) -> None:
         """Handle the stop signals from now on (in the main thread: Python delivers signals there), and the
-        launcher's death as one of them (when stop signals are handled at all)."""
+        launcher's death as one of them (when stop signals are handled at all). Then an earlier attempt's stop record
+        goes (once every rank has decided whether to resume from it): it is this attempt's to write."""
         for number in self.signals:
             self._previous[number] = signal.signal(number, self._handle)
         if self.signals and self.launcher_death is not None and self.launcher_death not in self.signals:
             self._previous[self.launcher_death] = signal.signal(self.launcher_death, self._launcher_died)
+        if self.output_dir is not None and self.signals:
+            barrier(self.parallel)
+            if self.parallel.is_rank_zero:
+                (self.output_dir / STOPPED_FILE).unlink(missing_ok=True)
+            run_pending_handlers()
+            if self.received is not None:  # it came before the record went
+                self._record(self.signal_name)
+
+    def saved(self) -> None:
+        """The run has a checkpoint now (the save deleted the stop record): a stop is no longer recorded."""
+        self.output_dir = None
+
+    def _record(self, why: str) -> None:
+        if self.output_dir is not None:
+            mark_stopped(self.output_dir, why)
 
     def uninstall(self) -> None:
         for number, previous in self._previous.items():
@@ -88,6 +114,7 @@ class Preemption:
     def _handle(self, number: int, frame: Optional[FrameType]) -> None:
         if self.received is None:
             self.received = number
+            self._record(self.signal_name)
             return
         # A second signal while stopping: the scheduler will not wait for the save. End now, by that signal.
         self.uninstall()
@@ -97,6 +124,7 @@ class Preemption:
     def _launcher_died(self, number: int, frame: Optional[FrameType]) -> None:
         if self.received is None:  # repeats are the kernel's, not a scheduler's second signal
             self.received = number
+            self._record(self.signal_name)
 
     @property
     def _agreeing(self) -> bool:
@@ -138,11 +166,19 @@ class Preemption:
     def between_trials(self) -> None:
         """Before a profiler trial: stop if any rank received a stop signal (nothing is trained yet, so
         nothing is saved; the profiler puts the training state back on its way out)."""
+        self.before_training("while profiling")
+
+    def before_training(self, where: str) -> None:
+        """Stop ``where`` the run is (set-up, profile) if any rank received a stop signal: nothing is trained yet."""
         if self.agree_now():
-            self.stop("while profiling, before any step trained", "nothing to save")
+            nothing = ("nothing to save, and no checkpoint yet: a resume starts from the beginning" if self.output_dir
+                       else "nothing new to save")
+            self.stop(f"{where}, before any step trained", nothing)
 
     def stop(self, where: str, saved: str) -> NoReturn:
         """End the run after a stop signal: ``where`` it stopped and what was ``saved``."""
+        if self.output_dir is not None and self.parallel.is_rank_zero:
+            self._record(f"{self.signal_name}; stopped {where}")
         raise Preempted(f"{self.signal_name}; stopped {where}: {saved}. Continue with "
                         f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
 

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
-from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint
+from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint, stopped_before_first_save
 from adaptive_batching.runtime.files import write_atomically
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"
@@ -58,9 +58,16 @@ def resume_after_restart(output_dir: Path, env: Mapping[str, str] = os.environ) 
 
 def resume_decision(asked: bool, output_dir: Path, info: Callable[[str], None]) -> tuple[bool, Optional[str]]:
     """Whether this run resumes (``resume_from_checkpoint`` was ``asked``, or a torchrun restart of this job
-    finds a checkpoint of its own) and, for a restart, the job whose checkpoints it may take."""
+    finds a checkpoint of its own) and, for a restart, the job whose checkpoints it may take. A run stopped before
+    its first checkpoint is asked to resume: it starts from the beginning, and says so in one line."""
     if asked:
-        return True, None
+        # First the checkpoints: finding them finishes a save that a kill interrupted.
+        stopped = None if latest_complete_checkpoint(Path(output_dir)) else stopped_before_first_save(output_dir)
+        if stopped is None:
+            return True, None
+        info(f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its first one "
+             f"({stopped}): starting from the beginning (what it cached, token counts or profile, is reused)")
+        return False, None
     resume, why = resume_after_restart(output_dir)
     if why:
         info(why)

@@ -7,7 +7,6 @@ fine-tuning is a :class:`~adaptive_batching.training.model.FinetuneMethod` given
 
 from __future__ import annotations
 
-import json
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -26,7 +25,7 @@ from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.steps import StepMemory
-from adaptive_batching.errors import Preempted, StepNotRetried, UnguardedOutOfMemory
+from adaptive_batching.errors import StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
@@ -38,7 +37,6 @@ from adaptive_batching.profiling.profiler import ProfileResult, preserved_traini
 from adaptive_batching.profiling.run import ProfileContext, RunProfile
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
-from adaptive_batching.runtime.files import write_atomically
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.oom_response import OomResponse
@@ -82,7 +80,9 @@ class Trainer:
         self.saved_lr: Optional[dict[str, Any]] = None  # a resumed run's LR schedule, which the plan builds
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
                                output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
-        self.preemption = Preemption(faults.stop_signals, self.parallel, self.device)
+        self.preemption = Preemption(faults.stop_signals, self.parallel, self.device,
+                                     output_dir=None if self.resume else self.output_dir)
+        self.preemption.install()  # from here on a stop signal stops the run where it can (see faults.preemption)
 
     @property
     def is_rank_zero(self) -> bool:
@@ -109,11 +109,8 @@ class Trainer:
         cfg = self.cfg
         if self.device.type == "cpu" and self.settings.needs_profile:
             memory.pin_glibc_for_profile(self.info)
-        if self.is_rank_zero:
-            with building("metric_logger"):
-                self.metric_logger = config.instantiate(cfg.metric_logger)
-            self.metric_logger.log_config(cfg)
-            (self.output_dir / checkpointing.STOPPED_FILE).unlink(missing_ok=True)  # an earlier attempt's
+        with building("metric_logger"):  # built when training starts (``profile`` and ``plan`` log nothing)
+            config._utils._get_component_from_path(cfg.metric_logger._component_)
         data = build_data(cfg)
         with building("checkpointer"):
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
@@ -143,7 +140,7 @@ class Trainer:
                               cfg, self.info, profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
-        self.preemption.install()  # from here on a stop signal saves where the run is (before: nothing to lose)
+        self.preemption.before_training("during set-up (data, model, token counts)")
 
     # ------------------------------------------------------------------ profiling
     def profile(self) -> Optional[ProfileResult]:
@@ -211,6 +208,10 @@ class Trainer:
         """Train the remaining epochs at ``plan``'s batches (it grows as it says), saving a checkpoint at the
         end of each epoch and every ``save_every_n_steps``."""
         self.plan = plan
+        if self.is_rank_zero:
+            with building("metric_logger"):
+                self.metric_logger = config.instantiate(self.cfg.metric_logger)
+            self.metric_logger.log_config(self.cfg)
         memory.release_memory(self.device)
         self.optimizer.zero_grad(set_to_none=True)
         last: Optional[StepStats] = None
@@ -317,6 +318,7 @@ class Trainer:
         """Write the weights and everything an exact resume needs (see :class:`Checkpoints`)."""
         self.checkpoints.save(epoch, model=self.model, optimizer=self.optimizer, seed=self.seed,
                               progress=self.progress, adaptive_state=self.adaptive_state)
+        self.preemption.saved()
 
     def parts(self) -> dict[str, Stateful]:
         """The parts that resume, by their key in the checkpoint (the LR schedule, built by the plan, resumes
@@ -333,9 +335,6 @@ class Trainer:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if isinstance(exc[1], Preempted) and self.progress.saved_step is None and self.is_rank_zero:
-            # Nothing was saved: a job script must still see that the run stopped on request (run_status).
-            write_atomically(self.output_dir / checkpointing.STOPPED_FILE, json.dumps({"why": str(exc[1])}) + "\n")
         self.close(finished=exc[0] is None)
 
     def close(self, finished: bool = False) -> None:
