@@ -5,6 +5,9 @@
                                                 [--markdown docs/estimates.md]
                                                 [--json benchmarks/results/estimate_stock_configs.json]
 
+``--only`` estimates some configs alone and writes their rows to ``--json``; the page's table holds every config,
+so ``--only`` with ``--markdown`` stops with one line, as does a name that is not a stock config.
+
 Each config (the 121 of the recipes full_finetune_single_device, full_finetune_distributed,
 lora_finetune_single_device and lora_finetune_distributed) is estimated once, offline, on fake tensors (no
 weights, no memory), at ``--seq-len`` tokens per worst-case sample, as the config is (dtype, optimizer and
@@ -18,6 +21,7 @@ predictions (what ``adaptive-batching estimate`` spends after its imports).
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import multiprocessing
 import platform
@@ -210,26 +214,47 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+def unknown_names(only: list[str], names: list[str]) -> list[str]:
+    """The ``--only`` names that are not stock configs, each with the nearest stock name where one is close."""
+    found = []
+    for name in only:
+        if name not in names:
+            near = difflib.get_close_matches(name, names, n=1)
+            found.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--only", nargs="*", default=[])
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
+                        help="estimate only these stock configs (torchtune's names, as `tune ls` lists them); their "
+                             "rows go to --json only")
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--markdown", default=str(ROOT / "docs" / "estimates.md"))
+    parser.add_argument("--markdown", default=None,
+                        help="the page the table of every config is written to (default docs/estimates.md); not "
+                             "with --only, whose rows are part of that table")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "estimate_stock_configs.json"))
     args = parser.parse_args()
+    if args.only and args.markdown is not None:
+        parser.exit(2, "error: --markdown writes the table of every config; with --only the rows go to --json "
+                       "alone: drop --markdown, or --only to rewrite the page\n")
 
     import torchtune  # noqa: F401 - imported once, before the children fork
 
     from adaptive_batching.config.loading import FINETUNE_RECIPES, stock_configs
 
     names = stock_configs(FINETUNE_RECIPES)
+    unknown = unknown_names(args.only, sorted(names))
+    if unknown:
+        parser.exit(2, f"error: --only: not a stock full, LoRA or QLoRA config of torchtune: {', '.join(unknown)}\n")
     if args.only:
         names = {n: p for n, p in names.items() if n in args.only}
     rows = run(names, args.seq_len, args.timeout)
     command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
     Path(args.json).write_text(json.dumps({"seq_len": args.seq_len, "rows": rows}, indent=1) + "\n")
     if not args.only:
+        args.markdown = args.markdown or str(ROOT / "docs" / "estimates.md")
         page = Path(args.markdown)
         kept = page.read_text().split("\n" + FIDELITY, 1) if page.exists() else [""]
         tail = "\n" + FIDELITY + kept[1] if len(kept) == 2 else ""  # estimate_fidelity.py's section stays

@@ -33,10 +33,28 @@ def test_estimate_speed(tmp_path: Path) -> None:
 
 
 def test_estimate_stock_configs(tmp_path: Path) -> None:
-    md, js = tmp_path / "estimates.md", tmp_path / "estimates.json"
+    js = tmp_path / "estimates.json"
     script("estimate_stock_configs.py", "--only", "llama3_2/1B_lora_single_device", "--seq-len", "256",
-           "--markdown", str(md), "--json", str(js), cwd=tmp_path)
-    assert "llama3_2/1B_lora_single_device" in js.read_text()
+           "--json", str(js), cwd=tmp_path)
+    (row,) = json.loads(js.read_text())["rows"]
+    assert row["config"] == "llama3_2/1B_lora_single_device" and row["micro_batch"]["80GiB/1"] >= 1
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--only", "llama3_2/1B_lora_single_devic"],
+     "error: --only: not a stock full, LoRA or QLoRA config of torchtune: 'llama3_2/1B_lora_single_devic' "
+     "(did you mean 'llama3_2/1B_lora_single_device'?)"),
+    (["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],
+     "error: --markdown writes the table of every config; with --only the rows go to --json alone: drop "
+     "--markdown, or --only to rewrite the page"),
+])
+def test_estimate_stock_configs_refuses_in_one_line_before_any_estimate(tmp_path: Path, args: list[str],
+                                                                         says: str) -> None:
+    js = tmp_path / "estimates.json"
+    result = run_command("script", [str(BENCHMARKS / "estimate_stock_configs.py"), *args, "--json", str(js)],
+                         cwd=tmp_path, timeout=120)
+    assert result.returncode == 2 and result.stderr.strip() == says and result.stdout == ""
+    assert not js.exists() and not (tmp_path / "page.md").exists()
 
 
 def test_growth_runs(tmp_path: Path) -> None:
