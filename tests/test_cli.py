@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 from pathlib import Path
 
 import pytest
@@ -149,3 +151,4 @@ def test_plan_profiles_and_logs_the_plan_without_training(assets: Path, tmp_path
     output = result.stdout + result.stderr
     assert "largest micro batch that ran" in output and "Batch plan (micro batch" in output
     assert "Epoch 1/3" not in output and not list(out.glob("epoch_*"))  # not a step trained, nothing saved
+    assert not re.findall(r"(?im)^.*warn.*$", output)  # no warning at start (issue 40.4)
