@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import copy
 import pickle
-from collections import Counter
 from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
+from batch_checks import assert_covers_once, split_steps
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune.data import padded_collate_packed, padded_collate_sft
 from torchtune.modules.loss import CEWithChunkedOutputLoss
@@ -29,21 +29,6 @@ def make(n: int, micro: int, acc: int, rank: int, world: int, **kwargs) -> StepB
 def rank_batches(n: int, micro: int, acc: int, world: int, **kwargs) -> list[list[list[int]]]:
     """Every rank's micro batches of one epoch."""
     return [list(make(n, micro, acc, r, world, **kwargs)) for r in range(world)]
-
-
-def split_steps(batches: list[list[int]], layout: list[int]) -> list[list[list[int]]]:
-    steps, start = [], 0
-    for count in layout:
-        steps.append(batches[start:start + count])
-        start += count
-    assert start == len(batches)
-    return steps
-
-
-def assert_covers_once(per_rank: list[list[list[int]]], n: int) -> None:
-    counts = Counter(i for batches in per_rank for batch in batches for i in batch)
-    assert sorted(counts) == list(range(n))
-    assert set(counts.values()) <= {1}
 
 
 # ---------------------------------------------------------------- layout and coverage

@@ -5,10 +5,10 @@ from __future__ import annotations
 import copy
 import pickle
 import time
-from collections import Counter
 
 import pytest
 import torch
+from batch_checks import assert_covers_once, split_steps
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from adaptive_batching.batching.sampler import _pieces
@@ -58,21 +58,6 @@ def make(lengths: list[int], rank: int, world: int, **kwargs) -> TokenBudgetBatc
 def rank_batches(lengths: list[int], world: int, **kwargs) -> list[list[list[int]]]:
     """Every rank's micro batches of one epoch."""
     return [list(make(lengths, r, world, **kwargs)) for r in range(world)]
-
-
-def split_steps(batches: list[list[int]], layout: list[int]) -> list[list[list[int]]]:
-    steps, start = [], 0
-    for count in layout:
-        steps.append(batches[start:start + count])
-        start += count
-    assert start == len(batches)
-    return steps
-
-
-def assert_covers_once(per_rank: list[list[list[int]]], n: int) -> None:
-    counts = Counter(i for batches in per_rank for batch in batches for i in batch)
-    assert sorted(counts) == list(range(n))
-    assert set(counts.values()) <= {1}
 
 
 # ---------------------------------------------------------------- picking order
