@@ -138,6 +138,26 @@ def test_the_stand_in_keeps_bitsandbytes_state_at_its_real_size(name: str) -> No
     assert optimizer.paged_bytes() == 0 and not big  # state under 100,000 values a parameter is never paged
 
 
+@pytest.mark.parametrize("min_8bit_size", [4096, 100])
+def test_a_parameter_of_exactly_min_8bit_size_values_keeps_8bit_state(min_8bit_size: int) -> None:
+    """bitsandbytes keeps 8-bit state from ``min_8bit_size`` values on (``numel() >= min_8bit_size``): one value
+    fewer keeps float32 moments."""
+    from omegaconf import OmegaConf
+
+    at, below = nn.Parameter(torch.zeros(min_8bit_size)), nn.Parameter(torch.zeros(min_8bit_size - 1))
+    optimizer = build_optimizer(OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit",
+                                                                "min_8bit_size": min_8bit_size}}), [at, below])
+    for p in (at, below):
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    blocks = -(-min_8bit_size // 256)
+    assert {k: (v.dtype, v.numel()) for k, v in optimizer.state[at].items() if k.startswith(("state", "absmax"))} == {
+        "state1": (torch.uint8, min_8bit_size), "state2": (torch.uint8, min_8bit_size),
+        "absmax1": (torch.float32, blocks), "absmax2": (torch.float32, blocks)}
+    assert {k: (v.dtype, v.numel()) for k, v in optimizer.state[below].items() if isinstance(v, torch.Tensor)} == {
+        "state1": (torch.float32, min_8bit_size - 1), "state2": (torch.float32, min_8bit_size - 1)}
+
+
 def test_paged_state_is_that_of_parameters_of_100k_values() -> None:
     with FakeTensorMode():
         model = nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 8))  # 131,072 and 2,048 values
