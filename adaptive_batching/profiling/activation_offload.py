@@ -24,6 +24,7 @@ next one) are not modelled.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, Sequence
 
@@ -38,7 +39,8 @@ MAX_FWD_STASH_SIZE = 5
 
 @dataclass(frozen=True)
 class Saved:
-    """One tensor saved for backward in the forward: its bytes, whether it went to host, its storage, the segment."""
+    """One tensor saved for backward in the forward: its bytes, whether it went to host, its storage (a number
+    that no other storage of the forward gets), the segment."""
 
     nbytes: int
     offloaded: bool
@@ -63,11 +65,12 @@ class FakeOffload(saved_tensors_hooks):
         self.saved: list[Saved] = []
         self._segment = segment or (lambda: 0)
         self._min = min_offload_size
+        self._storages: dict[int, tuple[weakref.ref, int]] = {}  # address: the storage there, its number
 
         def pack(tensor: torch.Tensor) -> Any:
             nbytes = tensor.element_size() * tensor.nelement()
             offload = nbytes >= self._min and not isinstance(tensor, (nn.Parameter, nn.Buffer))
-            self.saved.append(Saved(nbytes, offload, tensor.untyped_storage()._cdata, self._segment()))
+            self.saved.append(Saved(nbytes, offload, self._storage_number(tensor), self._segment()))
             return _Offloaded(tensor) if offload else tensor
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -76,6 +79,18 @@ class FakeOffload(saved_tensors_hooks):
             return packed
 
         super().__init__(pack, unpack)
+
+    def _storage_number(self, tensor: torch.Tensor) -> int:
+        """The same number for the saves of one storage, a new one for each other storage. An offloaded tensor is
+        not kept alive, so a later tensor's storage can take a freed one's address: the weak reference tells them
+        apart (a storage's Python object lives as long as the storage)."""
+        storage = tensor.untyped_storage()
+        known = self._storages.get(storage._cdata)
+        if known is not None and known[0]() is storage:
+            return known[1]
+        number = len(self.saved)  # the index of its first save: no other storage has it
+        self._storages[storage._cdata] = (weakref.ref(storage), number)
+        return number
 
     def host_bytes(self, counts: Optional[Sequence[int]] = None) -> int:
         """Bytes in host memory after the forward: every offloaded tensor (a tensor saved twice is copied twice,
