@@ -20,6 +20,11 @@ FAULT_JSON, all keys optional:
                      if given) to this process, or to its parent (the torchrun agent) with "to": "parent", or to
                      the process whose pid is in environment variable NAME with "to": "env:NAME";
                      "again_in_save": true sends it to this process once more inside the next checkpoint save
+  "signal_in": PHASE  send "signal" (as above, "to" and "rank" too) before training, as PHASE begins:
+                     "token_counts" (the data set's), "profile" (its first trial step) or "compile" (the step
+                     that compiles, before the profile's trials); then wait until this process has it (a signal
+                     sent through a launcher arrives later); "once": true sends it in the first run of this
+                     RECORD_PREFIX only (a requeued job runs clean)
 
 The error is torch's own ``torch.OutOfMemoryError``. RECORD_PREFIX + "rank{r}.json" gets, per finished
 optimizer step, the dataset indices of the samples it trained on, written at each step. Under torchrun
@@ -148,7 +153,7 @@ def main() -> None:
         return result
 
     Trainer.train_step = train_step
-    if "signal" in fault and failing_rank:
+    if "signal_at" in fault and failing_rank:
         number, at = getattr(signal, fault["signal"]), int(fault["signal_at"])
         to = fault.get("to", "self")
         target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
@@ -173,6 +178,8 @@ def main() -> None:
                 return write_marker(*args, **kwargs)
 
             checkpoints._write_marker = signalled_write_marker
+    if "signal_in" in fault and failing_rank:
+        signal_in(fault, state, f"{record_prefix}signalled")
     if "kill_in_save" in fault:
         import adaptive_batching.faults.checkpoints as checkpointing
 
@@ -187,6 +194,49 @@ def main() -> None:
         checkpointing._write_marker = killing_write_marker
     sys.argv = [module_name, *argv]
     importlib.import_module(module_name).recipe_main()
+
+
+def signal_in(fault: dict, state: dict, once_file: str) -> None:
+    """Send ``fault["signal"]`` as the phase ``fault["signal_in"]`` begins (see the module docstring)."""
+    import adaptive_batching.batching.worst_case as worst_case
+    import adaptive_batching.profiling.run as profile_run
+    from adaptive_batching.faults.preemption import run_pending_handlers
+    from adaptive_batching.training.trainer import Trainer
+
+    number, to, phase = getattr(signal, fault["signal"]), fault.get("to", "self"), fault["signal_in"]
+    if fault.get("once") and os.path.exists(once_file):
+        return
+
+    sent: list[int] = []
+
+    def send() -> None:
+        if sent:
+            return
+        sent.append(number)
+        if fault.get("once"):
+            open(once_file, "w").close()
+        target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
+        os.kill(target, number)
+        trainer, deadline = state["trainer"](), time.monotonic() + 120
+        while trainer.preemption.received is None and time.monotonic() < deadline:
+            run_pending_handlers()
+            time.sleep(0.01)
+        assert trainer.preemption.received is not None, f"{fault['signal']} sent to {to} never reached this process"
+
+    def sending(function):  # type: ignore[no-untyped-def]
+        def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+            send()
+            return function(*args, **kwargs)
+        return call
+
+    if phase == "token_counts":
+        worst_case.sequence_lengths = sending(worst_case.sequence_lengths)
+    elif phase == "profile":
+        Trainer.trial_step = sending(Trainer.trial_step)
+    elif phase == "compile":
+        profile_run._compile_first = sending(profile_run._compile_first)
+    else:
+        raise ValueError(f"signal_in: {phase!r} is not token_counts, profile or compile")
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from recipe_runs import losses, unclean_exit
@@ -259,22 +260,19 @@ def documented_slurm_script() -> str:
     return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
 
 
-@pytest.mark.e2e
-@pytest.mark.multiprocess
-def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes(assets: Path,
-                                                                                   tmp_path: Path) -> None:
-    """The script as the docs show it, at 2 ranks on CPU with a stub scontrol: SIGUSR1 to the script (as SLURM's
-    --signal=B:USR1 sends it) after step 3, the save, the requeue; the requeued script resumes and finishes, and
-    every step is logged once."""
+def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Callable[[], subprocess.CompletedProcess]:
+    """The SLURM script of docs/preemption.md as written there, at 2 ranks on CPU with a stub scontrol (its calls in
+    ``tmp_path/scontrol_calls``) and tests/faulty_run.py's ``fault`` (the script's pid in SCRIPT_PID); output folder
+    ``tmp_path/run``. Returns a function that runs the job once, as SLURM starts it and requeues it."""
     out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
-    run = ["faulty_run", "'{\"signal\": \"SIGUSR1\", \"signal_at\": 3, \"to\": \"env:SCRIPT_PID\", \"rank\": 0}'",
-           f"{tmp_path}/rec-", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
-           "output_dir=$OUT", *SAVE_EVERY_2, "batch_size=2", "use_maximum_batch_size=False",
-           "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2", "max_steps_per_epoch=null"]
+    run = ["faulty_run", f"'{json.dumps(fault)}'", f"{tmp_path}/rec-", "adaptive_full_finetune", "--config",
+           "tiny_full", f"assets_dir={assets}", "output_dir=$OUT", *SAVE_EVERY_2, "batch_size=2",
+           "use_maximum_batch_size=False", "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2",
+           "max_steps_per_epoch=null", *overrides]
     script = documented_slurm_script()
     for old, new in (("OUT=/checkpoints/run", f"OUT={out}"), ("--nproc_per_node 8", "--nproc_per_node 2"),
                      ("adaptive_full_finetune --config llama3_8b output_dir=$OUT", " ".join(run))):
@@ -288,6 +286,18 @@ def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_re
         return subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=600)
 
+    return job
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes(assets: Path,
+                                                                                   tmp_path: Path) -> None:
+    """The script as the docs show it, at 2 ranks on CPU with a stub scontrol: SIGUSR1 to the script (as SLURM's
+    --signal=B:USR1 sends it) after step 3, the save, the requeue; the requeued script resumes and finishes, and
+    every step is logged once."""
+    out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
+    job = slurm_job(tmp_path, assets, {"signal": "SIGUSR1", "signal_at": 3, "to": "env:SCRIPT_PID", "rank": 0})
     first = job()
     assert calls.read_text().split("\n")[0] == "requeue 42", first.stderr[-3000:]
     assert "SIGUSR1 received by the end of optimizer step" in first.stderr
