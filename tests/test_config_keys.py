@@ -1,4 +1,5 @@
-"""Top-level keys: near misses of ours and '+' keys are refused, other unread keys are listed."""
+"""Top-level keys: near misses of any known key (ours and torchtune's) and '+' keys are refused, keys that ask for
+another kind of training are refused naming it, other unread keys are listed."""
 
 from __future__ import annotations
 
@@ -37,6 +38,27 @@ def test_a_near_miss_of_our_keys_is_refused_naming_the_key_meant(override: str, 
     assert f"'{typo}'" in str(info.value) and f"did you mean '{meant}'" in str(info.value)
 
 
+@pytest.mark.parametrize("override, typo, meant", [
+    ("save_every_n_step=5", "save_every_n_step", "save_every_n_steps"),
+    ("gradient_accumulation_step=2", "gradient_accumulation_step", "gradient_accumulation_steps"),
+    ("enable_activation_checkpoint=True", "enable_activation_checkpoint", "enable_activation_checkpointing"),
+    ("max_steps_per_epochs=3", "max_steps_per_epochs", "max_steps_per_epoch"),
+    ("epoch=2", "epoch", "epochs"),
+    ("optimiser.lr=0.1", "optimiser", "optimizer"),
+    ("clip_grad=1.0", "clip_grad", "clip_grad_norm"),
+    ("fsdp_cpu_offloading=True", "fsdp_cpu_offloading", "fsdp_cpu_offload"),
+    ("kd_ration=0.5", "kd_ration", "kd_ratio"),
+    ("quantiser._component_=x", "quantiser", "quantizer"),
+])
+def test_a_near_miss_of_a_torchtune_key_is_refused_naming_the_key_meant(override: str, typo: str, meant: str) -> None:
+    """One rule for every key, so a misspelt torchtune key no longer runs without what it asked for (before,
+    ``save_every_n_step=5`` was listed as ignored and no mid-epoch checkpoint was written)."""
+    cfg = load_config("tiny_full", [override])
+    with pytest.raises(ConfigError) as info:
+        validate_config(cfg)
+    assert str(info.value) == f"config key '{typo}' is not read by the recipes; did you mean '{meant}'?"
+
+
 def test_a_plus_key_is_refused_naming_the_key_meant() -> None:
     """torchtune has no '+' syntax: the override made a top-level key literally named '+adaptive_batching'."""
     cfg = load_config("tiny_full", ["+adaptive_batching.keep_global_batch=True"])
@@ -55,5 +77,52 @@ def test_other_unread_keys_get_one_warning_line(base_cfg: DictConfig, caplog: py
 
 
 def test_distant_keys_are_not_near_misses() -> None:
-    assert meant_key("log_peak_memory_stats") is None and meant_key("output_dir") is None
+    assert meant_key("log_peak_memory_stats") is None and meant_key("output_dir") is None  # known keys
+    assert meant_key("dataloader_workers") is None and meant_key("my_note") is None and meant_key("lr") is None
     assert meant_key("use_maximum_batch") == "use_maximum_batch_size"
+
+
+def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: DictConfig,
+                                                                      caplog: pytest.LogCaptureFixture) -> None:
+    """``save_every_n_epochs`` is one letter from a near miss of ``save_every_n_steps``, but a key torchtune reads
+    (these recipes save every epoch anyway); a training key set to null asks for nothing."""
+    cfg = modified(base_cfg, {"save_every_n_epochs": 1, "ac_mode": "selective", "quantizer": None})
+    with caplog.at_level(logging.WARNING):
+        validate_config(cfg)
+    lines = [r.getMessage() for r in caplog.records if "not read by the recipes" in r.getMessage()]
+    assert lines == ["config keys not read by the recipes (ignored): ac_mode, quantizer, save_every_n_epochs"]
+
+
+@pytest.mark.parametrize("override, line", [
+    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+     "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks for "
+     "quantization-aware training, which adaptive_full_finetune does not do yet; use torchtune's qat_distributed or "
+     "qat_lora_finetune_distributed"),
+    ("fake_quant_after_n_steps=100",
+     "config key 'fake_quant_after_n_steps' = 100 asks for quantization-aware training, which adaptive_full_finetune "
+     "does not do yet; use torchtune's qat_distributed or qat_lora_finetune_distributed"),
+    ("kd_ratio=0.5",
+     "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
+     "does not do yet; use torchtune's knowledge_distillation_single_device or knowledge_distillation_distributed"),
+    ("loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
+     "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for knowledge "
+     "distillation from a teacher model, which adaptive_full_finetune does not do yet; use torchtune's "
+     "knowledge_distillation_single_device or knowledge_distillation_distributed"),
+    ("loss._component_=torchtune.rlhf.loss.RSOLoss",
+     "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
+     "and rejected answers, which adaptive_full_finetune does not do yet; use torchtune's lora_dpo_single_device, "
+     "lora_dpo_distributed or full_dpo_distributed"),
+    ("dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
+     "config key 'dataset._component_' = 'torchtune.datasets.hh_rlhf_helpful_dataset' asks for preference "
+     "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do yet; use "
+     "torchtune's lora_dpo_single_device, lora_dpo_distributed or full_dpo_distributed"),
+    ("layer_dropout.prob=0.1",
+     "config key 'layer_dropout' asks for early-exit training (layer dropout, an early-exit loss), which "
+     "adaptive_full_finetune does not do yet; use torchtune's dev/early_exit_finetune_distributed"),
+])
+def test_a_key_that_asks_for_other_training_is_refused_before_any_model_loads(override: str, line: str) -> None:
+    """Refused first, before the keys are checked for near misses (``teacher_checkpointer`` is one of
+    ``checkpointer``)."""
+    with pytest.raises(ConfigError) as info:
+        validate_config(load_config("tiny_full", [override]))
+    assert str(info.value) == line

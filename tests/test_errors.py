@@ -3,6 +3,7 @@ change, from the recipes and from the ``adaptive-batching`` commands: never a tr
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 
 import pytest
@@ -21,7 +22,18 @@ def last_line(result: object) -> str:
      "config error: config key 'tokenizer': FileNotFoundError: [Errno 2] No such file or directory: "
      "'/nonexistent/tokenizer.model'"),
     ("model._component_=torchtune.models.llama3.no_such_builder",
-     "config error: config key 'model': InstantiationError: Error loading 'torchtune.models.llama3.no_such_builder'"),
+     "config error: config key 'model._component_' = 'torchtune.models.llama3.no_such_builder' does not import: "
+     "torchtune.models.llama3 has no 'no_such_builder'"),
+    pytest.param("metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
+                 "config error: config key 'metric_logger._component_' = "
+                 "'torchtune.training.metric_logging.WandBLogger' needs wandb, which is not installed: pip install wandb",
+                 marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
+    ("save_every_n_step=5",
+     "config error: config key 'save_every_n_step' is not read by the recipes; did you mean 'save_every_n_steps'?"),
+    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+     "config error: config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks "
+     "for quantization-aware training, which adaptive_full_finetune does not do yet; use torchtune's qat_distributed "
+     "or qat_lora_finetune_distributed"),
     ("model.no_such_argument=1",
      "config error: config key 'model': TypeError: llama3() got an unexpected keyword argument 'no_such_argument'"),
     ("adaptive_batching.memory_budget=1MiB", "profile error: micro batch 1 does not fit the memory budget"),

@@ -1,19 +1,24 @@
 """torchtune's own configs, as users bring them: names resolved as ``tune run`` resolves them, every stock key
-accepted (refused only where the recipes cannot do what it asks, by name), our shipped real-model configs."""
+accepted (refused only where the recipes cannot do what it asks, by name), our shipped real-model configs; every
+stock config of torchtune's other recipes (DPO, KD, QAT, ...) refused in one line naming the recipe that trains it."""
 
 from __future__ import annotations
 
+import importlib.util
+import re
 from pathlib import Path
 
 import pytest
 import torch
 from omegaconf import OmegaConf
+from torchtune._recipe_registry import get_all_recipes
 
 from adaptive_batching.cli import main
-from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.config.keys import TORCHTUNE_OTHER_KEYS, check_top_level_keys
 from adaptive_batching.config.loading import FINETUNE_RECIPES, load_config, resolve_config, stock_configs
+from adaptive_batching.config.objectives import OBJECTIVES, OURS, TRAINING_KEYS
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.errors import ConfigNotFound
+from adaptive_batching.errors import ConfigError, ConfigNotFound
 from adaptive_batching.training import stepping
 from adaptive_batching.training.stepping import StepStats, step_metrics
 
@@ -26,6 +31,17 @@ OPTIMIZER_IN_BACKWARD = {
     "qwen2/1.5B_full_single_device", "qwen2/7B_full_single_device", "qwen2_5/1.5B_full_single_device",
     "qwen2_5/3B_full_single_device", "qwen2_5/7B_full_single_device",
 }
+# Every stock config of torchtune 0.6.1 whose file its wheel ships (the registry also names
+# llama2/7B_full_early_exit, whose file it lacks), with the recipe it names.
+EVERY_STOCK = {config.name: (recipe.name, stock_configs([recipe.name])[config.name])
+               for recipe in get_all_recipes() for config in recipe.configs
+               if stock_configs([recipe.name])[config.name].is_file()}
+# The other recipes that train: each of their configs is refused, naming the recipe.
+OTHER_TRAINING = {"qat_distributed", "qat_lora_finetune_distributed", "knowledge_distillation_single_device",
+                  "knowledge_distillation_distributed", "lora_dpo_single_device", "lora_dpo_distributed",
+                  "full_dpo_distributed", "ppo_full_finetune_single_device",
+                  "dev/lora_finetune_distributed_multi_dataset", "quantize"}
+VISION = {name for name in STOCK if name.startswith("llama3_2_vision/")}
 SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora", "llama3_1_8b_qlora")
 
 
@@ -39,12 +55,107 @@ def test_every_top_level_key_of_every_stock_config_is_read_or_accepted_silently(
     assert {name: keys for name, keys in unread.items() if keys} == {}
 
 
+def test_no_key_of_any_stock_config_is_taken_for_a_misspelling() -> None:
+    """All 155 stock configs, of every recipe: each key is read, refused by name or known to change nothing these
+    recipes train; none is a near miss refused with a did-you-mean."""
+    assert len(EVERY_STOCK) == 155
+    unread = {key for _, path in EVERY_STOCK.values() for key in check_top_level_keys(OmegaConf.load(path))}
+    assert unread and unread <= set(TRAINING_KEYS) | TORCHTUNE_OTHER_KEYS, unread - set(TRAINING_KEYS)
+
+
 def test_every_stock_config_validates_and_the_optimizer_in_backward_ones_say_so() -> None:
+    """The vision configs too, where torchvision, which their models import, is installed; else they stop with
+    its pip install."""
     in_backward = set()
     for name, path in STOCK.items():
-        if validate_config(OmegaConf.load(path)).optimizer_in_bwd:
+        if name in VISION and importlib.util.find_spec("torchvision") is None:
+            with pytest.raises(ConfigError, match=r"^config key 'model._component_' = 'torchtune.models.llama3_2_vision"
+                                                  r"\.[a-z0-9_]+' needs torchvision, which is not installed: "
+                                                  r"pip install torchvision$"):
+                validate_config(OmegaConf.load(path))
+        elif validate_config(OmegaConf.load(path)).optimizer_in_bwd:
             in_backward.add(name)
     assert in_backward == OPTIMIZER_IN_BACKWARD
+
+
+@pytest.mark.parametrize("recipe", sorted(OURS))
+def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_recipe(recipe: str) -> None:
+    """DPO, KD, QAT, PPO, post-training quantization and multi-data-set configs, given to either recipe of ours
+    (neither trains so yet): one line naming the key, what it asks for and torchtune's recipe that does it."""
+    pattern = re.compile(rf"config key '[\w.\[\]]+'( = [^ ]+)?( \(with [^)]+\))? asks for (?P<what>.+), which "
+                         rf"{recipe} does not do yet; use torchtune's (?P<recipes>[\w/, ]+)")
+    refused = {}
+    for name, (stock_recipe, path) in EVERY_STOCK.items():
+        if stock_recipe not in OTHER_TRAINING:
+            continue
+        with pytest.raises(ConfigError) as error:
+            validate_config(OmegaConf.load(path), recipe)
+        line = str(error.value)
+        match = pattern.fullmatch(line)
+        assert match and "\n" not in line, line
+        assert stock_recipe in re.split(r", | or ", match["recipes"]), line
+        refused[name] = match["what"]
+    assert len(refused) == 18  # 5 DPO, 4 KD, 6 QAT, 1 PPO, 1 quantize, 1 multi-data-set
+    assert refused["llama3_1/8B_lora_dpo_single_device"] == OBJECTIVES["dpo"].what
+    assert refused["llama3_2/8B_to_1B_KD_lora_single_device"] == OBJECTIVES["kd"].what
+    assert refused["llama3_2/1B_qat_lora"] == OBJECTIVES["qat"].what
+
+
+@pytest.mark.parametrize("name, line", [
+    ("llama3_2/1B_qat_lora",
+     "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks for "
+     "quantization-aware training, which adaptive_lora_finetune does not do yet; use torchtune's qat_distributed or "
+     "qat_lora_finetune_distributed"),
+    ("llama3_2/8B_to_1B_KD_lora_single_device", "config key 'teacher_model' = 'torchtune.models.llama3_1.llama3_1_8b' "
+     "(with 'teacher_checkpointer', 'kd_loss', 'kd_ratio') asks for knowledge distillation from a teacher model, which "
+     "adaptive_lora_finetune does not do yet; use torchtune's knowledge_distillation_single_device or "
+     "knowledge_distillation_distributed"),
+    ("llama3_1/8B_full_dpo", "config key 'ref_checkpointer' = 'torchtune.training.FullModelHFCheckpointer' (with "
+     "'loss._component_', 'dataset._component_') asks for preference optimisation (DPO) on chosen and rejected "
+     "answers, which adaptive_full_finetune does not do yet; use torchtune's lora_dpo_single_device, "
+     "lora_dpo_distributed or full_dpo_distributed"),
+    ("mistral/7B_full_ppo_low_memory", "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
+     "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
+     "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
+     "ppo_full_finetune_single_device"),
+])
+def test_the_refusal_names_the_keys_and_the_recipe(name: str, line: str) -> None:
+    """The recipe named is the one of ours that runs the config (LoRA for a LoRA model), as ``cp`` says."""
+    with pytest.raises(ConfigError) as error:
+        validate_config(load_config(name))
+    assert str(error.value) == line
+
+
+def test_the_configs_of_recipes_that_do_not_train_are_refused_for_what_they_lack() -> None:
+    """Generation and evaluation configs have no data set to train on."""
+    for name, (stock_recipe, path) in EVERY_STOCK.items():
+        if "generate" in stock_recipe or stock_recipe == "eleuther_eval":
+            with pytest.raises(ConfigError, match=r"^config key '\w+' is missing$"):
+                validate_config(OmegaConf.load(path))
+
+
+def test_estimate_refuses_a_dpo_config_in_one_line_before_tracing(capsys: pytest.CaptureFixture) -> None:
+    """Before, it traced the step and ended in AttributeError: 'DPOLoss' object has no attribute 'ignore_index'."""
+    assert main(["estimate", "--config", "llama3_1/8B_lora_dpo_single_device", "--device-memory", "80GiB",
+                 "--seq-len", "2048"]) == 2
+    error = capsys.readouterr().err
+    assert error == ("config error: config key 'loss._component_' = 'torchtune.rlhf.loss.DPOLoss' (with "
+                     "'dataset._component_') asks for preference optimisation (DPO) on chosen and rejected answers, "
+                     "which adaptive_lora_finetune does not do yet; use torchtune's lora_dpo_single_device, "
+                     "lora_dpo_distributed or full_dpo_distributed\n")
+
+
+def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The one place a future recipe of ours is listed: then it is named instead of torchtune's, and it is not
+    refused the keys."""
+    monkeypatch.setitem(OURS, "adaptive_knowledge_distillation", frozenset({"kd"}))
+    cfg = load_config("llama3_2/8B_to_1B_KD_lora_single_device")
+    with pytest.raises(ConfigError, match=r"which adaptive_lora_finetune does not do; use "
+                                          r"adaptive_knowledge_distillation$"):
+        validate_config(cfg)
+    from adaptive_batching.config.objectives import check_objective
+
+    check_objective(cfg, "adaptive_knowledge_distillation")
 
 
 def test_stock_names_resolve_as_tune_run_resolves_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

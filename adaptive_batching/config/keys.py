@@ -1,9 +1,11 @@
 """The top-level config keys the recipes read, and what to say about the others.
 
-torchtune accepts any top-level key, so a misspelt one of ours (``use_max_batch_size=True``) or a
-``+key=value`` override (torchtune has no ``+`` syntax: it makes a key literally named ``+key``)
-would silently ask for something that never happens. Such keys are refused before the model loads;
-other keys nobody reads get one warning line.
+torchtune accepts any top-level key, so a misspelt key (``use_max_batch_size=True``,
+``save_every_n_step=5``) or a ``+key=value`` override (torchtune has no ``+`` syntax: it makes a key
+literally named ``+key``) would silently ask for something that never happens. Such keys are refused
+before the model loads, a misspelt one with the key it is closest to (one rule, :func:`meant_key`, for
+our keys and torchtune's); keys that ask for another kind of training are refused by
+``config.objectives``; other keys nobody reads get one warning line.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any, Iterable
 
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.config.objectives import TRAINING_KEYS
 from adaptive_batching.errors import ConfigError
 
 ADAPTIVE_KEYS = ("use_maximum_batch_size", "batch_increase_function", "lr_scaling", "adaptive_batching")
@@ -34,6 +37,16 @@ RECIPE_KEYS = frozenset({
     "optimizer_in_bwd", "enable_activation_offloading", "tensor_parallel_dim", "profiler",
 })
 
+# Top-level keys torchtune 0.6.1's recipes read that change nothing these recipes train (memory, checkpoint
+# writing, logging, generation, evaluation): never taken for a misspelling, ignored with the warning.
+TORCHTUNE_OTHER_KEYS = frozenset({
+    "ac_mode", "ac_option", "enable_async_checkpointing", "save_every_n_epochs", "dataloader", "log_level",
+    "enable_kv_cache", "prompt", "max_new_tokens", "temperature", "top_k", "stop_token_ids", "tasks", "limit",
+    "max_seq_length", "include_path",
+})
+# The keys a misspelt key may have meant: every top-level key of torchtune 0.6.1's recipes and ours.
+MEANT = frozenset(RECIPE_KEYS | set(TRAINING_KEYS) | TORCHTUNE_OTHER_KEYS)
+
 _REFERENCE = re.compile(r"\$\{\s*([A-Za-z_][A-Za-z0-9_]*)")
 _CLOSENESS = 0.75
 
@@ -53,14 +66,16 @@ def interpolated_keys(cfg: DictConfig) -> set[str]:
     return found
 
 
-def meant_key(key: str, candidates: Iterable[str] = ADAPTIVE_KEYS) -> str | None:
-    """The key of ours that ``key`` is a near miss of, or None."""
+def meant_key(key: str, candidates: Iterable[str] = MEANT) -> str | None:
+    """The known key that ``key`` is a near miss of (difflib's ratio >= 0.75), or None; None for a known key."""
+    if key in candidates:
+        return None
     matches = difflib.get_close_matches(key.lstrip("+"), list(candidates), n=1, cutoff=_CLOSENESS)
     return matches[0] if matches else None
 
 
 def check_top_level_keys(cfg: DictConfig) -> list[str]:
-    """Raise ConfigError for a ``+`` key or a near miss of one of ours; return the other unread keys."""
+    """Raise ConfigError for a ``+`` key or a near miss of a known key; return the other unread keys."""
     used = RECIPE_KEYS | interpolated_keys(cfg)
     unread = sorted(str(key) for key in cfg.keys() if str(key) not in used)
     for key in unread:
@@ -71,11 +86,13 @@ def check_top_level_keys(cfg: DictConfig) -> list[str]:
                 f"literally named '{key}' that nothing reads; write {written} (without the '+')"
             )
         meant = meant_key(key)
-        if meant is not None:
+        if meant in ADAPTIVE_KEYS:
             raise ConfigError(
                 f"config key '{key}' is not read by the recipes; did you mean '{meant}'? "
                 f"(the adaptive top-level keys: {', '.join(ADAPTIVE_KEYS)})"
             )
+        if meant is not None:
+            raise ConfigError(f"config key '{key}' is not read by the recipes; did you mean '{meant}'?")
     return unread
 
 

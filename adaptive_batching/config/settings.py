@@ -20,12 +20,10 @@ from torchtune import config, utils
 from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.settings import BatchingSettings
+from adaptive_batching.config.components import check_components
 from adaptive_batching.config.keys import check_top_level_keys
-from adaptive_batching.core.memory_savers import (
-    check_activation_offloading,
-    check_optimizer_in_bwd,
-    check_optional_packages,
-)
+from adaptive_batching.config.objectives import check_objective
+from adaptive_batching.core.memory_savers import check_activation_offloading, check_optimizer_in_bwd
 from adaptive_batching.core.nodes import packed, plain
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import preemption
@@ -227,12 +225,16 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
             raise ConfigError(f"config key '{key}' is missing")
 
 
-def validate_config(cfg: DictConfig) -> AdaptiveSettings:
-    """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key."""
+def validate_config(cfg: DictConfig, recipe: Optional[str] = None) -> AdaptiveSettings:
+    """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key. ``recipe``:
+    the recipe of ours that runs (default: the one for the config's model), named when it refuses a key that asks
+    for training it does not do."""
+    check_objective(cfg, recipe)
     unread = check_top_level_keys(cfg)
     if unread and os.environ.get("RANK", "0") == "0":
         utils.get_logger("INFO").warning(f"config keys not read by the recipes (ignored): {', '.join(unread)}")
     _check_recipe_keys(cfg)
+    check_components(cfg)
 
     use_max = plain(cfg.get("use_maximum_batch_size", False))
     if not isinstance(use_max, bool):
@@ -269,7 +271,6 @@ def validate_config(cfg: DictConfig) -> AdaptiveSettings:
     _check_elastic(parts["elastic"], growth, batching)
     _check_keep_global_batch(growth, use_max, elastic=parts["elastic"], batching=batching)
     _check_growth_interval(growth, batching)
-    check_optional_packages(cfg)
     in_bwd = check_optimizer_in_bwd(cfg, grow_past_memory=growth.grow_past_memory,
                                     elastic=parts["elastic"] is not None, max_tokens=batching.token_budget)
     check_activation_offloading(cfg)

@@ -1,26 +1,13 @@
-"""The config checks of torchtune's single-device memory savers (``optimizer_in_bwd``, activation offloading) and of
-the optional packages their optimizers come from: each error one line naming the keys, before any model loads."""
+"""The config checks of torchtune's single-device memory savers (``optimizer_in_bwd``, activation offloading): each
+error one line naming the keys, before any model loads. (The optional packages their optimizers come from are
+checked with every other component's, in ``config.components``.)"""
 
 from __future__ import annotations
 
-import importlib.util
-
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from adaptive_batching.core.nodes import plain
 from adaptive_batching.errors import ConfigError
-
-OPTIONAL_PACKAGES = {"bitsandbytes": "bnb"}  # package a component may come from -> the extra that installs it
-
-
-def check_optional_packages(cfg: DictConfig) -> None:
-    """A component from an optional package that is not installed: one line with the ``pip install``."""
-    for key in ("optimizer._component_",):
-        component = str(plain(OmegaConf.select(cfg, key, default="")) or "")
-        package = component.split(".", 1)[0]
-        if package in OPTIONAL_PACKAGES and importlib.util.find_spec(package) is None:
-            raise ConfigError(f"config key '{key}' = {component!r} needs {package}, which is not installed: "
-                              f"pip install \"adaptive-batching[{OPTIONAL_PACKAGES[package]}]\"")
 
 
 def optimizer_in_bwd(cfg: DictConfig) -> bool:

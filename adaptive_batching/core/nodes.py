@@ -9,6 +9,7 @@ from typing import Any, Iterator, Mapping, Optional
 from omegaconf import DictConfig, OmegaConf
 from torchtune.config._errors import InstantiationError
 
+from adaptive_batching.core.packages import PIP, package_of
 from adaptive_batching.errors import ConfigError
 
 
@@ -49,10 +50,11 @@ def one_line(error: BaseException) -> str:
 
 
 def _is_config_error(error: BaseException) -> bool:
-    """Errors a config node causes while it is built: a `_component_` that does not import, a file that is not
-    there, or arguments the component does not take (a TypeError raised at torchtune's call of the component,
-    not inside it, which would be a bug with a traceback worth keeping)."""
-    if isinstance(error, (InstantiationError, FileNotFoundError)):
+    """Errors a config node causes while it is built: a `_component_` that does not import, one whose optional
+    package is missing (torchtune's loggers import theirs when built), a file that is not there, or arguments the
+    component does not take (a TypeError raised at torchtune's call of the component, not inside it, which would
+    be a bug with a traceback worth keeping)."""
+    if isinstance(error, (InstantiationError, FileNotFoundError)) or package_of(error) is not None:
         return True
     frames = traceback.extract_tb(error.__traceback__)
     return isinstance(error, TypeError) and bool(frames) and frames[-1].name == "_create_component"
@@ -67,4 +69,6 @@ def building(key: str) -> Iterator[None]:
     except Exception as error:
         if not _is_config_error(error):
             raise
-        raise ConfigError(f"config key '{key}': {one_line(error)}") from error
+        package = package_of(error)
+        install = f" ({PIP[package]})" if package is not None else ""
+        raise ConfigError(f"config key '{key}': {one_line(error)}{install}") from error

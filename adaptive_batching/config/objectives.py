@@ -1,0 +1,157 @@
+"""The config keys that change what is trained, and which recipe trains that way: one place for all of them.
+
+torchtune's other recipes read keys that turn fine-tuning into another kind of training (a ``quantizer`` for
+quantization-aware training, a ``teacher_model`` for distillation, a DPO loss, ...). Ignored, such a key would
+train a plain fine-tune that nobody asked for; so a recipe of ours that does not train that way refuses it in one
+line, before any model loads, naming the recipes that do. When a recipe of ours learns one, it is listed in
+:data:`OURS` and named instead of torchtune's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from omegaconf import DictConfig, OmegaConf
+
+from adaptive_batching.core.nodes import optional_component, plain
+from adaptive_batching.errors import ConfigError
+
+QAT, PTQ, KD, DPO, PPO, GRPO, EARLY_EXIT, MULTI_DATASET = (
+    "qat", "ptq", "kd", "dpo", "ppo", "grpo", "early_exit", "multi_dataset")
+
+
+@dataclass(frozen=True)
+class Objective:
+    """A way of training other than supervised fine-tuning: what it is, in words, and torchtune 0.6.1's recipes
+    that train so."""
+
+    what: str
+    torchtune: tuple[str, ...]
+
+
+OBJECTIVES: dict[str, Objective] = {
+    QAT: Objective("quantization-aware training", ("qat_distributed", "qat_lora_finetune_distributed")),
+    PTQ: Objective("quantizing a trained model (post-training quantization)", ("quantize",)),
+    KD: Objective("knowledge distillation from a teacher model",
+                  ("knowledge_distillation_single_device", "knowledge_distillation_distributed")),
+    DPO: Objective("preference optimisation (DPO) on chosen and rejected answers",
+                   ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")),
+    PPO: Objective("reinforcement learning from a reward model (PPO)", ("ppo_full_finetune_single_device",)),
+    GRPO: Objective("group relative policy optimisation (GRPO)", ("dev/grpo_full_finetune_distributed",)),
+    EARLY_EXIT: Objective("early-exit training (layer dropout, an early-exit loss)",
+                          ("dev/early_exit_finetune_distributed",)),
+    MULTI_DATASET: Objective("training on several data sets, each with its own loader",
+                             ("dev/lora_finetune_distributed_multi_dataset",)),
+}
+
+# Our recipes and the objectives above that each trains (besides supervised fine-tuning).
+OURS: dict[str, frozenset[str]] = {
+    "adaptive_full_finetune": frozenset(),
+    "adaptive_lora_finetune": frozenset(),
+}
+
+# Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
+TRAINING_KEYS: dict[str, str] = {
+    "quantizer": QAT, "fake_quant_after_n_steps": QAT,
+    "teacher_model": KD, "teacher_checkpointer": KD, "kd_loss": KD, "kd_ratio": KD,
+    "ref_checkpointer": DPO,
+    **{key: PPO for key in (
+        "policy_model", "reward_and_value_model", "ref_policy_checkpointer", "value_checkpointer",
+        "reward_checkpointer", "ppo_epochs", "ppo_batch_size", "forward_batch_size", "kl_coeff", "gamma", "lmbda",
+        "whiten_rewards", "penalise_no_eos", "reward_penalty", "min_response_length", "max_generated_tokens",
+        "num_steps")},
+    "grpo_samples": GRPO,
+    "early_exit_loss": EARLY_EXIT, "layer_dropout": EARLY_EXIT,
+    "datasets": MULTI_DATASET,
+}
+
+# Components of torchtune's, by their last name, that make a node train another way.
+LOSSES: dict[str, str] = {
+    "DPOLoss": DPO, "RSOLoss": DPO, "PPOLoss": PPO,
+    **{f"{kind}KL{chunked}Loss": KD for kind in ("Forward", "Reverse", "Symmetric")
+       for chunked in ("", "WithChunkedOutput")},
+}
+DATASETS: dict[str, str] = {name: DPO for name in (
+    "preference_dataset", "PreferenceDataset", "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset")}
+_NAMED = 3  # other keys a refusal names besides the first
+
+
+def recipe_for_model(cfg: DictConfig) -> str:
+    """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one."""
+    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
+    return "adaptive_lora_finetune" if "lora" in component else "adaptive_full_finetune"
+
+
+def _torchtune_name(component: Any, names: dict[str, str]) -> Optional[str]:
+    """The objective of a torchtune component path found in ``names`` by its last name, else None."""
+    path = str(component or "")
+    return names.get(path.rsplit(".", 1)[-1]) if path.startswith("torchtune.") else None
+
+
+def _quantizer(node: Any) -> str:
+    """A QAT quantizer (``...QATQuantizer``) trains with fake quantization; any other quantizes a trained model."""
+    component = str(OmegaConf.select(node, "_component_", default="") or "") if OmegaConf.is_dict(node) else ""
+    return QAT if "QAT" in component.rsplit(".", 1)[-1] or not component else PTQ
+
+
+def _asks(value: Any) -> bool:
+    """Whether a key's value asks for anything: null and a switched-off component do not."""
+    return value is not None and optional_component(value) is not None
+
+
+def training_asked(cfg: DictConfig) -> list[tuple[str, str, Any]]:
+    """``(key, objective, value shown)`` for every key of ``cfg`` that asks for training other than supervised
+    fine-tuning: the keys first, then losses, then data sets (the weakest sign), each in the config's order."""
+    found: list[tuple[str, str, Any]] = []
+    for key in (str(k) for k in cfg.keys()):
+        value = cfg.get(key)
+        if key in TRAINING_KEYS and _asks(value):
+            objective = _quantizer(value) if key == "quantizer" else TRAINING_KEYS[key]
+            found.append((key, objective, _shown(value)))
+        elif key == "loss" and OmegaConf.is_dict(value):
+            objective = _torchtune_name(value.get("_component_"), LOSSES)
+            if objective:
+                found.append(("loss._component_", objective, value.get("_component_")))
+        elif key == "dataset" and value is not None:
+            parts = list(value) if OmegaConf.is_list(value) else [value]
+            for i, part in enumerate(parts):
+                objective = _torchtune_name(part.get("_component_") if OmegaConf.is_dict(part) else None, DATASETS)
+                if objective:
+                    where = "dataset" if not OmegaConf.is_list(value) else f"dataset[{i}]"
+                    found.append((f"{where}._component_", objective, part.get("_component_")))
+    return sorted(found, key=lambda item: item[0].startswith(("dataset.", "dataset[")))
+
+
+def _shown(value: Any) -> Any:
+    """What a message shows of a key's value: a node's component, a scalar itself, else nothing (None)."""
+    if OmegaConf.is_dict(value):
+        return value.get("_component_", None)
+    return None if OmegaConf.is_config(value) else plain(value)
+
+
+def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str) -> str:
+    """The one line that refuses ``keys`` (key, value shown; the first is shown with its value, at most
+    :data:`_NAMED` of the others are named) asking for ``objective`` in ``recipe``."""
+    what = OBJECTIVES[objective]
+    (key, shown), others = keys[0], [f"'{other}'" for other, _ in keys[1:]]
+    subject = f"config key '{key}'" + ("" if shown is None else f" = {shown!r}")
+    if others:
+        more = f" and {len(others) - _NAMED} more" if len(others) > _NAMED else ""
+        subject += f" (with {', '.join(others[:_NAMED])}{more})"
+    ours = [name for name, objectives in OURS.items() if objective in objectives]
+    if ours:
+        return f"{subject} asks for {what.what}, which {recipe} does not do; use {' or '.join(ours)}"
+    recipes = ", ".join(what.torchtune[:-1]) + (" or " if len(what.torchtune) > 1 else "") + what.torchtune[-1]
+    return f"{subject} asks for {what.what}, which {recipe} does not do yet; use torchtune's {recipes}"
+
+
+def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
+    """Refuse, in one line, keys asking for training that ``recipe`` (default: the one of ours that runs the
+    config) does not do; the first such objective in the config's order, with all of its keys."""
+    recipe = recipe or recipe_for_model(cfg)
+    done = OURS.get(recipe, frozenset())
+    asked = [(key, objective, shown) for key, objective, shown in training_asked(cfg) if objective not in done]
+    if asked:
+        objective = asked[0][1]
+        raise ConfigError(refusal(recipe, [(key, shown) for key, o, shown in asked if o == objective], objective))
