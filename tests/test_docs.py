@@ -504,3 +504,396 @@ def test_the_readme_links_every_docs_page() -> None:
     text = (ROOT / "README.md").read_text(encoding="utf-8")
     linked = {Path(target.partition("#")[0]).name for target in re.findall(r"\]\((docs/[^)\s]+)\)", text)}
     assert {page.name for page in DOCS.glob("*.md")} <= linked
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 4. Every command is run by a test
+#
+# Every command a page shows (a line of a ``bash`` block, a ``$ `` line of a plain block, a whole script, and
+# inline spans that run ``tune run``, ``adaptive-batching``, ``python x.py``, ``make`` or ``pip install``) is a
+# key of RUN_BY: the test that runs it (``tests/file.py::function``, a test or the fixture that makes the run)
+# and how: as written, at its smallest size (what is smaller), or why it cannot run here and what runs instead.
+
+TINY = "the tiny assets in a temporary folder"
+NO_NETWORK = "not run: it installs from a package index, and the suite runs inside that install"
+GPUS = "not run: 8 GPUs and the real weights; here the same recipe and config checks on the tiny model"
+PUBLISH = "at its smallest size, without --publish (writing between a page's markers is test_doc_tables')"
+RUN_BY: dict[str, tuple[str, str]] = {
+    # README.md
+    "make demo": ("tests/test_first_hour.py::demo", "its last step, the demo run; the install before it: "
+                  "test_the_two_readme_commands_are_makefile_targets checks the target"),
+    "make test": ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+                  "the suite itself; the target is checked to exist"),
+    'make demo TORCH="torch==2.7.1"': ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+                                       NO_NETWORK),
+    "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu": (
+        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets", NO_NETWORK),
+    "git clone <this repository's URL> adaptive-batching && cd adaptive-batching": (
+        "tests/test_docs.py::test_the_readme_starts_with_the_two_commands_and_stays_short",
+        "not run: the suite runs in the clone"),
+    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+    "pip install torch==2.13.0": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+    "pip install .": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+    "pip install wandb": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+    'pip install "adaptive-batching[bnb]"': ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+                                            NO_NETWORK + "; the extra is checked to exist"),
+    'pip install ".[bench]"': ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+                               NO_NETWORK + "; the extra is checked to exist"),
+    "tune run adaptive_full_finetune --config llama3_1/8B_full use_maximum_batch_size=True "
+    "adaptive_batching.keep_global_batch=True": (
+        "tests/test_families.py::test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_resume",
+        "smallest size: torchtune's stock full configs pointed at tiny weights, with "
+        "use_maximum_batch_size and keep_global_batch"),
+    "adaptive-batching tiny-assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}, 50 samples"),
+    "cd /tmp && tune run adaptive_full_finetune --config tiny_full": (
+        "tests/test_first_hour.py::demo", f"with {TINY} and a 96 MiB budget"),
+    "tune run adaptive_full_finetune --config tiny_full": ("tests/test_first_hour.py::demo",
+                                                           f"with {TINY} and a 96 MiB budget"),
+    "tune run adaptive_full_finetune --config tiny_full metric_logger._component_=torchtune.training."
+    "metric_logging.WandBLogger metric_logger.project=my-project": (
+        "tests/test_first_hour.py::test_the_wandb_logger_without_wandb_is_one_line",
+        "as written (wandb is not installed here: the one line that says so)"),
+    "adaptive-batching profile --config tiny_full": ("tests/test_first_hour.py::demo",
+                                                     f"with {TINY} and a 96 MiB budget"),
+    "adaptive-batching plan --config tiny_full": ("tests/test_cli.py::test_plan_profiles_and_logs_the_plan_without_training",
+                                                  f"with {TINY}"),
+    "adaptive-batching estimate --config llama3_1/8B_full --device-memory 80GiB --world-size 8 --seq-len 4096": (
+        "tests/test_first_hour.py::test_estimate_on_a_bf16_config_prints_no_warning",
+        "smallest size: the tiny bf16 model at 2 ranks and 64 tokens (the 8B model at 2048 tokens: "
+        "test_stock_configs' test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib)"),
+    "tune run --nproc_per_node 8 adaptive_full_finetune --config llama3_8b": (
+        "tests/test_stock_configs.py::test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib",
+        GPUS + " (its estimate on 80 GiB; 2 ranks: test_recipes' test_two_processes_match_one_process_with_"
+        "accumulation)"),
+    "tune run --nproc_per_node 8 --max-restarts 3 adaptive_lora_finetune --config llama3_8b_lora "
+    "save_every_n_steps=200": (
+        "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
+        GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)"),
+    "tune run adaptive_lora_finetune --config tiny_lora": (
+        "tests/test_first_hour.py::test_the_lora_and_qlora_starts_print_no_warning",
+        f"smallest size: {TINY}, one step"),
+    "tune run --nproc_per_node 2 adaptive_full_finetune --config tiny_full": (
+        "tests/test_recipes.py::test_two_processes_match_one_process_with_accumulation", f"with {TINY}, fixed batch"),
+    "adaptive-batching ls": ("tests/test_cli.py::test_ls_lists_recipes_and_their_configs", "as written"),
+    "adaptive-batching cp tiny_full my_run.yaml": ("tests/test_cli.py::test_cp_refuses_to_overwrite_without_force",
+                                                   "as written, to out.yaml"),
+    "tune run adaptive_full_finetune --config my_run.yaml": (
+        "tests/test_config_resolution.py::test_recipe_fails_at_validation",
+        "a copied config, my_run.yaml, run from its folder (with a misspelt key, refused)"),
+    "adaptive-batching tiny-assets --model gemma2": (
+        "tests/test_families.py::family_assets", "write_family_assets, which the option calls, for each family"),
+    # docs/benchmarks.md
+    "adaptive-batching tiny-assets --output-dir /tmp/gb/assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}"),
+    "python benchmarks/compile_marks.py": ("tests/test_benchmarks.py::test_compile_marks", "smallest size: 6 calls"),
+    "python benchmarks/estimate_speed.py --out-dir benchmarks/results --publish": (
+        "tests/test_benchmarks.py::test_estimate_speed", PUBLISH),
+    "python benchmarks/estimate_stock_configs.py --seq-len 2048": (
+        "tests/test_benchmarks.py::test_estimate_stock_configs", "smallest size: --only one config, 256 tokens"),
+    "python benchmarks/growth_runs.py --assets /tmp/gb/assets --work /tmp/gb/full": (
+        "tests/test_benchmarks.py::test_growth_runs", "smallest size: 16 samples, one strategy"),
+    "python benchmarks/growth_runs.py --from-json benchmarks/results/growth_runs.json --publish": (
+        "tests/test_benchmarks.py::test_growth_runs", "the analysis the runs end with (test_growth_runs.py: its parts)"),
+    "python benchmarks/growth_runs.py --from-json benchmarks/results/growth_runs.json --publish --out /tmp/gr": (
+        "tests/test_benchmarks.py::test_growth_runs", "the analysis the runs end with (test_growth_runs.py: its parts)"),
+    "python benchmarks/noise_scale_accuracy.py --publish": ("tests/test_benchmarks.py::test_noise_scale_accuracy",
+                                                          "smallest size: 1 seed"),
+    "python benchmarks/profiler_vs_peers.py --json benchmarks/results/profiler_vs_peers.json --publish": (
+        "tests/test_benchmarks.py::test_profiler_vs_peers", "smallest size: ours alone (the peers' searches take minutes)"),
+    **{f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} --publish": (
+        "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, the python launcher")
+       for extra in ("--tolerance 0.01", "--tolerance 0.02", "--optimizer-in-bwd")},
+    **{f"python benchmarks/recipe_vs_torchtune.py {args}": ("tests/test_benchmarks.py::test_recipe_vs_torchtune",
+                                                           "smallest size: 2 steps, 1 repeat, with --phases")
+       for args in ("--repeats 12 --steps 100 --publish",
+                    "--repeats 6 --steps 100 --no-switch --glibc-tunables glibc.malloc.mmap_threshold=33554432:"
+                    "glibc.malloc.trim_threshold=1073741824 --publish",
+                    "--repeats 6 --steps 60 --no-switch --phases", "--repeats 6 --steps 60 --no-switch --phases "
+                    "--prefree-mib 31 --publish", "--repeats 8 --steps 100 --no-switch",
+                    "--compile --warmup 20 --repeats 4 --steps 60 --no-switch --phases --prefree-mib 31 --publish",
+                    "--compile --repeats 12 --steps 100 --warmup 20 --no-switch --publish")},
+    **{f"python benchmarks/recipe_vs_torchtune.py {args}": (
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat")
+       for args in ("--repeats 8 --steps 150 --no-switch --together --publish",
+                    "--compile --warmup 20 --repeats 10 --steps 150 --no-switch --together --publish")},
+    "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
+    "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
+        "tests/test_benchmarks.py::test_step_overhead", "smallest size: 2 steps, settings none and stop"),
+    "python benchmarks/token_budget_vs_fixed.py --repeats 3 --threads 1 --publish": (
+        "tests/test_benchmarks.py::test_token_budget_vs_fixed", "smallest size: 40 samples, 1 repeat"),
+    "python benchmarks/two_commands.py --test-runs 2 --publish": (
+        "tests/test_doc_tables.py::test_two_commands_reads_what_the_demo_did_and_the_tests_passed_from_their_logs",
+        "not run: it runs make demo and the whole suite twice; what it reads from their logs is tested"),
+    # docs/contributing.md
+    "make clean": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", "the target exists"),
+    "make test-fast": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists",
+                       "the suite without its e2e tests; the target exists"),
+    "make install": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", NO_NETWORK),
+    **{f"python tests/behaviour_record.py {args}": (
+        "tests/test_docs.py::test_every_make_target_a_page_runs_exists",
+        "not run: it records every user-visible command (minutes); a tool for a change's author")
+       for args in ("record /tmp/before", "record /tmp/after", "compare /tmp/before /tmp/after")},
+    # docs/elastic.md
+    "tune run --nproc_per_node N adaptive_full_finetune --config CFG resume_from_checkpoint=True": (
+        "tests/test_token_and_elastic_recipe.py::test_elastic_run_resumed_on_another_world_size_keeps_the_global_batch",
+        f"with {TINY}: saved at 2 ranks, resumed at 1"),
+    # docs/estimates.md
+    "pip install --no-deps torchvision==0.28.0": (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        "not run: the page quotes it as the check that torchvision does not load here"),
+    "python benchmarks/estimate_fidelity.py": (
+        "tests/test_estimate_fidelity.py::test_every_row_names_each_key_once_and_a_real_source",
+        "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are tested"),
+    # docs/fault-tolerance.md
+    "python benchmarks/chaos.py --runs 20 --publish": ("tests/test_chaos.py::reference",
+                                                      "smallest size: one two-rank run per fault kind"),
+    "python benchmarks/chaos.py --runs 20 --publish --json /tmp/chaos20.json": (
+        "tests/test_chaos.py::reference", "smallest size: one two-rank run per fault kind"),
+    "python benchmarks/clean_exits.py --runs 100 --publish": ("tests/test_benchmarks.py::test_clean_exits",
+                                                             "smallest size: 1 run, one setting"),
+    "python benchmarks/clean_exits.py --mechanism": ("tests/test_benchmarks.py::test_clean_exits",
+                                                    "the same script; the mechanism is its own short run"),
+    "tune run --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
+    "adaptive_full_finetune --config llama3_8b": (
+        "tests/test_two_nodes.py::nodes", "two nodes of one gloo rank each on this machine, tiny model"),
+    "srun --nodes 2 --ntasks-per-node 1 tune run --nnodes 2 --nproc_per_node 8 --rdzv_id $SLURM_JOB_ID "
+    "--rdzv_backend c10d --rdzv_endpoint $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1):29500 "
+    "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 adaptive_full_finetune --config llama3_8b": (
+        "tests/test_two_nodes.py::nodes", "no SLURM here: the same tune run of two nodes, tiny model"),
+    "tune run --nproc_per_node N --max-restarts R adaptive_full_finetune --config CFG": (
+        "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
+        f"2 ranks, {TINY}"),
+    # docs/memory-savers.md
+    "tune run adaptive_full_finetune --config llama3_2/1B_full_single_device": (
+        "tests/test_memory_savers_recipe.py::test_a_stock_memory_saver_config_profiles_learns_and_resumes_exactly",
+        "smallest size: the stock config pointed at tiny weights"),
+    # docs/models.md
+    "adaptive-batching cp NAME file.yaml": (
+        "tests/test_stock_configs.py::test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it", "a stock name"),
+    "adaptive-batching tiny-assets [--output-dir /tmp/adaptive-batching/tiny] [--seed 0] [--num-samples 3000] "
+    "[--model NAME]": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}, 50 samples"),
+    'tune download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct --ignore-patterns '
+    '"original/consolidated.00.pth" --hf-token <HF_TOKEN>': (
+        "tests/test_model_assets.py::test_the_overrides_point_the_shipped_configs_at_the_assets",
+        "not run: the model hub and a token; the random 1B checkpoint stands in for it"),
+    "tune run --nproc_per_node 8 adaptive_lora_finetune --config llama3_2_1b_lora": (
+        "tests/test_validate_device.py::validation", GPUS + " (the validation script's LoRA phase, on CPU)"),
+    # docs/preemption.md
+    "SCRIPT #SBATCH --job-name=finetune --nodes=1 --gpus-per-node=8 --time=04:00:00": (
+        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes",
+        "the page's script, with SLURM's requeue played by the test"),
+    "adaptive-batching status /checkpoints/run": (
+        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes",
+        "run by the script, on its output folder"),
+    # docs/profiler.md
+    "adaptive-batching estimate --config llama3_1/8B_qlora_single_device --device-memory 24GiB --seq-len 2048": (
+        "tests/test_stock_configs.py::test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes",
+        "the estimate the command makes, in the test's process"),
+    "adaptive-batching estimate --config tiny_full --device-memory 512MiB --fraction 1": (
+        "tests/test_profile_recipe.py::test_profile_and_estimate_commands", f"as written, with {TINY}"),
+    "adaptive-batching profile --config tiny_full --json profile.json": (
+        "tests/test_profile_recipe.py::test_profile_and_estimate_commands", f"as written, with {TINY}"),
+    # docs/validation.md
+    "SKIP=\"\" benchmarks/gpu_wheels.sh": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+                                          "not run: it downloads wheels for a GPU machine"),
+    "benchmarks/gpu_wheels.sh .whl 3.12": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+                                           "not run: it downloads wheels for a GPU machine"),
+    "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site": (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", "not run: a GPU machine's set-up"),
+    "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True": (
+        "tests/test_validate_device.py::validation", "a setting for the GPU runs, not a run"),
+    "adaptive-batching tiny-assets --model llama3_2_1b": (
+        "tests/test_model_assets.py::test_a_shrunk_copy_loads_through_the_checkpointer_and_the_builder",
+        "write_model_assets, which the option calls, at a shrunk size"),
+    **{command: ("tests/test_validate_device.py::validation",
+                 "smallest size on CPU: 3 steps, 2 trials, a few settings, 120 token samples")
+       for command in ("python benchmarks/validate_device.py", "time .venv/bin/python benchmarks/validate_device.py",
+                       "python benchmarks/validate_device.py --phase full",
+                       "python benchmarks/validate_device.py --phase assets",
+                       "python benchmarks/validate_device.py --phase lora",
+                       "python benchmarks/validate_device.py --phase qlora",
+                       "python benchmarks/validate_device.py --phase estimate,tokens,compile")},
+    "python benchmarks/validate_device.py --table": ("tests/test_validate_device.py::test_the_table_has_a_row_per_setting",
+                                                    "as written, on the fixture's JSON"),
+}
+
+RUNS_A_PROGRAM = re.compile(r"(?:\S*/)?(?:python3? \S+\.py|tune run \S|adaptive-batching \S|make \S|pip install)")
+
+
+def shown_commands() -> dict[str, set[str]]:
+    """Command -> the pages that show it (see section 4's comment for what counts)."""
+    found: dict[str, set[str]] = {}
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT).as_posix()
+        for lang, body in re.findall(r"^```([^\n]*)\n(.*?)^```", text, flags=re.M | re.S):
+            lang = lang.strip()
+            if lang not in ("bash", "sh", "shell", "console", ""):
+                continue
+            if body.startswith("#!"):
+                found.setdefault("SCRIPT " + body.splitlines()[1], set()).add(name)
+                continue
+            for line in logical_lines(body):
+                if lang == "" and not line.startswith("$ "):
+                    continue  # a plain block is output, except its prompt lines
+                line = " ".join(re.sub(r"\s+#.*$", "", line.removeprefix("$ ")).split())
+                if line and not line.startswith("#"):
+                    found.setdefault(line, set()).add(name)
+        for span in inline_spans(text):
+            mention = any(tune_run_problem(argv, set()) == "no recipe" if argv[0] == "tune"
+                          else ours_problem(argv, set(), mention=False) is not None for argv in commands(span))
+            if RUNS_A_PROGRAM.match(span) and not mention:  # not a mention (``tune run``, ``adaptive-batching plan``)
+                found.setdefault(span.strip(), set()).add(name)
+    return found
+
+
+def _function_exists(node: str) -> bool:
+    path, _, name = node.partition("::")
+    tree = ast.parse((ROOT / path).read_text(encoding="utf-8"))
+    return any(isinstance(n, ast.FunctionDef) and n.name == name for n in tree.body)
+
+
+def test_every_command_a_page_shows_is_run_by_a_named_test() -> None:
+    shown = shown_commands()
+    problems = [f"{', '.join(sorted(pages))}: {command}\n    not in RUN_BY: name the test that runs it"
+                for command, pages in sorted(shown.items()) if command not in RUN_BY]
+    problems += [f"RUN_BY: {command}\n    no page shows it (stale)" for command in sorted(set(RUN_BY) - set(shown))]
+    problems += [f"RUN_BY: {command}\n    no function {node}" for command, (node, _) in sorted(RUN_BY.items())
+                 if not _function_exists(node)]
+    assert not problems, "commands in the docs without a test that runs them:\n" + "\n".join(problems)
+    assert len(shown) > 80, f"too few commands found ({len(shown)}): is the extraction broken?"
+
+
+def test_every_pip_extra_a_page_installs_exists() -> None:
+    """``pip install ".[bench]"`` and ``pip install "adaptive-batching[bnb]"`` name extras of pyproject.toml."""
+    import tomllib
+
+    extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
+    named = {extra for command in shown_commands() if command.startswith("pip install")
+             for extra in re.findall(r"(?:\.|adaptive-batching)\[(\w+)\]", command)}
+    assert named and named <= extras, f"extras the docs install that pyproject.toml lacks: {sorted(named - extras)}"
+
+
+def test_every_make_target_a_page_runs_exists() -> None:
+    makefile = (ROOT / "Makefile").read_text(encoding="utf-8")
+    targets = {re.match(r"make (\S+)", command).group(1) for command in shown_commands() if command.startswith("make ")}
+    missing = [t for t in sorted(targets) if "=" not in t and not re.search(rf"^{re.escape(t)}:", makefile, flags=re.M)]
+    assert {"demo", "test"} <= targets and not missing, f"make targets the docs run that the Makefile lacks: {missing}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 5. Every error a page quotes is produced by a test
+#
+# A quoted error is a line of a plain fenced block, or an inline span, that starts as the code's one-line errors
+# do (``config error:``, ``profile error:``, ``out of memory:``, ``stopped:``) or as a Python exception
+# (``ImportError: ...``). QUOTED_BY maps the start of each to the test that produces it, and what that test checks.
+
+QUOTED = re.compile(r"(?:config error|profile error|out of memory|stopped|[A-Z]\w*Error): ")
+QUOTED_BY: dict[str, tuple[str, str]] = {
+    "config error: config key 'lr_scaling' = 'cubic'": (
+        "tests/test_docs.py::test_the_quoted_config_errors_are_the_codes_own_lines", "the page's line, exactly"),
+    "config error: config key 'use_max_batch_size' is not read": (
+        "tests/test_docs.py::test_the_quoted_config_errors_are_the_codes_own_lines", "the page's line, exactly"),
+    "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly": (
+        "tests/test_token_and_elastic_recipe.py::test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model",
+        "a recipe run's last line"),
+    "config error: ...": ("tests/test_errors.py::test_a_recipe_reports_a_config_or_profile_error_in_one_line",
+                          "one line for a bad key"),
+    "profile error: micro batch 1 does not fit the memory budget": (
+        "tests/test_errors.py::test_the_profile_command_reports_a_profile_error_in_one_line", "the command's last line"),
+    "out of memory: a micro batch of 1 sample does not fit": (
+        "tests/test_oom_recovery.py::test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resumes",
+        "a recipe run's line, with the save and the advice"),
+    "stopped: SIGTERM received by the end of optimizer step": (
+        "tests/test_preemption.py::test_a_signal_stops_after_the_step_it_came_in_and_saves_there", "the stop line"),
+    "ImportError: No module named adaptive_full_finetune": (
+        "tests/test_docs.py::test_every_command_a_page_shows_is_run_by_a_named_test",
+        "not produced: torchtune's message from an environment without this project; the recipes' module names are "
+        "checked by test_every_command_in_the_docs_names_a_real_recipe_subcommand_and_config"),
+    "RuntimeError: operator torchvision::nms does not exist": (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        "not produced: torchvision is not installed here; the page quotes a manual check"),
+}
+
+
+def quoted_errors() -> dict[str, set[str]]:
+    """Quoted error line -> the pages that quote it."""
+    found: dict[str, set[str]] = {}
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        name = page.relative_to(ROOT).as_posix()
+        lines = [line.strip() for lang, body in re.findall(r"^```([^\n]*)\n(.*?)^```", text, flags=re.M | re.S)
+                 if not lang.strip() for line in body.splitlines()]
+        for quoted in [*lines, *inline_spans(text)]:
+            if QUOTED.match(quoted):
+                found.setdefault(quoted, set()).add(name)
+    return found
+
+
+def test_every_error_a_page_quotes_is_produced_by_a_named_test() -> None:
+    quoted = quoted_errors()
+    problems = [f"{', '.join(sorted(pages))}: {line}\n    not in QUOTED_BY: name the test that produces it"
+                for line, pages in sorted(quoted.items()) if not any(line.startswith(start) for start in QUOTED_BY)]
+    problems += [f"QUOTED_BY: {start}\n    no page quotes it (stale)" for start in QUOTED_BY
+                 if not any(line.startswith(start) for line in quoted)]
+    problems += [f"QUOTED_BY: {start}\n    no function {node}" for start, (node, _) in QUOTED_BY.items()
+                 if not _function_exists(node)]
+    assert not problems, "errors the docs quote without a test that produces them:\n" + "\n".join(problems)
+    assert len(quoted) >= 8, f"too few quoted errors found ({len(quoted)}): is the extraction broken?"
+
+
+@pytest.mark.parametrize("override", ["lr_scaling=cubic", "use_max_batch_size=True"])
+def test_the_quoted_config_errors_are_the_codes_own_lines(override: str) -> None:
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.config.settings import validate_config
+
+    key = override.split("=")[0]
+    (line,) = [line for line in quoted_errors() if line.startswith(f"config error: config key '{key}'")]
+    with pytest.raises(ConfigError) as error:
+        validate_config(load_config("tiny_full", [override]))
+    assert f"config error: {error.value}" == line
+
+
+# ---------------------------------------------------------------------------------------------------------
+# 6. Every condition a page states about when something happens is checked by a test
+#
+# Conditions are prose, so they are listed by hand: (page, the statement as the page words it, whitespace
+# aside) -> the test that checks it. A statement reworded on its page fails here until the table follows, so
+# the test is looked at again.
+
+CHECKED_BY: dict[tuple[str, str], str] = {
+    ("docs/growth.md", "The metric is logged at every optimizer step from the 10th measured step of the run on"):
+        "tests/test_first_hour.py::test_the_noise_scale_appears_from_the_10th_step_with_2_or_more_micro_batches",
+    ("docs/growth.md", "counted over all epochs and across a resume (the count is in the checkpoint)"):
+        "tests/test_noise_scale_recipe.py::test_the_noise_scale_is_logged_and_survives_a_kill_and_resume",
+    ("docs/logs-and-metrics.md", "| `grad_norm` | with `clip_grad_norm` |"):
+        "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
+    ("docs/logs-and-metrics.md", "| `max_tokens` | with token budgets, instead of `micro_batch_size`"):
+        "tests/test_token_and_elastic_recipe.py::test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step",
+    ("docs/logs-and-metrics.md", "with `log_peak_memory_stats: true`, on CUDA"):
+        "tests/test_stock_configs.py::test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only",
+    ("docs/logs-and-metrics.md", "## The log, in order"):
+        "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
+    ("README.md", "A later run with the same set-up reads it from a cache instead of measuring again."):
+        "tests/test_profile_recipe.py::test_cache_hit_reprofile_stale_and_corrupt",
+    ("README.md", "a restart or a preemption resumes exactly where the last checkpoint was saved"):
+        "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
+    ("README.md", "Continue any stopped run with `resume_from_checkpoint=True`: it resumes at the exact step, "
+                  "inside an epoch too."):
+        "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
+    ("docs/fault-tolerance.md", "A new job (restart count 0) never resumes by itself"):
+        "tests/test_restart.py::test_a_new_job_or_another_jobs_checkpoint_is_not_resumed",
+    ("docs/fault-tolerance.md", "the recipe sees `TORCHELASTIC_RESTART_COUNT` > 0 and **resumes by itself**"):
+        "tests/test_restart.py::test_a_restart_of_this_job_resumes_its_checkpoint",
+}
+
+
+def test_every_listed_condition_is_on_its_page_and_names_a_test() -> None:
+    problems = []
+    for (page, statement), node in CHECKED_BY.items():
+        text = " ".join((ROOT / page).read_text(encoding="utf-8").split())
+        if " ".join(statement.split()) not in text:
+            problems.append(f"{page}: no longer says {statement!r}: reword it here and look at {node} again")
+        if not _function_exists(node):
+            problems.append(f"{page}: {statement!r}: no function {node}")
+    assert not problems, "\n".join(problems)

@@ -57,6 +57,22 @@ def test_the_noise_scale_appears_from_the_10th_step_with_2_or_more_micro_batches
     assert [int(r["step"]) for r in rows if "gradient_noise_scale" in r] == [tenth] == [15]
 
 
+def test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives(
+        demo: dict[str, subprocess.CompletedProcess], runs: Path) -> None:
+    """docs/logs-and-metrics.md: the log's lines in its order, and the metrics table's conditions (``grad_norm``
+    with ``clip_grad_norm``; ``max_tokens`` only with token budgets; no device memory figures on CPU)."""
+    log = demo["demo"].stdout + demo["demo"].stderr
+    in_order = ["Batch plan (micro batch", "Epoch 1/3: micro batch", "epoch 1/3", "Saved the checkpoint of epoch 1 "
+                "(optimizer step 5) to ", "Epoch switch 1 -> 2: micro batch", "Epoch switch 2 -> 3: micro batch",
+                "Saved the checkpoint of epoch 3 (optimizer step 15)", "Rank 0: finished at optimizer step 15, micro batch"]
+    places = [log.find(line) for line in in_order]
+    assert -1 not in places and places == sorted(places), dict(zip(in_order, places))
+    for row in read_metrics(runs / "demo" / "logs"):
+        assert {"loss", "lr", "micro_batch_size", "gradient_accumulation_steps", "global_batch_size",
+                "tokens_per_second_per_gpu", "grad_norm"} <= set(row)
+        assert not {"max_tokens", "peak_memory_gb", "peak_memory_active", "peak_memory_reserved"} & set(row)
+
+
 @pytest.mark.parametrize("config", ["tiny_full", "tiny_lora"])
 def test_estimate_on_a_bf16_config_prints_no_warning(config: str, assets: Path, tmp_path: Path) -> None:
     """torchtune's RMSNorm with bf16 weights made torch warn at the first fake forward (README: ``estimate
