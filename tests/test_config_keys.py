@@ -3,7 +3,10 @@ another kind of training are refused naming it, other unread keys are listed."""
 
 from __future__ import annotations
 
+import importlib.util
 import logging
+import re
+from pathlib import Path
 
 import pytest
 from config_edits import CONFIGS, modified
@@ -11,7 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.config.keys import check_top_level_keys, interpolated_keys, meant_key
 from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.objectives import DATASETS, OBJECTIVES, TRAINING_KEYS
 from adaptive_batching.config.settings import ConfigError, validate_config
+from adaptive_batching.core.packages import NEEDS, PIP
 
 
 @pytest.mark.parametrize("name", ["tiny_full", "tiny_lora", "llama3_2_1b", "llama3_2_1b_lora", "llama3_8b",
@@ -126,3 +131,46 @@ def test_a_key_that_asks_for_other_training_is_refused_before_any_model_loads(ov
     with pytest.raises(ConfigError) as info:
         validate_config(load_config("tiny_full", [override]))
     assert str(info.value) == line
+
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "config-keys.md"
+# The override that makes each line the keys page quotes (wandb as not installed, whatever this machine has).
+QUOTED = {
+    "lr_scaling": "lr_scaling=cubic",
+    "use_max_batch_size": "use_max_batch_size=True",
+    "save_every_n_step": "save_every_n_step=5",
+    "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+    "metric_logger._component_": "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
+    "optimizer._component_": "optimizer._component_=torch.optim.AdamWW",
+}
+
+
+def page_quotes() -> dict[str, str]:
+    """Key -> the ``config error:`` line the keys page quotes for it."""
+    text = PAGE.read_text(encoding="utf-8")
+    lines = [line for line in text.splitlines() if line.startswith("config error: config key '")]
+    return {line.split("'")[1]: line for line in lines}
+
+
+def test_the_keys_page_quotes_the_codes_own_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
+    quoted = page_quotes()
+    assert set(quoted) == set(QUOTED)
+    for key, override in QUOTED.items():
+        with pytest.raises(ConfigError) as error:
+            validate_config(load_config("tiny_full", [override]))
+        assert f"config error: {error.value}" == quoted[key]
+
+
+def test_the_keys_page_tables_name_every_training_key_objective_and_package() -> None:
+    text = PAGE.read_text(encoding="utf-8")
+    training = text[text.index("| keys (any value but null) |"):text.index("### Components and optional packages")]
+    spans = set(re.findall(r"`([^`]+)`", training))
+    assert set(TRAINING_KEYS) <= spans
+    assert {recipe for objective in OBJECTIVES.values() for recipe in objective.torchtune} <= spans
+    assert all(objective.what in training for objective in OBJECTIVES.values())
+    assert all(name in training for name in [*DATASETS, "DPOLoss", "RSOLoss", "PPOLoss", "ForwardKLLoss"])
+    packages = text[text.index("| package | needed by |"):text.index("## The torchtune keys the recipes read")]
+    assert set(re.findall(r"^\| `(\w+)` \|", packages, flags=re.M)) == set(PIP)
+    assert all(f"`{component}`" in packages for component in NEEDS)
