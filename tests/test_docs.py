@@ -794,6 +794,9 @@ QUOTED_BY: dict[str, tuple[str, str]] = {
         "tests/test_docs.py::test_the_quoted_config_errors_are_the_codes_own_lines", "the page's line, exactly"),
     "config error: config key 'use_max_batch_size' is not read": (
         "tests/test_docs.py::test_the_quoted_config_errors_are_the_codes_own_lines", "the page's line, exactly"),
+    **{f"config error: config key '{key}'": (
+        "tests/test_config_keys.py::test_the_keys_page_quotes_the_codes_own_lines", "the page's line, exactly")
+       for key in ("save_every_n_step", "quantizer", "metric_logger._component_", "optimizer._component_")},
     "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly": (
         "tests/test_token_and_elastic_recipe.py::test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model",
         "a recipe run's last line"),
