@@ -23,7 +23,7 @@ from adaptive_batching.training.trainer import Trainer
 def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
     saving as it goes. Every weight trains."""
-    settings = validate_config(cfg)
+    settings = validate_config(cfg, "adaptive_full_finetune")
     with Trainer(cfg, settings, FullFinetune()) as trainer:
         trainer.setup()
         trainer.profile()

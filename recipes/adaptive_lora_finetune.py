@@ -23,7 +23,7 @@ from adaptive_batching.training.trainer import Trainer
 def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
     saving as it goes. Only the adapters train."""
-    settings = validate_config(cfg)
+    settings = validate_config(cfg, "adaptive_lora_finetune")
     adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
     with Trainer(cfg, settings, adapters) as trainer:
         trainer.setup()
