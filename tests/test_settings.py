@@ -185,6 +185,13 @@ def test_bad_input_names_key_and_allowed_values(
         assert fragment in message, (fragment, message)
 
 
+def test_a_misspelt_knob_gets_the_knob_meant_by_the_rule_of_the_top_level_keys(base_cfg: DictConfig) -> None:
+    message = config_error(modified(base_cfg, {"adaptive_batching.memory_budgett": "12GiB"}))
+    assert message.startswith("unknown config key(s) adaptive_batching.memory_budgett; did you mean "
+                              "'adaptive_batching.memory_budget'? known keys under 'adaptive_batching': ")
+    assert "did you mean" not in config_error(modified(base_cfg, {"adaptive_batching.bogus": 1}))
+
+
 def test_unknown_knobs_are_all_named(base_cfg: DictConfig) -> None:
     message = config_error(modified(base_cfg, {"adaptive_batching.zzz": 1, "adaptive_batching.aaa": 2}))
     assert "adaptive_batching.aaa" in message and "adaptive_batching.zzz" in message

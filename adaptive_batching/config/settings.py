@@ -21,7 +21,7 @@ from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.config.components import check_components
-from adaptive_batching.config.keys import check_top_level_keys
+from adaptive_batching.config.keys import check_top_level_keys, meant_key
 from adaptive_batching.config.objectives import check_objective
 from adaptive_batching.core.memory_savers import check_activation_offloading, check_optimizer_in_bwd
 from adaptive_batching.core.nodes import packed, plain
@@ -255,9 +255,11 @@ def validate_config(cfg: DictConfig, recipe: Optional[str] = None) -> AdaptiveSe
         raise _fail("adaptive_batching", section, f"a mapping with keys {', '.join(KNOBS)}")
     unknown = sorted(str(k) for k in section if k not in KNOBS)
     if unknown:
+        meant = [f"'adaptive_batching.{m}'" for m in (meant_key(k, KNOBS) for k in unknown) if m is not None]
         raise ConfigError(
             f"unknown config key(s) {', '.join('adaptive_batching.' + k for k in unknown)}; "
-            f"known keys under 'adaptive_batching': {', '.join(KNOBS)}"
+            + (f"did you mean {', '.join(meant)}? " if meant else "")
+            + f"known keys under 'adaptive_batching': {', '.join(KNOBS)}"
         )
     values = {name: knob.default for name, knob in KNOBS.items()}
     for name, value in section.items():
