@@ -167,6 +167,21 @@ def test_the_slurm_script_requeues_a_job_stopped_while_profiling_and_it_trains_e
     assert logged_steps(out / "logs") == list(range(1, last + 1))
 
 
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_two_ranks_stop_together_at_the_set_ups_end_when_one_is_signalled_in_the_token_counts(
+        assets: Path, runs: Path) -> None:
+    """SIGTERM to rank 1 alone while it counts the tokens: both ranks stop at the set-up's end, nothing saved, and
+    status says stopped (rank 0's line, written after the ranks agreed)."""
+    result = faulty_run(runs, "ranks", {"signal": "SIGTERM", "signal_in": "token_counts", "rank": 1}, assets,
+                        *FEW_STEPS, *PROFILED, nproc=2)
+    where = "stopped during set-up (data, model, token counts), before any step trained"
+    assert f"SIGTERM received; {where}: {NO_CHECKPOINT}" in result.stderr, result.stderr[-3000:]
+    assert f"a stop signal on another rank; {where}: {NO_CHECKPOINT}" in result.stderr
+    assert run_status(runs / "ranks") == (f"stopped: a stop signal on another rank; {where}, before the first "
+                                          "checkpoint; resume_from_checkpoint=True starts it from the beginning")
+
+
 # ---------------------------------------------------------------- profile and plan: no log file
 
 
