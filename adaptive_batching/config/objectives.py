@@ -148,7 +148,7 @@ def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str) -> str:
 
 def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
     """Refuse, in one line, keys asking for training that ``recipe`` (default: the one of ours that runs the
-    config) does not do; the first such objective in the config's order, with all of its keys."""
+    config) does not do: the objective of the first such key (see :func:`training_asked`), with all of its keys."""
     recipe = recipe or recipe_for_model(cfg)
     done = OURS.get(recipe, frozenset())
     asked = [(key, objective, shown) for key, objective, shown in training_asked(cfg) if objective not in done]
