@@ -149,15 +149,11 @@ class OomRecovery:
         return asdict(self.state)
 
     def load_state_dict(self, saved: Mapping[str, Any]) -> None:
-        """Restore from a checkpoint's adaptive state (older saves kept only ``micro_cap`` and ``split``)."""
-        wait = self.state.wait
-        self.state = RecoveryState(
-            split=int(saved.get("split", 1)),
-            oom_cap=saved.get("oom_cap", saved.get("micro_cap")),
-            clean_steps=int(saved.get("clean_steps", 0)),
-            grew_back=bool(saved.get("grew_back", False)),
-            wait=saved.get("wait", wait),
-        )
+        """Restore from a checkpoint's adaptive state (or a rank's record before a restart): every field."""
+        missing = [name for name in RecoveryState.__dataclass_fields__ if name not in saved]
+        if missing:
+            raise ValueError(f"the OOM recovery state is missing {missing}")
+        self.state = RecoveryState(**{name: saved[name] for name in RecoveryState.__dataclass_fields__})
 
     def adopt(self, recorded: Mapping[str, Any]) -> bool:
         """Take a recorded state (a rank's cut before a restart) if it cuts deeper than this one."""

@@ -175,7 +175,7 @@ class Feed:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """A resumed run's cut, span and loader position (served by the first :meth:`start_epoch`)."""
-        self.recovery.load_state_dict(state.get("recovery") or {})
-        self.batching.load_state_dict(state.get("batching") or {})
-        self.span = SamplerSpan.from_state(state.get("span"))
+        self.recovery.load_state_dict(state["recovery"])
+        self.batching.load_state_dict(state["batching"])
+        self.span = SamplerSpan.from_state(state["span"])
         self._saved_position, self._saved_ranks = state.get("dataloader"), state.get("ranks")
