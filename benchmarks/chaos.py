@@ -41,13 +41,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-HERE = Path(__file__).resolve()
-TESTS = HERE.parent.parent / "tests"
-sys.path.insert(0, str(TESTS))
-sys.path.insert(0, str(HERE.parent))
+from common import tiny_assets, unclean_exit
+from doc_tables import publish
 
-from doc_tables import publish  # noqa: E402
-from recipe_runs import unclean_exit  # noqa: E402
+HERE = Path(__file__).resolve()
 
 KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
 SAMPLES_PER_STEP = 8  # micro batch 2 x accumulation 2 x 2 ranks
@@ -220,9 +217,7 @@ def main() -> None:
     rows, failed = [], 0
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        from adaptive_batching.assets.tiny import write_tiny_assets
-
-        assets = write_tiny_assets(work / "assets").root
+        assets = tiny_assets(None, work)
         reference = reference_losses(work / "reference", assets, plan)
         for index in range(args.runs):
             fault = draw(rng, kinds, index, plan)

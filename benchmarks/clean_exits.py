@@ -34,12 +34,10 @@ import tempfile
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent.parent / "tests"))
-sys.path.insert(0, str(HERE.parent))
+from common import tiny_assets, unclean_exit
+from doc_tables import publish
 
-from doc_tables import publish  # noqa: E402
-from recipe_runs import unclean_exit  # noqa: E402
+HERE = Path(__file__).resolve()
 
 SHORT = ("epochs=1", "max_steps_per_epoch=4")
 SETTINGS = {
@@ -74,9 +72,7 @@ def runs(args: argparse.Namespace) -> None:
     records: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        from adaptive_batching.assets.tiny import write_tiny_assets
-
-        assets = write_tiny_assets(work / "assets").root
+        assets = tiny_assets(None, work)
         for index in range(args.runs):
             setting = chosen[index % len(chosen)]
             record = one_run(setting, assets, work / f"run{index}")

@@ -22,14 +22,13 @@ import dataclasses
 import json
 import os
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import publish  # noqa: E402
+from common import run_checked
+from doc_tables import publish
 
 HERE = Path(__file__).resolve()
 CONFIGS = HERE.parents[1] / "configs"
@@ -89,9 +88,7 @@ def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     cmd = [sys.executable, str(HERE), "--child", model, method, str(args.seq_len), args.device_memory, str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.perf_counter()
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise RuntimeError(f"{model} {method} failed:\n{done.stderr[-3000:]}")
+    run_checked(cmd, f"{model} {method}", env=env)
     result = json.loads(out.read_text())
     out.unlink()
     result.update(model=model, method=method, process_wall_s=time.perf_counter() - started)

@@ -4,50 +4,16 @@
     python benchmarks/growth_runs.py [--samples 1024] [--epochs 3] [--seq-len 128] [--threads 1]
                                      [--only NAME ...] [--out benchmarks/results] [--work DIR] [--publish]
 
-Six runs of ``tune run adaptive_full_finetune --config tiny_full`` (the offline tiny Llama-3 on its
-synthetic alpaca data), one after the other, each in its own child process. Every run sees the same
-samples: the first ``--samples`` of the data set, ``--epochs`` epochs, every sample once per epoch
-(the recipe's step sampler keeps an epoch's remainder as a smaller last step), same seed, same
-order within an epoch. What differs is only how the batch is cut into optimizer steps:
+Six runs of ``tune run adaptive_full_finetune --config tiny_full``, one after the other, each in its own child,
+see the same samples in the same order; only how they are cut into optimizer steps differs (:func:`run_overrides`:
+fixed small, fixed large, per-epoch x2, linear ramp, noise scale, seesaw). The LR is the same function of (samples
+consumed, global batch) in every run, and the memory budget is fixed: steps and losses are deterministic. The child
+stamps every metric line (``common.step_stamps``) and the start of training.
 
-1. ``fixed small``: global batch 8 throughout (micro batch 8, no growth);
-2. ``fixed large``: global batch 64 throughout;
-3. ``per-epoch x2``: ``adaptive_batching.growth.geometric`` factor 2 at every epoch start: 8, 16, 32;
-4. ``linear ramp``: ``adaptive_batching.growth.linear_ramp`` +8 every ``--ramp-every`` optimizer steps
-   (``adaptive_batching.growth_interval='N steps'``; ``start_epoch: 1``: the first boundary; the
-   function's first argument is the growth period's index);
-5. ``noise scale``: ``adaptive_batching.growth.noise_scale`` (fraction 0.5, max_factor 2) every
-   ``--noise-every`` steps, from micro batch 4 x accumulation 2 (the estimator needs >= 2 micro batches
-   per step); global batch 8 at the start like the others;
-6. ``seesaw``: ``adaptive_batching.growth.seesaw`` (factor 2, at most one doubling per call) every
-   ``--seesaw-every`` steps: doubles the batch wherever the cosine schedule has halved.
-
-The LR is the same function of (samples consumed, global batch) in every run: AdamW, LR 1e-3 for the
-reference global batch 8, ``lr_scaling: sqrt``, torchtune's cosine schedule with 128 samples of
-warm-up, decaying to 0 at the last sample, driven by consumed samples. The fixed-large run writes its
-config for a reference batch of 64 (``batch_size: 64``), so its LR is written as 1e-3 x sqrt(64/8)
-and its warm-up as 2 steps of 64: the same LR at every sample as the sqrt rule gives the other runs.
-``use_maximum_batch_size: False`` and a fixed memory budget (``--budget``, profiled once into a
-shared cache) with ``grow_past_memory: accumulate``: the runs are deterministic and comparable.
-
-Measured per run, from the metrics every step logs (timed by a wrapper, ``--tune-child``, that
-patches torchtune's ``DiskLogger.log_dict`` to stamp each call and ``Trainer.train`` to stamp its
-start, then runs ``tune run`` in-process):
-
-* the loss smoothed over samples: at each step, the sample-weighted mean of the step losses of the
-  last ``--window`` samples (the same window in samples for every run, so batch size does not change
-  how much is averaged); ``None`` until a whole window was seen;
-* the target loss: the fixed-small run's smoothed loss at ``--target-at`` (0.8) of its samples: a loss
-  the baseline reaches late but reaches, well above its final loss; also the one at 0.5;
-* optimizer steps, samples and wall time (from the start of training: start-up and the profiler
-  excluded, epoch switches and checkpoint saves included) until the smoothed loss first is at or below
-  the target (``None``: never);
-* the final loss (smoothed over the last window) and the total steps and training wall time;
-* the gradient noise scale where measured (metric ``gradient_noise_scale``).
-
-Writes ``growth_runs.json`` (every step of every run), ``growth_runs.md`` (the table) and
-``growth_runs.png`` (loss, global batch, LR and noise scale against samples) under ``--out``.
-Wall times on a shared 2-core machine move with other jobs' load; steps and losses are deterministic.
+Per run: the loss smoothed over the last ``--window`` samples; the steps, samples and wall time until it first
+reaches the target (the fixed-small run's smoothed loss at ``--target-at`` of its samples, and at 0.5); the final
+loss; the gradient noise scale where measured. Writes ``growth_runs.json`` (every step of every run),
+``growth_runs.md`` (the table) and ``growth_runs.png`` under ``--out``. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -64,10 +30,11 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
+from common import step_stamps, tiny_assets, tune_in_process
+from doc_tables import publish
+
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
-sys.path.insert(0, str(HERE.parent))
-from doc_tables import publish  # noqa: E402
 RECIPE, CONFIG = "adaptive_full_finetune", "tiny_full"
 BASE_LR, REFERENCE_BATCH, LARGE_BATCH, WARMUP_SAMPLES = 1e-3, 8, 64, 128
 
@@ -110,35 +77,25 @@ def run_overrides(args: argparse.Namespace) -> dict[str, list[str]]:
 
 def tune_child(stamps_path: str, tune_args: list[str]) -> None:
     """Run ``tune TUNE_ARGS`` in this process, stamping the start of training and every metric row."""
-    import torch
-    from torchtune.training.metric_logging import DiskLogger
-
     from adaptive_batching.training.trainer import Trainer
 
-    threads = os.environ.get("BENCH_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
     record: dict[str, Any] = {"rows": [], "train_start": None}
-    log_dict, train = DiskLogger.log_dict, Trainer.train
-
-    def timed_log_dict(self: Any, payload: Any, step: int) -> None:
-        row = {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
-        record["rows"].append({"step": int(step), "t": time.perf_counter(), **row})
-        log_dict(self, payload, step)
+    train = Trainer.train
 
     def timed_train(self: Any, *args: Any, **kwargs: Any) -> None:
         record["train_start"] = time.perf_counter()
         train(self, *args, **kwargs)
         record["train_end"] = time.perf_counter()
 
-    DiskLogger.log_dict, Trainer.train = timed_log_dict, timed_train
-    from torchtune._cli.tune import main as tune_main
+    def numbers(payload: Any, step: int) -> dict[str, float]:
+        return {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
 
-    sys.argv = ["tune", *tune_args]
-    try:
-        tune_main()
-    finally:
-        Path(stamps_path).write_text(json.dumps(record))
+    Trainer.train = timed_train
+    with step_stamps(numbers) as record["rows"]:
+        try:
+            tune_in_process(tune_args)
+        finally:
+            Path(stamps_path).write_text(json.dumps(record))
 
 
 def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str]) -> dict[str, Any]:
@@ -368,11 +325,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = (args.work or Path(tmp)).resolve()
         work.mkdir(parents=True, exist_ok=True)
-        if args.assets is None:
-            from adaptive_batching.assets.tiny import write_tiny_assets
-
-            args.assets = write_tiny_assets(work / "assets").root
-        args.assets = Path(args.assets).resolve()
+        args.assets = tiny_assets(args.assets, work)
         runs = []
         for name, overrides in run_overrides(args).items():
             if args.only and name not in args.only and name != "fixed small":

@@ -25,10 +25,9 @@ from typing import Optional
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import report  # noqa: E402
+from doc_tables import report
 
-from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm  # noqa: E402
+from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
 
 D, SIGMA = 64, 0.5  # B_simple = (d + 1) + d sigma^2 = 81 at |delta| = 1
 RANKS, STEPS, ACCUMULATION, MICRO = 2, 400, 8, 32

@@ -47,8 +47,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import report  # noqa: E402
+from common import tiny_assets
+from doc_tables import report
 
 GIB = 2**30
 BAR_PERCENT = 97.0
@@ -597,9 +597,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir = Path(tempfile.mkdtemp(prefix="profiler_vs_peers_")) if temporary else args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     try:
-        from adaptive_batching.assets.tiny import write_tiny_assets
-
-        write_tiny_assets(args.workdir / "assets")
+        tiny_assets(None, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         results: dict[str, Any] = {}
         for method in ("ours", "lightning", "accelerate"):

@@ -37,8 +37,8 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import report  # noqa: E402
+from common import tiny_assets
+from doc_tables import report
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
@@ -161,13 +161,12 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--launchers: a comma-separated list of {', '.join(LAUNCHERS)}")
     if args.child is not None:
         return child(args.child, args.assets, args.out, args.optimizer_in_bwd)
-    from adaptive_batching.assets.tiny import write_tiny_assets
 
     limit_kib = int(args.limit_gib * 2**20)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        assets = write_tiny_assets(work / "assets").root
+        assets = tiny_assets(None, work)
         runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd)
                 for i in range(args.repeats)]
         maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher, args.optimizer_in_bwd)

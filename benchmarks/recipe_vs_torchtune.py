@@ -2,76 +2,30 @@
 """Our full fine-tune recipe against torchtune's stock single-device one: optimizer steps per second.
 
     python benchmarks/recipe_vs_torchtune.py [--steps 200] [--warmup 3] [--repeats 3] [--threads 1] [--json out.json]
-                                            [--compile] [--glibc-tunables T] [--phases] [--publish]
+                                            [--compile] [--together] [--publish]
     python benchmarks/recipe_vs_torchtune.py --switch-only      # only the epoch-switch cost
 
-Both recipes run as a user runs them, ``tune run RECIPE --config FILE``, each in its own fresh
-child process with the same environment (``OMP_NUM_THREADS`` / ``MKL_NUM_THREADS`` = ``--threads``,
-``torch.set_num_threads`` too):
+Both run as a user runs them, ``tune run RECIPE --config FILE``, each in a fresh child with the same
+environment and threads: ours (``adaptive_full_finetune``, ``tiny_full``, a fixed batch: no profiling, no
+growth) and stock (``full_finetune_single_device``) with a config built from ours' resolved one: the keys the
+stock recipe reads, plus those it requires switched off. Same model, data, order (seed 0: the stock recipe's
+sampler always uses 0), optimizer, loss, schedule, fp32 on CPU; the per-step losses of the two are compared as a
+check that they compute the same thing.
 
-* ours: ``tune run adaptive_full_finetune`` with ``tiny_full`` and a fixed batch
-  (``use_maximum_batch_size=False``, ``batch_increase_function=null``: no profiling, no growth);
-* stock: ``tune run full_finetune_single_device`` (torchtune's own recipe) with a config built from
-  the very same resolved ``tiny_full`` config: only the keys the stock recipe reads are kept (ours'
-  ``assets_dir``, ``use_maximum_batch_size``, ``adaptive_batching``, ``batch_increase_function``,
-  ``lr_scaling`` go) and the keys it requires are added with their "off" value
-  (``optimizer_in_bwd: False``, ``enable_activation_offloading: False``, ``log_peak_memory_stats:
-  False``, a disabled ``profiler``).
+Timing: the child stamps torchtune's ``DiskLogger.log_dict``, which both recipes call once per optimizer step
+(``common.step_stamps``). Steps per second = ``--steps`` / (the last step's stamp - the ``--warmup``-th one's):
+start-up, warm-up and the final save are left out. Runs alternate (``--repeats`` each), or with ``--together``
+run side by side, each pinned to its own core (swapped every repeat), with each pair's ratio added. The bar:
+ours / stock >= 0.99 by steps per second and by median step time. ``--compile``: both with ``compile: True``
+(raise ``--warmup`` to leave the compiles out).
 
-Same model and checkpoint (the offline tiny Llama-3), tokenizer, data set, AdamW, chunked CE loss,
-cosine LR schedule, ``clip_grad_norm``, fp32, CPU, ``batch_size`` (default 8) x 1 accumulation,
-``max_seq_len`` (default 256), one epoch of ``--warmup + --steps`` optimizer steps, each with its
-own temporary ``output_dir``. The seed is 0 by default because the stock recipe always shuffles
-with sampler seed 0 while ours shuffles with ``seed``: only then do both see the same batches in
-the same order (the per-step losses of the two are compared and printed as a check of that).
-
-Timing: a small wrapper (this file, ``--tune-child``) patches torchtune's ``DiskLogger.log_dict``,
-which both recipes call once per optimizer step, to record ``time.perf_counter()`` per call, then
-runs ``tune run`` in-process. Steps per second = ``--steps`` / (time of the last step's log call -
-time of the ``--warmup``-th step's log call): start-up, the first ``--warmup`` steps and the final
-checkpoint save are excluded, and both recipes are measured exactly the same way. Runs alternate
-(stock, ours, stock, ours, ... ``--repeats`` each) so noise from other processes hits both; the
-table shows the median of each and the ratio of the medians. Bar: ours / stock >= 0.99, by steps per second
-and by median step time.
-
-``--compile``: both with ``compile: True`` (torchtune's per-layer compile; ours marks the batch's sizes
-dynamic); raise ``--warmup`` so the measured steps do not include compiling. ``--glibc-tunables T``: both
-children get ``GLIBC_TUNABLES=T`` (e.g. a fixed ``glibc.malloc.mmap_threshold``, which takes glibc's dynamic
-threshold, and so the process's allocation history, out of the comparison). ``--prefree-mib N``: each child first
-allocates and frees one N MiB block, which raises glibc's dynamic thresholds in both (mmap N MiB, trim 2N MiB; left
-alone they stay at 1.84 and 3.67 MiB in every run here), so that little of the heap's top is given back between
-steps, wherever the process's long-lived blocks lie. ``--phases``: the child also
-wraps the functions both recipes call in a step (data loader, model forward, loss, backward, clipping, optimizer step,
-zero_grad) and counts the page faults and time inside each; a table gives the median per step of each, and the
-rest of the step as ``other`` (the wrappers and the reads below add to both), with glibc's heap at its largest
-(``mallinfo2``) and its trim and mmap thresholds (read from its ``mp_``, found with ``gdb`` when installed).
-``--together``: each repeat's two runs at the same time, each pinned to its own core (swapped every repeat), so
-that a machine whose speed drifts slows both alike; the table adds how much their measured windows overlap, each
-pair's ratio by steps/s and by median step time, and the bar applied to the medians of those paired ratios (the
-estimate a paired design calls for) beside the bar on the ratio of the two recipes' medians.
-
-Epoch switch: ours runs once more with per-epoch batch growth (``--switch-epochs`` epochs of
-``--switch-steps`` steps, ``batch_increase_function`` = ``--switch-function`` with
-``--switch-arg`` keyword arguments); the recipe logs a line with ``Epoch switch`` and ``(took X ms)``
-at every switch; the median of those is reported ("n/a" when the recipe logs no such line).
-
-With the defaults the whole script takes about 4 minutes on 2 busy CPU cores (each child spends
-about 7 s starting up, then about 0.1 s per step). Timings on a shared machine are noisy: prefer
-more ``--repeats`` to more ``--steps``; the table also shows 1 / the median step time, which
-bursts of load from other processes move less. At glibc's defaults a run's minor page faults per step (printed
-for each run) differ from one process to the next, for either recipe, and its speed with them (about 2.4 us a
-fault on the 2-core machine): ``--glibc-tunables`` takes that out.
-
-The exit code is 0 whether or not the bar is met (PASS/FAIL is printed); it is 1 only when a run
-itself failed.
+Epoch switch: ours once more with per-epoch growth (``--switch-*``); the median of the recipe's ``Epoch switch
+... (took X ms)`` lines. The exit code is 1 only when a run itself failed. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import functools
-import importlib
 import json
 import os
 import re
@@ -87,8 +41,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import report  # noqa: E402
+from common import step_stamps, tune_in_process, write_json
+from doc_tables import report
 
 BAR_RATIO = 0.99
 OURS_RECIPE = "adaptive_full_finetune"
@@ -121,149 +75,21 @@ def _number(value: Any) -> Optional[float]:
     return None if value is None else float(value)
 
 
-PHASES = {  # name: (module, attribute path) of a function both recipes call in each step
-    "data": ("torch.utils.data.dataloader", "_BaseDataLoaderIter.__next__"),
-    "forward": ("torchtune.modules", "TransformerDecoder.forward"),
-    "loss": ("torchtune.modules.loss", "CEWithChunkedOutputLoss.forward"),
-    "backward": ("torch.autograd", "backward"),
-    "clip": ("torch.nn.utils", "clip_grad_norm_"),
-    "optimizer": ("torch.optim", "AdamW.step"),
-    "zero_grad": ("torch.optim", "Optimizer.zero_grad"),
-}
-
-
-def _malloc_and_free(size: int) -> None:
-    """One glibc block of ``size`` bytes, allocated and freed: above glibc's mmap threshold (128 KiB at start) it is
-    mmapped, and freeing it raises the dynamic threshold to ``size`` and the trim threshold to twice that (glibc moves
-    them only for a block of at most 32 MiB, its header included)."""
-    libc = ctypes.CDLL("libc.so.6")
-    libc.malloc.restype = ctypes.c_void_p
-    libc.free.argtypes = [ctypes.c_void_p]
-    libc.free(libc.malloc(size))
-
-
-@functools.lru_cache(maxsize=None)
-def _libc() -> Optional[tuple[str, int]]:
-    """This process's libc.so.6: its path and the address it is loaded at (read once: reading the maps takes ms)."""
-    for line in Path("/proc/self/maps").read_text().splitlines():
-        fields = line.split()
-        if fields[-1].endswith("/libc.so.6") and fields[2] == "00000000":
-            return fields[-1], int(fields[0].split("-")[0], 16)
-    return None
-
-
-def _mp_offset() -> Optional[int]:
-    """Where glibc keeps its malloc parameters (``mp_``, a static symbol) in libc.so.6, from ``gdb``; None without."""
-    libc = _libc()
-    if libc is None or shutil.which("gdb") is None:
-        return None
-    out = subprocess.run(["gdb", "-batch", "-ex", "info address mp_", libc[0]], capture_output=True, text=True,
-                         timeout=60).stdout
-    match = re.search(r"at address (0x[0-9a-f]+)", out)
-    return int(match.group(1), 16) if match else None
-
-
-def _glibc_thresholds() -> Optional[tuple[int, int]]:
-    """glibc's trim and mmap thresholds now, read from its ``mp_`` (``trim_threshold``, ``top_pad``,
-    ``mmap_threshold`` are its first fields), at the offset the parent found (``BENCH_MP_OFFSET``)."""
-    offset, libc = os.environ.get("BENCH_MP_OFFSET"), _libc()
-    if not offset or libc is None:
-        return None
-    fields = (ctypes.c_ulong * 3).from_address(libc[1] + int(offset))
-    return int(fields[0]), int(fields[2])
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in
-                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                 "keepcost")]
-
-
-@functools.lru_cache(maxsize=None)
-def _mallinfo2() -> Optional[Any]:
-    try:
-        function = ctypes.CDLL("libc.so.6").mallinfo2
-    except (OSError, AttributeError):
-        return None
-    function.restype = _MallInfo2
-    return function
-
-
-def _heap_bytes() -> Optional[int]:
-    """glibc's main heap plus its mmapped blocks (``mallinfo2``), or None without glibc."""
-    mallinfo2 = _mallinfo2()
-    if mallinfo2 is None:
-        return None
-    info = mallinfo2()
-    return int(info.arena + info.hblkhd)
-
-
-def _watch_phases() -> dict[str, list[float]]:
-    """Wrap each function of :data:`PHASES` to sum, per phase, the minor page faults and seconds spent inside
-    it (outermost calls only): ``{phase: [faults, seconds]}``, read at each metric line."""
-    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in PHASES}
-    depth = [0]
-
-    def wrap(name: str, fn: Any) -> Any:
-        @functools.wraps(fn)
-        def watched(*a: Any, **kw: Any) -> Any:
-            if depth[0]:
-                return fn(*a, **kw)
-            depth[0] += 1
-            f0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
-            try:
-                return fn(*a, **kw)
-            finally:
-                depth[0] -= 1
-                total = totals[name]
-                total[0] += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
-                total[1] += time.perf_counter() - t0
-        return watched
-
-    for name, (module, path) in PHASES.items():
-        owner: Any = importlib.import_module(module)
-        *parents, attr = path.split(".")
-        for parent in parents:
-            owner = getattr(owner, parent)
-        setattr(owner, attr, wrap(name, getattr(owner, attr)))
-    return totals
-
-
 def tune_child(stamps_path: str, tune_args: list[str]) -> int:
     """Run ``tune TUNE_ARGS`` in this process, recording when each metric line is logged."""
-    prefree = int(os.environ.get("BENCH_PREFREE_MIB") or 0)
-    if prefree:
-        _malloc_and_free(prefree * 2**20)
-    import torch
-    from torchtune.training.metric_logging import DiskLogger
 
-    threads = os.environ.get("BENCH_THREADS")
-    if threads:
-        torch.set_num_threads(int(threads))
-    stamps: list[dict[str, Any]] = []
-    original = DiskLogger.log_dict
-    phases = _watch_phases() if os.environ.get("BENCH_PHASES") else None
+    def figures(payload: Any, step: int) -> dict[str, Any]:
+        return {"loss": _number(payload.get("loss")), "lr": _number(payload.get("lr")),
+                "batch": _number(payload.get("micro_batch_size")),
+                "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt}
 
-    def timed_log_dict(self: Any, payload: Any, step: int) -> None:
-        now = time.perf_counter()
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
-        stamps.append({"step": int(step), "t": now, "loss": _number(payload.get("loss")),
-                       "lr": _number(payload.get("lr")), "batch": _number(payload.get("micro_batch_size")),
-                       "minor_faults": faults})
-        if phases is not None:
-            stamps[-1]["phases"] = {name: list(v) for name, v in phases.items()}
-            stamps[-1]["heap_bytes"] = _heap_bytes()
-            stamps[-1]["glibc_thresholds"] = _glibc_thresholds()
-        original(self, payload, step)
+    with step_stamps(figures) as stamps:
+        try:
+            tune_in_process(tune_args)
+        finally:
+            import torch
 
-    DiskLogger.log_dict = timed_log_dict
-    from torchtune._cli.tune import main as tune_main
-
-    sys.argv = ["tune", *tune_args]
-    try:
-        tune_main()  # the recipes end with sys.exit(recipe_main()): that SystemExit passes through
-    finally:
-        Path(stamps_path).write_text(json.dumps({"threads": torch.get_num_threads(), "stamps": stamps}))
+            Path(stamps_path).write_text(json.dumps({"threads": torch.get_num_threads(), "stamps": stamps}))
     return 0
 
 
@@ -294,17 +120,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--assets", type=Path, default=TINY_DIR,
                    help=f"tiny assets directory, written when missing (default {TINY_DIR})")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
-    p.add_argument("--glibc-tunables", default=None, help="GLIBC_TUNABLES for both children")
-    p.add_argument("--prefree-mib", type=int, default=0,
-                   help="each child first allocates and frees one block of this many MiB (at most 31), which raises "
-                        "glibc's dynamic mmap threshold to it and the trim threshold to twice it, in both recipes, "
-                        "before anything else runs (default 0: not done)")
     p.add_argument("--together", action="store_true",
                    help="run each repeat's two recipes at the same time, each pinned to its own core (swapped every "
                         "repeat): a machine whose speed drifts then slows both alike; needs 2 cores")
-    p.add_argument("--phases", action="store_true",
-                   help="also count page faults and time inside each part of a step, and read glibc's heap size and "
-                        "thresholds at each (the wrappers sit outside the compiled regions, and add to both recipes)")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None,
@@ -320,9 +138,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--switch-only and --no-switch exclude each other")
     if args.together and len(os.sched_getaffinity(0)) < 2:
         p.error("--together needs 2 cores")
-    if not 0 <= args.prefree_mib <= 31:
-        p.error("--prefree-mib must be between 0 and 31 (glibc's dynamic mmap threshold moves only for a block of at "
-                "most 32 MiB, its header included)")
     if args.switch_arg is None:
         args.switch_arg = ["increment=4"]
     return args
@@ -404,16 +219,6 @@ def child_env(args: argparse.Namespace) -> dict[str, str]:
     threads = str(args.threads)
     env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads,
                BENCH_THREADS=threads, TOKENIZERS_PARALLELISM="false")
-    for key in ("GLIBC_TUNABLES", "BENCH_PHASES", "BENCH_MP_OFFSET", "BENCH_PREFREE_MIB"):
-        env.pop(key, None)
-    if args.phases:
-        env["BENCH_PHASES"] = "1"
-        if args.mp_offset is not None:
-            env["BENCH_MP_OFFSET"] = str(args.mp_offset)
-    if args.prefree_mib:
-        env["BENCH_PREFREE_MIB"] = str(args.prefree_mib)
-    if args.glibc_tunables:
-        env["GLIBC_TUNABLES"] = args.glibc_tunables
     return env
 
 
@@ -663,55 +468,6 @@ def print_switch(switch: Optional[dict[str, Any]]) -> None:
               f"against {switch['ordinary_step_ms']:.0f} ms for the step after it)")
 
 
-def phases_per_step(stamps: list[dict[str, Any]], warmup: int, steps: int) -> Optional[dict[str, tuple[float, float]]]:
-    """Per measured step, each phase's minor page faults and microseconds, and the rest of the step as ``other``."""
-    if len(stamps) < warmup + steps or "phases" not in stamps[0]:
-        return None
-    first, last = stamps[warmup - 1], stamps[warmup + steps - 1]
-    out = {name: ((last["phases"][name][0] - first["phases"][name][0]) / steps,
-                  (last["phases"][name][1] - first["phases"][name][1]) * 1e6 / steps) for name in PHASES}
-    out["other"] = ((last["minor_faults"] - first["minor_faults"]) / steps - sum(v[0] for v in out.values()),
-                    (last["t"] - first["t"]) * 1e6 / steps - sum(v[1] for v in out.values()))
-    return out
-
-
-def median_phases(runs: dict[str, list[dict[str, Any]]], warmup: int,
-                  steps: int) -> Optional[dict[str, dict[str, tuple[float, float]]]]:
-    """The median over runs of each phase's faults and microseconds per step: ``{recipe: {phase: (faults, us)}}``."""
-    per = {name: [p for p in (phases_per_step(r["stamps"], warmup, steps) for r in runs[name]) if p]
-           for name in ("ours", "stock")}
-    if not per["ours"] or not per["stock"]:
-        return None
-    medians = {name: {phase: (statistics.median(p[phase][0] for p in per[name]),
-                              statistics.median(p[phase][1] for p in per[name])) for phase in [*PHASES, "other"]}
-               for name in per}
-    heaps = {name: [max(s.get("heap_bytes") or 0 for s in r["stamps"][warmup - 1:warmup + steps]) for r in runs[name]
-                    if r["stamps"]] for name in per}
-    for name in per:
-        medians[name]["heap MB (glibc), the largest at a metric line"] = (statistics.median(heaps[name]) / 2**20, None)
-        seen = {tuple(s["glibc_thresholds"]) for r in runs[name] for s in r["stamps"][warmup - 1:warmup + steps]
-                if s.get("glibc_thresholds")}
-        for label, index in (("trim", 0), ("mmap", 1)):
-            values = sorted({t[index] for t in seen})
-            if values:  # the lowest and the highest over every measured step of every run
-                medians[name][f"glibc {label} threshold MiB, lowest / highest"] = (values[0] / 2**20,
-                                                                                   values[-1] / 2**20)
-    return medians
-
-
-def print_phases(phases: dict[str, dict[str, tuple[float, float]]]) -> None:
-    print("\nper step, median over runs (--phases): minor page faults, then microseconds\n")
-    print("| phase | faults ours | faults stock | us ours | us stock |")
-    print("|---|---:|---:|---:|---:|")
-    for phase in phases["ours"]:
-        ours, stock = phases["ours"][phase], phases["stock"][phase]
-        if phase.startswith("glibc"):
-            print(f"| {phase} | {ours[0]:.2f} / {ours[1]:.2f} | {stock[0]:.2f} / {stock[1]:.2f} | - | - |")
-            continue
-        cells = [_fmt(value, ".0f") for value in (ours[0], stock[0], ours[1], stock[1])]
-        print(f"| {phase} | " + " | ".join(cells) + " |")
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
@@ -722,7 +478,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args.workdir = Path(tempfile.mkdtemp(prefix="recipe_vs_torchtune_")) if temporary else args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
     args.assets = args.assets.resolve()
-    args.mp_offset = _mp_offset() if args.phases else None
     failed = False
     try:
         ensure_assets(args.assets)
@@ -732,7 +487,6 @@ def main(argv: Optional[list[str]] = None) -> int:
                          "batch_size": args.batch_size, "gradient_accumulation_steps": 1,
                          "seq_len": args.seq_len, "seed": args.seed, "threads": args.threads,
                          "config": CONFIG, "device": "cpu", "dtype": "fp32", "compile": args.compile,
-                         "glibc_tunables": args.glibc_tunables, "prefree_mib": args.prefree_mib,
                          "together": args.together},
             "bar_ratio": BAR_RATIO,
         }
@@ -740,7 +494,6 @@ def main(argv: Optional[list[str]] = None) -> int:
             measured = throughput_runs(args)
             summary = summarise(args, measured)
             figures.update(summary)
-            figures["phases"] = median_phases(measured["runs"], args.warmup, args.steps) if args.phases else None
             figures["window_overlaps"] = (window_overlaps(measured["runs"], args.warmup, args.steps)
                                           if args.together else None)
             figures["pair_ratios"] = pair_ratios(measured["runs"]) if args.together else None
@@ -750,13 +503,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         switch = None if args.no_switch else switch_run(args)
         figures["epoch_switch"] = switch
         name = ("recipe-vs-torchtune" + ("-compiled" if args.compile else "")
-                + ("-glibc" if args.glibc_tunables else "") + ("-prefree" if args.prefree_mib else "")
                 + ("-together" if args.together else ""))
         with report(name if args.publish else None):
             print(f"{CONFIG}, batch {args.batch_size} x 1, seq {args.seq_len}, fp32, cpu, {args.threads} thread(s), "
                   f"seed {args.seed}" + (", compile=True" if args.compile else "")
-                  + (f", GLIBC_TUNABLES={args.glibc_tunables}" if args.glibc_tunables else "")
-                  + (f", one {args.prefree_mib} MiB block freed at start" if args.prefree_mib else "")
                   + (", each repeat's two runs at the same time on their own cores" if args.together else "")
                   + ("" if args.switch_only
                                          else f"; {args.warmup} warm-up + {args.steps} measured steps per run"))
@@ -775,15 +525,12 @@ def main(argv: Optional[list[str]] = None) -> int:
                               f" (median {paired[1]:.3f}x); the pairs' medians, {paired[0]:.3f}x by steps/s and "
                               f"{paired[1]:.3f}x by median step time (bar: both >= {BAR_RATIO:g}x): "
                               + ("PASS" if min(paired) >= BAR_RATIO else "FAIL"))
-                if figures["phases"]:
-                    print_phases(figures["phases"])
                 if summary["dropped_keys"]:
                     print(f"keys of ours' config the stock recipe does not read (left out of its config): "
                           f"{', '.join(summary['dropped_keys'])}")
             print_switch(switch)
         if args.json is not None:
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(figures, indent=2, default=str))
+            write_json(args.json, figures)
             print(f"figures written to {args.json}")
     finally:
         if temporary and not args.keep:

@@ -33,15 +33,14 @@ import importlib
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import publish  # noqa: E402
+from common import run_checked, step_stamps, tiny_assets
+from doc_tables import publish
 
 HERE = Path(__file__).resolve()
 
@@ -54,10 +53,7 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
     """One rank of a run: the recipe in this process, rank 0 recording when each step is logged and how
     many collectives ran since the previous step."""
     import torch.distributed as dist
-    from torchtune.training.metric_logging import DiskLogger
 
-    stamps: list[float] = []
-    counts: list[int] = []
     calls = [0]
 
     def counted(function: Any) -> Any:
@@ -71,7 +67,6 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
     from adaptive_batching.faults.preemption import Preemption
 
     inside = [0.0]  # seconds spent in the ranks' stop agreement since the previous step
-    handling: list[float] = []
 
     def clocked(function: Any) -> Any:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -84,25 +79,23 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
 
     Preemption.begin_step = clocked(Preemption.begin_step)
     Preemption.end_step = clocked(Preemption.end_step)
-    original = DiskLogger.log_dict
 
-    def timed(self: Any, payload: Any, step: int) -> None:
-        stamps.append(time.perf_counter())
-        counts.append(calls[0])
-        handling.append(inside[0])
+    def since_last(payload: Any, step: int) -> dict[str, Any]:
+        row = {"collectives": calls[0], "stop_seconds": inside[0]}
         calls[0], inside[0] = 0, 0.0
-        original(self, payload, step)
+        return row
 
-    DiskLogger.log_dict = timed
     sys.argv = [module, *argv]
-    try:
-        importlib.import_module(module).recipe_main()
-    except SystemExit as stop:
-        if stop.code not in (None, 0):
-            raise
-    finally:
-        if int(os.environ.get("RANK", 0)) == 0:
-            Path(stamps_path).write_text(json.dumps({"stamps": stamps, "collectives": counts, "stop_seconds": handling}))
+    with step_stamps(since_last) as stamps:
+        try:
+            importlib.import_module(module).recipe_main()
+        except SystemExit as stop:
+            if stop.code not in (None, 0):
+                raise
+        finally:
+            if int(os.environ.get("RANK", 0)) == 0:
+                Path(stamps_path).write_text(json.dumps({key: [s[field] for s in stamps] for key, field in (
+                    ("stamps", "t"), ("collectives", "collectives"), ("stop_seconds", "stop_seconds"))}))
 
 
 NO_STOP = "adaptive_batching.stop_signals=[]"
@@ -124,9 +117,7 @@ def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[f
            "epochs=1", f"max_steps_per_epoch={args.warmup + args.steps}", "dataset.split=train",
            "log_every_n_steps=1", *SETTINGS[setting]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    result = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=1800)
-    if result.returncode != 0:
-        sys.exit(f"{tag} failed:\n{result.stderr[-3000:]}")
+    run_checked(cmd, tag, env=env, cwd=work, timeout=1800)
     record = json.loads(stamps.read_text())
     times, counts = record["stamps"], record["collectives"]
     timed = slice(args.warmup, args.warmup + args.steps)
@@ -158,10 +149,7 @@ def main() -> None:
     stop_share: dict[str, list[float]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.assets is None:
-            from adaptive_batching.assets.tiny import write_tiny_assets
-
-            args.assets = write_tiny_assets(work / "assets").root
+        args.assets = tiny_assets(args.assets, work)
         for repeat in range(args.repeats):
             for setting in chosen:
                 speed, count, share = run(args, work, f"{setting}-{repeat}", setting)

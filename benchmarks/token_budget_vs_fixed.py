@@ -28,16 +28,16 @@ import json
 import os
 import re
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from common import run_checked, tiny_assets
+from doc_tables import publish
+
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
-from doc_tables import publish  # noqa: E402
 
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
@@ -79,9 +79,7 @@ def run(args: argparse.Namespace, work: Path, tag: str, mode: str) -> dict[str, 
     cmd = [sys.executable, str(HERE), "--child", str(result), "adaptive_full_finetune", "--config", "tiny_full",
            *common(args, work), f"output_dir={work / tag}", *MODES[mode]]
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    done = subprocess.run(cmd, env=env, cwd=work, capture_output=True, text=True, timeout=3600)
-    if done.returncode != 0:
-        sys.exit(f"{tag} failed:\n{done.stderr[-3000:]}")
+    done = run_checked(cmd, tag, env=env, cwd=work, timeout=3600)
     return {**json.loads(result.read_text()), "output": done.stdout + done.stderr}
 
 
@@ -120,10 +118,7 @@ def main() -> None:
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        if args.assets is None:
-            from adaptive_batching.assets.tiny import write_tiny_assets
-
-            args.assets = write_tiny_assets(work / "assets").root
+        args.assets = tiny_assets(args.assets, work)
         seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
         outputs: dict[str, str] = {}
         for repeat in range(args.repeats):

@@ -20,8 +20,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from doc_tables import ROOT, commit, report  # noqa: E402
+from doc_tables import ROOT, commit, report
 
 
 def minutes(seconds: float) -> str:

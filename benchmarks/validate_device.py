@@ -49,7 +49,6 @@ from pathlib import Path
 from typing import Any, Optional
 
 HERE = Path(__file__).resolve()
-sys.path.insert(0, str(HERE.parent))
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA must not initialise it here
 
 import validate_data  # noqa: E402

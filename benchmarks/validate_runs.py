@@ -241,7 +241,6 @@ def _fork_and_wait(spec: dict[str, Any], out: Any, env: dict[str, str], timeout:
 
 if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        sys.path.insert(0, str(HERE.parent))
         preload()  # the imports the run makes anyway, frozen, as in a forked child
         sys.exit(run_in_child(json.loads(Path(sys.argv[2]).read_text())))
     sys.exit("usage: validate_runs.py --child SPEC.json (started by validate_device.py)")

@@ -605,18 +605,11 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, the python launcher")
        for extra in ("--tolerance 0.01", "--tolerance 0.02", "--optimizer-in-bwd")},
     **{f"python benchmarks/recipe_vs_torchtune.py {args}": ("tests/test_benchmarks.py::test_recipe_vs_torchtune",
-                                                           "smallest size: 2 steps, 1 repeat, with --phases")
+                                                           "smallest size: 2 steps, 1 repeat")
        for args in ("--repeats 12 --steps 100 --publish",
-                    "--repeats 6 --steps 100 --no-switch --glibc-tunables glibc.malloc.mmap_threshold=33554432:"
-                    "glibc.malloc.trim_threshold=1073741824 --publish",
-                    "--repeats 6 --steps 60 --no-switch --phases", "--repeats 6 --steps 60 --no-switch --phases "
-                    "--prefree-mib 31 --publish", "--repeats 8 --steps 100 --no-switch",
-                    "--compile --warmup 20 --repeats 4 --steps 60 --no-switch --phases --prefree-mib 31 --publish",
-                    "--compile --repeats 12 --steps 100 --warmup 20 --no-switch --publish")},
-    **{f"python benchmarks/recipe_vs_torchtune.py {args}": (
-        "tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat")
-       for args in ("--repeats 8 --steps 150 --no-switch --together --publish",
-                    "--compile --warmup 20 --repeats 10 --steps 150 --no-switch --together --publish")},
+                    "--compile --repeats 12 --steps 100 --warmup 20 --no-switch")},
+    "python benchmarks/recipe_vs_torchtune.py --compile --warmup 20 --repeats 10 --steps 150 --no-switch --together "
+    "--publish": ("tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
         "tests/test_benchmarks.py::test_step_overhead", "smallest size: 2 steps, settings none and stop"),
