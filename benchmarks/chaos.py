@@ -45,6 +45,7 @@ from common import tiny_assets, unclean_exit
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
+FAULTY_RUN = HERE.parent.parent / "tests" / "faulty_run.py"  # the recipe with a fault injected, run as a script
 
 KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
 SAMPLES_PER_STEP = 8  # micro batch 2 x accumulation 2 x 2 ranks
@@ -113,7 +114,7 @@ class Outcome:
 def launch(out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restarts: int = 0,
            runner: Runner = run_process) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={restarts}", str(TESTS / "faulty_run.py"), json.dumps(fault), f"{out}-",
+           f"--max-restarts={restarts}", str(FAULTY_RUN), json.dumps(fault), f"{out}-",
            "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}",
            *plan.overrides(), *extra]
     return runner(cmd, out.parent, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), 1200)
