@@ -145,8 +145,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
     from adaptive_batching.batching import worst_case
+    from adaptive_batching.config.inputs import worst_case_of
     from adaptive_batching.config.objectives import check_objective
-    from adaptive_batching.core.paths import cache_dir
     from adaptive_batching.profiling.estimate import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.units import parse_bytes
@@ -159,8 +159,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
     check_objective(cfg)  # a DPO, KD or QAT config: refused as the recipe refuses it, before any tracing
-    cache = cache_dir(OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None))
-    worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case.from_config(cfg, cache)
+    cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
+    worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
         estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
                                             fraction=args.fraction, world_size=args.world_size,

@@ -27,7 +27,7 @@ def test_max_tokens_picks_the_token_policy() -> None:
 
 def test_the_sample_policy_serves_every_sample_once_in_planned_steps() -> None:
     policy = SampleBatching(DEFAULT)
-    policy.prepare(context(), cfg=None, info=print, profiles=False)  # type: ignore[arg-type]
+    policy.prepare(context(), lengths=None, info=print, profiles=False)  # type: ignore[arg-type]
     shape = BatchShape(micro_batch=4, accumulation=2, ranks=1)
     policy.plan([EpochBatch(epoch=0, requested=4, increment=0, shape=shape, reason="start")], start=4,
                 profiled=None, verify=None, info=print)  # type: ignore[arg-type]

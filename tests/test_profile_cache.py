@@ -13,6 +13,7 @@ import torch
 from config_edits import modified
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.config.inputs import memory_setup
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.core.paths import cache_dir, default_cache_dir
 from adaptive_batching.errors import ConfigError
@@ -37,7 +38,7 @@ def key_of(cfg: DictConfig, **overrides: Any) -> str:
     machine = dict(world_size=1, device=torch.device("cpu"), device_name="cpu", device_memory_bytes=2**34,
                    torch_version="2.13.0", seq_len=256)
     machine.update(overrides)
-    return fingerprint(memory_fingerprint_parts(cfg, validate_config(cfg).profiler, **machine))
+    return fingerprint(memory_fingerprint_parts(memory_setup(cfg), validate_config(cfg).profiler, **machine))
 
 
 # --- load and save ------------------------------------------------------------------------------
@@ -146,7 +147,7 @@ def test_fingerprint_ignores_key_order() -> None:
 
 
 def test_fingerprint_parts_are_plain_json(base_cfg: DictConfig) -> None:
-    parts = memory_fingerprint_parts(base_cfg, validate_config(base_cfg).profiler, world_size=1, device=torch.device("cpu"), device_name="cpu",
+    parts = memory_fingerprint_parts(memory_setup(base_cfg), validate_config(base_cfg).profiler, world_size=1, device=torch.device("cpu"), device_name="cpu",
                                      device_memory_bytes=2**34, torch_version="2.13.0", seq_len=1450)
     assert json.loads(json.dumps(parts)) == parts
     assert parts["model"]["embed_dim"] == 64 and parts["worst_case_seq_len"] == 1450
@@ -210,7 +211,7 @@ def test_equivalent_budget_settings_fingerprint_alike(base_cfg: DictConfig) -> N
 
 def test_configs_without_optional_keys_still_fingerprint() -> None:
     minimal = OmegaConf.create({"model": {"_component_": "m", "embed_dim": 8}, "adaptive_batching": None})
-    parts = memory_fingerprint_parts(minimal, ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
+    parts = memory_fingerprint_parts(memory_setup(minimal), ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
                                      device_memory_bytes=1, torch_version="x", seq_len=8)
     assert parts["dtype"] == "fp32" and parts["compile"] is False and parts["worst_case_seq_len"] == 8
     assert parts["adaptive_batching.memory_fraction"] == 0.9 and parts["adaptive_batching.memory_budget"] is None
@@ -221,7 +222,7 @@ def test_configs_without_optional_keys_still_fingerprint() -> None:
 def test_a_dataset_list_is_packed_when_all_are_and_a_mix_is_an_error(base_cfg: DictConfig) -> None:
     def packed(datasets: list[dict[str, Any]]) -> bool:
         cfg = modified(base_cfg, {"dataset": datasets})
-        return memory_fingerprint_parts(cfg, ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
+        return memory_fingerprint_parts(memory_setup(cfg), ProfilerSettings(), world_size=1, device=torch.device("cpu"), device_name="cpu",
                                         device_memory_bytes=1, torch_version="x", seq_len=8)["dataset.packed"]
 
     assert packed([{"_component_": "a", "packed": True}, {"_component_": "b", "packed": True}]) is True

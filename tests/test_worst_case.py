@@ -11,6 +11,7 @@ from omegaconf import OmegaConf
 from recipe_runs import check, read_metrics, tune_run
 
 from adaptive_batching.batching import worst_case
+from adaptive_batching.config.inputs import length_source, worst_case_of
 from adaptive_batching.errors import ConfigError
 
 CFG = OmegaConf.create({"tokenizer": {"max_seq_len": None}, "dataset": {"source": "json"}})
@@ -36,19 +37,19 @@ class Packs:
 
 def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(tmp_path: Path) -> None:
     data, said = Samples([5, 1450, 9, 300]), []
-    worst, lengths = worst_case.measure(data, CFG, packed=False, cache_dir=tmp_path, info=said.append)
+    worst, lengths = worst_case.measure(data, length_source(CFG, tmp_path), packed=False, info=said.append)
     assert (worst.tokens, lengths) == (1450, [5, 1450, 9, 300])
     assert worst.source == "the longest of 4 samples after tokenizer.max_seq_len=null: no truncation"
     assert said and said[0].startswith("Worst-case sample: 1450 tokens, the longest of 4 samples")
     reads = data.reads
-    again, _ = worst_case.measure(data, CFG, packed=False, cache_dir=tmp_path, info=said.append)
+    again, _ = worst_case.measure(data, length_source(CFG, tmp_path), packed=False, info=said.append)
     assert again == worst and data.reads == reads  # the lengths came from the cache
 
 
 def test_truncation_is_named_and_a_packed_data_set_is_one_pack_long() -> None:
-    truncated = OmegaConf.create({"tokenizer": {"max_seq_len": 256}, "dataset": {}})
+    truncated = length_source(OmegaConf.create({"tokenizer": {"max_seq_len": 256}, "dataset": {}}), None)
     assert worst_case.from_lengths([3, 256], truncated).source == "the longest of 2 samples after tokenizer.max_seq_len=256"
-    worst, lengths = worst_case.measure(Packs(), truncated, packed=True, cache_dir=None, info=print)
+    worst, lengths = worst_case.measure(Packs(), truncated, packed=True, info=print)
     assert (worst.tokens, lengths) == (2048, None) and worst.source == "the pack size (tokenizer.max_seq_len=256)"
 
 
@@ -64,7 +65,7 @@ def test_estimate_without_data_asks_for_the_length(tmp_path: Path) -> None:
                                           "path": "/nonexistent/tokenizer.model"},
                             "dataset": {"_component_": "torchtune.datasets.alpaca_dataset"}})
     with pytest.raises(ConfigError, match=r"could not be read here \(FileNotFoundError: .*give it with --seq-len N"):
-        worst_case.from_config(cfg, tmp_path)
+        worst_case_of(cfg, tmp_path)
 
 
 @pytest.mark.e2e

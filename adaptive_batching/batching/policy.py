@@ -11,10 +11,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Callable, Optional
-
-from omegaconf import DictConfig
 
 from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.checks import check_plan_against_data, lr_factor_warnings
@@ -24,8 +21,7 @@ from adaptive_batching.batching.sampler import SamplerSpan, epoch_extent
 from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.batching.token_sampler import padding_waste
-from adaptive_batching.batching.worst_case import WorstCase
-from adaptive_batching.core.paths import cache_dir
+from adaptive_batching.batching.worst_case import LengthSource, WorstCase
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults.guard import piece_size
@@ -60,20 +56,16 @@ class SampleBatching:
         self.epoch_plan: list[EpochBatch] = []
         self.worst: Optional[WorstCase] = None  # the longest sample, when the profiler needs it
 
-    @property
-    def cache_dir(self) -> Path:
-        """Where profiles and sample lengths are cached."""
-        return cache_dir(self.settings.cache_dir)
-
     def cuts(self) -> Cuts:
         return SampleCuts()
 
-    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None], *, profiles: bool) -> None:
-        """Keep the data; when the run profiles, find its worst-case sample (see ``worst_case``)."""
+    def prepare(self, data: DataContext, lengths: LengthSource, info: Callable[[str], None], *,
+                profiles: bool) -> None:
+        """Keep the data; when the run profiles, find its worst-case sample (see ``worst_case``) from ``lengths``,
+        what the config says of the samples' token counts."""
         self.data = data
         if profiles:
-            self.worst, _ = worst_case.measure(data.dataset, cfg, packed=data.packed, cache_dir=self.cache_dir,
-                                               info=info)
+            self.worst, _ = worst_case.measure(data.dataset, lengths, packed=data.packed, info=info)
 
     def plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: "Verifier",
              info: Callable[[str], None]) -> None:
@@ -182,12 +174,13 @@ class TokenBatching(SampleBatching):
     def cuts(self) -> Cuts:
         return TokenCuts()
 
-    def prepare(self, data: DataContext, cfg: DictConfig, info: Callable[[str], None], *, profiles: bool) -> None:
+    def prepare(self, data: DataContext, lengths: LengthSource, info: Callable[[str], None], *,
+                profiles: bool) -> None:
         """Every sample's token count (cached, see ``worst_case``): the budget is filled by them."""
         self.data = data
-        self.worst, lengths = worst_case.measure(data.dataset, cfg, packed=False, cache_dir=self.cache_dir, info=info)
-        assert lengths is not None
-        self.lengths = lengths
+        self.worst, counts = worst_case.measure(data.dataset, lengths, packed=False, info=info)
+        assert counts is not None
+        self.lengths = counts
         ordered = sorted(self.lengths)
         info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
              f"(median {ordered[len(ordered) // 2]})")

@@ -20,8 +20,6 @@ class BatchingSettings:
     """The most samples in a token-budget micro batch; None: no bound."""
     allow_global_batch_above_data: bool = False
     """Let a planned global batch exceed the epoch's samples (else a config error)."""
-    cache_dir: Optional[str] = None
-    """The folder of the sample-length cache (``adaptive_batching.cache_dir``); None: the default."""
 
     @property
     def token_budget(self) -> bool:

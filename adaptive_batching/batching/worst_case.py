@@ -16,9 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.batching.data import data_files
 from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
 from adaptive_batching.errors import ConfigError
 
@@ -34,46 +32,63 @@ class WorstCase:
         return f"{self.tokens} tokens, {self.source}"
 
 
-def pack_size(dataset: Any, cfg: DictConfig) -> int:
+@dataclass(frozen=True)
+class LengthSource:
+    """What measuring the samples' token counts needs from the config, read where the config is (``config``):
+    the data's identity for the sample-length cache, the tokenizer's truncation and the cache's folder."""
+
+    dataset: Any
+    """The ``dataset`` config, resolved to plain values."""
+    tokenizer: Any
+    """The ``tokenizer`` config, resolved to plain values."""
+    data_files: tuple[str, ...]
+    """The local files the data set reads (their digest is part of the cache key)."""
+    max_seq_len: Optional[int]
+    """``tokenizer.max_seq_len``: where samples are truncated (None: they are not)."""
+    cache_dir: Optional[Path]
+    """The sample-length cache's folder (None: measured, not stored)."""
+
+    @property
+    def truncation(self) -> str:
+        return f"tokenizer.max_seq_len={'null: no truncation' if self.max_seq_len is None else self.max_seq_len}"
+
+
+def pack_size(dataset: Any, source: LengthSource) -> int:
     """Tokens in every pack of a packed data set (torchtune packs to ``tokenizer.max_seq_len``)."""
     parts = getattr(dataset, "datasets", None) or getattr(dataset, "_datasets", None) or [dataset]
     sizes = {getattr(part, "max_seq_len", None) for part in parts} - {None}
     if len(sizes) == 1:
         return int(sizes.pop())
-    return int(cfg.tokenizer.max_seq_len)
+    return int(source.max_seq_len)  # type: ignore[arg-type]
 
 
-def sample_lengths(dataset: Any, cfg: DictConfig, cache_dir: Optional[Path]) -> list[int]:
+def sample_lengths(dataset: Any, source: LengthSource) -> list[int]:
     """Every sample's token count after truncation, cached by a fingerprint of the data files, the dataset
-    config and the tokenizer config (``cache_dir=None``: measured, not stored)."""
+    config and the tokenizer config (``source.cache_dir=None``: measured, not stored)."""
     key_parts = {
-        "dataset": OmegaConf.to_container(cfg.dataset, resolve=True),
-        "tokenizer": OmegaConf.to_container(cfg.tokenizer, resolve=True),
-        "data_files": data_files_digest(data_files(cfg.dataset)),
+        "dataset": source.dataset,
+        "tokenizer": source.tokenizer,
+        "data_files": data_files_digest(list(source.data_files)),
     }
-    return sequence_lengths(dataset, cache_dir=cache_dir, key_parts=key_parts)
+    return sequence_lengths(dataset, cache_dir=source.cache_dir, key_parts=key_parts)
 
 
-def truncation(cfg: DictConfig) -> str:
-    value = cfg.tokenizer.get("max_seq_len", None)
-    return f"tokenizer.max_seq_len={'null: no truncation' if value is None else value}"
-
-
-def from_lengths(lengths: list[int], cfg: DictConfig) -> WorstCase:
+def from_lengths(lengths: list[int], source: LengthSource) -> WorstCase:
     if not lengths:
         raise ValueError("the data set has no samples")
-    return WorstCase(max(lengths), f"the longest of {len(lengths)} samples after {truncation(cfg)}")
+    return WorstCase(max(lengths), f"the longest of {len(lengths)} samples after {source.truncation}")
 
 
-def measure(dataset: Any, cfg: DictConfig, *, packed: bool, cache_dir: Optional[Path],
+def measure(dataset: Any, source: LengthSource, *, packed: bool,
             info: Callable[[str], None]) -> tuple[WorstCase, Optional[list[int]]]:
     """The data set's worst case, and every sample's length (None when packed: all are one pack)."""
     if packed:
-        size = pack_size(dataset, cfg)
-        return WorstCase(size, f"the pack size ({truncation(cfg)})"), None
+        size = pack_size(dataset, source)
+        return WorstCase(size, f"the pack size ({source.truncation})"), None
     start = time.perf_counter()
-    lengths = sample_lengths(dataset, cfg, cache_dir)
-    worst = from_lengths(lengths, cfg)
+    lengths = sample_lengths(dataset, source)
+    worst = from_lengths(lengths, source)
+    cache_dir = source.cache_dir
     info(f"Worst-case sample: {worst.describe()} (token counts of the data set in {time.perf_counter() - start:.1f} s"
          f"{'' if cache_dir is None else f', cached in {cache_dir}'})")
     return worst, lengths
@@ -85,21 +100,3 @@ def check_fits(worst: Optional[WorstCase], model_max_seq_len: int) -> None:
         raise ConfigError(f"the data's worst case is {worst.describe()}, above the model's max_seq_len "
                           f"{model_max_seq_len}: set tokenizer.max_seq_len to at most {model_max_seq_len}")
 
-
-def from_config(cfg: DictConfig, cache_dir: Path, info: Callable[[str], None] = lambda message: None) -> WorstCase:
-    """The worst case of a config's data, building its tokenizer and data set here (``estimate``, which has
-    no run). A data set or tokenizer that cannot be read here (a hub data set offline, a tokenizer file
-    not downloaded) is one error that says to give the length instead."""
-    from torchtune import config
-
-    from adaptive_batching.batching.data import build_dataset
-    from adaptive_batching.core.nodes import one_line
-
-    try:
-        tokenizer = config.instantiate(cfg.tokenizer)
-        dataset, packed = build_dataset(cfg.dataset, tokenizer)
-    except Exception as error:  # noqa: BLE001 - whatever stops the data being read, the way out is the same
-        raise ConfigError(f"the worst-case sample length comes from the data of config keys 'tokenizer' and "
-                          f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
-                          f"--seq-len N (tokens in the longest sample after truncation)") from None
-    return measure(dataset, cfg, packed=packed, info=info, cache_dir=cache_dir)[0]

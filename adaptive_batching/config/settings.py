@@ -9,7 +9,7 @@ so a config never silently asks for something that does not happen.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, Callable, Mapping, Optional
 
 import torch
@@ -29,7 +29,7 @@ from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import preemption
 from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
-from adaptive_batching.growth.interval import growth_interval_error, parse_growth_interval
+from adaptive_batching.growth.interval import GrowthInterval, growth_interval_error, parse_growth_interval
 from adaptive_batching.growth.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.profiling.budget import fraction_error
@@ -95,39 +95,29 @@ def _opt_mapping(v: Any) -> Optional[str]:
     return None if v is None or isinstance(v, Mapping) else "null or a mapping"
 
 
-@dataclass(frozen=True)
-class Knob:
-    """One key under ``adaptive_batching:``: its default as a config writes it, its check and the section it
-    belongs to."""
-
-    default: Any
-    check: Check
-    section: str
-
-
-PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", "elastic", "faults"
-
-KNOBS: dict[str, Knob] = {
-    "memory_budget": Knob(None, _memory, PROFILER),
-    "memory_fraction": Knob(0.9, fraction_error, PROFILER),
-    "safety_margin": Knob(0.05, _margin, PROFILER),
-    "round_to": Knob("none", round_to_error, PROFILER),
-    "search_tolerance": Knob(0.01, _tolerance, PROFILER),
-    "reprofile": Knob(False, _bool, PROFILER),
-    "cache_dir": Knob(None, _opt_str, PROFILER),
-    "grow_past_memory": Knob("skip", _choice(*GROW_PAST_MEMORY), GROWTH),
-    "growth_interval": Knob("epoch", growth_interval_error, GROWTH),
-    "allow_global_batch_above_data": Knob(False, _bool, BATCHING),
-    "keep_global_batch": Knob(False, _bool, GROWTH),
-    "max_tokens": Knob(None, _max_tokens, BATCHING),
-    "picking_order": Knob("dataloader", _choice("dataloader", "seqlen", "random"), BATCHING),
-    "min_batch_size": Knob(None, _opt_pos_int, BATCHING),
-    "max_batch_size": Knob(None, _opt_pos_int, BATCHING),
-    "elastic": Knob(None, _opt_mapping, ELASTIC),
-    "oom_recovery": Knob(True, _bool, FAULTS),
-    "oom_grow_back_after": Knob(None, _opt_pos_int, FAULTS),
-    "guard_steps": Knob(4, _non_neg_int, FAULTS),
-    "stop_signals": Knob(list(preemption.DEFAULT), preemption.check_signals, FAULTS),
+# The knobs' checks, in the order the errors and docs/config-keys.md list them. The keys themselves, their
+# sections and their defaults are the section dataclasses' fields (see :data:`KNOBS`).
+CHECKS: dict[str, Check] = {
+    "memory_budget": _memory,
+    "memory_fraction": fraction_error,
+    "safety_margin": _margin,
+    "round_to": round_to_error,
+    "search_tolerance": _tolerance,
+    "reprofile": _bool,
+    "cache_dir": _opt_str,
+    "grow_past_memory": _choice(*GROW_PAST_MEMORY),
+    "growth_interval": growth_interval_error,
+    "allow_global_batch_above_data": _bool,
+    "keep_global_batch": _bool,
+    "max_tokens": _max_tokens,
+    "picking_order": _choice("dataloader", "seqlen", "random"),
+    "min_batch_size": _opt_pos_int,
+    "max_batch_size": _opt_pos_int,
+    "elastic": _opt_mapping,
+    "oom_recovery": _bool,
+    "oom_grow_back_after": _opt_pos_int,
+    "guard_steps": _non_neg_int,
+    "stop_signals": preemption.check_signals,
 }
 
 
@@ -158,26 +148,69 @@ class AdaptiveSettings:
         return self.use_maximum_batch_size or self.growth.increase is not None
 
 
+PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", "elastic", "faults"
+# The sections of ``adaptive_batching:``: each field of theirs is a knob, except those a top-level key sets
+# (their field's metadata names the key, e.g. growth's ``increase``: ``batch_increase_function``).
+SECTIONS: dict[str, type] = {PROFILER: ProfilerSettings, BATCHING: BatchingSettings, GROWTH: GrowthSettings,
+                             FAULTS: FaultSettings}
+
+
+def _written(value: Any) -> Any:
+    """A typed default as a config writes it."""
+    if isinstance(value, GrowthInterval):
+        return value.spelling
+    return list(value) if isinstance(value, tuple) else value
+
+
+def _typed(name: str, value: Any) -> Any:
+    """A checked config value as its section holds it."""
+    if name == "growth_interval":
+        return parse_growth_interval(value)
+    if name == "elastic":
+        return None if value is None else ElasticSpec.from_config(value)
+    return tuple(value) if name == "stop_signals" else value
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One key under ``adaptive_batching:``: its default as a config writes it (its section's field's default),
+    its check and the section it belongs to."""
+
+    default: Any
+    check: Check
+    section: str
+
+
+def _knobs() -> dict[str, Knob]:
+    """Every knob, from the sections' fields (and ``AdaptiveSettings.elastic``, a section of its own)."""
+    found = {f.name: (part, f.default) for part, cls in SECTIONS.items() for f in fields(cls)
+             if "key" not in f.metadata}
+    found[ELASTIC] = (ELASTIC, next(f.default for f in fields(AdaptiveSettings) if f.name == ELASTIC))
+    if set(found) != set(CHECKS):
+        raise TypeError(f"every settings field needs a check in CHECKS and every check a field: "
+                        f"{sorted(set(found) ^ set(CHECKS))}")
+    return {name: Knob(_written(found[name][1]), check, found[name][0]) for name, check in CHECKS.items()}
+
+
+KNOBS: dict[str, Knob] = _knobs()
+
+
 def sections(values: Mapping[str, Any], increase: Optional[Callable[[int, int], int]] = None,
              lr_scaling: str = "sqrt") -> dict[str, Any]:
     """The typed sections of ``adaptive_batching:`` values already checked (every knob present)."""
-    of = {part: {name: values[name] for name, knob in KNOBS.items() if knob.section == part}
-          for part in (PROFILER, BATCHING, GROWTH, FAULTS)}
-    growth = {**of[GROWTH], "growth_interval": parse_growth_interval(of[GROWTH]["growth_interval"])}
-    elastic = values["elastic"]
+    of = {part: {name: _typed(name, values[name]) for name, knob in KNOBS.items() if knob.section == part}
+          for part in SECTIONS}
     return dict(
         profiler=ProfilerSettings(**of[PROFILER]),
-        batching=BatchingSettings(**of[BATCHING], cache_dir=values["cache_dir"]),
-        growth=GrowthSettings(increase=increase, lr_scaling=lr_scaling, **growth),
-        elastic=None if elastic is None else ElasticSpec.from_config(elastic),
-        faults=FaultSettings(**{**of[FAULTS], "stop_signals": tuple(of[FAULTS]["stop_signals"])}),
+        batching=BatchingSettings(**of[BATCHING]),
+        growth=GrowthSettings(increase=increase, lr_scaling=lr_scaling, **of[GROWTH]),
+        elastic=_typed(ELASTIC, values[ELASTIC]),
+        faults=FaultSettings(**of[FAULTS]),
     )
 
 
 def _fail(key: str, value: Any, allowed: str) -> ConfigError:
     return ConfigError(f"config key '{key}' = {value!r} is invalid: expected {allowed}")
-
-
 
 
 def _check_recipe_keys(cfg: DictConfig) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 from adaptive_batching.growth.interval import GrowthInterval
@@ -10,11 +10,13 @@ from adaptive_batching.growth.interval import GrowthInterval
 
 @dataclass(frozen=True)
 class GrowthSettings:
-    """``batch_increase_function`` and the keys of ``adaptive_batching:`` that shape the plan."""
+    """``batch_increase_function``, ``lr_scaling`` and the keys of ``adaptive_batching:`` that shape the plan (a
+    field whose metadata names a ``key`` is that top-level key; every other field is a key under
+    ``adaptive_batching:``)."""
 
-    increase: Optional[Callable[[int, int], int]] = None
+    increase: Optional[Callable[[int, int], int]] = field(default=None, metadata={"key": "batch_increase_function"})
     """``batch_increase_function``, loaded and checked; None: the batch does not grow."""
-    lr_scaling: str = "sqrt"
+    lr_scaling: str = field(default="sqrt", metadata={"key": "lr_scaling"})
     """``linear``, ``sqrt`` or ``none``: the LR factor of a global batch against the config's."""
     grow_past_memory: str = "skip"
     """``skip`` or ``accumulate``: what growth past the profiled memory cap does."""

@@ -14,10 +14,8 @@ from pathlib import Path
 from typing import Any, Mapping, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.core import paths
-from adaptive_batching.core.nodes import packed, plain
 from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime.files import read_json_cache, write_atomically
 from adaptive_batching.units import parse_bytes
@@ -25,10 +23,6 @@ from adaptive_batching.units import parse_bytes
 log = logging.getLogger(__name__)
 
 CACHE_SCHEMA = 1
-
-# Optimizer arguments that change the numbers, not the state tensors kept per parameter.
-_OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")
-
 
 def cache_file(cache_dir: Path | str | None, key: str) -> Path:
     """The file for ``key``: ``<dir>/<key[:16]>.json`` (the full key is checked inside the file)."""
@@ -69,10 +63,6 @@ def save_profile(path: Path, key: str, result: Mapping[str, Any]) -> None:
     write_atomically(path, json.dumps(record, indent=2, sort_keys=True, allow_nan=False) + "\n")
 
 
-def _select(cfg: DictConfig, key: str, default: Any) -> Any:
-    return plain(OmegaConf.select(cfg, key, default=default))
-
-
 def _budget_setting(value: Any) -> Any:
     """``'1GiB'`` and ``1073741824`` ask for the same budget, so they fingerprint alike."""
     try:
@@ -86,31 +76,18 @@ def _fraction_setting(value: Any) -> Any:
     return float(value) if is_number else value
 
 
-def memory_fingerprint_parts(cfg: DictConfig, settings: ProfilerSettings, *, world_size: int, device: torch.device,
-                             device_name: str, device_memory_bytes: int, torch_version: str,
+def memory_fingerprint_parts(setup: Mapping[str, Any], settings: ProfilerSettings, *, world_size: int,
+                             device: torch.device, device_name: str, device_memory_bytes: int, torch_version: str,
                              seq_len: int) -> dict[str, Any]:
     """Everything in a run that changes the largest micro batch that fits, or how closely the search
-    found it, as plain JSON-able values.
+    found it, as plain JSON-able values: ``setup``, the config's part (read by ``config``), and the machine's.
 
     Left out on purpose: the learning rate and other optimizer scalars, and the profiler knobs
     applied after the search (safety_margin, round_to, reprofile, cache_dir).
     """
-    optimizer = _select(cfg, "optimizer", None)
-    if isinstance(optimizer, Mapping):
-        optimizer = {k: v for k, v in optimizer.items() if k not in _OPTIMIZER_SCALARS}
     return {
-        "model": _select(cfg, "model", None),
-        "dtype": _select(cfg, "dtype", "fp32"),
+        **setup,
         "worst_case_seq_len": int(seq_len),
-        "dataset.packed": packed(cfg.get("dataset", None)),
-        "optimizer": optimizer,
-        "loss._component_": _select(cfg, "loss._component_", None),
-        "enable_activation_checkpointing": _select(cfg, "enable_activation_checkpointing", False),
-        "compile": _select(cfg, "compile", False),
-        # With accumulation, gradients stay alive through the next micro batches' forward passes.
-        "gradients_alive_in_forward": int(_select(cfg, "gradient_accumulation_steps", 1) or 1) > 1,
-        "fsdp_cpu_offload": _select(cfg, "fsdp_cpu_offload", False),
-        "custom_sharded_layers": _select(cfg, "custom_sharded_layers", None),
         "world_size": int(world_size),
         "device_type": torch.device(device).type,
         "device_name": device_name,

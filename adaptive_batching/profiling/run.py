@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-from omegaconf import DictConfig
 from torchtune import utils
 
 from adaptive_batching.faults.oom import is_out_of_memory
@@ -32,13 +31,25 @@ from adaptive_batching.runtime.files import fingerprint
 log = utils.get_logger("INFO")
 
 
+@dataclass(frozen=True)
+class ProfiledSetup:
+    """What profiling needs from the config, read where the config is (``config``)."""
+
+    memory: Mapping[str, Any]
+    """The config's part of the profile cache's fingerprint: every key that changes a step's memory
+    (see :func:`~adaptive_batching.profiling.cache.memory_fingerprint_parts`)."""
+    output_dir: Path
+    """The run's ``output_dir``: the report goes to its ``profile`` folder."""
+    compile: bool
+    """``compile``: one compiling step runs before the trials."""
+
 
 @dataclass
 class ProfileContext:
     """What profiling needs from a run. ``preserved`` opens a context that puts the weights and optimizer
     state back afterwards; ``live_bytes`` is the tensor memory alive before the first trial."""
 
-    cfg: DictConfig
+    setup: ProfiledSetup
     settings: ProfilerSettings
     device: torch.device
     parallel: ParallelInfo
@@ -63,7 +74,7 @@ def cache_location(context: ProfileContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
-        context.cfg, context.settings, world_size=context.parallel.world_size, device=context.device, device_name=name,
+        context.setup.memory, context.settings, world_size=context.parallel.world_size, device=context.device, device_name=name,
         device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
     ))
     return cache_file(context.settings.cache_dir, key), key
@@ -120,7 +131,7 @@ def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult
         barrier(context.parallel)
     if context.parallel.is_rank_zero:
         log.info("Profiler report (micro batch = samples per forward on one rank):\n" + format_table(result))
-        paths = write_report(result, Path(context.cfg.output_dir) / "profile")
+        paths = write_report(result, context.setup.output_dir / "profile")
         log.info(f"Profiler report written to {paths['json']} and {paths['png']}")
     return result
 
@@ -136,7 +147,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
     context.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
                  f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
     with context.preserved():
-        compile_seconds = _compile_first(context, trial_step) if context.cfg.get("compile", False) else None
+        compile_seconds = _compile_first(context, trial_step) if context.setup.compile else None
         result = find_max_micro_batch(
             trial_step, budget, seq_len=context.seq_len, safety_margin=settings.safety_margin,
             round_to=settings.round_to, upper_limit=max(1, context.samples_per_rank),

@@ -20,6 +20,7 @@ from tqdm import tqdm
 from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
 from adaptive_batching.batching.policy import DataContext, batching_for
+from adaptive_batching.config.inputs import length_source, profiled_setup
 from adaptive_batching.config.loading import given_argv
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.core.method import FinetuneMethod
@@ -137,7 +138,7 @@ class Trainer:
                                                  optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
-                              cfg, self.info, profiles=self.settings.needs_profile)
+                              length_source(cfg, self.settings.profiler.cache_dir), self.info, profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
         self.preemption.before_training("during set-up (data, model, token counts)")
@@ -150,7 +151,7 @@ class Trainer:
     def profile_context(self) -> ProfileContext:
         """All the profiler sees of this run, besides :meth:`trial_step`."""
         return ProfileContext(
-            cfg=self.cfg, settings=self.settings.profiler, device=self.device, parallel=self.parallel,
+            setup=profiled_setup(self.cfg), settings=self.settings.profiler, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
             live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info,
