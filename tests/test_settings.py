@@ -81,6 +81,25 @@ def test_each_sections_own_defaults_are_the_documented_ones(base_cfg: DictConfig
     assert dataclasses.replace(settings.growth, increase=None, lr_scaling="sqrt") == GrowthSettings()
 
 
+def test_the_known_keys_and_their_defaults_are_the_sections_fields(monkeypatch: pytest.MonkeyPatch) -> None:
+    """KNOBS follows the dataclasses: a changed default, a new field or a field without a check shows there."""
+    from adaptive_batching.config import settings as module
+
+    @dataclasses.dataclass(frozen=True)
+    class Faults(FaultSettings):
+        guard_steps: int = 7
+        extra_knob: bool = True
+
+    monkeypatch.setitem(module.SECTIONS, module.FAULTS, Faults)
+    with pytest.raises(TypeError, match=r"\['extra_knob'\]"):
+        module._knobs()
+    monkeypatch.setitem(module.CHECKS, "extra_knob", module._bool)
+    knobs = module._knobs()
+    assert (knobs["guard_steps"].default, knobs["extra_knob"].default) == (7, True)
+    assert knobs["extra_knob"].section == module.FAULTS
+    assert "batch_increase_function" not in knobs and "increase" not in knobs and "lr_scaling" not in knobs
+
+
 @pytest.mark.parametrize("rule", ["linear", "sqrt", "none"])
 def test_lr_scaling_rules_accepted(base_cfg: DictConfig, rule: str) -> None:
     assert validate_config(modified(base_cfg, {"lr_scaling": rule})).lr_scaling == rule
