@@ -134,7 +134,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """Print what a run's output folder holds: finished, resumable (and from where) or none."""
+    """Print what a run's output folder holds: finished, resumable (and from where), stopped or none."""
     from adaptive_batching.faults.checkpoints import run_status
 
     print(run_status(Path(args.output_dir)))
@@ -214,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     plan.set_defaults(func=cmd_plan)
 
-    status = sub.add_parser("status", help="say whether a run's output folder is finished or resumable (job scripts)")
+    status = sub.add_parser("status", help="say whether a run's output folder is finished, resumable, or stopped "
+                                           "before its first checkpoint (job scripts)")
     status.add_argument("output_dir", help="the run's output_dir")
     status.set_defaults(func=cmd_status)
 
