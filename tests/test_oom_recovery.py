@@ -9,6 +9,7 @@ finished optimizer step trained on.
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import subprocess
@@ -119,13 +120,15 @@ def test_a_peer_out_of_memory_counts_as_out_of_memory() -> None:
 # ---------------------------------------------------------------- recipe runs
 def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str,
                recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
-               timeout: int = 600, launcher: Sequence[str] = ()) -> subprocess.CompletedProcess:
-    """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``."""
+               timeout: int = 600, launcher: Sequence[str] = (),
+               env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+    """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``;
+    ``env``: variables set on top of this process's."""
     how = ("script", []) if nproc is None else \
         ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher])
     argv = [*how[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
             "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
-    return run_command(how[0], argv, cwd=tmp, timeout=timeout)
+    return run_command(how[0], argv, cwd=tmp, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 def ok(result: subprocess.CompletedProcess) -> str:

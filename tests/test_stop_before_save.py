@@ -1,4 +1,4 @@
-"""A stop signal before the run's first checkpoint (issue 40.1): during the token counts, the profile or the steps
+"""A stop signal before the run's first checkpoint (issue 40.1): during the token counts, the profile, its compiling or the steps
 before the first save, the stop line, ``adaptive-batching status`` and ``resume_from_checkpoint=True`` agree, and
 the run goes on, from the beginning when nothing was saved. Also: ``profile`` and ``plan`` leave no log file."""
 
@@ -23,10 +23,12 @@ from adaptive_batching.runtime.distributed import ParallelInfo
 
 FEW_STEPS = ("epochs=1", "max_steps_per_epoch=3", "batch_size=4")  # after COMMON: 3 steps of 4 samples
 PROFILED = ("use_maximum_batch_size=True", "adaptive_batching.memory_budget=64MiB")  # a short profile
+COMPILE_ENV = {"TORCH_COMPILE_BACKEND": "aot_eager"}  # torchtune's compile reads it: traced, not built by inductor
 NO_CHECKPOINT = "nothing to save, and no checkpoint yet: a resume starts from the beginning"
 MOMENTS = {  # where the signal lands: the fault (tests/faulty_run.py) and the overrides
     "token_counts": ({"signal": "SIGUSR1", "signal_in": "token_counts"}, PROFILED),
     "profile": ({"signal": "SIGTERM", "signal_in": "profile"}, PROFILED),
+    "compile": ({"signal": "SIGUSR1", "signal_in": "compile"}, (*PROFILED, "compile=True")),
     "first_step": ({"signal": "SIGUSR1", "signal_at": 1}, ()),
     "first_step_killed_in_its_save": ({"signal": "SIGTERM", "signal_at": 1, "kill_in_save": 1}, ()),
 }
@@ -101,16 +103,18 @@ def test_the_first_signal_is_recorded_at_once_until_the_run_has_a_checkpoint(tmp
 @pytest.fixture(scope="module")
 def stopped(assets: Path, runs: Path) -> dict[str, subprocess.CompletedProcess]:
     """One run per moment, each stopped there."""
-    return {moment: faulty_run(runs, moment, fault, assets, *FEW_STEPS, *overrides)
+    return {moment: faulty_run(runs, moment, fault, assets, *FEW_STEPS, *overrides, env=COMPILE_ENV)
             for moment, (fault, overrides) in MOMENTS.items()}
 
 
 @pytest.mark.e2e
-@pytest.mark.parametrize("moment", ["token_counts", "profile"])
+@pytest.mark.parametrize("moment", ["token_counts", "profile", "compile"])
 def test_a_stop_before_training_says_stopped_everywhere(stopped: dict, runs: Path, moment: str) -> None:
     result, name = stopped[moment], MOMENTS[moment][0]["signal"]
     assert result.returncode == EXIT_CODE and unclean_exit(result) is None, result.stderr[-3000:]
     where = "during set-up (data, model, token counts)" if moment == "token_counts" else "while profiling"
+    if moment == "compile":  # the compiling before the trials: stopped at the first trial, once compiled
+        assert "Profiler: compiled in" in result.stderr and "trial steps in" not in result.stderr
     assert f"stopped: {name} received; stopped {where}, before any step trained: {NO_CHECKPOINT}. Continue with " \
            "resume_from_checkpoint=True" in result.stderr
     assert run_status(runs / moment) == (f"stopped: {name} received; stopped {where}, before any step trained, before "
@@ -180,6 +184,25 @@ def test_two_ranks_stop_together_at_the_set_ups_end_when_one_is_signalled_in_the
     assert f"a stop signal on another rank; {where}: {NO_CHECKPOINT}" in result.stderr
     assert run_status(runs / "ranks") == (f"stopped: a stop signal on another rank; {where}, before the first "
                                           "checkpoint; resume_from_checkpoint=True starts it from the beginning")
+
+
+@pytest.mark.e2e
+@pytest.mark.multiprocess
+def test_two_ranks_stopped_in_the_first_step_save_it_and_resume_from_it(assets: Path, runs: Path) -> None:
+    """SIGUSR1 to rank 0 after optimizer step 1, before any checkpoint: both ranks stop after the step they agree on
+    (that one or the next) and save it (torchrun exits non-zero for its workers' 75), status says resumable, and
+    the resume trains the rest once."""
+    first = faulty_run(runs, "ranks_step", {"signal": "SIGUSR1", "signal_at": 1, "rank": 0}, assets, *FEW_STEPS,
+                       nproc=2)
+    assert first.returncode != 0 and unclean_exit(first) is None, first.stderr[-3000:]
+    stops = re.findall(r"stopped after optimizer step (\d+)", first.stderr)  # the signal's step or the next
+    assert len(stops) == 2 and len(set(stops)) == 1 and stops[0] in ("1", "2")  # both ranks, at one step
+    assert f"saved the checkpoint of optimizer step {stops[0]} in" in first.stderr
+    assert run_status(runs / "ranks_step").startswith("resumable:")
+    assert not (runs / "ranks_step" / STOPPED_FILE).exists()
+    ok(faulty_run(runs, "ranks_step", {}, assets, *FEW_STEPS, "resume_from_checkpoint=True", nproc=2))
+    assert run_status(runs / "ranks_step").startswith("finished:")
+    assert logged_steps(runs / "ranks_step" / "logs") == [1, 2, 3]
 
 
 # ---------------------------------------------------------------- profile and plan: no log file
