@@ -84,6 +84,16 @@ def tune_in_process(tune_args: list[str]) -> None:
     tune_main()
 
 
+def log(message: str) -> None:
+    """Progress, on stderr: stdout is the report."""
+    print(message, file=sys.stderr, flush=True)
+
+
+def fmt(value: Any, spec: str = "", none: str = "-") -> str:
+    """``value`` formatted by ``spec``, or ``none`` when it is missing."""
+    return none if value is None else format(value, spec)
+
+
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))

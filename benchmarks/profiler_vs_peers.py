@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import tiny_assets
+from common import fmt, log, tiny_assets
 from doc_tables import report
 
 GIB = 2**30
@@ -388,10 +388,6 @@ def run_child(args: argparse.Namespace) -> int:
 
 
 # --------------------------------------------------------------------------- parent side
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
 def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = None,
           pinned: bool = False) -> dict[str, Any]:
     """Run one method in a fresh child process; return its result (or how it died)."""
@@ -526,12 +522,6 @@ def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -
     return rows
 
 
-def _fmt(value: Any, spec: str = "") -> str:
-    if value is None:
-        return "-"
-    return format(value, spec) if spec else str(value)
-
-
 REGIME_NAMES = {"default": "exhaustive: true maximum, default glibc (not compared)",
                 "pinned": "exhaustive: true maximum, glibc as ours sets it (not compared)"}
 
@@ -544,8 +534,8 @@ def markdown_table(rows: list[dict[str, Any]], exhaustive: dict[str, dict[str, A
     lines = ["| method | found micro batch | true maximum | found/true (%) | trial steps | wall seconds | notes |",
              "|---|---:|---:|---:|---:|---:|---|"]
     for r in rows:
-        lines.append(f"| {r['method']} | {_fmt(r['found'])} | {_fmt(r['true_max'])} | {_fmt(r['percent'], '.1f')} | "
-                     f"{_fmt(r['trial_steps'])} | {_fmt(r['wall_s'], '.1f')} | {r['note']} |")
+        lines.append(f"| {r['method']} | {fmt(r['found'])} | {fmt(r['true_max'])} | {fmt(r['percent'], '.1f')} | "
+                     f"{fmt(r['trial_steps'])} | {fmt(r['wall_s'], '.1f')} | {r['note']} |")
     for regime, ex in exhaustive.items():
         search = [c for c in ex["children"] if not c["recheck"]]
         sizes = _trial_list([{"micro_batch": c["micro_batch"], "ok": c["outcome"] == "ok"} for c in search])
@@ -566,10 +556,10 @@ def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
         "faster than both peers": (ours["wall_s"] is not None and len(peer_times) == 2
                                    and all(ours["wall_s"] < t for t in peer_times)),
     }
-    details = [f"{_fmt(ours['percent'], '.1f')}% ({_fmt(ours['found'])} of {ours['true_max']})",
-               f"{_fmt(ours['trial_steps'])} steps",
-               f"{_fmt(ours['wall_s'], '.1f')} s vs Lightning {_fmt(light['wall_s'], '.1f')} s, "
-               f"Accelerate {_fmt(acc['wall_s'], '.1f')} s"]
+    details = [f"{fmt(ours['percent'], '.1f')}% ({fmt(ours['found'])} of {ours['true_max']})",
+               f"{fmt(ours['trial_steps'])} steps",
+               f"{fmt(ours['wall_s'], '.1f')} s vs Lightning {fmt(light['wall_s'], '.1f')} s, "
+               f"Accelerate {fmt(acc['wall_s'], '.1f')} s"]
     return {"checks": checks, "detail": dict(zip(checks, details)), "met": all(checks.values())}
 
 
@@ -608,7 +598,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             results[method] = spawn(args, method)
             r = results[method]
             log(f"  {method}: found {r.get('found')} in {r.get('trial_steps')} trial steps, "
-                f"{_fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
+                f"{fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
         ours = results["ours"]
         regimes = ["default"]
         if "exhaustive" in args.methods and (args.exhaustive_regimes == "both"
@@ -639,13 +629,13 @@ def main(argv: Optional[list[str]] = None) -> int:
                 fit = ("" if ours.get("bytes_per_sample") is None else
                        f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample")
                 print(f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "
-                      f"estimate {ours['estimate']} = {_fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
-                      f"maximum {_fmt(true_max)}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
+                      f"estimate {ours['estimate']} = {fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
+                      f"maximum {fmt(true_max)}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
                       f"{ours['wall_s']:.1f} s in profile()")
                 if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
                     default_max = exhaustive["default"]["true_max"]
                     print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
-                          f"{_fmt(_pct(ours['found'], default_max), '.1f')}%")
+                          f"{fmt(_pct(ours['found'], default_max), '.1f')}%")
             print()
             print(f"Bar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both peers): "
                   f"{'MET' if bar['met'] else 'NOT MET'}")

@@ -4,24 +4,13 @@
     python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--tolerance 0.02]
                                                       [--optimizer-in-bwd] [--json out.json] [--publish]
 
-Every run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` started under
-``ulimit -v`` (the limit covers imports and set-up too, unlike ``profiler_vs_peers.py``, which
-limits the room above set-up), with no explicit memory budget and ``memory_fraction=1.0``:
-
-* ours: the recipe profiles (no glibc tunables in its environment: under the limit the recipe starts
-  its command again with them, see docs/profiler.md, "The memory budget") and trains 2 steps; reported: the
-  largest micro batch that ran, the profile's trial steps and seconds, and whether the run trained;
-* fresh-process maximum: bisection over fresh processes, each setting up the same trainer and running
-  2 worst-case training steps (the profiler's trial step: every sample full length) at one micro batch,
-  with glibc tuned from process start through ``GLIBC_TUNABLES`` (``mmap_threshold`` 128 KiB, one
-  arena: what the recipe pins); the largest that trains. Twice: in ``python`` processes running this
-  file, and in ``tune run`` processes, launched as the recipe is (``tune``'s own imports and objects
-  take address space that no profile inside it can have).
-
-``--optimizer-in-bwd``: both sides run as torchtune's single-device configs do, with ``optimizer_in_bwd: True``
-and bitsandbytes' ``PagedAdamW8bit`` (its paged memory falls back to ordinary memory on CPU).
-
-The figure is ours / fresh-process maximum; the goal is at least 97%.
+Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` under ``ulimit -v`` (which covers
+imports and set-up too), with no explicit memory budget: the largest micro batch its profile ran, against the
+fresh-process maximum, found by bisection over fresh processes (``python`` ones running this file, and ``tune
+run`` ones) that each set up the same trainer and run 2 worst-case steps at one micro batch, with glibc tuned
+from process start as the recipe pins it. ``--optimizer-in-bwd``: both sides with ``optimizer_in_bwd: True`` and
+bitsandbytes' ``PagedAdamW8bit``, as torchtune's single-device configs run. The goal: ours at least 97% of the
+maximum. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations

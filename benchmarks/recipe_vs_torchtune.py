@@ -41,14 +41,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from common import step_stamps, tune_in_process, write_json
+from common import fmt, log, step_stamps, tiny_assets, tune_in_process, write_json
 from doc_tables import report
 
 BAR_RATIO = 0.99
 OURS_RECIPE = "adaptive_full_finetune"
 STOCK_RECIPE = "full_finetune_single_device"
 CONFIG = "tiny_full"
-TINY_DIR = Path("/tmp/adaptive-batching/tiny")
 
 # Top-level keys torchtune 0.6.1's full_finetune_single_device reads (cfg.x / cfg.get("x")).
 STOCK_KEYS = (
@@ -117,8 +116,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                         "(default adaptive_batching.growth.linear_ramp)")
     p.add_argument("--switch-arg", action="append", default=None, metavar="KEY=VALUE",
                    help="keyword argument of the growth function, YAML value; repeatable (default increment=4)")
-    p.add_argument("--assets", type=Path, default=TINY_DIR,
-                   help=f"tiny assets directory, written when missing (default {TINY_DIR})")
+    p.add_argument("--assets", type=Path, default=None,
+                   help="tiny assets directory (default: written into the work directory)")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--together", action="store_true",
                    help="run each repeat's two recipes at the same time, each pinned to its own core (swapped every "
@@ -144,22 +143,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 # --------------------------------------------------------------------------- configs
-def log(message: str) -> None:
-    print(message, file=sys.stderr, flush=True)
-
-
-def ensure_assets(root: Path) -> Path:
-    from adaptive_batching.assets.tiny import TinyAssetPaths, write_tiny_assets
-
-    paths = TinyAssetPaths.from_root(root)
-    needed = [paths.model_dir / "config.json", paths.model_dir / "model.safetensors", paths.tokenizer_path,
-              paths.special_tokens_path, paths.dataset_path]
-    if not all(p.is_file() for p in needed):
-        log(f"writing the tiny assets to {root} ...")
-        write_tiny_assets(root)
-    return root
-
-
 def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
     """``tiny_full`` as our recipe reads it, with this benchmark's settings, fully resolved."""
     from omegaconf import OmegaConf
@@ -396,10 +379,6 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # --------------------------------------------------------------------------- report
-def _fmt(value: Optional[float], spec: str) -> str:
-    return "-" if value is None else format(value, spec)
-
-
 def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
     rows = []
     medians: dict[str, Optional[float]] = {}
@@ -427,18 +406,18 @@ def print_table(summary: dict[str, Any]) -> None:
           "minor page faults / step |")
     print("|---|---:|---:|---|---:|---:|")
     for row in summary["rows"]:
-        runs = ", ".join(_fmt(v, ".3f") for v in row["runs"])
-        print(f"| {row['recipe']} | {row['steps_measured']} | {_fmt(row['median'], '.3f')} | {runs} | "
-              f"{_fmt(row['median_step_rate'], '.3f')} | {_fmt(row.get('faults_per_step'), '.0f')} |")
+        runs = ", ".join(fmt(v, ".3f") for v in row["runs"])
+        print(f"| {row['recipe']} | {row['steps_measured']} | {fmt(row['median'], '.3f')} | {runs} | "
+              f"{fmt(row['median_step_rate'], '.3f')} | {fmt(row.get('faults_per_step'), '.0f')} |")
     print("minor page faults / step, runs in the order above: " + "; ".join(
-        f"{row['recipe'].split(':')[0]} " + ", ".join(_fmt(v, ".0f") for v in row.get("faults_runs", []))
+        f"{row['recipe'].split(':')[0]} " + ", ".join(fmt(v, ".0f") for v in row.get("faults_runs", []))
         for row in summary["rows"]))
     for row in summary["rows"]:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")
     ratio = summary["ratio"]
     verdict = "PASS" if summary["passed"] else "FAIL"
-    print(f"ours / stock = {_fmt(ratio, '.3f')}x by steps/s, {_fmt(summary.get('median_step_ratio'), '.3f')}x by median "
+    print(f"ours / stock = {fmt(ratio, '.3f')}x by steps/s, {fmt(summary.get('median_step_ratio'), '.3f')}x by median "
           f"step time (bar: both >= {BAR_RATIO:g}x): {verdict}")
     check = summary["same_computation"]
     if check is None:
@@ -477,10 +456,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     temporary = args.workdir is None
     args.workdir = Path(tempfile.mkdtemp(prefix="recipe_vs_torchtune_")) if temporary else args.workdir.resolve()
     args.workdir.mkdir(parents=True, exist_ok=True)
-    args.assets = args.assets.resolve()
     failed = False
     try:
-        ensure_assets(args.assets)
+        args.assets = tiny_assets(args.assets, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         figures: dict[str, Any] = {
             "settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,

@@ -4,26 +4,12 @@
     python benchmarks/step_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
                                        [--settings none,stop,oom,default,always] [--publish]
 
-Our full fine-tune recipe on the offline tiny model (``tiny_full``, fixed micro batch, no profiler,
-no growth), run under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo) in these settings,
-alternating, ``--repeats`` times each:
-
-* ``none``: ``adaptive_batching.oom_recovery=False`` and ``stop_signals=[]``: neither;
-* ``stop``: stop signals handled (the default SIGTERM and SIGUSR1), OOM recovery off: the ranks' agreement
-  on where to stop, one non-blocking all-reduce of a flag per step;
-* ``oom``: OOM recovery (``guard_steps`` 4: sync points only in the first 4 optimizer steps, so the timed
-  steps after ``--warmup`` are the steady state outside any window), stop signals off;
-* ``default``: both, as the recipes run by default;
-* ``always``: ``guard_steps`` larger than the run, i.e. every step inside a window (3 sync points per
-  FSDP module per micro batch plus 1 per backward): the cost inside a window.
-
-Each rank-0 child records when each optimizer step's metrics are logged and counts the calls to
-``torch.distributed`` collectives between them (a wrapper around each collective function);
-steps per second = ``--steps`` / (time of the last step - time of the ``--warmup``-th). The table shows
-the median of each setting, its ratio to ``none``, the collectives per steady-state step, and the share of
-the timed steps' wall time rank 0 spent inside the stop agreement (``Preemption.begin_step`` and
-``end_step``: starting the all-reduce, waiting for it): a cost measured inside each run, which the noise
-between runs of a shared machine (a few percent) does not blur.
+``tiny_full`` at a fixed micro batch under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo), the settings
+of :data:`SETTINGS` alternating, ``--repeats`` times each: ``none`` (neither OOM recovery nor stop signals),
+``stop``, ``oom`` (outside its guard windows), ``default`` (both) and ``always`` (every step inside a guard
+window). Rank 0 stamps each metric line (``common.step_stamps``) and counts the ``torch.distributed``
+collectives and the time inside the stop agreement (``Preemption.begin_step``, ``end_step``) between them. The
+page: docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -3,21 +3,12 @@
 
     python benchmarks/token_budget_vs_fixed.py [--samples 600] [--repeats 3] [--budget 512MiB] [--publish]
 
-Same model (the offline tiny Llama-3), same data (the first ``--samples`` of the tiny data set, whose
-lengths are long-tailed: 63 to 256 tokens, median 114), same memory: one profile under
-``adaptive_batching.memory_budget=--budget`` (cached, shared by every run) gives the largest micro batch
-``m`` at the longest sample's length, then
-
-* fixed: ``use_maximum_batch_size=True``: micro batches of ``m`` samples, shuffled;
-* token budget: ``adaptive_batching.max_tokens=auto`` (= ``m`` x the longest length, checked on the
-  shortest samples), ``picking_order=seqlen``: micro batches of similar lengths, up to that many padded
-  tokens.
-
-Padding waste = padded positions that hold no token / all positions, over the epoch's micro batches,
-computed from the two samplers over the data set's real lengths (the same samplers the runs use).
-Real tokens per second = the epoch's real tokens (every sample once in both) / the wall time of the
-epoch's training loop, each run in a fresh child (``tune run`` in-process), alternating, ``--repeats``
-each; the median is reported. Bar: waste at most a third of fixed batching's, and more real tokens/s.
+The tiny model on the first ``--samples`` of the tiny data (long-tailed lengths), one profile under
+``--budget`` giving micro batch ``m`` at the longest length: fixed micro batches of ``m`` samples, shuffled,
+against ``max_tokens=auto`` with ``picking_order=seqlen``. Padding waste comes from the two samplers over the
+real lengths; real tokens per second from each run's training loop (a fresh child each, alternating,
+``--repeats`` each, the median reported). Bar: waste at most a third of fixed batching's, and more real
+tokens/s. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations
