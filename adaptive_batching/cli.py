@@ -147,7 +147,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.batching import worst_case
     from adaptive_batching.config.inputs import worst_case_of
     from adaptive_batching.config.objectives import check_objective
-    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.estimate.prediction import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.units import parse_bytes
 

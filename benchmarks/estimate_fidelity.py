@@ -122,7 +122,7 @@ NOT_USED = ("The same table's Llama 3.1 8B rows on one A6000 (full 37.4 GiB, LoR
 def predict_one(row: Published) -> dict[str, Any]:
     """Trace ``row``'s config and predict its peak at the published micro batch (run in a child process)."""
     from adaptive_batching.config.loading import load_config
-    from adaptive_batching.profiling.estimate import peak_at, trace_steps
+    from adaptive_batching.estimate.prediction import peak_at, trace_steps
     from adaptive_batching.training.methods import method_for
 
     cfg = load_config(row.config, row.overrides)

@@ -51,7 +51,7 @@ def _config(name: str) -> str:
 def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -> None:
     """One estimate in this process; its result, times and probes go to ``out`` as JSON."""
     from adaptive_batching.config.loading import load_config
-    from adaptive_batching.profiling.estimate import predict, trace_steps
+    from adaptive_batching.estimate.prediction import predict, trace_steps
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.units import parse_bytes
 

@@ -75,7 +75,7 @@ def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
 
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.core.nodes import one_line
-    from adaptive_batching.profiling.estimate import predict, trace_steps
+    from adaptive_batching.estimate.prediction import predict, trace_steps
     from adaptive_batching.training.methods import method_for
 
     row: dict[str, Any] = {"config": name}

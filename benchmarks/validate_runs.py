@@ -171,7 +171,7 @@ def preload() -> None:
     import torchtune.training  # noqa: F401
 
     import adaptive_batching.cli  # noqa: F401
-    import adaptive_batching.profiling.estimate  # noqa: F401
+    import adaptive_batching.estimate.prediction  # noqa: F401
     import adaptive_batching.training.trainer  # noqa: F401
 
     gc.collect()

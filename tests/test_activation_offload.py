@@ -11,7 +11,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from adaptive_batching.profiling.activation_offload import FakeOffload
+from adaptive_batching.estimate.activation_offload import FakeOffload
 
 KB = 1024  # 256 float32 values, the smallest tensor offloaded
 

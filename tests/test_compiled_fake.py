@@ -18,7 +18,7 @@ from torchtune.models.llama3_2 import llama3_2, lora_llama3_2
 from torchtune.modules.loss import CEWithChunkedOutputLoss
 from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
-from adaptive_batching.profiling.compiled import (
+from adaptive_batching.estimate.compiled import (
     PartitionedLayer,
     as_compiled,
     fused_nf4_dequantization,

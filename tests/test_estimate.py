@@ -18,7 +18,7 @@ from torch import nn
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.core.steps import StepMemory
-from adaptive_batching.profiling.estimate import (
+from adaptive_batching.estimate.prediction import (
     EXTRAPOLATED,
     FULL_TRACE,
     StepTrace,
@@ -26,7 +26,7 @@ from adaptive_batching.profiling.estimate import (
     predict,
     trace_steps,
 )
-from adaptive_batching.profiling.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
+from adaptive_batching.estimate.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
@@ -203,7 +203,7 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     """The command and its flags reach ``trace_steps``, which answers with the fixture's traces of the
     same config (the tracing itself is compared above; ``tests/test_profile_recipe.py`` runs the
     command end to end); the extrapolated one verifies its prediction with 2 more fake steps."""
-    import adaptive_batching.profiling.estimate as estimate
+    import adaptive_batching.estimate.prediction as estimate
 
     case = "full, activation checkpointing"
     fast, full = traces[case]
@@ -264,7 +264,7 @@ def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> N
     """A trace where the optimizer step sets the limit: 8 GiB of state on 1 rank, 1 GiB a rank on 8. A 4 GiB
     device fits no micro batch on 1 rank, and some on 8; the reported peak is a rank's share."""
     from adaptive_batching.core.steps import StepMemory
-    from adaptive_batching.profiling.estimate import EXTRAPOLATED, StepTrace, predict
+    from adaptive_batching.estimate.prediction import EXTRAPOLATED, StepTrace, predict
 
     gib = 2**30
     steady, per_sample, optimizer_peak = 2 * gib, 16 * 2**20, 8 * gib

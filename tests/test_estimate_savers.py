@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.profiling.estimate import StepTrace, predict, trace_steps
-from adaptive_batching.profiling.optimizer_state import BitsAndBytesStandIn, build_optimizer, stand_in_spec
+from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
+from adaptive_batching.estimate.optimizer_state import BitsAndBytesStandIn, build_optimizer, stand_in_spec
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
@@ -306,7 +306,7 @@ def test_a_compiled_step_is_traced_the_same_both_ways(extra: list[str]) -> None:
 def test_compiled_nf4_dequantization_writes_the_bf16_weight_only() -> None:
     from torchao.dtypes.nf4tensor import to_nf4
 
-    from adaptive_batching.profiling.compiled import fused_nf4_dequantization
+    from adaptive_batching.estimate.compiled import fused_nf4_dequantization
     from adaptive_batching.runtime.mem_tracker import FrozenAwareMemTracker
 
     weight = to_nf4(torch.randn(256, 512, dtype=torch.bfloat16))

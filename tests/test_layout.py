@@ -83,6 +83,7 @@ LAYERS: list[set[str]] = [
     {"batching"},
     {"growth"},
     {"profiling"},
+    {"estimate"},
     {"config"},
     {"training"},
     {"cli", "configs"},

@@ -220,7 +220,7 @@ def test_the_shipped_real_model_configs_profile_and_say_how_their_batch_adapts(n
 def test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib(name: str) -> None:
     """On fake tensors (no weights, no memory), at 2048-token samples: what the 80 GiB GPU the configs are
     written for holds."""
-    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.estimate.prediction import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
 
     cfg = load_config(name)
@@ -236,7 +236,7 @@ def test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes()
     from torchao.dtypes.nf4tensor import NF4Tensor
     from torchtune import config as tune_config
 
-    from adaptive_batching.profiling.estimate import estimate_max_micro_batch
+    from adaptive_batching.estimate.prediction import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
 
     cfg = load_config("llama3_1/8B_qlora_single_device")

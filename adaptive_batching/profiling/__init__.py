@@ -1,2 +1,2 @@
-"""The start-up profiler (budget, trial steps, fit, verification search, cache, report) and ``estimate``,
-which predicts the same answer for a device you do not have."""
+"""The start-up profiler: the memory budget, trial steps, the fit, the verification search, the cache and the
+report."""

@@ -44,9 +44,9 @@ from adaptive_batching.core.memory_savers import check_activation_offloading, op
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.steps import StepMemory
-from adaptive_batching.profiling.activation_offload import FakeOffload, offloading_forward
-from adaptive_batching.profiling.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
-from adaptive_batching.profiling.layer_timeline import (
+from adaptive_batching.estimate.activation_offload import FakeOffload, offloading_forward
+from adaptive_batching.estimate.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
+from adaptive_batching.estimate.layer_timeline import (
     LayerTimeline,
     PassStretch,
     decoder_layers,
@@ -54,7 +54,7 @@ from adaptive_batching.profiling.layer_timeline import (
     layers_to_trace,
     repeats,
 )
-from adaptive_batching.profiling.optimizer_state import build_optimizer, paged_bytes, step_or_explain
+from adaptive_batching.estimate.optimizer_state import build_optimizer, paged_bytes, step_or_explain
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
 
