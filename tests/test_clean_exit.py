@@ -10,13 +10,12 @@ its output for an unclean exit (``recipe_runs.check``).
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import run_forked_ranks
 
 from adaptive_batching.runtime import distributed
 from adaptive_batching.runtime.distributed import ParallelInfo, backend_threads, release_destroyed_group, shutdown
@@ -57,14 +56,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_release_ends_the_gloo_threads_that_destroy_process_group_leaves(tmp_path: Path) -> None:
-    context = mp.start_processes(_worker, args=(str(tmp_path / "store"), str(tmp_path)), nprocs=RANKS, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-rank run did not finish in 180 s")
+    run_forked_ranks(_worker, (str(tmp_path / "store"), str(tmp_path)), RANKS, seconds=180, what="the 2-rank run")
     for rank in range(RANKS):
         result = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert "pt_gloo_runloop" in result["started"]

@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import math
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import run_forked_ranks
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
@@ -241,16 +240,8 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_track_the_true_noise_scale_and_fsdp_norms_are_exact(tmp_path: Path) -> None:
-    # fork: the children inherit the imported torch (a spawn re-imports it, ~10 s on a busy
-    # machine); they run on one thread each, and a deadline turns a hang into a failure
-    context = mp.start_processes(_worker, args=(RANKS, str(tmp_path / "store"), str(tmp_path)),
-                                 nprocs=RANKS, join=False, start_method="fork")
-    deadline = time.monotonic() + 180
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for p in context.processes:
-                p.kill()
-            pytest.fail("the 2-rank noise scale run did not finish in 180 s")
+    run_forked_ranks(_worker, (RANKS, str(tmp_path / "store"), str(tmp_path)), RANKS, seconds=180,
+                     what="the 2-rank noise scale run")
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     values = results[0]["values"]
     assert values == results[1]["values"]  # every rank holds the same estimate

@@ -5,13 +5,12 @@ micro batch that fits on the tighter rank. Two gloo processes, forked."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from forked_ranks import run_forked_ranks
 
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
 from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, minimum_over_ranks
@@ -46,14 +45,7 @@ def agreed(tmp_path_factory: pytest.TempPathFactory) -> list[dict]:
     """Each rank's results. Forked: the children inherit the imported torch; a deadline turns a hang into a
     failure."""
     out = tmp_path_factory.mktemp("agree")
-    context = mp.start_processes(_rank, args=(str(out / "store"), str(out)), nprocs=RANKS, join=False,
-                                 start_method="fork")
-    deadline = time.monotonic() + 120
-    while not context.join(timeout=1):
-        if time.monotonic() > deadline:
-            for process in context.processes:
-                process.kill()
-            pytest.fail("the 2-rank agreement did not finish in 120 s")
+    run_forked_ranks(_rank, (str(out / "store"), str(out)), RANKS, seconds=120, what="the 2-rank agreement")
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(RANKS)]
 
 
