@@ -65,10 +65,10 @@ def _instrument(record: dict[str, Any], no_save: bool) -> None:
     StepRunner.train_step = measured_step
     if no_save:  # neither checkpoints nor the profile's plot (a Python process with matplotlib per profile)
         from adaptive_batching.profiling import report as profile_report
-        from adaptive_batching.profiling import run as profile_run
+        from adaptive_batching.profiling import run as profiling_run
 
         Trainer.save = lambda self, epoch: None
-        profile_run.write_report = lambda result, directory: {
+        profiling_run.write_report = lambda result, directory: {
             "json": profile_report.write_json(result, Path(directory) / "profile.json"), "png": "(not drawn)"}
 
     original_epoch = Trainer.train_epoch

@@ -199,7 +199,7 @@ def main() -> None:
 def signal_in(fault: dict, state: dict, once_file: str) -> None:
     """Send ``fault["signal"]`` as the phase ``fault["signal_in"]`` begins (see the module docstring)."""
     import adaptive_batching.batching.worst_case as worst_case
-    import adaptive_batching.profiling.run as profile_run
+    import adaptive_batching.profiling.run as profiling_run
     from adaptive_batching.faults.preemption import run_pending_handlers
     from adaptive_batching.training.trainer import Trainer
 
@@ -234,7 +234,7 @@ def signal_in(fault: dict, state: dict, once_file: str) -> None:
     elif phase == "profile":
         Trainer.trial_step = sending(Trainer.trial_step)
     elif phase == "compile":
-        profile_run._compile_first = sending(profile_run._compile_first)
+        profiling_run._compile_first = sending(profiling_run._compile_first)
     else:
         raise ValueError(f"signal_in: {phase!r} is not token_counts, profile or compile")
 

@@ -30,7 +30,7 @@ MAX_TOKENS = 256
 
 def tokens_in_step(sampler: TokenBudgetBatchSampler, step: int) -> int:
     """Padded tokens of the ``step``-th step's forwards as served (after ``split``), over all ranks."""
-    return sum(padded_tokens(sampler.lengths, piece) for mine in sampler.plan()[step] for batch in mine
+    return sum(padded_tokens(sampler.lengths, piece) for mine in sampler.layout()[step] for batch in mine
                for piece in _pieces(batch, sampler.split))
 
 
@@ -186,7 +186,7 @@ def test_every_sample_once_and_the_same_layout_on_all_ranks(order: str, world: i
                     for r in range(world)]
         per_rank = [list(s) for s in samplers]
         assert_covers_once(per_rank, n)
-        plan = samplers[0].plan()
+        plan = samplers[0].layout()
         micro = sum(1 for step in plan for mine in step for batch in mine if batch)
         full, remainder = divmod(micro, world * acc)
         layout = samplers[0].step_layout()
@@ -194,7 +194,7 @@ def test_every_sample_once_and_the_same_layout_on_all_ranks(order: str, world: i
         assert (sorted(layout, reverse=True) if order == "seqlen" else layout) == expected
         assert sum(samplers[0].samples_in_step(i) for i in range(len(layout))) == n
         for sampler, batches in zip(samplers, per_rank):
-            assert sampler.plan() == plan
+            assert sampler.layout() == plan
             assert sampler.step_layout() == layout
             assert sampler.steps == len(layout)
             assert len(batches) == len(sampler) == sum(layout)
@@ -211,7 +211,7 @@ def test_tokens_are_balanced_across_ranks_in_every_step() -> None:
     for world in (2, 3, 4):
         sampler = make(lengths, 0, world, accumulation=3)
         assert sampler.steps > 5
-        for index, step in enumerate(sampler.plan()):
+        for index, step in enumerate(sampler.layout()):
             per_batch = [padded_tokens(lengths, batch) for mine in step for batch in mine]
             loads = [sum(padded_tokens(lengths, batch) for batch in mine) for mine in step]
             assert max(loads) - min(loads) <= max(per_batch)
@@ -259,14 +259,14 @@ def test_without_shuffle_the_dataloader_order_is_the_dataset_order() -> None:
 
 def test_seqlen_steps_hold_similar_lengths_in_shuffled_order() -> None:
     lengths = long_tailed(800, seed=5, sigma=1.2)
-    plans = [make(lengths, 0, 2, picking_order="seqlen", epoch=epoch).plan() for epoch in (0, 1)]
+    plans = [make(lengths, 0, 2, picking_order="seqlen", epoch=epoch).layout() for epoch in (0, 1)]
     as_sets = [sorted(sorted(i for mine in step for batch in mine for i in batch) for step in plan) for plan in plans]
     assert as_sets[0] == as_sets[1]  # the same steps...
     assert plans[0] != plans[1]  # ...in another order
     longest = [max(lengths[i] for mine in step for batch in mine for i in batch) for step in plans[0]]
     assert longest != sorted(longest)
     assert padding_waste(lengths, [b for step in plans[0] for mine in step for b in mine]) < \
-        padding_waste(lengths, [b for step in make(lengths, 0, 2).plan() for mine in step for b in mine])
+        padding_waste(lengths, [b for step in make(lengths, 0, 2).layout() for mine in step for b in mine])
 
 
 # ---------------------------------------------------------------- max_steps, split, start_step

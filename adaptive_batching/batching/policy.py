@@ -67,7 +67,7 @@ class SampleBatching:
         if profiles:
             self.worst, _ = worst_case.measure(data.dataset, lengths, packed=data.packed, info=info)
 
-    def plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: "Verifier",
+    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: "Verifier",
              info: Callable[[str], None]) -> None:
         self.epoch_plan = epoch_plan
 
@@ -185,7 +185,7 @@ class TokenBatching(SampleBatching):
         info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
              f"(median {ordered[len(ordered) // 2]})")
 
-    def plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier,
+    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier,
              info: Callable[[str], None]) -> None:
         """Each epoch's budget; the first epoch's is decided once (a resumed run's and a re-plan keep it)."""
         self.epoch_plan = epoch_plan
@@ -256,14 +256,14 @@ class TokenBatching(SampleBatching):
         return self.budgets[epoch]
 
     def largest_piece(self, sampler: Any, index: int, micro_piece: int, split: int) -> int:
-        step = sampler.plan()[index]
+        step = sampler.layout()[index]
         return piece_size(max(len(micro) for rank in step for micro in rank), split)
 
     def split_note(self, split: int, micro_piece: int, batch: BatchShape) -> str:
         return "" if split == 1 else f"; after an OOM each micro batch runs as {split} pieces"
 
     def describe_epoch(self, epoch: int, batch: BatchShape, sampler: Any, note: str) -> str:
-        waste = padding_waste(self.lengths, [mb for step in sampler.plan() for rank in step for mb in rank])
+        waste = padding_waste(self.lengths, [mb for step in sampler.layout() for rank in step for mb in rank])
         samples = [sampler.samples_in_step(i) for i in range(sampler.steps)]
         return (f"token budget {self.budgets[epoch]} padded tokens per micro batch x accumulation "
                 f"{batch.accumulation} x {batch.ranks} rank(s): {sampler.steps} steps of "

@@ -198,18 +198,18 @@ class TokenBudgetBatchSampler(StepSampler):
         self.lengths_digest = _lengths_digest(self.lengths)
         self.max_tokens, self.picking_order = max_tokens, picking_order
         self.min_batch_size, self.max_batch_size = min_batch_size, max_batch_size
-        self._plans: dict[int, list[list[list[list[int]]]]] = {}
+        self._layouts: dict[int, list[list[list[list[int]]]]] = {}
         # Fails here, on every rank alike, when a sample or the bounds cannot fit max_tokens.
-        self.plan()
+        self.layout()
         self._start_at(start_step)
 
-    def plan(self) -> list[list[list[list[int]]]]:
+    def layout(self) -> list[list[list[list[int]]]]:
         """The current epoch's steps (after ``max_steps``): per step, per rank, the micro batches before ``split``."""
-        if self.epoch not in self._plans:
-            self._plans = {self.epoch: self._make_plan(self.epoch)}
-        return self._plans[self.epoch]
+        if self.epoch not in self._layouts:
+            self._layouts = {self.epoch: self._make_layout(self.epoch)}
+        return self._layouts[self.epoch]
 
-    def _make_plan(self, epoch: int) -> list[list[list[list[int]]]]:
+    def _make_layout(self, epoch: int) -> list[list[list[list[int]]]]:
         order = picking_order(self.lengths, self.picking_order, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
         batches = token_micro_batches(self.lengths, order, max_tokens=self.max_tokens,
                                       min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size)
@@ -224,16 +224,16 @@ class TokenBudgetBatchSampler(StepSampler):
         return steps if self.max_steps is None else steps[: self.max_steps]
 
     def _step_layout(self) -> list[int]:
-        return [len(step[0]) * self.split for step in self.plan()]
+        return [len(step[0]) * self.split for step in self.layout()]
 
     def samples_in_step(self, step: int) -> int:
         """Samples the ``step``-th step of the epoch trains on, over all ranks."""
-        return sum(len(batch) for mine in self.plan()[step] for batch in mine)
+        return sum(len(batch) for mine in self.layout()[step] for batch in mine)
 
     def _micro_batches(self, start: int) -> Iterator[list[int]]:
         """This rank's pieces of the epoch from the ``start``-th on."""
         skip = start
-        for step in self.plan():
+        for step in self.layout():
             mine = step[self.rank]
             count = len(mine) * self.split
             if skip >= count:

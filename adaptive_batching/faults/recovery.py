@@ -132,7 +132,7 @@ class OomRecovery:
         state.split, state.oom_cap = self.cuts.grown_back(state.split, state.oom_cap, planned)
         state.clean_steps, state.grew_back = 0, True
 
-    def plan(self, planned: int) -> int:
+    def split_for(self, planned: int) -> int:
         """Apply the cut to a newly planned micro batch; return the split."""
         self.state.split = self.cuts.for_plan(self.state.split, self.state.oom_cap, planned)
         return self.state.split

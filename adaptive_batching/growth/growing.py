@@ -39,7 +39,7 @@ class Growth:
         if increment is None:
             return
         batching = self.feed.batching
-        batching.plan(self.plan.entries, start=self.plan.start, profiled=None, verify=self.verify, info=self.info)
+        batching.use_plan(self.plan.entries, start=self.plan.start, profiled=None, verify=self.verify, info=self.info)
         noise = stats.noise_scale
         self.info(f"Growth from statistics at epoch {epoch + 1}: gradient noise scale "
                   f"{'not measured yet' if noise is None else f'{noise:.1f}'}, global batch {previous.shape.global_batch}"

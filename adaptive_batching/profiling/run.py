@@ -1,6 +1,6 @@
 """Running the profiler inside a recipe: budget, cache, cross-rank agreement and the report.
 
-It reaches the run only through a :class:`ProfileContext` and a trial-step callable (one measured
+It reaches the run only through a :class:`ProfilerContext` and a trial-step callable (one measured
 worst-case step at a given micro batch), so it knows nothing of the trainer.
 """
 
@@ -45,7 +45,7 @@ class ProfiledSetup:
 
 
 @dataclass
-class ProfileContext:
+class ProfilerContext:
     """What profiling needs from a run. ``preserved`` opens a context that puts the weights and optimizer
     state back afterwards; ``live_bytes`` is the tensor memory alive before the first trial."""
 
@@ -70,7 +70,7 @@ def device_identity(device: torch.device) -> tuple[str, int]:
     return f"cpu {platform.machine()} {platform.processor()}".strip(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def cache_location(context: ProfileContext) -> tuple[Path, str]:
+def cache_location(context: ProfilerContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
@@ -80,7 +80,7 @@ def cache_location(context: ProfileContext) -> tuple[Path, str]:
     return cache_file(context.settings.cache_dir, key), key
 
 
-def remember_out_of_memory(context: ProfileContext, profile: ProfileResult, cap: int) -> Path:
+def remember_out_of_memory(context: ProfilerContext, profile: ProfileResult, cap: int) -> Path:
     """Write ``cap`` (the micro batch training fell back to after an OOM) into the profile cache.
 
     The next run on this set-up then starts at most at ``cap`` instead of meeting the same OOM.
@@ -94,7 +94,7 @@ def remember_out_of_memory(context: ProfileContext, profile: ProfileResult, cap:
 
 
 def saved_profile(state: Mapping[str, Any], ranks: int, info: Callable[[str], None]) -> Optional[ProfileResult]:
-    """The profile a resumed checkpoint holds (:meth:`RunProfile.state_dict`), if it was measured on as many ranks
+    """The profile a resumed checkpoint holds (:meth:`StartupProfiler.state_dict`), if it was measured on as many ranks
     as this run has."""
     saved = state.get("result")
     saved_ranks = state.get("ranks", ranks)
@@ -108,7 +108,7 @@ def saved_profile(state: Mapping[str, Any], ranks: int, info: Callable[[str], No
     return result
 
 
-def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
+def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileResult:
     """The profile for this set-up: from the cache when its fingerprint matches, else measured now."""
     settings = context.settings
     path, key = cache_location(context)
@@ -136,7 +136,7 @@ def run_profile(context: ProfileContext, trial_step: TrialStep) -> ProfileResult
     return result
 
 
-def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
+def _measure(context: ProfilerContext, trial_step: TrialStep) -> ProfileResult:
     settings = context.settings
     live = context.live_bytes()
     budget = memory_budget(context.device, explicit=settings.memory_budget, fraction=settings.memory_fraction,
@@ -161,7 +161,7 @@ def _measure(context: ProfileContext, trial_step: TrialStep) -> ProfileResult:
     return result
 
 
-def _compile_first(context: ProfileContext, trial_step: TrialStep) -> float:
+def _compile_first(context: ProfilerContext, trial_step: TrialStep) -> float:
     """One step at micro batch 1 before the trials (the weights and state are put back with theirs): compile
     time and its one-time memory stay out of the measured steps. Its sizes are marked dynamic (see
     ``training.compiling``), so the trials and training reuse its graphs."""
@@ -177,20 +177,20 @@ def _compile_first(context: ProfileContext, trial_step: TrialStep) -> float:
     return seconds
 
 
-class RunProfile:
+class StartupProfiler:
     """A run's profile: the one its resumed checkpoint holds, the cached one, or one measured now (see
-    :func:`run_profile`); after an out-of-memory error in training, the micro batch the run fell back to is
+    :func:`measure_profile`); after an out-of-memory error in training, the micro batch the run fell back to is
     written into the cache, so the next run on this set-up starts under it. ``context`` builds the
-    :class:`ProfileContext` when it is needed (after set-up)."""
+    :class:`ProfilerContext` when it is needed (after set-up)."""
 
-    def __init__(self, context: Callable[[], ProfileContext], ranks: int) -> None:
+    def __init__(self, context: Callable[[], ProfilerContext], ranks: int) -> None:
         self.context, self.ranks = context, ranks
         self.result: Optional[ProfileResult] = None
         self.saved: Mapping[str, Any] = {}  # a resumed run's
 
     def find(self, trial_step: TrialStep) -> ProfileResult:
         context = self.context()
-        self.result = saved_profile(self.saved, self.ranks, context.info) or run_profile(context, trial_step)
+        self.result = saved_profile(self.saved, self.ranks, context.info) or measure_profile(context, trial_step)
         return self.result
 
     def state_dict(self) -> dict[str, Any]:

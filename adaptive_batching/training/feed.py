@@ -66,23 +66,23 @@ class Feed:
         """Set each step's LR on ``lr`` from now on."""
         self.lr = lr
 
-    def plan(self, batch: BatchShape) -> None:
+    def use_batch(self, batch: BatchShape) -> None:
         """From now on serve ``batch`` (an epoch's or a growth period's), under the current cut."""
         self.batch = batch
-        self.recovery.plan(batch.micro_batch)
+        self.recovery.split_for(batch.micro_batch)
 
     def start_epoch(self, epoch: int, batch: BatchShape, info: Callable[[str], None]) -> None:
         """Serve ``epoch`` at its planned ``batch`` from where the run stands in it (a resumed run's saved loader
         position, once), at the LR of that step."""
         step = self.step_in_epoch()
-        self.plan(batch)
+        self.use_batch(batch)
         self.serve(epoch, start_step=step, state=self._take_saved_position(info))
         self.set_step_lr(step)
 
     def grow_inside_epoch(self, epoch: int, step: int, batch: BatchShape) -> None:
         """Serve the rest of ``epoch`` after its step ``step`` at ``batch``, from the first sample not served."""
         self.continue_after(step)
-        self.plan(batch)
+        self.use_batch(batch)
         self.serve(epoch, start_step=step)
         self.set_step_lr(step)
 

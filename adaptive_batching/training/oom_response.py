@@ -17,7 +17,7 @@ from adaptive_batching.errors import OutOfMemoryStop, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.oom import is_out_of_memory
-from adaptive_batching.profiling.run import RunProfile
+from adaptive_batching.profiling.run import StartupProfiler
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.feed import Feed
@@ -26,15 +26,15 @@ from adaptive_batching.training.state import Progress
 
 class OomResponse:
     """The response to an OOM in training (see the module docstring). ``save(epoch)`` writes a checkpoint;
-    the cut goes into ``profile``'s cache."""
+    the cut goes into ``profiler``'s cache."""
 
     def __init__(self, feed: Feed, progress: Progress, *, parallel: ParallelInfo, device: torch.device,
                  guard: StepGuard, output_dir: Path, info: Callable[[str], None], save: Callable[[int], None],
-                 profile: RunProfile) -> None:
+                 profiler: StartupProfiler) -> None:
         self.feed, self.progress = feed, progress
         self.parallel, self.device, self.guard = parallel, device, guard
         self.output_dir = output_dir
-        self.info, self.save, self.profile = info, save, profile
+        self.info, self.save, self.profiler = info, save, profiler
         self.process_group_broken = False
 
     def _where(self, epoch: int, index: int) -> str:
@@ -57,7 +57,7 @@ class OomResponse:
                                          samples=feed.samples_in_step(index), split=feed.split,
                                          micro_piece=feed.micro_piece, batch=feed.batch,
                                          ranks=self.parallel.world_size, cap=cap))
-        self.profile.remember_cap(recovery.cache_cap, any_rank=False)
+        self.profiler.remember_cap(recovery.cache_cap, any_rank=False)
 
     def maybe_grow_back(self, epoch: int) -> None:
         """After ``oom_grow_back_after`` clean steps under a cut, undo one level of it (at a step boundary)."""
@@ -80,7 +80,7 @@ class OomResponse:
         feed.recovery.out_of_memory(failed, feed.batch.micro_batch)
         path = restart.record_cut(self.output_dir, feed.recovery.state_dict(), step=self.progress.global_step + 1,
                                   failed_micro_batch=failed, rank=self.parallel.rank, job_id=restart.job_id())
-        self.profile.remember_cap(feed.recovery.cache_cap, any_rank=True)
+        self.profiler.remember_cap(feed.recovery.cache_cap, any_rank=True)
         self.process_group_broken = True  # the other ranks wait in a collective this rank never joins
         cut = feed.batching.cut_description(feed.split, feed.micro_piece)
         raise OutOfMemoryStop(

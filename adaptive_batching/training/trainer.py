@@ -35,7 +35,7 @@ from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.growing import Growth
 from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.profiling.profiler import ProfileResult, preserved_training_state
-from adaptive_batching.profiling.run import ProfileContext, RunProfile
+from adaptive_batching.profiling.run import ProfilerContext, StartupProfiler
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.training.components import build_components, build_data
@@ -69,7 +69,7 @@ class Trainer:
         progress = self.progress = Progress()
         self.metric_logger: Any = None
         self.log_every, self.peak_memory_stats = cfg.get("log_every_n_steps", 1), cfg.get("log_peak_memory_stats", False)
-        self.profile_run = RunProfile(self.profile_context, self.parallel.world_size)
+        self.profiler = StartupProfiler(self.profiler_context, self.parallel.world_size)
         self.plan = BatchPlan(settings.growth, self.total_epochs, self.parallel.world_size,
                               epochs_run=lambda: progress.epochs_run)
         self.guard = StepGuard(self.parallel, self.device)
@@ -80,7 +80,7 @@ class Trainer:
         self.lr: Optional[SampleDrivenLR] = None  # built with the plan
         self.saved_lr: Optional[dict[str, Any]] = None  # a resumed run's LR schedule, which the plan builds
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
-                               output_dir=self.output_dir, info=self.info, save=self.save, profile=self.profile_run)
+                               output_dir=self.output_dir, info=self.info, save=self.save, profiler=self.profiler)
         self.preemption = Preemption(faults.stop_signals, self.parallel, self.device,
                                      output_dir=None if self.resume else self.output_dir)
         self.preemption.install()  # from here on a stop signal stops the run where it can (see faults.preemption)
@@ -146,11 +146,11 @@ class Trainer:
     # ------------------------------------------------------------------ profiling
     def profile(self) -> Optional[ProfileResult]:
         """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint."""
-        return self.profile_run.find(self.trial_step) if self.settings.needs_profile else None
+        return self.profiler.find(self.trial_step) if self.settings.needs_profile else None
 
-    def profile_context(self) -> ProfileContext:
+    def profiler_context(self) -> ProfilerContext:
         """All the profiler sees of this run, besides :meth:`trial_step`."""
-        return ProfileContext(
+        return ProfilerContext(
             setup=profiled_setup(self.cfg), settings=self.settings.profiler, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
@@ -172,7 +172,7 @@ class Trainer:
     # ------------------------------------------------------------------ planning
     def make_plan(self) -> BatchPlan:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
-        profile, settings = self.profile_run.result, self.settings
+        profile, settings = self.profiler.result, self.settings
         start = starting_batch(settings.growth, settings.elastic, self.reference, self.parallel.world_size,
                                profile.micro_batch if profile is not None else None, self.info,
                                use_maximum_batch_size=settings.use_maximum_batch_size,
@@ -180,7 +180,7 @@ class Trainer:
         self.reference = start.reference
         self.plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap)
         profiled = start.micro_batch if profile is not None and settings.use_maximum_batch_size else None
-        self.batching.plan(self.plan.entries, start=start.micro_batch, profiled=profiled, verify=self._verifying,
+        self.batching.use_plan(self.plan.entries, start=start.micro_batch, profiled=profiled, verify=self._verifying,
                            info=self.info)
         self.batching.check(profiled=settings.use_maximum_batch_size and settings.elastic is None,
                             reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
@@ -326,7 +326,7 @@ class Trainer:
         from :attr:`saved_lr`)."""
         return {"progress": self.progress, "feed": self.feed, "plan": self.plan,
                 "lr": self.lr or PendingState(self, "saved_lr"),
-                "noise_scale": self.runner.noise, "profile": self.profile_run}
+                "noise_scale": self.runner.noise, "profile": self.profiler}
 
     def adaptive_state(self) -> dict[str, Any]:
         """The adaptive part of the recipe state: each part's own state under its key."""
