@@ -181,7 +181,8 @@ def run_status(output_dir: Path) -> str:
     if latest is None:
         why = stopped_before_first_save(Path(output_dir))
         if why is not None:
-            return f"stopped: {why}, before the first checkpoint; resume_from_checkpoint=True starts it from the beginning"
+            return (f"stopped: {why}, before the first checkpoint; resume_from_checkpoint=True starts it from the "
+                    "beginning")
         return f"none: no complete checkpoint in {output_dir}"
     record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
     where = (f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "

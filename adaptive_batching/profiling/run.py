@@ -74,8 +74,8 @@ def cache_location(context: ProfilerContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
     key = fingerprint(memory_fingerprint_parts(
-        context.setup.memory, context.settings, world_size=context.parallel.world_size, device=context.device, device_name=name,
-        device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
+        context.setup.memory, context.settings, world_size=context.parallel.world_size, device=context.device,
+        device_name=name, device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
     ))
     return cache_file(context.settings.cache_dir, key), key
 

@@ -27,8 +27,7 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import StepNotRetried, UnguardedOutOfMemory
-from adaptive_batching.faults import checkpoints as checkpointing
-from adaptive_batching.faults import restart
+from adaptive_batching.faults import checkpoints as checkpointing, restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
@@ -138,7 +137,8 @@ class Trainer:
                                                  optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
-                              length_source(cfg, self.settings.profiler.cache_dir), self.info, profiles=self.settings.needs_profile)
+                              length_source(cfg, self.settings.profiler.cache_dir), self.info,
+                              profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
         self.preemption.before_training("during set-up (data, model, token counts)")
