@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from config_edits import CONFIGS
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.assets.tiny import write_tiny_assets
+from adaptive_batching.core import logs
 
 
 @pytest.fixture(scope="module")
@@ -27,3 +30,10 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder a test module's recipe runs share."""
     return tmp_path_factory.mktemp("runs")
+
+
+@pytest.fixture
+def said(caplog: pytest.LogCaptureFixture) -> Callable[[], list[str]]:
+    """The lines the run's log (``adaptive_batching.core.logs``) has said so far in this test: ``said()``."""
+    caplog.set_level(logging.INFO, logger=logs.log.name)
+    return lambda: [record.getMessage() for record in caplog.records if record.name == logs.log.name]

@@ -27,10 +27,10 @@ def test_max_tokens_picks_the_token_policy() -> None:
 
 def test_the_sample_policy_serves_every_sample_once_in_planned_steps() -> None:
     policy = SampleBatching(DEFAULT)
-    policy.prepare(context(), lengths=None, info=print, profiles=False)  # type: ignore[arg-type]
+    policy.prepare(context(), lengths=None, profiles=False)  # type: ignore[arg-type]
     shape = BatchShape(micro_batch=4, accumulation=2, ranks=1)
     policy.use_plan([EpochBatch(epoch=0, requested=4, increment=0, shape=shape, reason="start")], start=4,
-                profiled=None, verify=None, info=print)  # type: ignore[arg-type]
+                profiled=None, verify=None)  # type: ignore[arg-type]
     assert policy.extent(0) == (5, 40)
     sampler = policy.loader(0, split=2, start_step=0).batch_sampler
     micro_batches = list(sampler)
@@ -47,7 +47,7 @@ def test_the_token_policy_scales_its_budget_with_the_plan_and_sets_the_lr_per_st
     policy.lengths = [8 + (i % 5) for i in range(40)]
     shapes = [BatchShape(micro_batch=m, accumulation=1, ranks=1) for m in (4, 8)]
     plan = [EpochBatch(epoch=e, requested=s.micro_batch, increment=0, shape=s, reason="start") for e, s in enumerate(shapes)]
-    policy.use_plan(plan, start=4, profiled=None, verify=None, info=print)  # type: ignore[arg-type]
+    policy.use_plan(plan, start=4, profiled=None, verify=None)  # type: ignore[arg-type]
     assert policy.budgets == [64, 128] and policy.served(1) == 128
     assert policy.metrics(1, split=2, micro_piece=0) == {"max_tokens": 64}
     steps, samples = policy.extent(0)
@@ -58,7 +58,7 @@ def test_the_token_policy_scales_its_budget_with_the_plan_and_sets_the_lr_per_st
     assert policy.state_dict() == {"token_budget": 64}
     resumed = TokenBatching(BatchingSettings(max_tokens=64))
     resumed.load_state_dict({"token_budget": 48})
-    resumed.use_plan(plan, start=4, profiled=None, verify=None, info=print)  # type: ignore[arg-type]
+    resumed.use_plan(plan, start=4, profiled=None, verify=None)  # type: ignore[arg-type]
     assert resumed.budgets == [48, 96]
 
 

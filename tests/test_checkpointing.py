@@ -13,7 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -370,21 +370,20 @@ def state_on(*, ranks: int, step_in_epoch: int) -> dict[str, Any]:
             "feed": {"ranks": ranks}}
 
 
-def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ranks() -> None:
+def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ranks(said: Callable[[], list[str]]) -> None:
     from adaptive_batching.errors import ConfigError
     from adaptive_batching.training.state import check_resumable_on
 
-    said: list[str] = []
     inside = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: state_on(ranks=2, step_in_epoch=3)}
-    check_resumable_on(inside, 2, elastic=False, info=said.append)  # the same ranks: nothing to say
-    check_resumable_on(inside, 1, elastic=True, info=said.append)  # elastic: the feed keeps the global batch
-    assert said == []
+    check_resumable_on(inside, 2, elastic=False)  # the same ranks: nothing to say
+    check_resumable_on(inside, 1, elastic=True)  # elastic: the feed keeps the global batch
+    assert said() == []
     with pytest.raises(ConfigError, match=r"saved inside epoch 2 on 2 rank\(s\); resume it on 2 rank\(s\) "
                                           r"\(tune run --nproc_per_node 2"):
-        check_resumable_on(inside, 1, elastic=False, info=said.append)
+        check_resumable_on(inside, 1, elastic=False)
     at_the_end = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: state_on(ranks=2, step_in_epoch=0)}
-    check_resumable_on(at_the_end, 4, elastic=False, info=said.append)
-    assert said == ["Resuming on 4 rank(s) instead of 2: the global batch follows the ranks (batch_size x "
+    check_resumable_on(at_the_end, 4, elastic=False)
+    assert said() == ["Resuming on 4 rank(s) instead of 2: the global batch follows the ranks (batch_size x "
                     "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks"]
 
 
@@ -396,4 +395,4 @@ def test_a_state_in_another_format_version_is_refused_before_the_ranks_are_check
                                                            "version": STATE_VERSION - 1}}
     with pytest.raises(ConfigError, match=f"format version {STATE_VERSION - 1}, and this adaptive-batching reads "
                                           f"version {STATE_VERSION} only"):
-        check_resumable_on(older, 2, elastic=False, info=print)
+        check_resumable_on(older, 2, elastic=False)

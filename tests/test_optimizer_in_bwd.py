@@ -191,9 +191,9 @@ def test_keep_global_batch_that_needs_accumulation_names_both_keys(base_cfg: Dic
     with pytest.raises(ConfigError, match=r"keep_global_batch' = True and 'optimizer_in_bwd' = True: the config's "
                                           r"global batch 32 needs 32 samples per forward .* above the profiled micro "
                                           r"batch 20"):
-        starting_batch(settings.growth, None, BatchShape(32, 1, 1), 1, 20, print, use_maximum_batch_size=True,
+        starting_batch(settings.growth, None, BatchShape(32, 1, 1), 1, 20, use_maximum_batch_size=True,
                        optimizer_in_bwd=settings.optimizer_in_bwd)
-    start = starting_batch(settings.growth, None, BatchShape(16, 1, 1), 1, 20, lambda message: None,
+    start = starting_batch(settings.growth, None, BatchShape(16, 1, 1), 1, 20,
                            use_maximum_batch_size=True, optimizer_in_bwd=settings.optimizer_in_bwd)
     assert (start.micro_batch, start.accumulation) == (16, 1)
 
@@ -241,7 +241,7 @@ def test_every_forward_runs_inside_the_activations_context_and_the_loss_outside_
     model = Model()
     runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), Loss(),
                         StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK, torch.device("cpu"), clip_grad_norm=None,
-                        oom_recovery=True, info=print, where=lambda: (1, None, "."), activations=Recording())
+                        oom_recovery=True, where=lambda: (1, None, "."), activations=Recording())
     tokens = torch.randint(0, 10, (2, 5))
     runner.forward_backward({"tokens": tokens, "labels": tokens.clone()})
     assert entered == ["enter", "forward", "exit", "loss"]

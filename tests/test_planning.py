@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import pytest
 import torch
@@ -20,15 +20,15 @@ def settings(use_max: bool = False, fn: Any = None, **values: Any) -> AdaptiveSe
     return AdaptiveSettings(use_max, **sections({**{k: v.default for k, v in KNOBS.items()}, **values}, fn))
 
 
-def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Any, info: Any) -> Any:
-    return plan.starting_batch(settings.growth, settings.elastic, reference, ranks, profiled, info,
+def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Any) -> Any:
+    return plan.starting_batch(settings.growth, settings.elastic, reference, ranks, profiled,
                                use_maximum_batch_size=settings.use_maximum_batch_size,
                                optimizer_in_bwd=settings.optimizer_in_bwd)
 
 
 def test_the_profiled_micro_batch_starts_the_plan_and_the_lr_follows_it() -> None:
     """``use_maximum_batch_size`` alone changes the batch: 16 x 2 = 32 samples, so the LR is x2 under sqrt."""
-    start = starting_batch(settings(use_max=True), REFERENCE, 1, 16, lambda _: None)
+    start = starting_batch(settings(use_max=True), REFERENCE, 1, 16)
     assert (start.micro_batch, start.accumulation, start.memory_cap, start.reference) == (16, 2, 16, REFERENCE)
     batches = BatchPlan(settings(use_max=True).growth, epochs=2, ranks=1)
     entries = batches.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap)
@@ -36,15 +36,15 @@ def test_the_profiled_micro_batch_starts_the_plan_and_the_lr_follows_it() -> Non
     lr = SampleDrivenLR(optimizer, [1e-3], None, reference_global_batch=REFERENCE.global_batch, rule="sqrt")
     lr.set_global_batch(entries[0].shape.global_batch)
     assert optimizer.param_groups[0]["lr"] == pytest.approx(2e-3)
-    off = starting_batch(settings(), REFERENCE, 1, 16, lambda _: None)
+    off = starting_batch(settings(), REFERENCE, 1, 16)
     assert (off.micro_batch, off.memory_cap) == (4, 16)  # profiled only for the cap on growth
 
 
-def test_keeping_the_global_batch_starts_at_the_profiled_micro_batch_with_the_rest_as_accumulation() -> None:
-    said: list[str] = []
-    start = starting_batch(settings(use_max=True, keep_global_batch=True), BatchShape(4, 4, 1), 1, 8, said.append)
+def test_keeping_the_global_batch_starts_at_the_profiled_micro_batch_with_the_rest_as_accumulation(
+        said: Callable[[], list[str]]) -> None:
+    start = starting_batch(settings(use_max=True, keep_global_batch=True), BatchShape(4, 4, 1), 1, 8)
     assert start.micro_batch * start.accumulation == 16 and start.micro_batch <= 8 and start.memory_cap is None
-    assert "Keeping the config's global batch 16" in said[0]
+    assert "Keeping the config's global batch 16" in said()[0]
 
 
 def double(epoch: int, current: int) -> int:

@@ -4,7 +4,7 @@ stood included, and a state in another format version stops the resume in one li
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import pytest
 import torch
@@ -53,35 +53,34 @@ def adaptive_state(version: Any = STATE_VERSION) -> dict[str, Any]:
             "noise_scale": None, "profile": {"result": None, "ranks": 1}}
 
 
-def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], list[str], torch.optim.Optimizer]:
-    """Checkpoints.restore, as a resume calls it, of a tiny model's checkpoint holding ``state``; the parts, what
-    it said and the optimizer it restored."""
+def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], torch.optim.Optimizer]:
+    """Checkpoints.restore, as a resume calls it, of a tiny model's checkpoint holding ``state``; the parts and
+    the optimizer it restored."""
     model = torch.nn.Linear(2, 2)
     saved_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2)).sum().backward()
     saved_optimizer.step()
     checkpoint = {training.SEED_KEY: 7, training.OPT_KEY: saved_optimizer.state_dict(),
                   checkpointing.ADAPTIVE_KEY: state}
-    said: list[str] = []
     owner = type("Owner", (), {"saved_lr": None})()
     parts = {"progress": Progress(), "feed": Feed(), "plan": Recorded(), "lr": PendingState(owner, "saved_lr"),
              "noise_scale": Recorded(), "profile": Recorded()}
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    checkpoints = Checkpoints(None, None, ParallelInfo(), torch.device("cpu"), said.append, total_epochs=3,
+    checkpoints = Checkpoints(None, None, ParallelInfo(), torch.device("cpu"), total_epochs=3,
                               max_steps_per_epoch=None)
     seed = checkpoints.restore(checkpoint, seed=7, parts=parts, model=model, optimizer=optimizer, output_dir=tmp_path)
     assert seed == 7
-    return {**parts, "saved_lr": owner.saved_lr}, said, optimizer
+    return {**parts, "saved_lr": owner.saved_lr}, optimizer
 
 
-def test_a_resume_puts_each_part_back_where_the_run_stood(tmp_path: Path) -> None:
-    parts, said, optimizer = restore(adaptive_state(), tmp_path)
+def test_a_resume_puts_each_part_back_where_the_run_stood(tmp_path: Path, said: Callable[[], list[str]]) -> None:
+    parts, optimizer = restore(adaptive_state(), tmp_path)
     progress = parts["progress"]
     assert (progress.epochs_run, progress.step_in_epoch, progress.global_step) == (1, 5, 12)
     assert parts["feed"].loaded == {"ranks": 1, "span": None} and parts["plan"].loaded == {"grown": None}
     assert parts["saved_lr"] == {"consumed_samples": 40} and parts["profile"].loaded == {"result": None, "ranks": 1}
     assert parts["noise_scale"].loaded is None  # a part saved as None keeps its own start
-    assert said == ["Resuming at step 5 of epoch 2 (optimizer step 12)"]
+    assert said() == ["Resuming at step 5 of epoch 2 (optimizer step 12)"]
     assert all("momentum_buffer" in state for state in optimizer.state.values()) and optimizer.state
 
 

@@ -42,7 +42,7 @@ def test_the_last_loss_stays_without_its_saved_tensors_until_the_next_micro_batc
     model = Model()
     runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), Loss(),
                         StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK, torch.device("cpu"), clip_grad_norm=None,
-                        oom_recovery=True, info=print, where=lambda: (1, None, "."))
+                        oom_recovery=True, where=lambda: (1, None, "."))
     assert runner.last_loss is None
     loss, _ = runner.forward_backward(micro_batch(0))
     held = runner.last_loss

@@ -9,6 +9,7 @@ import re
 import signal
 import subprocess
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from recipe_runs import check, run_command, unclean_exit
@@ -55,15 +56,15 @@ def fake_checkpoint(output_dir: Path, epoch: int, *, epochs_run: int, total_epoc
 # ---------------------------------------------------------------- the record, without a run
 
 
-def test_a_stop_record_says_stopped_and_a_resume_starts_from_the_beginning_in_one_line(tmp_path: Path) -> None:
+def test_a_stop_record_says_stopped_and_a_resume_starts_from_the_beginning_in_one_line(
+        tmp_path: Path, said: Callable[[], list[str]]) -> None:
     assert run_status(tmp_path).startswith("none: no complete checkpoint")
-    assert resume_decision(True, tmp_path, print) == (True, None)  # no record: the config error follows
+    assert resume_decision(True, tmp_path) == (True, None) and said() == []  # no record: the config error follows
     mark_stopped(tmp_path, "SIGTERM received")
     assert run_status(tmp_path) == ("stopped: SIGTERM received, before the first checkpoint; "
                                     "resume_from_checkpoint=True starts it from the beginning")
-    lines: list[str] = []
-    assert resume_decision(True, tmp_path, lines.append) == (False, None)
-    assert lines == [resume_line(tmp_path, "SIGTERM received")]
+    assert resume_decision(True, tmp_path) == (False, None)
+    assert said() == [resume_line(tmp_path, "SIGTERM received")]
 
 
 def test_a_stop_record_never_makes_a_finished_or_a_broken_run_look_stopped(tmp_path: Path) -> None:
@@ -71,11 +72,11 @@ def test_a_stop_record_never_makes_a_finished_or_a_broken_run_look_stopped(tmp_p
     fake_checkpoint(finished, 0, epochs_run=1, total_epochs=1)
     mark_stopped(finished, "SIGTERM received")
     assert run_status(finished).startswith(f"finished: {finished / 'epoch_0'}")
-    assert resume_decision(True, finished, print) == (True, None)
+    assert resume_decision(True, finished) == (True, None)
     (fake_checkpoint(broken, 0, epochs_run=0, total_epochs=1) / checkpoints.MARKER).unlink()  # a broken save
     mark_stopped(broken, "SIGTERM received")
     assert run_status(broken).startswith("none: no complete checkpoint")
-    assert resume_decision(True, broken, print) == (True, None)  # and the resume stops on it, not started over
+    assert resume_decision(True, broken) == (True, None)  # and the resume stops on it, not started over
 
 
 def test_the_first_signal_is_recorded_at_once_until_the_run_has_a_checkpoint(tmp_path: Path) -> None:

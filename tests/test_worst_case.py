@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
+from typing import Callable
 
 import pytest
 from omegaconf import OmegaConf
@@ -35,21 +36,23 @@ class Packs:
     max_seq_len = 2048
 
 
-def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(tmp_path: Path) -> None:
-    data, said = Samples([5, 1450, 9, 300]), []
-    worst, lengths = worst_case.measure(data, length_source(CFG, tmp_path), packed=False, info=said.append)
+def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(tmp_path: Path,
+                                                                          said: Callable[[], list[str]]) -> None:
+    data = Samples([5, 1450, 9, 300])
+    worst, lengths = worst_case.measure(data, length_source(CFG, tmp_path), packed=False)
     assert (worst.tokens, lengths) == (1450, [5, 1450, 9, 300])
     assert worst.source == "the longest of 4 samples after tokenizer.max_seq_len=null: no truncation"
-    assert said and said[0].startswith("Worst-case sample: 1450 tokens, the longest of 4 samples")
+    assert len(said()) == 1 and said()[0].startswith("Worst-case sample: 1450 tokens, the longest of 4 samples")
     reads = data.reads
-    again, _ = worst_case.measure(data, length_source(CFG, tmp_path), packed=False, info=said.append)
+    again, _ = worst_case.measure(data, length_source(CFG, tmp_path), packed=False, quiet=True)
     assert again == worst and data.reads == reads  # the lengths came from the cache
+    assert len(said()) == 1  # quiet (``estimate``): nothing more said
 
 
 def test_truncation_is_named_and_a_packed_data_set_is_one_pack_long() -> None:
     truncated = length_source(OmegaConf.create({"tokenizer": {"max_seq_len": 256}, "dataset": {}}), None)
     assert worst_case.from_lengths([3, 256], truncated).source == "the longest of 2 samples after tokenizer.max_seq_len=256"
-    worst, lengths = worst_case.measure(Packs(), truncated, packed=True, info=print)
+    worst, lengths = worst_case.measure(Packs(), truncated, packed=True)
     assert (worst.tokens, lengths) == (2048, None) and worst.source == "the pack size (tokenizer.max_seq_len=256)"
 
 

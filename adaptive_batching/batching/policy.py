@@ -22,6 +22,7 @@ from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.batching.token_sampler import padding_waste
 from adaptive_batching.batching.worst_case import LengthSource, WorstCase
+from adaptive_batching.core import logs
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop
 from adaptive_batching.faults.guard import piece_size
@@ -59,19 +60,18 @@ class SampleBatching:
     def cuts(self) -> Cuts:
         return SampleCuts()
 
-    def prepare(self, data: DataContext, lengths: LengthSource, info: Callable[[str], None], *,
-                profiles: bool) -> None:
+    def prepare(self, data: DataContext, lengths: LengthSource, *, profiles: bool) -> None:
         """Keep the data; when the run profiles, find its worst-case sample (see ``worst_case``) from ``lengths``,
         what the config says of the samples' token counts."""
         self.data = data
         if profiles:
-            self.worst, _ = worst_case.measure(data.dataset, lengths, packed=data.packed, info=info)
+            self.worst, _ = worst_case.measure(data.dataset, lengths, packed=data.packed)
 
-    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: "Verifier",
-             info: Callable[[str], None]) -> None:
+    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int],
+                 verify: "Verifier") -> None:
         self.epoch_plan = epoch_plan
 
-    def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
+    def check(self, *, profiled: bool, reference_global_batch: int, rule: str) -> None:
         """The plan's guard rails (see :mod:`~adaptive_batching.batching.checks`)."""
         assert self.data is not None
         check_plan_against_data(
@@ -81,7 +81,7 @@ class SampleBatching:
         )
         warnings = lr_factor_warnings(self.epoch_plan, reference_global_batch=reference_global_batch, rule=rule)
         if warnings:
-            warn("\n".join(warnings))
+            logs.warning("\n".join(warnings))
 
     def loader(self, epoch: int, split: int, start_step: int, span: Optional[SamplerSpan] = None) -> Any:
         """``epoch``'s loader from the sampler's step ``start_step``, serving ``span`` of the epoch."""
@@ -174,26 +174,24 @@ class TokenBatching(SampleBatching):
     def cuts(self) -> Cuts:
         return TokenCuts()
 
-    def prepare(self, data: DataContext, lengths: LengthSource, info: Callable[[str], None], *,
-                profiles: bool) -> None:
+    def prepare(self, data: DataContext, lengths: LengthSource, *, profiles: bool) -> None:
         """Every sample's token count (cached, see ``worst_case``): the budget is filled by them."""
         self.data = data
-        self.worst, counts = worst_case.measure(data.dataset, lengths, packed=False, info=info)
+        self.worst, counts = worst_case.measure(data.dataset, lengths, packed=False)
         assert counts is not None
         self.lengths = counts
         ordered = sorted(self.lengths)
-        info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
-             f"(median {ordered[len(ordered) // 2]})")
+        logs.info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
+                  f"(median {ordered[len(ordered) // 2]})")
 
-    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier,
-             info: Callable[[str], None]) -> None:
+    def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier) -> None:
         """Each epoch's budget; the first epoch's is decided once (a resumed run's and a re-plan keep it)."""
         self.epoch_plan = epoch_plan
-        base = self.budgets[0] if self.budgets else self._base(start, profiled, verify, info)
+        base = self.budgets[0] if self.budgets else self._base(start, profiled, verify)
         # Growth scales the budget as it would scale a micro batch of samples.
         self.budgets = [base * entry.shape.micro_batch // start for entry in epoch_plan]
 
-    def _base(self, start: int, profiled: Optional[int], verify: Verifier, info: Callable[[str], None]) -> int:
+    def _base(self, start: int, profiled: Optional[int], verify: Verifier) -> int:
         """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
         value = self.settings.max_tokens
         if profiled is None:
@@ -201,12 +199,12 @@ class TokenBatching(SampleBatching):
         seq_len = max(self.lengths)
         from_profile = start * seq_len
         budget = from_profile if value == "auto" else min(int(value), from_profile)
-        info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "
-             f"the longest sample's {seq_len} tokens"
-             f"{'' if value == 'auto' else f', at most adaptive_batching.max_tokens={value}'})")
-        return self._verify_short_samples(budget, verify, info)
+        logs.info(f"Token budget: {budget} padded tokens per micro batch (the profiler's micro batch {start} x "
+                  f"the longest sample's {seq_len} tokens"
+                  f"{'' if value == 'auto' else f', at most adaptive_batching.max_tokens={value}'})")
+        return self._verify_short_samples(budget, verify)
 
-    def _verify_short_samples(self, budget: int, verify: Verifier, info: Callable[[str], None]) -> int:
+    def _verify_short_samples(self, budget: int, verify: Verifier) -> int:
         """Check the budget where it packs the most samples (the shortest ones): memory depends on the
         tokens and on their length. Halve it until a real step fits."""
         shortest, seq_len = min(self.lengths), max(self.lengths)
@@ -218,17 +216,17 @@ class TokenBatching(SampleBatching):
                 except Exception as error:  # noqa: BLE001 - only an OOM lowers the budget
                     if not is_out_of_memory(error):
                         raise
-                    info(f"Token budget {budget}: {samples} samples of {shortest} tokens ran out of memory; "
-                         f"trying {budget // 2}")
+                    logs.info(f"Token budget {budget}: {samples} samples of {shortest} tokens ran out of memory; "
+                              f"trying {budget // 2}")
                     budget //= 2
                     continue
-                info(f"Token budget {budget} verified with {samples} samples of the shortest length, "
-                     f"{shortest} tokens: peak {used.peak_bytes / 2**30:.3f} GiB")
+                logs.info(f"Token budget {budget} verified with {samples} samples of the shortest length, "
+                          f"{shortest} tokens: peak {used.peak_bytes / 2**30:.3f} GiB")
                 return budget
         raise OutOfMemoryStop(f"no token budget of at least one longest sample ({seq_len} tokens) fits "
                               f"{budget // shortest} samples of {shortest} tokens")
 
-    def check(self, *, profiled: bool, reference_global_batch: int, rule: str, warn: Callable[[str], None]) -> None:
+    def check(self, *, profiled: bool, reference_global_batch: int, rule: str) -> None:
         """Steps hold as many samples as the budget packs: the sample-count rails do not apply."""
 
     def loader(self, epoch: int, split: int, start_step: int, span: Optional[SamplerSpan] = None) -> Any:

@@ -14,10 +14,11 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 
 from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
+from adaptive_batching.core import logs
 from adaptive_batching.errors import ConfigError
 
 
@@ -80,8 +81,9 @@ def from_lengths(lengths: list[int], source: LengthSource) -> WorstCase:
 
 
 def measure(dataset: Any, source: LengthSource, *, packed: bool,
-            info: Callable[[str], None]) -> tuple[WorstCase, Optional[list[int]]]:
-    """The data set's worst case, and every sample's length (None when packed: all are one pack)."""
+            quiet: bool = False) -> tuple[WorstCase, Optional[list[int]]]:
+    """The data set's worst case, and every sample's length (None when packed: all are one pack); logged unless
+    ``quiet`` (``estimate``, which prints its own report)."""
     if packed:
         size = pack_size(dataset, source)
         return WorstCase(size, f"the pack size ({source.truncation})"), None
@@ -89,8 +91,10 @@ def measure(dataset: Any, source: LengthSource, *, packed: bool,
     lengths = sample_lengths(dataset, source)
     worst = from_lengths(lengths, source)
     cache_dir = source.cache_dir
-    info(f"Worst-case sample: {worst.describe()} (token counts of the data set in {time.perf_counter() - start:.1f} s"
-         f"{'' if cache_dir is None else f', cached in {cache_dir}'})")
+    if not quiet:
+        seconds = time.perf_counter() - start
+        logs.info(f"Worst-case sample: {worst.describe()} (token counts of the data set in {seconds:.1f} s"
+                  f"{'' if cache_dir is None else f', cached in {cache_dir}'})")
     return worst, lengths
 
 

@@ -8,7 +8,7 @@ A part never receives the config (docs/contributing.md): the profiler gets a
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Mapping, Optional, Union
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -66,8 +66,7 @@ def length_source(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> Length
     )
 
 
-def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]],
-                  info: Callable[[str], None] = lambda message: None) -> WorstCase:
+def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> WorstCase:
     """The worst case of a config's data, building its tokenizer and data set here (``estimate``, which has
     no run). A data set or tokenizer that cannot be read here (a hub data set offline, a tokenizer file
     not downloaded) is one error that says to give the length instead."""
@@ -83,4 +82,4 @@ def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]],
         raise ConfigError(f"the worst-case sample length comes from the data of config keys 'tokenizer' and "
                           f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
                           f"--seq-len N (tokens in the longest sample after truncation)") from None
-    return measure(dataset, length_source(cfg, folder), packed=is_packed, info=info)[0]
+    return measure(dataset, length_source(cfg, folder), packed=is_packed, quiet=True)[0]

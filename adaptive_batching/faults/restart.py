@@ -14,8 +14,9 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Mapping, Optional
 
+from adaptive_batching.core import logs
 from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint, stopped_before_first_save
 from adaptive_batching.runtime.files import write_atomically
 
@@ -56,7 +57,7 @@ def resume_after_restart(output_dir: Path, env: Mapping[str, str] = os.environ) 
                   f"(optimizer step {record['global_step']})")
 
 
-def resume_decision(asked: bool, output_dir: Path, info: Callable[[str], None]) -> tuple[bool, Optional[str]]:
+def resume_decision(asked: bool, output_dir: Path) -> tuple[bool, Optional[str]]:
     """Whether this run resumes (``resume_from_checkpoint`` was ``asked``, or a torchrun restart of this job
     finds a checkpoint of its own) and, for a restart, the job whose checkpoints it may take. A run stopped before
     its first checkpoint is asked to resume: it starts from the beginning, and says so in one line."""
@@ -65,12 +66,13 @@ def resume_decision(asked: bool, output_dir: Path, info: Callable[[str], None]) 
         stopped = None if latest_complete_checkpoint(Path(output_dir)) else stopped_before_first_save(output_dir)
         if stopped is None:
             return True, None
-        info(f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its first one "
-             f"({stopped}): starting from the beginning (what it cached, token counts or profile, is reused)")
+        logs.info(f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its "
+                  f"first one ({stopped}): starting from the beginning (what it cached, token counts or profile, "
+                  "is reused)")
         return False, None
     resume, why = resume_after_restart(output_dir)
     if why:
-        info(why)
+        logs.info(why)
     return resume, job_id() if resume else None
 
 

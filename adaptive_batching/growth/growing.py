@@ -7,11 +7,12 @@ them their statistics and has the feed serve the result.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any
 
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.policy import Verifier
 from adaptive_batching.batching.shape import EpochBatch
+from adaptive_batching.core import logs
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator
 from adaptive_batching.growth.plan import BatchPlan
 from adaptive_batching.growth.schedule import epoch_switch_reason
@@ -22,11 +23,11 @@ class Growth:
     """Growth while training (see the module docstring)."""
 
     def __init__(self, plan: BatchPlan, feed: Any, lr: SampleDrivenLR, noise: NoiseScaleEstimator,
-                 progress: Any, *, verify: Verifier, info: Callable[[str], None]) -> None:
+                 progress: Any, *, verify: Verifier) -> None:
         """``feed``: the trainer's :class:`~adaptive_batching.training.feed.Feed`, which serves what growth decides;
         ``progress``: where the run stands (``epochs_run``, ``step_in_epoch``, ``global_step``)."""
         self.plan, self.feed, self.lr, self.noise, self.progress = plan, feed, lr, noise, progress
-        self.verify, self.info = verify, info
+        self.verify = verify
 
     def at_epoch_start(self, epoch: int) -> None:
         """A growth function that reads training statistics decides ``epoch``'s batch now, from what the
@@ -39,9 +40,9 @@ class Growth:
         if increment is None:
             return
         batching = self.feed.batching
-        batching.use_plan(self.plan.entries, start=self.plan.start, profiled=None, verify=self.verify, info=self.info)
+        batching.use_plan(self.plan.entries, start=self.plan.start, profiled=None, verify=self.verify)
         noise = stats.noise_scale
-        self.info(f"Growth from statistics at epoch {epoch + 1}: gradient noise scale "
+        logs.info(f"Growth from statistics at epoch {epoch + 1}: gradient noise scale "
                   f"{'not measured yet' if noise is None else f'{noise:.1f}'}, global batch {previous.shape.global_batch}"
                   f": the function returned {increment:+d}")
 
@@ -68,7 +69,7 @@ class Growth:
         if entry.shape != before and inside:
             feed.grow_inside_epoch(epoch, step, entry.shape)
         noise = stats.noise_scale
-        self.info(f"Growth period {period} ({self.plan.interval.describe()}) after optimizer step "
+        logs.info(f"Growth period {period} ({self.plan.interval.describe()}) after optimizer step "
                   f"{self.progress.global_step}: {feed.batching.describe_change(epoch, before, entry.shape)} for "
                   f"{'the rest of this epoch' if inside else 'the next epoch'}, LR {lr_before:.3e} -> "
                   f"{self.lr.lrs()[0]:.3e} ({epoch_switch_reason(previous, entry)}; gradient noise scale "

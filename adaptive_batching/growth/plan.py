@@ -18,6 +18,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from adaptive_batching.batching.elastic import ElasticSpec, shape_at
 from adaptive_batching.batching.shape import BatchShape, EpochBatch, shape_keeping_global_batch
+from adaptive_batching.core import logs
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.schedule import (
     checked_increment,
@@ -56,7 +57,7 @@ def reference_batch(cfg: Any, elastic: Optional[ElasticSpec], ranks: int) -> Bat
 
 
 def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], reference: BatchShape, ranks: int,
-                   profiled: Optional[int], info: Callable[[str], None], *, use_maximum_batch_size: bool,
+                   profiled: Optional[int], *, use_maximum_batch_size: bool,
                    optimizer_in_bwd: bool) -> Start:
     """Epoch 1's batch from the mode asked for: an elastic global batch, the config's global batch kept
     (``keep_global_batch``), the profiled micro batch (``use_maximum_batch_size``), or ``batch_size``."""
@@ -66,8 +67,8 @@ def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], refer
         except ValueError as error:
             raise ConfigError(f"config key 'adaptive_batching.elastic' with the profiled micro batch "
                               f"{profiled}: {error}") from None
-        info(f"{choice.describe()}; this run: {reference.describe()} "
-             "(batch_size and gradient_accumulation_steps in the config are not used)")
+        logs.info(f"{choice.describe()}; this run: {reference.describe()} "
+                  "(batch_size and gradient_accumulation_steps in the config are not used)")
         return Start(reference.micro_batch, reference.accumulation, None, reference)
     if growth.keep_global_batch:
         shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
@@ -78,7 +79,8 @@ def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], refer
                 f"forward on each of {ranks} rank(s), above the profiled micro batch {profiled}, and an optimizer "
                 f"stepped inside the backward cannot accumulate; lower batch_size x gradient_accumulation_steps to "
                 f"at most {profiled * ranks}, or set one of the two keys to false")
-        info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged")
+        logs.info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); "
+                  "LR unchanged")
         return Start(shape.micro_batch, shape.accumulation, None, reference)
     use_profile = profiled is not None and use_maximum_batch_size
     return Start(profiled if use_profile else reference.micro_batch, reference.accumulation, profiled, reference)

@@ -15,8 +15,8 @@ from pathlib import Path
 from typing import Any, Callable, Mapping, Optional
 
 import torch
-from torchtune import utils
 
+from adaptive_batching.core import logs
 from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.profiling.budget import Budget, memory_budget
 from adaptive_batching.profiling.cache import cache_file, load_profile, memory_fingerprint_parts, save_profile
@@ -27,9 +27,6 @@ from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
 from adaptive_batching.runtime.files import fingerprint
-
-log = utils.get_logger("INFO")
-
 
 @dataclass(frozen=True)
 class ProfiledSetup:
@@ -58,7 +55,6 @@ class ProfilerContext:
     samples_per_rank: int
     preserved: Callable[[], AbstractContextManager[Any]]
     live_bytes: Callable[[], int]
-    info: Callable[[str], None]
     before_trial: Callable[[], None] = lambda: None  # e.g. stop on a scheduler's signal
 
 
@@ -93,18 +89,18 @@ def remember_out_of_memory(context: ProfilerContext, profile: ProfileResult, cap
     return path
 
 
-def saved_profile(state: Mapping[str, Any], ranks: int, info: Callable[[str], None]) -> Optional[ProfileResult]:
+def saved_profile(state: Mapping[str, Any], ranks: int) -> Optional[ProfileResult]:
     """The profile a resumed checkpoint holds (:meth:`StartupProfiler.state_dict`), if it was measured on as many ranks
     as this run has."""
     saved = state.get("result")
     saved_ranks = state.get("ranks", ranks)
     if saved is not None and saved_ranks != ranks:
-        info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); profiling for {ranks}")
+        logs.info(f"Profiler: the checkpoint's profile was measured on {saved_ranks} rank(s); profiling for {ranks}")
         return None
     if saved is None:
         return None
     result = ProfileResult.from_dict(saved)
-    info(f"Profiler: using the profile saved in the checkpoint (micro batch {result.micro_batch})")
+    logs.info(f"Profiler: using the profile saved in the checkpoint (micro batch {result.micro_batch})")
     return result
 
 
@@ -119,10 +115,10 @@ def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileR
         result.max_micro_batch = minimum_over_ranks(result.max_micro_batch, context.parallel, context.device)
         result.micro_batch = choose_micro_batch(result.max_micro_batch, settings.safety_margin, settings.round_to)
         result.from_cache = True
-        context.info(f"Profiler: using the cached profile {path}")
+        logs.info(f"Profiler: using the cached profile {path}")
         if result.oom_cap is not None and result.oom_cap < result.micro_batch:
-            context.info(f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
-                         f"ran out of memory in training and fell back to {result.oom_cap}")
+            logs.info(f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
+                      f"ran out of memory in training and fell back to {result.oom_cap}")
             result.micro_batch = result.oom_cap
     else:
         result = _measure(context, trial_step)
@@ -130,9 +126,9 @@ def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileR
             save_profile(path, key, result.to_dict())
         barrier(context.parallel)
     if context.parallel.is_rank_zero:
-        log.info("Profiler report (micro batch = samples per forward on one rank):\n" + format_table(result))
+        logs.info("Profiler report (micro batch = samples per forward on one rank):\n" + format_table(result))
         paths = write_report(result, context.setup.output_dir / "profile")
-        log.info(f"Profiler report written to {paths['json']} and {paths['png']}")
+        logs.info(f"Profiler report written to {paths['json']} and {paths['png']}")
     return result
 
 
@@ -144,8 +140,8 @@ def _measure(context: ProfilerContext, trial_step: TrialStep) -> ProfileResult:
     if context.parallel.is_distributed:
         budget = Budget(minimum_over_ranks(budget.bytes, context.parallel, context.device),
                         f"{budget.source}; minimum over {context.parallel.world_size} ranks")
-    context.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
-                 f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
+    logs.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
+              f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
     with context.preserved():
         compile_seconds = _compile_first(context, trial_step) if context.setup.compile else None
         result = find_max_micro_batch(
@@ -173,7 +169,7 @@ def _compile_first(context: ProfilerContext, trial_step: TrialStep) -> float:
             raise
         memory.release_memory(context.device)
     seconds = time.perf_counter() - started
-    context.info(f"Profiler: compiled in {seconds:.1f} s (one step at micro batch 1, before the trials)")
+    logs.info(f"Profiler: compiled in {seconds:.1f} s (one step at micro batch 1, before the trials)")
     return seconds
 
 
@@ -190,7 +186,7 @@ class StartupProfiler:
 
     def find(self, trial_step: TrialStep) -> ProfileResult:
         context = self.context()
-        self.result = saved_profile(self.saved, self.ranks, context.info) or measure_profile(context, trial_step)
+        self.result = saved_profile(self.saved, self.ranks) or measure_profile(context, trial_step)
         return self.result
 
     def state_dict(self) -> dict[str, Any]:
@@ -207,4 +203,4 @@ class StartupProfiler:
         self.result.oom_cap = limit = cap_for(self.result.micro_batch)
         if any_rank or context.parallel.is_rank_zero:
             path = remember_out_of_memory(context, self.result, limit)
-            context.info(f"Profile cache {path}: later runs start at micro batch <= {limit}")
+            logs.info(f"Profile cache {path}: later runs start at micro batch <= {limit}")

@@ -10,10 +10,11 @@ import gc
 import os
 import resource
 import sys
-from typing import Any, Callable, Mapping, Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
+from adaptive_batching.core import logs
 from adaptive_batching.runtime import nf4
 
 GIB = 1024**3
@@ -269,7 +270,7 @@ def address_space_limit() -> Optional[int]:
     return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
 
 
-def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) -> None:
+def restart_with_glibc_pinned(argv: Sequence[str]) -> None:
     """Run this command again, in this process, with glibc pinned from its start (see
     :func:`restart_for_glibc`; ``argv`` as the command line gave it); returns only when no restart
     is needed or it failed."""
@@ -277,23 +278,23 @@ def restart_with_glibc_pinned(argv: Sequence[str], info: Callable[[str], None]) 
     if restart is None:
         return
     args, env = restart
-    info(f"Profiler: an address-space limit is set, so this process starts again with "
-         f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
-         f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)")
+    logs.info(f"Profiler: an address-space limit is set, so this process starts again with "
+              f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
+              f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)")
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # log handlers flush every record; buffered prints would be lost
     try:
         os.execve(sys.executable, [sys.executable, *args], env)
     except OSError as error:
-        info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")
+        logs.info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")
 
 
-def pin_glibc_for_profile(info: Callable[[str], None]) -> None:
+def pin_glibc_for_profile() -> None:
     """Pin glibc (see :func:`pin_cpu_allocator`) before a CPU run's set-up, so the heap set-up leaves behind
     is already under the rule the profile runs by; say whether it was pinned from the process start."""
     if pinned_from_start(os.environ):
-        info("Profiler: glibc pinned from process start by GLIBC_TUNABLES "
-             f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors")
+        logs.info("Profiler: glibc pinned from process start by GLIBC_TUNABLES "
+                  f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors")
     elif pin_cpu_allocator():
-        info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
-             "so the address space follows the tensors and the chosen micro batch keeps fitting")
+        logs.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+                  "so the address space follows the tensors and the chosen micro batch keeps fitting")

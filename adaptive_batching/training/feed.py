@@ -17,6 +17,7 @@ from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.policy import SampleBatching
 from adaptive_batching.batching.sampler import SamplerSpan
 from adaptive_batching.batching.shape import BatchShape
+from adaptive_batching.core import logs
 from adaptive_batching.faults.guard import StepGuard, piece_size
 from adaptive_batching.faults.recovery import OomRecovery
 
@@ -71,12 +72,12 @@ class Feed:
         self.batch = batch
         self.recovery.split_for(batch.micro_batch)
 
-    def start_epoch(self, epoch: int, batch: BatchShape, info: Callable[[str], None]) -> None:
+    def start_epoch(self, epoch: int, batch: BatchShape) -> None:
         """Serve ``epoch`` at its planned ``batch`` from where the run stands in it (a resumed run's saved loader
         position, once), at the LR of that step."""
         step = self.step_in_epoch()
         self.use_batch(batch)
-        self.serve(epoch, start_step=step, state=self._take_saved_position(info))
+        self.serve(epoch, start_step=step, state=self._take_saved_position())
         self.set_step_lr(step)
 
     def grow_inside_epoch(self, epoch: int, step: int, batch: BatchShape) -> None:
@@ -90,13 +91,13 @@ class Feed:
         """The next epoch is served from its start by one sampler."""
         self.span = SamplerSpan()
 
-    def _take_saved_position(self, info: Callable[[str], None]) -> Optional[dict[str, Any]]:
+    def _take_saved_position(self) -> Optional[dict[str, Any]]:
         """The resumed run's saved loader position (it serves once). An elastic run resumed on another number of
         ranks has the same global batch, so the same samples per step: it starts at the saved step instead."""
         state, self._saved_position = self._saved_position, None
         if state and self.elastic and self._saved_ranks != self.batch.ranks:
-            info(f"Resuming on {self.batch.ranks} rank(s) instead of {self._saved_ranks}: the same global batch "
-                 f"{self.batch.global_batch}, as {self.batch.describe()}")
+            logs.info(f"Resuming on {self.batch.ranks} rank(s) instead of {self._saved_ranks}: the same global batch "
+                      f"{self.batch.global_batch}, as {self.batch.describe()}")
             return None
         return state
 

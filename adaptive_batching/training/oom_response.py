@@ -13,6 +13,7 @@ from typing import Callable, NoReturn
 
 import torch
 
+from adaptive_batching.core import logs
 from adaptive_batching.errors import OutOfMemoryStop, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
@@ -29,12 +30,12 @@ class OomResponse:
     the cut goes into ``profiler``'s cache."""
 
     def __init__(self, feed: Feed, progress: Progress, *, parallel: ParallelInfo, device: torch.device,
-                 guard: StepGuard, output_dir: Path, info: Callable[[str], None], save: Callable[[int], None],
+                 guard: StepGuard, output_dir: Path, save: Callable[[int], None],
                  profiler: StartupProfiler) -> None:
         self.feed, self.progress = feed, progress
         self.parallel, self.device, self.guard = parallel, device, guard
         self.output_dir = output_dir
-        self.info, self.save, self.profiler = info, save, profiler
+        self.save, self.profiler = save, profiler
         self.process_group_broken = False
 
     def _where(self, epoch: int, index: int) -> str:
@@ -50,10 +51,10 @@ class OomResponse:
         if cap is None:
             self.stop_out_of_memory(epoch, where)
         if self.device.type == "cpu" and first and memory.pin_cpu_allocator():
-            self.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
+            logs.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
         feed.serve(epoch, start_step=index)
-        self.info(feed.batching.oom_line(failed=failed, where=where, error=self.guard.last_error,
+        logs.info(feed.batching.oom_line(failed=failed, where=where, error=self.guard.last_error,
                                          samples=feed.samples_in_step(index), split=feed.split,
                                          micro_piece=feed.micro_piece, batch=feed.batch,
                                          ranks=self.parallel.world_size, cap=cap))
@@ -68,7 +69,7 @@ class OomResponse:
         recovery.grow_back(feed.batch.micro_batch)
         if self.progress.step_in_epoch < feed.epoch_steps:
             feed.serve(epoch, start_step=self.progress.step_in_epoch)
-        self.info(feed.batching.grow_back_line(waited=waited, before=before, micro_piece=feed.micro_piece,
+        logs.info(feed.batching.grow_back_line(waited=waited, before=before, micro_piece=feed.micro_piece,
                                                split=feed.split, cap=recovery.oom_cap))
 
     def stop_for_restart(self, epoch: int, index: int, error: str) -> NoReturn:

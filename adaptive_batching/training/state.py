@@ -17,6 +17,7 @@ import torch
 from torch.distributed.checkpoint.stateful import Stateful
 from torchtune import training
 
+from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
@@ -80,7 +81,7 @@ def read_state(saved: Mapping[str, Any]) -> dict[str, Any]:
     return dict(saved)
 
 
-def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool, info: Callable[[str], None]) -> None:
+def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool) -> None:
     """A run saved inside an epoch resumes there on its own number of ranks only (each rank's place in the data is
     saved), unless its global batch is elastic; from an epoch's end another number of ranks changes the global
     batch, which is said in one line. Checked before any model is built."""
@@ -93,19 +94,18 @@ def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool,
             f"the checkpoint was saved inside epoch {checkpoint.get(training.EPOCHS_KEY, 0) + 1} on {saved_ranks} "
             f"rank(s); resume it on {saved_ranks} rank(s) (tune run --nproc_per_node {saved_ranks} ...), or give a run "
             "that must change ranks an elastic global batch (adaptive_batching.elastic)")
-    info(f"Resuming on {ranks} rank(s) instead of {saved_ranks}: the global batch follows the ranks (batch_size x "
-         "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks")
+    logs.info(f"Resuming on {ranks} rank(s) instead of {saved_ranks}: the global batch follows the ranks (batch_size x "
+              "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks")
 
 
 class Checkpoints:
     """Saves the weights with everything an exact resume needs, and restores a run from them."""
 
-    def __init__(self, checkpointer: Any, method: FinetuneMethod, parallel: ParallelInfo, device: torch.device,
-                 info: Callable[[str], None], *, total_epochs: int, max_steps_per_epoch: Optional[int]) -> None:
+    def __init__(self, checkpointer: Any, method: FinetuneMethod, parallel: ParallelInfo, device: torch.device, *,
+                 total_epochs: int, max_steps_per_epoch: Optional[int]) -> None:
         self.checkpointer = checkpointer
         self.method = method
         self.parallel, self.device = parallel, device
-        self.info = info
         self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
 
     def restore(self, checkpoint: dict[str, Any], *, seed: int, parts: Mapping[str, Stateful],
@@ -114,7 +114,7 @@ class Checkpoints:
         the OOM cut a rank recorded before a restart and the optimizer where the saved run stood (the end of an
         epoch, or a step inside one); return the run's seed."""
         if checkpoint.get(training.SEED_KEY, seed) != seed:
-            self.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
+            logs.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
             seed = checkpoint[training.SEED_KEY]
         state = read_state(checkpoint[checkpointing.ADAPTIVE_KEY])
         for key, part in parts.items():
@@ -126,11 +126,11 @@ class Checkpoints:
         recorded = restart.recorded_cut(output_dir)
         if recorded is not None and feed.adopt_cut(recorded["recovery"]):
             capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
-            self.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
+            logs.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
                       f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}")
         load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
         cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
-        self.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
+        logs.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
         return seed
 
     def save(self, epoch: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
@@ -158,7 +158,7 @@ class Checkpoints:
             )
             what = f"step {progress.step_in_epoch} of epoch {epoch + 1}" if progress.step_in_epoch \
                 else f"epoch {epoch + 1}"
-            self.info(f"Saved the checkpoint of {what} (optimizer step {progress.global_step}) to {folder} "
+            logs.info(f"Saved the checkpoint of {what} (optimizer step {progress.global_step}) to {folder} "
                       f"in {time.perf_counter() - start:.1f} s")
         barrier(self.parallel)
         progress.saved_step = progress.global_step

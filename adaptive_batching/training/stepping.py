@@ -18,6 +18,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
 from adaptive_batching.batching.data import worst_case_batch
+from adaptive_batching.core import logs
 from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRetried, UnguardedOutOfMemory
@@ -81,7 +82,6 @@ class StepRunner:
     device: torch.device
     clip_grad_norm: Optional[float]
     oom_recovery: bool
-    info: Callable[[str], None]
     where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
@@ -248,7 +248,7 @@ class StepRunner:
                 raise
         memory.release_memory(self.device)
         step, saved, output_dir = self.where()
-        self.info(f"Out of memory in the optimizer step of optimizer step {step}: "
+        logs.info(f"Out of memory in the optimizer step of optimizer step {step}: "
                   "memory released, the optimizer step retried with the same gradients")
         try:
             self.optimizer.step()

@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from omegaconf import DictConfig
 from torch.distributed.checkpoint.stateful import Stateful
-from torchtune import config, training, utils
+from torchtune import config, training
 from tqdm import tqdm
 
 from adaptive_batching.batching import worst_case
@@ -23,6 +23,7 @@ from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.config.inputs import length_source, profiled_setup
 from adaptive_batching.config.loading import given_argv
 from adaptive_batching.config.settings import AdaptiveSettings
+from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.steps import StepMemory
@@ -44,9 +45,6 @@ from adaptive_batching.training.optimizers import offloading
 from adaptive_batching.training.state import STATE_VERSION, Checkpoints, PendingState, Progress, check_resumable_on
 from adaptive_batching.training.stepping import StepRunner, StepStats, step_metrics
 
-log = utils.get_logger("INFO")
-
-
 class Trainer:
     """Fine-tunes a torchtune model; one instance per run."""
 
@@ -54,7 +52,7 @@ class Trainer:
         self.cfg, self.settings, self.method = cfg, settings, method
         if cfg.get("device", "cpu") == "cpu" and settings.needs_profile:
             # Before any rank joins the process group: a restart replaces this process.
-            memory.restart_with_glibc_pinned(given_argv(), self.info)
+            memory.restart_with_glibc_pinned(given_argv())
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
         self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
@@ -63,8 +61,8 @@ class Trainer:
         self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
         self.reference = reference_batch(cfg, settings.elastic, self.parallel.world_size)
         # A torchrun restart resumes by itself, and only its own job's checkpoints (``resume_job``).
-        self.resume, self.resume_job = restart.resume_decision(cfg.get("resume_from_checkpoint", False),
-                                                               self.output_dir, self.info)
+        asked = cfg.get("resume_from_checkpoint", False)
+        self.resume, self.resume_job = restart.resume_decision(asked, self.output_dir)
         progress = self.progress = Progress()
         self.metric_logger: Any = None
         self.log_every, self.peak_memory_stats = cfg.get("log_every_n_steps", 1), cfg.get("log_peak_memory_stats", False)
@@ -79,7 +77,7 @@ class Trainer:
         self.lr: Optional[SampleDrivenLR] = None  # built with the plan
         self.saved_lr: Optional[dict[str, Any]] = None  # a resumed run's LR schedule, which the plan builds
         self.oom = OomResponse(self.feed, self.progress, parallel=self.parallel, device=self.device, guard=self.guard,
-                               output_dir=self.output_dir, info=self.info, save=self.save, profiler=self.profiler)
+                               output_dir=self.output_dir, save=self.save, profiler=self.profiler)
         self.preemption = Preemption(faults.stop_signals, self.parallel, self.device,
                                      output_dir=None if self.resume else self.output_dir)
         self.preemption.install()  # from here on a stop signal stops the run where it can (see faults.preemption)
@@ -96,27 +94,19 @@ class Trainer:
     def global_step(self) -> int:
         return self.progress.global_step
 
-    def info(self, message: str) -> None:
-        utils.log_rank_zero(log, message)
-
-    def warn(self, message: str) -> None:
-        if self.is_rank_zero:
-            log.warning(message)
-
     # ------------------------------------------------------------------ set-up
     def setup(self) -> None:
         """Load the checkpoint and build model, tokenizer, optimizer, loss and dataset."""
         cfg = self.cfg
         if self.device.type == "cpu" and self.settings.needs_profile:
-            memory.pin_glibc_for_profile(self.info)
+            memory.pin_glibc_for_profile()
         with building("metric_logger"):  # built when training starts (``profile`` and ``plan`` log nothing)
             config._utils._get_component_from_path(cfg.metric_logger._component_)
         data = build_data(cfg)
         with building("checkpointer"):
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
         if self.resume:
-            check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.elastic is not None,
-                               info=self.info)
+            check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.elastic is not None)
         parts = build_components(cfg, self.method, checkpoint, data, device=self.device, dtype=self.dtype,
                                  parallel=self.parallel, is_rank_zero=self.is_rank_zero)
         self.model, self.optimizer, self.loss_fn, self.collate = parts.model, parts.optimizer, parts.loss_fn, \
@@ -124,12 +114,12 @@ class Trainer:
         self.tokenizer, self.dataset, self.packed = data.tokenizer, data.dataset, data.packed
         self.guard.install(self.model)
         self.base_lrs = [group["lr"] for group in self.optimizer.param_groups]
-        self.checkpoints = Checkpoints(checkpointer, self.method, self.parallel, self.device, self.info,
+        self.checkpoints = Checkpoints(checkpointer, self.method, self.parallel, self.device,
                                        total_epochs=self.total_epochs, max_steps_per_epoch=self.max_steps_per_epoch)
         progress = self.progress
         self.runner = StepRunner(self.model, self.optimizer, self.loss_fn, self.guard, self.parallel, self.device,
                                 clip_grad_norm=cfg.get("clip_grad_norm", None),
-                                oom_recovery=self.settings.faults.oom_recovery, info=self.info,
+                                oom_recovery=self.settings.faults.oom_recovery,
                                 where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)),
                                 activations=offloading(self.model, cfg.get("enable_activation_offloading", None)))
         if self.resume:
@@ -137,7 +127,7 @@ class Trainer:
                                                  optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
                                           seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
-                              length_source(cfg, self.settings.profiler.cache_dir), self.info,
+                              length_source(cfg, self.settings.profiler.cache_dir),
                               profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
         memory.freeze_long_lived_objects()
@@ -154,7 +144,7 @@ class Trainer:
             setup=profiled_setup(self.cfg), settings=self.settings.profiler, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source, samples_per_rank=len(self.dataset) // self.parallel.world_size,
             preserved=lambda: preserved_training_state(self.model, self.optimizer),
-            live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer), info=self.info,
+            live_bytes=lambda: memory.current_bytes(self.device, self.model, self.optimizer),
             before_trial=self.preemption.between_trials)
 
     @property
@@ -174,17 +164,15 @@ class Trainer:
         """Fix every epoch's batch (growth function, memory cap) and the sample-driven LR schedule; log both."""
         profile, settings = self.profiler.result, self.settings
         start = starting_batch(settings.growth, settings.elastic, self.reference, self.parallel.world_size,
-                               profile.micro_batch if profile is not None else None, self.info,
+                               profile.micro_batch if profile is not None else None,
                                use_maximum_batch_size=settings.use_maximum_batch_size,
                                optimizer_in_bwd=settings.optimizer_in_bwd)
         self.reference = start.reference
         self.plan.make(start=start.micro_batch, accumulation=start.accumulation, memory_cap=start.memory_cap)
         profiled = start.micro_batch if profile is not None and settings.use_maximum_batch_size else None
-        self.batching.use_plan(self.plan.entries, start=start.micro_batch, profiled=profiled, verify=self._verifying,
-                           info=self.info)
+        self.batching.use_plan(self.plan.entries, start=start.micro_batch, profiled=profiled, verify=self._verifying)
         self.batching.check(profiled=settings.use_maximum_batch_size and settings.elastic is None,
-                            reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
-                            warn=self.warn)
+                            reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling)
         extents = [self.batching.extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
         self.lr = SampleDrivenLR.from_config(
@@ -193,8 +181,8 @@ class Trainer:
             state=self.saved_lr)
         self.feed.follow(self.lr)
         self.growth = Growth(self.plan, self.feed, self.lr, self.runner.noise, self.progress,
-                             verify=self._verifying, info=self.info)
-        self.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, self.lr.rule,
+                             verify=self._verifying)
+        logs.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, self.lr.rule,
                                      total_steps, self.batching.worst.describe() if profile else ""))
         return self.plan
 
@@ -226,8 +214,8 @@ class Trainer:
             if self.preemption.stopping:
                 self.preemption.stop(f"at the end of epoch {epoch + 1}", f"saved epoch {epoch + 1} in {self.output_dir}")
         if last is not None:
-            log.info(f"Rank {self.parallel.rank}: finished at optimizer step {progress.global_step}, "
-                     f"{self.feed.final_batch(progress.epochs_run)}, last loss {last.loss:.6f}")
+            logs.log.info(f"Rank {self.parallel.rank}: finished at optimizer step {progress.global_step}, "
+                          f"{self.feed.final_batch(progress.epochs_run)}, last loss {last.loss:.6f}")
 
     def start_epoch(self, epoch: int, switch: bool) -> None:
         """Serve this epoch's planned batch from the same dataset (a new sampler) and rescale the LR."""
@@ -235,13 +223,13 @@ class Trainer:
         if switch:
             self.growth.at_epoch_start(epoch)
         previous, lr_before = feed.batch, self.lr.lrs()[0]
-        feed.start_epoch(epoch, self.plan.entries[epoch].shape, self.info)
+        feed.start_epoch(epoch, self.plan.entries[epoch].shape)
         took_ms = (time.perf_counter() - start) * 1e3
         if not switch:
-            self.info(f"Epoch {epoch + 1}/{self.total_epochs}: {feed.describe_epoch(epoch)}, "
+            logs.info(f"Epoch {epoch + 1}/{self.total_epochs}: {feed.describe_epoch(epoch)}, "
                       f"LR {self.lr.lrs()[0]:.3e} (x{self.lr.factor:.3f} for the global batch)")
             return
-        self.info(
+        logs.info(
             f"Epoch switch {epoch} -> {epoch + 1}: {self.batching.describe_change(epoch, previous, feed.batch)}, "
             f"LR {lr_before:.3e} -> {self.lr.lrs()[0]:.3e} ({self.plan.switch_reason(epoch)}){feed.split_note()} "
             f"(took {took_ms:.1f} ms)"
