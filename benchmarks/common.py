@@ -1,5 +1,5 @@
-"""What the benchmark scripts share: tiny assets when none are given, a recipe run in this process with a time stamp
-per logged step, a subprocess whose failure reads, and how a run's output shows an unclean exit.
+"""What the benchmark scripts share: tiny assets, a work folder, a recipe run in this process with a time stamp per
+logged step, a child process with its log or a readable failure, the largest size that fits, an unclean exit.
 
 A script imports it as a sibling (``from common import ...``): Python puts the script's own folder first on
 ``sys.path``, so ``python benchmarks/x.py`` finds it from anywhere. Tables go into the docs through
@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
@@ -29,6 +31,61 @@ def tiny_assets(given: Optional[Path], work: Path) -> Path:
     from adaptive_batching.assets.tiny import write_tiny_assets
 
     return write_tiny_assets(work / "assets").root
+
+
+@contextlib.contextmanager
+def work_dir(given: Optional[Path], prefix: str) -> Iterator[Path]:
+    """``given`` (resolved, made, kept), or a temporary folder removed afterwards."""
+    if given is not None:
+        Path(given).mkdir(parents=True, exist_ok=True)
+        yield Path(given).resolve()
+        return
+    folder = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def threads_env(threads: int, **extra: str) -> dict[str, str]:
+    """This environment with ``threads`` intra-op threads for a child (``BENCH_THREADS``: :func:`tune_in_process`)."""
+    n = str(threads)
+    return dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, PYTHONUNBUFFERED="1",
+                TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def run_logged(command: Sequence[str], log_path: Path, timeout: float = 900, **kwargs: Any) -> Optional[int]:
+    """``command`` with its stdout and stderr in ``log_path``; its exit code, None when killed after ``timeout``."""
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "w") as out:
+        try:
+            return subprocess.run(list(command), stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
+                                  **kwargs).returncode
+        except subprocess.TimeoutExpired:
+            return None
+
+
+def largest_fit(fits: Callable[[int], bool], start: int, trials: Optional[int] = None
+                ) -> tuple[int, Optional[int], list[str]]:
+    """The largest size ``fits`` accepts: doubling from ``start``, then bisection, at most ``trials`` sizes. Returns
+    it (0 when none fitted), the smallest that failed, and every size tried in order (``x``: failed)."""
+    tried: list[str] = []
+
+    def attempt(size: int) -> bool:
+        ok = fits(size)
+        tried.append(f"{size}{'' if ok else 'x'}")
+        return ok
+
+    lo, hi, size = 0, None, start
+    while hi is None and len(tried) != trials:
+        if attempt(size):
+            lo, size = size, size * 2
+        else:
+            hi = size
+    while hi is not None and hi - lo > 1 and len(tried) != trials:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if attempt(mid) else (lo, mid)
+    return lo, hi, tried
 
 
 def run_checked(command: Sequence[str], what: str, **kwargs: Any) -> subprocess.CompletedProcess:
@@ -70,6 +127,32 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
         DiskLogger.log_dict = original
 
 
+def tune_child(stamps_path: str, tune_args: list[str],
+               on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None) -> int:
+    """``tune TUNE_ARGS`` in this process (a ``--tune-child`` of a script); writes to ``stamps_path`` the
+    :func:`step_stamps` of its steps, the torch threads, and when training started and ended."""
+    from adaptive_batching.training.trainer import Trainer
+
+    record: dict[str, Any] = {"train_start": None, "train_end": None}
+    train = Trainer.train
+
+    def timed_train(self: Any, *args: Any, **kwargs: Any) -> None:
+        record["train_start"] = time.perf_counter()
+        train(self, *args, **kwargs)
+        record["train_end"] = time.perf_counter()
+
+    Trainer.train = timed_train
+    with step_stamps(on_step) as record["stamps"]:
+        try:
+            tune_in_process(tune_args)
+        finally:
+            import torch
+
+            record["threads"] = torch.get_num_threads()
+            Path(stamps_path).write_text(json.dumps(record))
+    return 0
+
+
 def tune_in_process(tune_args: list[str]) -> None:
     """``tune TUNE_ARGS`` in this process (the recipes end with ``sys.exit(recipe_main())``: a SystemExit passes
     through), with ``BENCH_THREADS`` torch threads when the parent set it."""
@@ -97,3 +180,61 @@ def fmt(value: Any, spec: str = "", none: str = "-") -> str:
 def write_json(path: Path, data: Any) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=2, default=str))
+
+
+def token_lengths(config: str, overrides: list[str]) -> list[int]:
+    """Every sample's token count as the recipe's data pipeline gives it (truncated to max_seq_len)."""
+    from torchtune import config as tune_config
+
+    from adaptive_batching.batching.data import build_dataset
+    from adaptive_batching.config.loading import load_config
+
+    cfg = load_config(config, overrides)
+    dataset, _ = build_dataset(cfg.dataset, tune_config.instantiate(cfg.tokenizer))
+    return [len(dataset[i]["tokens"]) for i in range(len(dataset))]
+
+
+def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
+    """Padding waste of one epoch cut by both samplers the runs use: fixed micro batches of ``micro_batch``
+    samples (shuffled), and ``max_tokens`` padded tokens per micro batch (similar lengths together)."""
+    from adaptive_batching.batching.sampler import StepBatchSampler
+    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
+
+    lengths = token_lengths(config, overrides)
+    fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,
+                                  shuffle=True, seed=0))
+    result: dict[str, Any] = {"samples": len(lengths), "real_tokens": sum(lengths), "max_length": max(lengths),
+                              "fixed": {"micro_batches": len(fixed), "waste": padding_waste(lengths, fixed)}}
+    if max_tokens is not None:
+        token = list(TokenBudgetBatchSampler(lengths, max_tokens=max_tokens, picking_order="seqlen",
+                                             min_batch_size=None, max_batch_size=None, accumulation=1, rank=0,
+                                             world_size=1, shuffle=True, seed=0))
+        result["token budget"] = {"micro_batches": len(token), "waste": padding_waste(lengths, token)}
+    return result
+
+
+def in_fork(function: Callable[..., dict[str, Any]], args: tuple, timeout: float) -> dict[str, Any]:
+    """``function(*args)`` in a forked child, so that one that fails or hangs cannot stop the others: its dict, or
+    ``{"reason": ...}`` in one line when it raised or gave no answer in ``timeout`` seconds."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    receive, send = context.Pipe(duplex=False)
+
+    def child() -> None:
+        from adaptive_batching.core.nodes import one_line
+
+        try:
+            send.send(function(*args))
+        except BaseException as error:  # noqa: BLE001 - a failure becomes the reason
+            send.send({"reason": one_line(error)[:200]})
+
+    process = context.Process(target=child)
+    process.start()
+    send.close()
+    got = receive.recv() if receive.poll(timeout) else {"reason": f"no answer in {timeout:.0f} s"}
+    process.join(5)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    return got

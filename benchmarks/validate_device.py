@@ -1,37 +1,9 @@
 #!/usr/bin/env python
 """Validate the profiler on this device in one command: a JSON of every check and a Markdown table.
 
-    python benchmarks/validate_device.py                      # every phase; the tiny model on CPU
-    python benchmarks/validate_device.py --phase full         # one phase (a GPU run fits each in 10 min)
-    python benchmarks/validate_device.py --table              # print the Markdown table of the JSON
-
-On a GPU the model is Llama 3.2 1B (randomly initialised, written locally, no hub), on CPU the tiny
-model; both train on the tiny tokenizer and data. For full and LoRA fine-tuning, bf16, activation
-checkpointing off and on, the checks are:
-
-1. profile: ``use_maximum_batch_size=True``; the chosen micro batch and the largest that ran, read from
-   the run's ``profile/profile.json``;
-2. true maximum: gallop from the profile's largest micro batch, then bisect, each size a fresh process
-   of 2 steps with ``use_maximum_batch_size=False batch_size=N`` under the same budget (CUDA: the
-   allocator capped at it; CPU: the explicit ``adaptive_batching.memory_budget``); a size fits if both
-   steps ran without an out-of-memory error or allocator retry and the second step's peak (the first
-   creates the optimizer state, as the profiler's warm-up does) and reservation are within the budget;
-3. steps: the profile's run trains ``--steps`` steps at the chosen micro batch; out-of-memory errors
-   and ``num_alloc_retries`` (CUDA) are counted around every step from outside the library;
-4. estimate: ``adaptive-batching estimate`` for the profile's budget (``--device-memory BUDGET
-   --fraction 1``) against the profile's largest micro batch;
-5. tokens/s at the chosen micro batch against the stock torchtune config's batch (4 x 1);
-6. (phase ``tokens``) a token budget against fixed batches on the long-tailed data: padding waste and
-   tokens per second of the training loop (both take the full/ac_off profile from its cache when
-   phase ``full`` ran it: same model, length and budget);
-7. (phase ``compile``) checks 1, 3 and 5 with ``compile=True`` (full, checkpointing off).
-
-On CPU every run uses one intra-op thread (``--threads``): with more threads than free cores, as on a
-shared machine, every run slows down several times. The stock-batch runs of check 5 and the trials of
-check 2 follow the allocator rules the recipe sets when it profiles on CPU, so only the batch differs.
-
-Every training sample of checks 1-3 and 5 is longer than the sequence length (``validate_data``), so
-each micro batch has the profiler's worst-case shape. Results accumulate in one JSON per device
+The checks, the phases and the commands: docs/validation.md. On a GPU the model is Llama 3.2 1B (random weights,
+written locally), on CPU the tiny model; every training sample of checks 1-3 and 5 is longer than the sequence
+length, so each micro batch has the profiler's worst-case shape. Results accumulate in one JSON per device
 (``benchmarks/results/validation-<device>.json``); each phase replaces only its own entries.
 """
 
@@ -48,17 +20,17 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+GIB = 2**30
 HERE = Path(__file__).resolve()
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA must not initialise it here
 
-import validate_data  # noqa: E402
-import validate_table  # noqa: E402
-from validate_runs import launch, preload  # noqa: E402
+from validate_runs import device_info, launch, preload  # noqa: E402
 
 PHASES = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
 SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True)),
             "qlora": (("qlora", False),)}
 ALL_SETTINGS = tuple(f"{m}/ac_{'on' if ac else 'off'}" for pairs in SETTINGS.values() for m, ac in pairs)
+WARMUP = 1  # first steps left out of tokens/s
 STOCK_BATCH = 4  # torchtune's llama3_2/1B_full and 1B_lora configs: batch_size 4 (x 1 here)
 CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora", "qlora": "tiny_qlora"},
            "llama3_2_1b": {"full": "llama3_2_1b", "lora": "llama3_2_1b_lora", "qlora": "llama3_2_1b_lora"}}
@@ -103,7 +75,7 @@ class Validation:
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         spec = dict(spec, threads=self.args.threads)
-        record = launch(spec, log=log, launcher=self.args.launcher, env=self.env, timeout=self.args.timeout)
+        record = launch(spec, log=log, launcher=self.args.launcher, env=self.env, timeout=600)
         status = "ok" if record["exit_code"] == 0 else f"FAILED ({record.get('error') or record['exit_code']})"
         print(f"  {tag}: {status}, {record['wall_seconds']:.1f} s", flush=True)
         return record
@@ -177,14 +149,14 @@ class Validation:
                                                     "budget_source", "trial_steps", "seconds", "seq_len")}
         # The epoch ends when the long data set does: at a large micro batch that is before --steps steps.
         requested = min(self.args.steps, math.ceil(self.args.long_samples / max(1, profile["micro_batch"])))
-        entry["steps"] = dict(summarise_steps(record, requested, budget, self.args.warmup),
+        entry["steps"] = dict(summarise_steps(record, requested, budget, WARMUP),
                               data_limited=requested < self.args.steps)
         if not compiled:
             entry["true_max"] = self.bisect(tag, method, ac, profile["max_micro_batch"], budget)
             stock, _ = self.recipe(f"{tag}-stock", method, ac, [
                 "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"],
                 pin=True)  # on CPU the allocator rules of the profiled run, so only the batch differs
-            entry["stock"] = dict(summarise_steps(stock, self.args.steps, budget, self.args.warmup), batch=STOCK_BATCH)
+            entry["stock"] = dict(summarise_steps(stock, self.args.steps, budget, WARMUP), batch=STOCK_BATCH)
         self.results["settings"][key] = entry
 
     def fits(self, tag: str, method: str, ac: bool, n: int, budget: int) -> dict[str, Any]:
@@ -329,32 +301,113 @@ def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup:
             "wall_seconds": round(record["wall_seconds"], 2)}
 
 
+# --------------------------------------------------------------------------- the table
+def _gib(value: Optional[float]) -> str:
+    return "-" if value is None else f"{value / GIB:.3f}"
+
+
+def _num(value: Optional[float], spec: str = ".0f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _true_max(entry: dict[str, Any]) -> str:
+    true = entry.get("true_max")
+    if not true:
+        return "-"
+    lo, hi = true["largest_fit"], true["smallest_fail"]
+    bracket = f"{'-' if lo is None else lo} / {'-' if hi is None else hi}"
+    if hi is None and lo is not None and lo >= true["limit"]:
+        bracket += " (data limit)"
+    return f"{bracket} ({len(true['trials'])})"
+
+
+def _holds(entry: dict[str, Any]) -> str:
+    """Is the chosen micro batch at most the largest that fitted a fresh process?"""
+    true, profile = entry.get("true_max"), entry.get("profile")
+    if not true or not profile or true["largest_fit"] is None:
+        return "-"
+    return "yes" if profile["micro_batch"] <= true["largest_fit"] else "NO"
+
+
+def _steps(steps: Optional[dict[str, Any]]) -> str:
+    if not steps:
+        return "-"
+    ok = steps["exit_code"] == 0 and steps["oom_errors"] == 0 and steps["ran"] == steps["requested"]
+    limit = " (all the data)" if steps.get("data_limited") else ""
+    return (f"{steps['ran']}/{steps['requested']}{limit} {'ok' if ok else 'FAILED'}, {steps['oom_errors']} OOM, "
+            f"{steps['alloc_retries']} retries, peak {_gib(steps['max_peak_bytes'])}")
+
+
+def _estimate(entry: dict[str, Any]) -> str:
+    est, profile = entry.get("estimate"), entry.get("profile")
+    if not est:
+        return "-"
+    if "error" in est:
+        return "error"
+    ratio = est["max_micro_batch"] / profile["max_micro_batch"] if profile and profile["max_micro_batch"] else None
+    return f"{est['max_micro_batch']} (x{_num(ratio, '.2f')})"
+
+
+def render(results: dict[str, Any]) -> str:
+    """The settings table, then the token-budget table, with the device and the command."""
+    device, meta = results.get("device", {}), results.get("meta", {})
+    lines = [f"Device: {device.get('name', '?')} ({device.get('type', '?')}, "
+             f"{_gib(device.get('memory_bytes'))} GiB), torch {device.get('torch', '?')}; model "
+             f"{meta.get('model', '?')}, {meta.get('seq_len', '?')}-token samples, bf16, "
+             f"budget {meta.get('budget') or 'the profiler' + chr(39) + 's own'}; command: `{meta.get('command', '?')}`",
+             "",
+             "| setting | budget GiB | chosen / largest ran (profile trials, s) | fresh-process fits / fails (runs) "
+             "| chosen <= true max | steps at chosen | estimate (x largest ran) | tokens/s chosen | tokens/s stock 4x1 "
+             "| speed-up |",
+             "| --- | ---: | --- | --- | --- | --- | --- | ---: | ---: | ---: |"]
+    for key, entry in sorted(results.get("settings", {}).items()):
+        profile = entry.get("profile")
+        if profile is None:
+            lines.append(f"| {key} | - | {str(entry.get('error', 'no profile'))[:160]} | | | | | | | |")
+            continue
+        chosen = entry.get("steps", {}).get("tokens_per_second")
+        stock = (entry.get("stock") or {}).get("tokens_per_second")
+        lines.append(
+            f"| {key} | {_gib(profile['budget_bytes'])} | {profile['micro_batch']} / {profile['max_micro_batch']} "
+            f"({profile['trial_steps']}, {profile['seconds']:.1f}) | {_true_max(entry)} | {_holds(entry)} "
+            f"| {_steps(entry.get('steps'))} | {_estimate(entry)} | {_num(chosen)} | {_num(stock)} "
+            f"| {'-' if not chosen or not stock else f'x{chosen / stock:.2f}'} |")
+    tokens = results.get("token_budget")
+    if tokens:
+        lines += ["", f"Token budget against fixed micro batches: {tokens['samples']} samples of the long-tailed "
+                      f"data, one epoch each, full fine-tuning, checkpointing off",
+                  "", "| mode | micro batch | micro batches | padding waste | steps | tokens/s (training loop) |",
+                  "| --- | --- | ---: | ---: | ---: | ---: |"]
+        for mode, run in tokens["runs"].items():
+            size = f"{run['max_tokens']} tokens" if mode == "token budget" else f"{run['micro_batch']} samples"
+            waste = run.get("waste")
+            lines.append(f"| {mode} | {size} | {run.get('micro_batches', '-')} "
+                         f"| {'-' if waste is None else f'{100 * waste:.1f}%'} | {run['steps']} "
+                         f"| {_num(run['tokens_per_second'])} |")
+    phases = results.get("phases", {})
+    if phases:
+        order = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
+        names = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
+        lines += ["", "Phases (s): " + ", ".join(f"{k} {phases[k]['seconds']:.0f}" for k in names)]
+    return "\n".join(lines) + "\n"
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--phase", default="all", help=f"all (default), or comma-separated of: {', '.join(PHASES)}")
-    p.add_argument("--settings", default=",".join(ALL_SETTINGS),
-                   help=f"comma-separated subset of {', '.join(ALL_SETTINGS)} for phases full and lora (default: all)")
+    p.add_argument("--settings", default=",".join(ALL_SETTINGS), help="comma-separated subset (default: all)")
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the JSON")
     p.add_argument("--json", type=Path, help="results file (default benchmarks/results/validation-<device>.json)")
-    p.add_argument("--markdown", type=Path, help="table file (default: the JSON's path with .md)")
-    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     p.add_argument("--model", choices=tuple(CONFIGS), help="default: llama3_2_1b on CUDA, tiny on CPU")
     p.add_argument("--seq-len", type=int, help="tokens per sample (default: 2048 on CUDA, 128 on CPU)")
     p.add_argument("--budget", help="adaptive_batching.memory_budget (default: the profiler's own on CUDA, 48MiB on CPU)")
-    p.add_argument("--compile-budget", help="budget of the compile phase (default: --budget on CUDA; 128MiB on CPU, "
-                   "where inductor's own memory while compiling counts in the resident-memory peak)")
+    p.add_argument("--compile-budget", help="the compile phase's (default: --budget on CUDA; 128MiB on CPU)")
     p.add_argument("--steps", type=int, help="training steps at the chosen micro batch (default: 50 on CUDA, 5 on CPU)")
-    p.add_argument("--warmup", type=int, default=1, help="first steps left out of tokens/s (default 1)")
     p.add_argument("--long-samples", type=int, help="samples in the long data set (default: 4096 CUDA, 1000 CPU)")
     p.add_argument("--token-samples", type=int, help="samples of the token-budget phase (default: 2000 CUDA, 240 CPU)")
     p.add_argument("--tolerance", type=float, default=0.03, help="bisection stops at this gap (default 0.03)")
     p.add_argument("--max-trials", type=int, default=6, help="fresh processes per bisection (default 6)")
-    p.add_argument("--launcher", choices=("fork", "spawn"), help="default: spawn on CUDA, fork on CPU")
-    p.add_argument("--threads", type=int, help="intra-op CPU threads of every run (OMP_NUM_THREADS, MKL_NUM_THREADS "
-                   "and torch.set_num_threads in the child; default 1 on CPU, where more threads than free cores "
-                   "slow every run down, and torch's own choice on CUDA; 0: torch's own choice)")
-    p.add_argument("--timeout", type=float, default=600, help="seconds before a run is killed (default 600)")
+    p.add_argument("--threads", type=int, help="intra-op threads of every run (default 1 on CPU; 0: torch's choice)")
     p.add_argument("--workdir", type=Path, default=Path("/tmp/adaptive-batching/validate"))
     p.add_argument("--assets", type=Path, help="existing assets folder (default: written to WORKDIR/assets)")
     args = p.parse_args(argv)
@@ -369,14 +422,12 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--settings: unknown {wrong or args.settings!r}; use some of {', '.join(ALL_SETTINGS)}")
     if args.threads is not None and args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
-    for name in ("seq_len", "steps", "long_samples", "token_samples", "max_trials", "timeout"):
+    for name in ("seq_len", "steps", "long_samples", "token_samples", "max_trials"):
         value = getattr(args, name)
         if value is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.tolerance < 1:
         p.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
-    if args.warmup < 0:
-        p.error(f"--warmup must be >= 0, got {args.warmup}")
     return args
 
 
@@ -384,21 +435,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     import torch
 
-    kind = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
-    if kind == "cuda" and not torch.cuda.is_available():
-        sys.exit("--device cuda: torch sees no CUDA device")
+    kind = "cuda" if torch.cuda.is_available() else "cpu"
     for name, value in DEFAULTS[kind].items():
-        if getattr(args, name) is None:
+        if getattr(args, name, None) is None:
             setattr(args, name, value)
-    if args.launcher == "fork" and kind == "cuda":
-        sys.exit("--launcher fork: not on CUDA (a CUDA context cannot cross a fork); use spawn")
-    device = validate_data.device_info() if kind == "cuda" else {"type": "cpu", **_cpu_info()}
-    device["type"] = kind
+    device = device_info(kind)
     slug = re.sub(r"[^a-z0-9]+", "-", f"{kind} {device['name'] if kind == 'cuda' else ''}".lower()).strip("-")
     args.json = args.json or HERE.parent / "results" / f"validation-{slug}.json"
-    args.markdown = args.markdown or args.json.with_suffix(".md")
+    args.markdown = args.json.with_suffix(".md")
     if args.table:
-        print(validate_table.render(json.loads(args.json.read_text())))
+        print(render(json.loads(args.json.read_text())))
         return 0
     args.workdir = args.workdir.resolve()
     args.assets = args.assets.resolve() if args.assets else None
@@ -413,19 +459,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         validation.phase(name)
     validation.results["meta"]["seconds"] = round(time.perf_counter() - started, 1)
     validation.save()
-    table = validate_table.render(validation.results)
+    table = render(validation.results)
     args.markdown.write_text(table)
     print("\n" + table)
     print(f"written: {args.json}, {args.markdown}")
     return 0
-
-
-def _cpu_info() -> dict[str, Any]:
-    import platform
-
-    return {"name": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-            "memory_bytes": os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"),
-            "torch": __import__("torch").__version__, "platform": platform.platform()}
 
 
 if __name__ == "__main__":

@@ -1,36 +1,26 @@
-"""Runs for ``validate_device.py``: each recipe run in its own process, instrumented from outside.
+"""Runs for ``validate_device.py``, each in its own child process, instrumented from outside; and the helpers it
+runs in children (device, assets, data sets, padding), so that the parent never creates a tensor.
 
-A run is ``tune run RECIPE --config CONFIG OVERRIDES`` (or an ``adaptive-batching`` command, or a
-function of this module) executed inside a child process, which writes what it measured to a JSON
-file. Two ways to start the child:
-
-* ``spawn``: a fresh interpreter (``python validate_runs.py --child SPEC``). Used on CUDA: a CUDA
-  context never crosses a ``fork``.
-* ``fork``: a fork of the parent, which has torch, torchtune and the library imported already
-  (about 5 s saved per run on a CPU). The child is still a new address space, so its memory
-  figures are its own. The parent never creates a tensor, so no thread pool is forked half-started.
-
-The instrumentation patches classes of the library in the child only (nothing in the library is
-edited): every training step (``StepRunner.train_step``) is wrapped in the library's own
-``memory.PeakMeter``, which gives the step's peak tensor memory (on CPU: live tensors plus the growth
-of resident memory), the caching allocator's peak reservation and its ``num_alloc_retries`` count
-(CUDA), plus the step's tokens and seconds; an out-of-memory error, raised or recovered in place, is
-counted. ``Trainer.save`` and the profile's plot can be skipped (validation needs no checkpoints: a 1B
-save is seconds and gigabytes per run; the plot is a Python process per profile). With ``cap_bytes`` on
-CUDA, ``torch.cuda.set_per_process_memory_fraction`` makes the caching allocator refuse to reserve more
-than the budget, so a run over it fails for real.
+A child is a fresh interpreter (``spawn``; on CUDA, where a context never crosses a fork) or a fork of the parent,
+which has the imports done (``fork``; about 5 s saved per run on CPU). It patches the library's step runner in
+itself only: each step in the library's ``memory.PeakMeter`` (peak, reservation, allocator retries), tokens and
+seconds, out-of-memory errors counted; ``Trainer.save`` and the profile's plot are skipped. With ``cap_bytes``
+on CUDA the caching allocator is capped at the budget, so a run over it fails for real.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import platform
 import subprocess
 import sys
 import time
 import traceback
 from pathlib import Path
 from typing import Any
+
+from common import padding
 
 HERE = Path(__file__).resolve()
 
@@ -109,9 +99,7 @@ def run_in_child(spec: dict[str, Any]) -> int:
         if spec.get("cap_bytes"):
             _cap_cuda_memory(int(spec["cap_bytes"]))
         if spec["kind"] == "function":  # a helper of validate_data.py, away from the parent's memory
-            import validate_data
-
-            record["value"] = getattr(validate_data, spec["function"])(*spec.get("args", []))
+            record["value"] = HELPERS[spec["function"]](*spec.get("args", []))
             code = 0
         else:
             _instrument(record, spec.get("no_save", True))
@@ -154,15 +142,9 @@ def _entry_point(kind: str, argv: list[str]) -> int:
 
 # --------------------------------------------------------------------------- parent side
 def preload() -> None:
-    """Import what every run needs once, before forking (no tensor is created), then freeze those objects.
-
-    ``gc.freeze()`` moves every object alive now (modules, classes, functions: never garbage) out of the
-    collector's sight. With torch, torchtune and datasets imported, one full ``gc.collect()`` walks
-    millions of them, about 0.5 s on a CPU here; the library collects around every profiler trial step
-    and when it releases memory, so a 2-step run took 2.5 s and takes 1.2 s frozen. In a forked child
-    the collector also stops writing to the parent's objects, so fewer of their pages are copied into
-    the child's resident memory. Objects created later (the run's tensors) are collected as before.
-    """
+    """Import what every run needs once, before forking (no tensor is created), then ``gc.freeze()`` those objects:
+    a full collection then skips millions of them (0.5 s each here, and the library collects around every trial
+    step), and a forked child's collector stops copying the parent's pages."""
     import gc
 
     import torchtune._cli.tune  # noqa: F401
@@ -237,6 +219,57 @@ def _fork_and_wait(spec: dict[str, Any], out: Any, env: dict[str, str], timeout:
             os.waitpid(pid, 0)
             return True
         time.sleep(0.05)
+
+
+# --------------------------------------------------------------------------- helpers run in a child
+def device_info(kind: str) -> dict[str, Any]:
+    """The device of ``kind`` (cuda or cpu): name, memory and versions, for the results file."""
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    if kind == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(type="cuda", name=props.name, memory_bytes=int(props.total_memory), cuda=torch.version.cuda)
+    else:
+        info.update(type="cpu", name=platform.processor() or platform.machine(),
+                    memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return info
+
+
+def write_assets(root: str, model: str) -> dict[str, Any]:
+    """The tiny assets, or ``model``'s random-initialised checkpoint next to them (as the CLI writes them)."""
+    if model == "tiny":
+        from adaptive_batching.assets.tiny import write_tiny_assets
+
+        paths = write_tiny_assets(root)
+        return {"root": str(paths.root), "model_dir": str(paths.model_dir)}
+    from adaptive_batching.assets.models import write_model_assets
+
+    paths = write_model_assets(root, model)
+    size = (paths.model_dir / "model.safetensors").stat().st_size
+    return {"root": str(paths.tiny.root), "model_dir": str(paths.model_dir), "checkpoint_bytes": size}
+
+
+def write_long_dataset(source: str, target: str, seq_len: int, num_samples: int) -> dict[str, Any]:
+    """Alpaca records every one of which is longer than ``seq_len`` tokens once tokenized (so truncated
+    to exactly ``seq_len``): each output joins the tiny data set's outputs until it has ``seq_len``
+    words, and every word is at least one token. A micro batch of them has the profiler's worst-case
+    shape, so fixed-batch runs on them meet the memory the profiler measured."""
+    records = json.loads(Path(source).read_text())
+    out, index = [], 0
+    for _ in range(num_samples):
+        words: list[str] = []
+        instruction = records[index % len(records)]["instruction"]
+        while len(words) < seq_len:
+            words.extend(records[index % len(records)]["output"].split())
+            index += 1
+        out.append({"instruction": instruction, "input": "", "output": " ".join(words)})
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text(json.dumps(out))
+    return {"path": target, "samples": num_samples, "min_words": min(len(r["output"].split()) for r in out)}
+
+
+HELPERS = {"write_assets": write_assets, "write_long_dataset": write_long_dataset, "padding": padding}
 
 
 if __name__ == "__main__":
