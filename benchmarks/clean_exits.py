@@ -1,26 +1,10 @@
 #!/usr/bin/env python
 """Do two-rank runs exit clean, every time? Counts the runs that exit non-zero or print an abort.
 
-    python benchmarks/clean_exits.py [--runs 100] [--settings full,lora,token,saves] [--publish]
-    python benchmarks/clean_exits.py --mechanism
-
-N runs of ``tune run --nproc_per_node 2`` on the offline tiny model (gloo on CPU, FSDP2), cycling through
-the settings, each with the default stop signals (SIGTERM, SIGUSR1: the ranks' per-step stop agreement):
-
-* ``full``: ``tiny_full`` as shipped: the profiler, then training, one epoch of 4 steps;
-* ``lora``: ``tiny_lora`` as shipped, likewise;
-* ``token``: ``tiny_full`` with a token budget (``max_tokens: auto``, ``picking_order: seqlen``);
-* ``saves``: ``tiny_full`` at a fixed micro batch of 8, saving every 2 steps, 6 steps.
-
-A run is unclean when it exits non-zero or its output holds "terminate called", "Fatal Python error" or the
-recipe's warning that gloo threads outlived the process group. ``--publish`` writes the table into
-docs/fault-tolerance.md.
-
-``--mechanism`` shows the cause of the abort this guards against, in two processes and no recipe: a gloo
-group that outlives ``destroy_process_group()`` (as FSDP2's does, through DTensor's caches) is destroyed while
-the interpreter finalises; one of its worker threads, freeing a finished all-reduce's Python-owned tensor, must
-take the GIL then, which ends the thread through C++ destructors: "terminate called without an active
-exception" (SIGABRT). With ``release_destroyed_group()`` before exit the same program exits 0.
+N runs of ``tune run --nproc_per_node 2`` on the tiny model (gloo on CPU, FSDP2), cycling through :data:`SETTINGS`,
+with the default stop signals; ``--publish`` writes the table into docs/fault-tolerance.md. ``--mechanism`` shows
+the abort's cause in two processes and no recipe: a gloo group that outlives ``destroy_process_group()`` ends a
+worker thread during interpreter finalisation ("terminate called"), unless ``release_destroyed_group()`` ran.
 """
 
 from __future__ import annotations

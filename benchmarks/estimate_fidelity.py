@@ -1,20 +1,10 @@
 #!/usr/bin/env python
 """``estimate`` against peak memory that torchtune published for its stock configs on GPUs.
 
-    python benchmarks/estimate_fidelity.py [--markdown docs/estimates.md]
-                                           [--json benchmarks/results/estimate_fidelity.json]
-
-Each row is one published measurement: a stock config with the settings its source states (micro batch,
-sequence length of packed samples, ranks, and the overrides the source names). The peak is predicted from the
-fake-step trace of that config (layer extrapolation) at that micro batch: a rank's weights and optimizer state
-plus the forward/backward's peak, or the optimizer step's peak if higher (``estimate.peak_at``). Nothing is
-fitted to a published figure. Paged optimizer state is left out of the prediction here, because the published
-figures are torch's allocator statistics (``torchtune.training.get_memory_stats``), which do not see CUDA
-unified memory. ``compile`` is traced as compiled (``profiling/compiled.py``): each decoder layer through
-AOTAutograd's min-cut partition, the cross-entropy and NF4 dequantization as inductor fuses them.
-
-The table replaces the section "Fidelity against published GPU measurements" of ``docs/estimates.md`` (the
-rest of the page is ``estimate_stock_configs.py``'s).
+Each row is one published measurement (:data:`ROWS`): a stock config with the settings its source states; the
+peak is predicted from that config's fake-step trace at that micro batch (``estimate.peak_at``), nothing fitted to
+a published figure. The table replaces the section "Fidelity against published GPU measurements" of
+``docs/estimates.md``, which says what is modelled and what is left out.
 """
 
 from __future__ import annotations
@@ -28,6 +18,8 @@ from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+from common import in_fork
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -141,28 +133,10 @@ def predict_one(row: Published) -> dict[str, Any]:
     return result
 
 
-def _child(row: Published, out: Any) -> None:
-    from adaptive_batching.core.nodes import one_line
-
-    try:
-        out.send(predict_one(row))
-    except BaseException as error:  # noqa: BLE001 - a failure becomes the row's reason
-        out.send({"reason": one_line(error)[:200]})
-
-
 def run(rows: list[Published], timeout: float) -> list[dict[str, Any]]:
-    context = multiprocessing.get_context("fork")
     results = []
     for i, row in enumerate(rows, 1):
-        receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=_child, args=(row, send))
-        child.start()
-        send.close()
-        got = receive.recv() if receive.poll(timeout) else {"reason": f"no answer in {timeout:.0f} s"}
-        child.join(5)
-        if child.is_alive():
-            child.kill()
-            child.join()
+        got = in_fork(predict_one, (row,), timeout)
         result = {**row.__dict__, **got}
         if "predicted_gib" in got:
             result["ratio"] = round(got["predicted_gib"] / row.measured_gib, 2)
@@ -244,19 +218,15 @@ def replace_section(page: str, section: str) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--markdown", default=str(ROOT / "docs" / "estimates.md"))
-    parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "estimate_fidelity.json"))
-    parser.add_argument("--timeout", type=float, default=600)
-    args = parser.parse_args()
-
+    argparse.ArgumentParser(description=__doc__.split("\n\n")[0]).parse_args()
     import torchtune  # noqa: F401 - imported once, before the children fork
 
-    results = run(ROWS, args.timeout)
-    Path(args.json).write_text(json.dumps({"rows": results}, indent=1) + "\n")
-    page = Path(args.markdown)
+    results = run(ROWS, timeout=600)
+    out = ROOT / "benchmarks" / "results" / "estimate_fidelity.json"
+    out.write_text(json.dumps({"rows": results}, indent=1) + "\n")
+    page = ROOT / "docs" / "estimates.md"
     page.write_text(replace_section(page.read_text(), markdown(results, "python benchmarks/estimate_fidelity.py")))
-    print(f"wrote {args.json} and {args.markdown}")
+    print(f"wrote {out} and {page}")
 
 
 if __name__ == "__main__":

@@ -1,18 +1,9 @@
 #!/usr/bin/env python
-"""How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace.
+"""How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace (docs/benchmarks.md).
 
-    python benchmarks/estimate_speed.py [--models tiny,llama3_2_1b,llama3_8b] [--methods fast,full]
-                                        [--device-memory 80GiB] [--seq-len 8192] [--out-dir DIR] [--publish]
-
-Every model is estimated at ``--seq-len`` tokens per sample, bf16 weights, AdamW, activation
-checkpointing, for a device of ``--device-memory`` (x 0.9), once with each method, each run in a
-fresh process (one run each: the full trace of Llama 3 8B takes minutes). A run reports the
-fit's prediction, the micro batch its fake verification steps found, how many fake steps it ran
-(probes and verification), the estimate's own wall and CPU time (without the imports) and the
-whole process's wall time. Each run is compared with the full trace of the same model at every
-micro batch both measured: the largest relative difference of a step's peak (weights, optimizer
-state and the forward/backward's activations). Markdown and JSON are written to ``--out-dir``
-(default: the current directory). Needs no weights: the models are built with fake tensors.
+Every model at ``--seq-len`` tokens per sample, bf16, AdamW, activation checkpointing, for 80 GiB x 0.9, once with
+each method, each in a fresh process; each compared with the full trace of the same model at every micro batch
+both measured (the largest relative difference of a step's peak). Markdown and JSON go to ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -41,6 +32,7 @@ COMMON = ["tokenizer.max_seq_len={seq_len}", "dtype=bf16", "enable_activation_ch
           "optimizer._component_=torch.optim.AdamW"]
 METHODS = {"fast": False, "full": True}  # method: exact
 GIB = 2**30
+DEVICE_MEMORY = "80GiB"
 
 
 def _config(name: str) -> str:
@@ -48,7 +40,7 @@ def _config(name: str) -> str:
     return str(local) if local.is_file() else name
 
 
-def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -> None:
+def child(model: str, method: str, seq_len: int, out: str) -> None:
     """One estimate in this process; its result, times and probes go to ``out`` as JSON."""
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.estimate.prediction import predict, trace_steps
@@ -71,7 +63,7 @@ def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -
             return memory
 
         trace = dataclasses.replace(trace, measure=recorded)
-    estimate = predict(trace, device_memory_bytes=parse_bytes(device_memory))
+    estimate = predict(trace, device_memory_bytes=parse_bytes(DEVICE_MEMORY))
     result = {
         "estimate": estimate.to_dict(),
         "estimate_wall_s": time.perf_counter() - wall,
@@ -85,7 +77,7 @@ def child(model: str, method: str, seq_len: int, device_memory: str, out: str) -
 
 def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     out = args.out_dir / f"estimate_speed_{model}_{method}.json"
-    cmd = [sys.executable, str(HERE), "--child", model, method, str(args.seq_len), args.device_memory, str(out)]
+    cmd = [sys.executable, str(HERE), "--child", model, method, str(args.seq_len), str(out)]
     env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.perf_counter()
     run_checked(cmd, f"{model} {method}", env=env)
@@ -121,7 +113,7 @@ def compare(rows: list[dict[str, Any]]) -> None:
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
     lines = [
-        f"{args.seq_len}-token samples, bf16, AdamW, activation checkpointing, {args.device_memory} x 0.9, "
+        f"{args.seq_len}-token samples, bf16, AdamW, activation checkpointing, {DEVICE_MEMORY} x 0.9, "
         f"1 rank; {os.cpu_count()} CPU cores, torch {_torch_version()}",
         "",
         "| model | layers traced | method | fit predicts | verified micro batch | step peak there | fake steps "
@@ -150,12 +142,11 @@ def _torch_version() -> str:
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
-        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], sys.argv[6])
+        child(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     p.add_argument("--methods", default="fast,full", help="comma-separated, of fast, full")
-    p.add_argument("--device-memory", default="80GiB")
     p.add_argument("--seq-len", type=int, default=8192)
     p.add_argument("--out-dir", type=Path, default=Path("."))
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
@@ -179,7 +170,7 @@ def main() -> None:
     print("\n" + table)
     (args.out_dir / "estimate_speed.md").write_text(table)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "torch": _torch_version(), "device_memory": args.device_memory,
+            "cpu_count": os.cpu_count(), "torch": _torch_version(), "device_memory": DEVICE_MEMORY,
             "seq_len": args.seq_len}
     (args.out_dir / "estimate_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"written: {args.out_dir / 'estimate_speed.md'}, {args.out_dir / 'estimate_speed.json'}")

@@ -1,21 +1,9 @@
 #!/usr/bin/env python
-"""``adaptive-batching estimate`` on every full, LoRA and QLoRA config torchtune 0.6.1 ships.
+"""``adaptive-batching estimate`` on every full, LoRA and QLoRA config torchtune 0.6.1 ships: docs/estimates.md.
 
-    python benchmarks/estimate_stock_configs.py [--seq-len 2048] [--only NAME ...] [--timeout 300]
-                                                [--markdown docs/estimates.md]
-                                                [--json benchmarks/results/estimate_stock_configs.json]
-
-``--only`` estimates some configs alone and writes their rows to ``--json``; the page's table holds every config,
-so ``--only`` with ``--markdown`` stops with one line, as does a name that is not a stock config.
-
-Each config (the 121 of the recipes full_finetune_single_device, full_finetune_distributed,
-lora_finetune_single_device and lora_finetune_distributed) is estimated once, offline, on fake tensors (no
-weights, no memory), at ``--seq-len`` tokens per worst-case sample, as the config is (dtype, optimizer and
-memory savers, named in a column): one trace of fake steps serves the predictions for 24, 40 and 80 GiB at 1 and at
-8 ranks (x 0.9 of the memory, the default fraction). Each runs in a forked child of a process that has
-imported torch and torchtune, so a config that fails or hangs cannot stop the others; a config that cannot be
-estimated gets a one-line reason. ``seconds`` is the child's wall time for the trace and the six
-predictions (what ``adaptive-batching estimate`` spends after its imports).
+Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens per worst-case sample, as the
+config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a forked child (``common.in_fork``);
+one that cannot be estimated gets a one-line reason. ``--only`` writes its rows to ``--json`` alone.
 """
 
 from __future__ import annotations
@@ -29,6 +17,8 @@ import time
 from datetime import date
 from pathlib import Path
 from typing import Any
+
+from common import in_fork
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -69,8 +59,8 @@ VISION_REASON = ("multimodal: needs torchvision, and none for torch 2.13.0+cpu l
                  "estimate traces text decoders")
 
 
-def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
-    """In the child: estimate ``name`` and send a row (or a one-line reason) through ``out``."""
+def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
+    """``name``'s row, or its one-line reason (run in a child)."""
     from torch import nn
 
     from adaptive_batching.config.loading import load_config
@@ -100,7 +90,7 @@ def estimate_one(name: str, path: str, seq_len: int, out: Any) -> None:
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
         reason = one_line(error).split(" Are you sure")[0][:200]
         row["reason"] = VISION_REASON if "torchvision" in reason else reason
-    out.send(row)
+    return row
 
 
 def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
@@ -117,19 +107,10 @@ def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
 
 
 def run(names: dict[str, Path], seq_len: int, timeout: float) -> list[dict[str, Any]]:
-    context = multiprocessing.get_context("fork")
     rows = []
     for i, (name, path) in enumerate(sorted(names.items()), 1):
-        receive, send = context.Pipe(duplex=False)
-        child = context.Process(target=estimate_one, args=(name, str(path), seq_len, send))
         start = time.perf_counter()
-        child.start()
-        send.close()
-        row = receive.recv() if receive.poll(timeout) else {"config": name, "reason": f"no answer in {timeout:.0f} s"}
-        child.join(5)
-        if child.is_alive():
-            child.kill()
-            child.join()
+        row = {"config": name, **in_fork(estimate_one, (name, str(path), seq_len), timeout)}
         row["process_seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         print(f"[{i}/{len(names)}] {name}: {row.get('micro_batch', row.get('reason'))} "

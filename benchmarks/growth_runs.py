@@ -1,19 +1,10 @@
 #!/usr/bin/env python
-"""Batch-growth strategies compared by real training runs on CPU, at equal samples.
+"""Batch-growth strategies compared by real training runs on CPU, at equal samples (docs/benchmarks.md).
 
-    python benchmarks/growth_runs.py [--samples 1024] [--epochs 3] [--seq-len 128] [--threads 1]
-                                     [--only NAME ...] [--out benchmarks/results] [--work DIR] [--publish]
-
-Six runs of ``tune run adaptive_full_finetune --config tiny_full``, one after the other, each in its own child,
-see the same samples in the same order; only how they are cut into optimizer steps differs (:func:`run_overrides`:
-fixed small, fixed large, per-epoch x2, linear ramp, noise scale, seesaw). The LR is the same function of (samples
-consumed, global batch) in every run, and the memory budget is fixed: steps and losses are deterministic. The child
-stamps every metric line (``common.step_stamps``) and the start of training.
-
-Per run: the loss smoothed over the last ``--window`` samples; the steps, samples and wall time until it first
-reaches the target (the fixed-small run's smoothed loss at ``--target-at`` of its samples, and at 0.5); the final
-loss; the gradient noise scale where measured. Writes ``growth_runs.json`` (every step of every run),
-``growth_runs.md`` (the table) and ``growth_runs.png`` under ``--out``. The page: docs/benchmarks.md.
+Six runs of ``tune run adaptive_full_finetune --config tiny_full``, one after the other, see the same samples in
+the same order; only their cut into optimizer steps differs (:func:`run_overrides`). Per run: steps, samples and
+seconds to the target loss, the final loss, the noise scale; ``growth_runs.json``, ``.md`` and ``.png`` under
+``--out``.
 """
 
 from __future__ import annotations
@@ -21,22 +12,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shlex
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from common import step_stamps, tiny_assets, tune_in_process
+from common import run_logged, threads_env, tiny_assets, tune_child, work_dir
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"
 RECIPE, CONFIG = "adaptive_full_finetune", "tiny_full"
 BASE_LR, REFERENCE_BATCH, LARGE_BATCH, WARMUP_SAMPLES = 1e-3, 8, 64, 128
+BUDGET, TARGET_AT = "512MiB", 0.8  # the memory budget (never reached); the target: fixed small's loss at 80%
+RAMP_EVERY, NOISE_EVERY, SEESAW_EVERY = 32, 16, 8  # optimizer steps per growth period
 
 
 # --------------------------------------------------------------------------- the runs
@@ -47,7 +37,7 @@ def common_overrides(args: argparse.Namespace, work: Path) -> list[str]:
             "use_maximum_batch_size=False", "lr_scaling=sqrt", f"optimizer.lr={BASE_LR}",
             f"batch_size={REFERENCE_BATCH}", "gradient_accumulation_steps=1",
             f"lr_scheduler.num_warmup_steps={WARMUP_SAMPLES // REFERENCE_BATCH}",
-            f"adaptive_batching.memory_budget={args.budget}", f"adaptive_batching.cache_dir={work / 'profile_cache'}",
+            f"adaptive_batching.memory_budget={BUDGET}", f"adaptive_batching.cache_dir={work / 'profile_cache'}",
             "adaptive_batching.grow_past_memory=accumulate", "log_every_n_steps=1"]
 
 
@@ -63,52 +53,31 @@ def run_overrides(args: argparse.Namespace) -> dict[str, list[str]]:
         "linear ramp": ["batch_increase_function._component_=adaptive_batching.growth.linear_ramp",
                         "~batch_increase_function.factor", f"batch_increase_function.increment={REFERENCE_BATCH}",
                         "batch_increase_function.start_epoch=1",
-                        f"adaptive_batching.growth_interval={args.ramp_every} steps"],
+                        f"adaptive_batching.growth_interval={RAMP_EVERY} steps"],
         "noise scale": ["batch_size=4", "gradient_accumulation_steps=2",
                         "batch_increase_function._component_=adaptive_batching.growth.noise_scale",
                         "~batch_increase_function.factor", "batch_increase_function.fraction=0.5",
                         "batch_increase_function.max_factor=2",
-                        f"adaptive_batching.growth_interval={args.noise_every} steps"],
+                        f"adaptive_batching.growth_interval={NOISE_EVERY} steps"],
         "seesaw": ["batch_increase_function._component_=adaptive_batching.growth.seesaw",
                    "batch_increase_function.factor=2", "batch_increase_function.max_steps=1",
-                   f"adaptive_batching.growth_interval={args.seesaw_every} steps"],
+                   f"adaptive_batching.growth_interval={SEESAW_EVERY} steps"],
     }
 
 
-def tune_child(stamps_path: str, tune_args: list[str]) -> None:
-    """Run ``tune TUNE_ARGS`` in this process, stamping the start of training and every metric row."""
-    from adaptive_batching.training.trainer import Trainer
-
-    record: dict[str, Any] = {"rows": [], "train_start": None}
-    train = Trainer.train
-
-    def timed_train(self: Any, *args: Any, **kwargs: Any) -> None:
-        record["train_start"] = time.perf_counter()
-        train(self, *args, **kwargs)
-        record["train_end"] = time.perf_counter()
-
-    def numbers(payload: Any, step: int) -> dict[str, float]:
-        return {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
-
-    Trainer.train = timed_train
-    with step_stamps(numbers) as record["rows"]:
-        try:
-            tune_in_process(tune_args)
-        finally:
-            Path(stamps_path).write_text(json.dumps(record))
+def numbers(payload: Any, step: int) -> dict[str, float]:
+    """Every number of a metric line."""
+    return {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
 
 
 def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str]) -> dict[str, Any]:
-    tag = name.replace(" ", "_").replace("-", "").replace("x2", "x2")
+    tag = name.replace(" ", "_").replace("-", "")
     out = work / tag
     stamps = work / f"{tag}.json"
     tune_args = ["run", RECIPE, "--config", CONFIG, *common_overrides(args, work), *overrides, f"output_dir={out}"]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads),
-               BENCH_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
     started = time.perf_counter()
-    with open(work / f"{tag}.log", "w") as log:
-        code = subprocess.run([sys.executable, str(HERE), "--tune-child", str(stamps), *tune_args], cwd=work,
-                              env=env, stdout=log, stderr=subprocess.STDOUT, timeout=3600).returncode
+    code = run_logged([sys.executable, str(HERE), "--tune-child", str(stamps), *tune_args], work / f"{tag}.log",
+                      timeout=3600, cwd=work, env=threads_env(1))
     seconds = time.perf_counter() - started
     text = (work / f"{tag}.log").read_text(errors="replace")
     if code != 0:
@@ -116,7 +85,7 @@ def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str
     record = json.loads(stamps.read_text())
     growth_lines = [line for line in split_log_lines(text) if line.startswith(("Growth period", "Epoch switch"))]
     return {"name": name, "command": "tune " + shlex.join(tune_args), "child_seconds": seconds,
-            "train_start": record["train_start"], "train_end": record.get("train_end"), "rows": record["rows"],
+            "train_start": record["train_start"], "train_end": record["train_end"], "rows": record["stamps"],
             "growth_log": growth_lines}
 
 
@@ -282,14 +251,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--samples", type=int, default=1024, help="samples per epoch: the first N of the data set")
     p.add_argument("--epochs", type=int, default=3)
     p.add_argument("--seq-len", type=int, default=128, help="tokenizer.max_seq_len (samples are truncated)")
-    p.add_argument("--threads", type=int, default=1, help="torch threads per run (runs are sequential)")
-    p.add_argument("--budget", default="512MiB", help="adaptive_batching.memory_budget (the memory cap)")
     p.add_argument("--window", type=float, default=256, help="loss smoothing window, in samples")
-    p.add_argument("--target-at", type=float, default=0.8,
-                   help="target = fixed small's smoothed loss at this fraction of its samples")
-    p.add_argument("--ramp-every", type=int, default=32, help="linear ramp: optimizer steps per growth period")
-    p.add_argument("--noise-every", type=int, default=16, help="noise scale: optimizer steps per growth period")
-    p.add_argument("--seesaw-every", type=int, default=8, help="seesaw: optimizer steps per growth period")
     p.add_argument("--only", nargs="*", default=None, help="run only these (the fixed-small baseline always runs)")
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written under --work if absent)")
     p.add_argument("--work", type=Path, default=None, help="keep run outputs here (default: a temporary folder)")
@@ -312,7 +274,7 @@ def load_runs(path: Path) -> tuple[str, float, list[dict[str, Any]], dict[str, A
 def main(argv: Optional[list[str]] = None) -> None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
-        tune_child(argv[1], argv[2:])
+        tune_child(argv[1], argv[2:], numbers)
         return
     args = parse_args(argv)
     if args.from_json is not None:
@@ -322,9 +284,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     command = shlex.join(["python", "benchmarks/growth_runs.py", *argv])
     print(f"$ {command}", flush=True)
     started = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
-        work = (args.work or Path(tmp)).resolve()
-        work.mkdir(parents=True, exist_ok=True)
+    with work_dir(args.work, "growth_runs_") as work:
         args.assets = tiny_assets(args.assets, work)
         runs = []
         for name, overrides in run_overrides(args).items():
@@ -347,7 +307,7 @@ def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[
     base_samples = cumulative(base_batches)
     base_smooth = smooth_by_samples([r["loss"] for r in base["rows"]], base_batches, args.window)
     targets = {f"fixed small at {int(round(100 * f))}%": value_at_samples(base_samples, base_smooth, f * base_samples[-1])
-               for f in (args.target_at, 0.5)}
+               for f in (TARGET_AT, 0.5)}
     summaries = {run["name"]: summarise(run, targets, args.window) for run in runs}
     table = markdown_table(summaries, targets)
     print("\n" + table)

@@ -1,17 +1,10 @@
 #!/usr/bin/env python
 """The gradient noise scale estimator against linear regression, whose noise scale is known exactly.
 
-    python benchmarks/noise_scale_accuracy.py [--seeds 30] [--publish]
-
-Noisy linear regression ``y = x . w* + eps``, ``x ~ N(0, I_d)``, ``eps ~ N(0, sigma^2)``, loss
-``(x . w - y)^2 / 2``: at ``w`` the per-sample gradient is ``x (x . delta - eps)`` with ``delta = w - w*``,
-so the true gradient is ``G = delta`` and, from Gaussian fourth moments, ``tr(Sigma) = (d + 1) |delta|^2 +
-d sigma^2``: ``B_simple = tr(Sigma) / |G|^2`` in closed form. Real minibatch gradients drawn with torch at a
-fixed ``w`` feed the estimator (``growth.gradient_noise``) as the trainer does, in three set-ups: one process
-with every micro batch as a small batch; one process with the first micro batch only (what the trainer
-observes under FSDP2); two gloo ranks, each rank's micro batches as small batches. Then ``--seeds`` seeds of
-the first-micro-batch set-up at decay 0.99 (the trainer's) and 0.95. ``tests/test_noise_scale.py`` asserts on
-the same functions.
+Noisy linear regression ``y = x . w* + eps``: at ``w`` the per-sample gradient is ``x (x . delta - eps)``, so
+``B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`` in closed form. Real minibatch gradients feed the
+estimator (``growth.gradient_noise``) as the trainer does, in three set-ups, then ``--seeds`` seeds of the
+first-micro-batch one. ``tests/test_noise_scale.py`` asserts on the same functions.
 """
 
 from __future__ import annotations

@@ -1,35 +1,11 @@
 #!/usr/bin/env python
 """Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
 
-    python benchmarks/profiler_vs_peers.py [--room 1.5] [--seq-len 256] [--accelerate-start 1024] [--json out.json]
-                                             [--methods ours,lightning,accelerate,exhaustive] [--publish]
-
-Every method runs in its own fresh child process on the same set-up: the offline tiny Llama-3
-model (config ``tiny_full``), AdamW, worst-case batches (every sample ``seq_len`` tokens, every
-token in the loss). Each child does its imports and set-up first, then limits its own address
-space (``RLIMIT_AS``) to its current size + ``--room`` GiB, so every method gets the same room
-above its set-up; on CPU a real out-of-memory then raises ``DefaultCPUAllocator: can't allocate
-memory`` and the process carries on.
-
-Methods:
-
-* ours: ``Trainer.profile()`` (probe, fit, verify), then one full epoch at the micro batch it chose
-  over the real data set, under the same limit (stopped, and reported as such, after
-  ``--epoch-time-cap`` seconds; 0 = no cap).
-* Lightning: ``Tuner.scale_batch_size(mode="binsearch")`` with its documented defaults
-  (init_val=2, steps_per_trial=3, max_trials=25, margin=0.05), CPU, 1 device.
-* Accelerate: ``find_executable_batch_size(starting_batch_size=--accelerate-start)`` around one
-  training step (the start is the user's guess; it multiplies the size by 0.9 after each OOM).
-* exhaustive: the true maximum, by bisection over fresh children that each run 2 training steps
-  at one micro batch (the first creates the optimizer state), then both sides of the boundary
-  run once more (outcomes there are noisy). When ours' set-up or ``profile()`` changes glibc's malloc
-  settings (``adaptive_batching.memory.pin_cpu_allocator``; observed, not forced), the true
-  maximum is also searched with those settings applied before set-up, as ours does, and ours is compared
-  with that one; the peers always run, and are compared, under default glibc.
-
-Peers and the exhaustive search run the same plain training step: the trainer's own
-``steps.forward_backward`` (forward, loss over all tokens, backward) and gradient application
-(normalise by tokens, AdamW step, zero grads). The libraries are called, not copied.
+Each method runs in a fresh child on the same set-up (``tiny_full``, AdamW, worst-case samples), which limits its own
+address space (``RLIMIT_AS``) to its size after set-up + ``--room`` GiB; the true maximum is bisected over fresh
+children running 2 plain steps at one size, under default glibc and, when ours' set-up pins glibc's malloc
+settings, under those too. Peers and the exhaustive search run the trainer's own forward/backward and gradient
+step; the libraries are called, not copied. What it measures and how to read it: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -38,22 +14,21 @@ import argparse
 import json
 import os
 import shlex
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import fmt, log, tiny_assets
+from common import fmt, largest_fit, log, run_logged, tiny_assets, work_dir, write_json
 from doc_tables import report
 
 GIB = 2**30
 BAR_PERCENT = 97.0
 BAR_STEPS = 6
 METHODS = ("ours", "lightning", "accelerate", "exhaustive")
+ACCELERATE_START = 1024  # Accelerate's starting_batch_size: the user's guess
+EXHAUSTIVE_START = 128  # the exhaustive search's first micro batch
 
 
 # --------------------------------------------------------------------------- arguments
@@ -63,24 +38,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--room", type=float, default=1.5,
                    help="GiB of address space each child may add above its own set-up (default 1.5)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per worst-case sample (default 256)")
-    p.add_argument("--accelerate-start", type=int, default=1024,
-                   help="Accelerate's starting_batch_size: the user's guess (default 1024)")
-    p.add_argument("--exhaustive-start", type=int, default=128,
-                   help="first micro batch of the exhaustive doubling (default 128; it bisects below it if it fails)")
-    p.add_argument("--exhaustive-regimes", choices=("auto", "default", "both"), default="auto",
-                   help="true maximum under default glibc, and also under the malloc settings ours' profile() "
-                        "applies (auto: only when it applies them)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     p.add_argument("--methods", default=",".join(METHODS),
                    help="comma-separated subset of the methods to run (default: all; --publish needs all)")
-    p.add_argument("--workdir", type=Path, default=None,
-                   help="assets, run outputs and child logs (default: a temporary directory, removed afterwards)")
-    p.add_argument("--keep", action="store_true", help="keep the temporary work directory")
+    p.add_argument("--workdir", type=Path, default=None, help="assets, runs and logs (default: a temporary folder)")
     p.add_argument("--epoch-time-cap", type=float, default=150,
                    help="stop ours' epoch check after this many seconds and report how far it got "
                         "(default 150; 0 = always the full epoch)")
-    p.add_argument("--child-timeout", type=int, default=900, help="seconds before a child is killed (default 900)")
     # Internal: one method in a child process.
     p.add_argument("--child", choices=METHODS, default=None, help=argparse.SUPPRESS)
     p.add_argument("--micro-batch", type=int, default=None, help=argparse.SUPPRESS)
@@ -93,8 +58,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error(f"--methods takes a comma-separated subset of {', '.join(METHODS)}; got {unknown or 'none'}")
     if args.publish and set(args.methods) != set(METHODS):
         p.error("--publish writes the whole table: leave --methods at its default (all)")
-    if args.room <= 0 or args.seq_len < 1 or args.accelerate_start < 1 or args.exhaustive_start < 1:
-        p.error("--room, --seq-len, --accelerate-start and --exhaustive-start must be positive")
+    if args.room <= 0 or args.seq_len < 1:
+        p.error("--room and --seq-len must be positive")
     return args
 
 
@@ -179,20 +144,9 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 
 
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
-    from adaptive_batching.runtime import memory
-
-    pinned: list[bool] = []
-    original_pin = getattr(memory, "pin_cpu_allocator", None)
-    if original_pin is not None:  # observe only: record whether set-up or profile() changes glibc's settings
-        def observed_pin(*a: Any, **k: Any) -> bool:
-            answer = original_pin(*a, **k)
-            pinned.append(bool(answer))
-            return answer
-
-        memory.pin_cpu_allocator = observed_pin
     trainer = build_trainer(args, "ours")
     limits = limit_address_space(args.room)
-    out: dict[str, Any] = {"limits": limits, "pinned_allocator": pinned}
+    out: dict[str, Any] = {"limits": limits}
     t0 = time.perf_counter()
     try:
         result = trainer.profile()
@@ -261,7 +215,7 @@ def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
     trainer = build_trainer(args, "accelerate")
     calls: list[dict[str, Any]] = []
 
-    @find_executable_batch_size(starting_batch_size=args.accelerate_start)
+    @find_executable_batch_size(starting_batch_size=ACCELERATE_START)
     def search(batch_size: int) -> int:
         call = {"micro_batch": batch_size, "ok": False}
         calls.append(call)
@@ -275,7 +229,7 @@ def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
         return batch_size
 
     limits = limit_address_space(args.room)
-    out: dict[str, Any] = {"limits": limits, "start": args.accelerate_start, "trials": calls}
+    out: dict[str, Any] = {"limits": limits, "start": ACCELERATE_START, "trials": calls}
     t0 = time.perf_counter()
     try:
         out["found"] = search()
@@ -392,31 +346,21 @@ def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = No
           pinned: bool = False) -> dict[str, Any]:
     """Run one method in a fresh child process; return its result (or how it died)."""
     tag = method + ("_pinned" if pinned else "") + ("" if micro_batch is None else f"_{micro_batch}")
-    logs = args.workdir / "logs"
-    logs.mkdir(parents=True, exist_ok=True)
+    log_path = args.workdir / "logs" / f"{tag}.log"
     result_path = args.workdir / "results" / f"{tag}.json"
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
     command = [sys.executable, os.path.abspath(__file__), "--child", method, "--workdir", str(args.workdir),
-               "--room", str(args.room), "--seq-len", str(args.seq_len),
-               "--accelerate-start", str(args.accelerate_start), "--epoch-time-cap", str(args.epoch_time_cap),
-               "--result", str(result_path)]
-    if micro_batch is not None:
-        command += ["--micro-batch", str(micro_batch)]
-    if pinned:
-        command.append("--pinned")
+               "--room", str(args.room), "--seq-len", str(args.seq_len), "--epoch-time-cap", str(args.epoch_time_cap),
+               "--result", str(result_path), *(["--micro-batch", str(micro_batch)] if micro_batch else []),
+               *(["--pinned"] if pinned else [])]
     started = time.perf_counter()
-    with open(logs / f"{tag}.log", "w") as log_file:
-        try:
-            proc = subprocess.run(command, stdout=log_file, stderr=subprocess.STDOUT, timeout=args.child_timeout)
-            code: Optional[int] = proc.returncode
-        except subprocess.TimeoutExpired:
-            code = None
+    code = run_logged(command, log_path)
     elapsed = time.perf_counter() - started
     if code == 0 and result_path.exists():
         result = json.loads(result_path.read_text())
     else:
-        tail = (logs / f"{tag}.log").read_text().strip().splitlines()[-3:]
+        tail = log_path.read_text().strip().splitlines()[-3:]
         why = "timed out" if code is None else f"exit code {code}"
         result = {"crashed": f"child {why}: {' | '.join(tail)[-300:]}"}
     result["child_seconds"] = elapsed
@@ -442,19 +386,7 @@ def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[st
             raise RuntimeError(f"exhaustive child at micro batch {b} failed: {error}")
         return outcome == "ok"
 
-    lo, hi = 0, None  # largest that fits, smallest that does not
-    b = args.exhaustive_start
-    while hi is None:
-        if fits(b):
-            lo, b = b, b * 2
-        else:
-            hi = b
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
+    lo, hi, _ = largest_fit(fits, EXHAUSTIVE_START)
     search_seconds = time.perf_counter() - started
     # Outcomes at the boundary are noisy (address-space layout): run both sides once more and report it.
     recheck = {"max_ok_again": fits(lo, recheck=True) if lo > 0 else None, "above_ok_again": fits(hi, recheck=True)}
@@ -471,55 +403,37 @@ def _trial_list(trials: list[dict[str, Any]], limit: int = 20) -> str:
     return " ".join(marks if len(marks) <= limit else marks[:limit] + [f"... (+{len(marks) - limit})"])
 
 
-def ours_pinned(ours: dict[str, Any]) -> bool:
-    return any(ours.get("pinned_allocator", []))
+def _peer_note(r: dict[str, Any], note: str, missed: str) -> str:
+    if "crashed" in r:
+        return r["crashed"]
+    note = (f"raised {r['error']}; " if r.get("error") else "") + note
+    return note + (f"; did NOT recognise the CPU OOM{missed}" if r.get("oom_recognised") is False else "")
 
 
 def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -> list[dict[str, Any]]:
-    rows = []
-    ours = results["ours"]
-    ours_regime = "pinned" if ours_pinned(ours) and "pinned" in exhaustive else "default"
+    """Ours (against the true maximum under glibc as it sets it) and the peers (under default glibc)."""
+    ours, light, acc = results["ours"], results["lightning"], results["accelerate"]
     if "found" in ours:
-        note = (f"trains at {ours['chosen']} (5% margin); estimate {ours['estimate']}; "
-                f"trials: {_trial_list(ours['trials'])}")
-        if ours_pinned(ours):
-            note += "; set-up set glibc mallopt (true max measured the same way)"
+        ours_note = (f"trains at {ours['chosen']} (5% margin); estimate {ours['estimate']}; trials: "
+                     f"{_trial_list(ours['trials'])}; set-up set glibc mallopt (true max measured the same way)")
     else:
-        note = ours.get("error") or ours.get("crashed", "")
-    rows.append({"method": "ours (adaptive_batching profiler)", "found": ours.get("found"),
-                 "trial_steps": ours.get("trial_steps"), "wall_s": ours.get("wall_s"), "note": note,
-                 "regime": ours_regime})
-
-    light = results["lightning"]
-    if "crashed" in light:
-        note = light["crashed"]
-    else:
-        note = (f"returns {light.get('returned')} after its margin 0.05; 3 steps per size: "
-                f"{_trial_list(light.get('sizes', []))}")
-        if light.get("error"):
-            note = f"raised {light['error']}; " + note
-        if light.get("oom_recognised") is False:
-            note += "; did NOT recognise the CPU OOM"
-    rows.append({"method": "Lightning Tuner.scale_batch_size(binsearch)", "found": light.get("found"),
-                 "trial_steps": light.get("trial_steps"), "wall_s": light.get("wall_s"), "note": note,
-                 "regime": "default"})
-
-    acc = results["accelerate"]
-    if "crashed" in acc:
-        note = acc["crashed"]
-    else:
-        note = f"start {acc['start']} (the user's guess), x0.9 per OOM: {_trial_list(acc.get('trials', []))}"
-        if acc.get("error"):
-            note = f"raised {acc['error']}; " + note
-        if acc.get("oom_recognised") is False:
-            note += "; did NOT recognise the CPU OOM (would crash)"
-    rows.append({"method": "Accelerate find_executable_batch_size", "found": acc.get("found"),
-                 "trial_steps": acc.get("trial_steps"), "wall_s": acc.get("wall_s"), "note": note,
-                 "regime": "default"})
+        ours_note = ours.get("error") or ours.get("crashed", "")
+    light_note = (f"returns {light.get('returned')} after its margin 0.05; 3 steps per size: "
+                  f"{_trial_list(light.get('sizes', []))}")
+    acc_note = f"start {ACCELERATE_START} (the user's guess), x0.9 per OOM: {_trial_list(acc.get('trials', []))}"
+    rows = [{"method": "ours (adaptive_batching profiler)", "note": ours_note, "regime": "pinned", **_cells(ours)},
+            {"method": "Lightning Tuner.scale_batch_size(binsearch)", "note": _peer_note(light, light_note, ""),
+             "regime": "default", **_cells(light)},
+            {"method": "Accelerate find_executable_batch_size", "note": _peer_note(acc, acc_note, " (would crash)"),
+             "regime": "default", **_cells(acc)}]
     for row in rows:
         row["true_max"] = exhaustive.get(row["regime"], {}).get("true_max")
         row["percent"] = _pct(row["found"], row["true_max"])
     return rows
+
+
+def _cells(r: dict[str, Any]) -> dict[str, Any]:
+    return {"found": r.get("found"), "trial_steps": r.get("trial_steps"), "wall_s": r.get("wall_s")}
 
 
 REGIME_NAMES = {"default": "exhaustive: true maximum, default glibc (not compared)",
@@ -583,10 +497,7 @@ def main(argv: Optional[list[str]] = None) -> int:
 
     command = shlex.join([sys.executable, *sys.argv])
     print(f"$ {command}", flush=True)
-    temporary = args.workdir is None
-    args.workdir = Path(tempfile.mkdtemp(prefix="profiler_vs_peers_")) if temporary else args.workdir.resolve()
-    args.workdir.mkdir(parents=True, exist_ok=True)
-    try:
+    with work_dir(args.workdir, "profiler_vs_peers_") as args.workdir:
         tiny_assets(None, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         results: dict[str, Any] = {}
@@ -600,15 +511,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             log(f"  {method}: found {r.get('found')} in {r.get('trial_steps')} trial steps, "
                 f"{fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
         ours = results["ours"]
-        regimes = ["default"]
-        if "exhaustive" in args.methods and (args.exhaustive_regimes == "both"
-                                             or (args.exhaustive_regimes == "auto" and ours_pinned(ours))):
-            regimes.append("pinned")
-            log("ours' set-up changed glibc's malloc settings: the true maximum is searched both with default "
-                "glibc (the peers' setting) and with ours' settings")
-        if "exhaustive" in args.methods:
-            log("running the exhaustive search for the true maximum ...")
-        exhaustive = ({r: exhaustive_search(args, pinned=(r == "pinned")) for r in regimes}
+        exhaustive = ({r: exhaustive_search(args, pinned=(r == "pinned")) for r in ("default", "pinned")}
                       if "exhaustive" in args.methods else {})
 
         rows = build_rows(results, exhaustive)
@@ -632,7 +535,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                       f"estimate {ours['estimate']} = {fmt(_pct(ours['estimate'], true_max), '.1f')}% of its true "
                       f"maximum {fmt(true_max)}; profiler's own clock {ours['profiler_seconds']:.1f} s of "
                       f"{ours['wall_s']:.1f} s in profile()")
-                if "pinned" in exhaustive and rows[0]["regime"] == "pinned":
+                if exhaustive:
                     default_max = exhaustive["default"]["true_max"]
                     print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
                           f"{fmt(_pct(ours['found'], default_max), '.1f')}%")
@@ -644,16 +547,10 @@ def main(argv: Optional[list[str]] = None) -> int:
 
         if args.json is not None:
             payload = {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
-                       "accelerate_start": args.accelerate_start, "epoch_time_cap": args.epoch_time_cap,
+                       "accelerate_start": ACCELERATE_START, "epoch_time_cap": args.epoch_time_cap,
                        "rows": rows, "exhaustive": exhaustive, "epoch": epoch, "bar": bar, "raw": results}
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(payload, indent=2, default=str))
+            write_json(args.json, payload)
             print(f"\nJSON written to {args.json}")
-    finally:
-        if temporary and not args.keep:
-            shutil.rmtree(args.workdir, ignore_errors=True)
-        elif temporary:
-            log(f"kept {args.workdir}")
     return 0
 
 

@@ -1,16 +1,9 @@
 #!/usr/bin/env python
-"""The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``).
+"""The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md.
 
-    python benchmarks/profiler_whole_process_limit.py [--limit-gib 3.5] [--repeats 2] [--tolerance 0.02]
-                                                      [--optimizer-in-bwd] [--json out.json] [--publish]
-
-Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` under ``ulimit -v`` (which covers
-imports and set-up too), with no explicit memory budget: the largest micro batch its profile ran, against the
-fresh-process maximum, found by bisection over fresh processes (``python`` ones running this file, and ``tune
-run`` ones) that each set up the same trainer and run 2 worst-case steps at one micro batch, with glibc tuned
-from process start as the recipe pins it. ``--optimizer-in-bwd``: both sides with ``optimizer_in_bwd: True`` and
-bitsandbytes' ``PagedAdamW8bit``, as torchtune's single-device configs run. The goal: ours at least 97% of the
-maximum. The page: docs/benchmarks.md.
+Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` under ``ulimit -v`` with no explicit
+budget: the largest micro batch its profile ran, against the fresh-process maximum (bisection over fresh
+``python`` and ``tune run`` processes that each run 2 worst-case steps at one size, glibc tuned from the start).
 """
 
 from __future__ import annotations
@@ -26,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import tiny_assets
+from common import largest_fit, tiny_assets
 from doc_tables import report
 
 TUNE = str(Path(sys.executable).with_name("tune"))
@@ -84,25 +77,12 @@ def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool) -> int:
     return 0
 
 
-def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, start: int,
-                          launcher: str, in_bwd: bool) -> tuple[int, list[str]]:
-    """The largest micro batch that trains in a fresh process: double from ``start``, then bisect."""
-    tried: list[str] = []
-    lo, hi = 0, None
-    size = start
-    while hi is None:
-        ok = trains(limit_kib, work, assets, size, launcher, in_bwd)
-        tried.append(f"{size}{'' if ok else 'x'}")
-        if ok:
-            lo, size = size, size * 2
-        else:
-            hi = size
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        ok = trains(limit_kib, work, assets, mid, launcher, in_bwd)
-        tried.append(f"{mid}{'' if ok else 'x'}")
-        lo, hi = (mid, hi) if ok else (lo, mid)
-    return lo, tried
+def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, args: argparse.Namespace,
+                          launcher: str) -> tuple[int, list[str]]:
+    """The largest micro batch that trains in a fresh process: double from ``--start``, then bisect."""
+    found, _, tried = largest_fit(lambda size: trains(limit_kib, work, assets, size, launcher, args.optimizer_in_bwd),
+                                  args.start, args.fresh_trials)
+    return found, tried
 
 
 def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float],
@@ -137,6 +117,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the fresh processes whose maximum is searched: python, tune or both (default both)")
     parser.add_argument("--optimizer-in-bwd", action="store_true",
                         help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
+    parser.add_argument("--fresh-trials", type=int, default=None,
+                        help="at most this many fresh processes per search (a lower bound then; default: no limit)")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--publish", action="store_true",
                         help="write the table into docs/benchmarks.md (one table per --tolerance)")
@@ -158,8 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         assets = tiny_assets(None, work)
         runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd)
                 for i in range(args.repeats)]
-        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args.start, launcher, args.optimizer_in_bwd)
-                  for launcher in launchers}
+        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args, launcher) for launcher in launchers}
 
     def percent(found: Optional[int], launcher: str) -> Optional[float]:
         maximum = maxima[launcher][0] if launcher in maxima else None

@@ -1,15 +1,9 @@
 #!/usr/bin/env python
 """What OOM recovery's look at the optimizer's step counters costs before each optimizer step.
 
-    python benchmarks/step_counters.py [--tensors 22,300] [--repeats 5] [--number 200]
-
-Before each optimizer step the trainer takes the optimizer's per-parameter step counters
-(``faults.guard.optimizer_step_counts``), so that after an out-of-memory error it can tell whether the failed
-step changed anything. This times that call on an AdamW that has stepped once, at each count of parameter
-tensors (22: the tiny Llama; about 300: an 8B Llama), beside what the call did before it took versions (read
-each counter on the host by value, copy the ones on a device into one tensor) and beside reading each value
-alone (``float(step)``). Best of ``--repeats`` timings of ``--number`` calls each, in microseconds per call, all
-in this one process.
+``faults.guard.optimizer_step_counts`` on an AdamW that has stepped once, at each count of parameter tensors (22:
+the tiny Llama; about 300: an 8B Llama), beside reading each counter by value as before and ``float(step)``
+alone; best of ``--repeats`` timings of ``--number`` calls, microseconds per call.
 """
 
 from __future__ import annotations

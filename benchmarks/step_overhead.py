@@ -1,15 +1,9 @@
 #!/usr/bin/env python
 """What the fault handling costs when nothing goes wrong: steps per second and collectives per step.
 
-    python benchmarks/step_overhead.py [--nproc 2] [--steps 60] [--warmup 6] [--repeats 5] [--batch-size 8]
-                                       [--settings none,stop,oom,default,always] [--publish]
-
-``tiny_full`` at a fixed micro batch under ``torchrun --nproc_per_node N`` (FSDP on CPU with gloo), the settings
-of :data:`SETTINGS` alternating, ``--repeats`` times each: ``none`` (neither OOM recovery nor stop signals),
-``stop``, ``oom`` (outside its guard windows), ``default`` (both) and ``always`` (every step inside a guard
-window). Rank 0 stamps each metric line (``common.step_stamps``) and counts the ``torch.distributed``
-collectives and the time inside the stop agreement (``Preemption.begin_step``, ``end_step``) between them. The
-page: docs/benchmarks.md.
+``tiny_full`` at a fixed micro batch under ``torchrun`` (FSDP on CPU with gloo), the :data:`SETTINGS` alternating.
+Rank 0 stamps each metric line and counts the ``torch.distributed`` collectives and the time inside the stop
+agreement (``Preemption.begin_step``, ``end_step``) between them. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -29,6 +23,7 @@ from common import run_checked, step_stamps, tiny_assets
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
+NPROC, BATCH = 2, 8  # ranks, micro batch per rank
 
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
@@ -96,13 +91,13 @@ def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[f
     """Steps per second, the median collectives per timed step, and the share of the timed steps' time
     spent in the ranks' stop agreement (rank 0's ``Preemption.begin_step`` and ``end_step``) of one run."""
     stamps = work / f"{tag}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.nproc}",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            str(HERE), "--child", str(stamps), "adaptive_full_finetune", "--config", "tiny_full",
            f"assets_dir={args.assets}", f"output_dir={work / tag}", "use_maximum_batch_size=False",
-           "batch_increase_function=null", f"batch_size={args.batch_size}", "gradient_accumulation_steps=1",
+           "batch_increase_function=null", f"batch_size={BATCH}", "gradient_accumulation_steps=1",
            "epochs=1", f"max_steps_per_epoch={args.warmup + args.steps}", "dataset.split=train",
            "log_every_n_steps=1", *SETTINGS[setting]]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     run_checked(cmd, tag, env=env, cwd=work, timeout=1800)
     record = json.loads(stamps.read_text())
     times, counts = record["stamps"], record["collectives"]
@@ -116,13 +111,9 @@ def main() -> None:
         child(sys.argv[2], sys.argv[3], sys.argv[4:])
         return
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--nproc", type=int, default=2)
     p.add_argument("--steps", type=int, default=60)
     p.add_argument("--warmup", type=int, default=6, help="untimed steps first (more than guard_steps, 4)")
     p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--batch-size", type=int, default=8, help="micro batch per rank")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated of {', '.join(SETTINGS)}")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
@@ -135,7 +126,7 @@ def main() -> None:
     stop_share: dict[str, list[float]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        args.assets = tiny_assets(args.assets, work)
+        args.assets = tiny_assets(None, work)
         for repeat in range(args.repeats):
             for setting in chosen:
                 speed, count, share = run(args, work, f"{setting}-{repeat}", setting)
@@ -145,7 +136,7 @@ def main() -> None:
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
                       f"{share:.4%} of the time in the stop agreement", flush=True)
     off = statistics.median(speeds["none"])
-    lines = [f"{args.nproc} ranks, micro batch {args.batch_size}, {args.steps} timed steps after {args.warmup}, "
+    lines = [f"{NPROC} ranks, micro batch {BATCH}, {args.steps} timed steps after {args.warmup}, "
              f"median of {args.repeats} alternating repeats:", "",
              "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",
              "|---|---|---|---|---|---|"]

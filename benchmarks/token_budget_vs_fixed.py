@@ -1,14 +1,9 @@
 #!/usr/bin/env python
-"""Token-budget batching against fixed-size batches: padding waste and real tokens per second.
+"""Token-budget batching against fixed-size batches: padding waste and real tokens per second (docs/benchmarks.md).
 
-    python benchmarks/token_budget_vs_fixed.py [--samples 600] [--repeats 3] [--budget 512MiB] [--publish]
-
-The tiny model on the first ``--samples`` of the tiny data (long-tailed lengths), one profile under
-``--budget`` giving micro batch ``m`` at the longest length: fixed micro batches of ``m`` samples, shuffled,
-against ``max_tokens=auto`` with ``picking_order=seqlen``. Padding waste comes from the two samplers over the
-real lengths; real tokens per second from each run's training loop (a fresh child each, alternating,
-``--repeats`` each, the median reported). Bar: waste at most a third of fixed batching's, and more real
-tokens/s. The page: docs/benchmarks.md.
+One profile under the same memory budget gives micro batch ``m`` at the longest length: fixed micro batches of ``m``
+samples, shuffled, against ``max_tokens=auto`` with ``picking_order=seqlen``. Waste from the two samplers over the
+real lengths; tokens/s from each run's training loop (fresh children, alternating, the median reported).
 """
 
 from __future__ import annotations
@@ -25,10 +20,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import run_checked, tiny_assets
+from common import padding, run_checked, tiny_assets
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
+BUDGET = "512MiB"  # adaptive_batching.memory_budget of both
 
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
@@ -58,7 +54,7 @@ def child(result_path: str, module: str, argv: list[str]) -> None:
 def common(args: argparse.Namespace, work: Path) -> list[str]:
     return [f"assets_dir={args.assets}", f"dataset.split=train[:{args.samples}]", "epochs=1",
             "max_steps_per_epoch=null", "batch_increase_function=null", "use_maximum_batch_size=True",
-            f"adaptive_batching.memory_budget={args.budget}", f"adaptive_batching.cache_dir={work / 'cache'}",
+            f"adaptive_batching.memory_budget={BUDGET}", f"adaptive_batching.cache_dir={work / 'cache'}",
             "seed=0", "lr_scheduler=null"]
 
 
@@ -74,27 +70,6 @@ def run(args: argparse.Namespace, work: Path, tag: str, mode: str) -> dict[str, 
     return {**json.loads(result.read_text()), "output": done.stdout + done.stderr}
 
 
-def padding(args: argparse.Namespace, work: Path, micro_batch: int, budget: int) -> dict[str, Any]:
-    """Both modes' epoch micro batches over the real lengths, as the runs cut them."""
-    from torchtune import config
-
-    from adaptive_batching.batching.data import build_dataset
-    from adaptive_batching.batching.sampler import StepBatchSampler
-    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
-    from adaptive_batching.config.loading import load_config
-
-    cfg = load_config("tiny_full", common(args, work))
-    dataset, _ = build_dataset(cfg.dataset, config.instantiate(cfg.tokenizer))
-    lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
-    fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,
-                                  shuffle=True, seed=0))
-    token = list(TokenBudgetBatchSampler(lengths, max_tokens=budget, picking_order="seqlen", min_batch_size=None,
-                                         max_batch_size=None, accumulation=1, rank=0, world_size=1, shuffle=True,
-                                         seed=0))
-    return {"fixed": padding_waste(lengths, fixed), "token budget": padding_waste(lengths, token),
-            "real_tokens": sum(lengths), "micro_batches": {"fixed": len(fixed), "token budget": len(token)}}
-
-
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--child":
         child(sys.argv[2], sys.argv[3], sys.argv[4:])
@@ -102,14 +77,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=600)
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--budget", default="512MiB", help="adaptive_batching.memory_budget for both")
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--assets", type=Path, default=None, help="tiny assets (written to a temporary folder if absent)")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        args.assets = tiny_assets(args.assets, work)
+        args.assets = tiny_assets(None, work)
         seconds: dict[str, list[float]] = {mode: [] for mode in MODES}
         outputs: dict[str, str] = {}
         for repeat in range(args.repeats):
@@ -120,15 +93,16 @@ def main() -> None:
                 print(f"repeat {repeat + 1}: {mode}: {timing['steps']} steps in {timing['seconds']:.1f} s", flush=True)
         micro = int(re.search(r"chosen micro batch (\d+);", outputs["fixed"]).group(1))
         budget = int(re.search(r"Token budget: (\d+) padded tokens", outputs["token budget"]).group(1))
-        waste = padding(args, work, micro, budget)
+        waste = padding("tiny_full", common(args, work), micro, budget)
     real = waste["real_tokens"]
-    lines = [f"{args.samples} samples, {real:,} real tokens, memory budget {args.budget} for both, {args.threads} "
+    lines = [f"{args.samples} samples, {real:,} real tokens, memory budget {BUDGET} for both, {args.threads} "
              f"thread(s), one epoch each, median of {args.repeats} alternating runs:", "",
              "| mode | micro batches | padding waste | real tokens/s |", "| --- | --- | --- | --- |"]
     for mode, detail in (("fixed", f"{micro} samples"), ("token budget", f"{budget:,} padded tokens")):
         speed = real / statistics.median(seconds[mode])
-        lines.append(f"| {mode}, {detail} | {waste['micro_batches'][mode]} | {100 * waste[mode]:.1f}% | {speed:,.0f} |")
-    ratio_waste = waste["token budget"] / waste["fixed"]
+        lines.append(f"| {mode}, {detail} | {waste[mode]['micro_batches']} | {100 * waste[mode]['waste']:.1f}% "
+                     f"| {speed:,.0f} |")
+    ratio_waste = waste["token budget"]["waste"] / waste["fixed"]["waste"]
     ratio_speed = statistics.median(seconds["fixed"]) / statistics.median(seconds["token budget"])
     verdict = "PASS" if ratio_waste <= 1 / 3 and ratio_speed > 1 else "FAIL"
     lines += ["", f"The token budget wastes {ratio_waste:.3f} times the padding of fixed batches (bar <= 0.333) and "

@@ -1,11 +1,8 @@
 #!/usr/bin/env python
 """The README's two commands, each from a fresh clone of this repository's last commit, install included.
 
-    python benchmarks/two_commands.py [--test-runs 1] [--skip-demo] [--publish]
-
-``make demo`` and ``CI=true bash .ci/run`` (CI's command: ``make test``) run in their own fresh ``git clone``
-of ``HEAD`` (uncommitted changes are not in it), one after the other, nothing else running. The table gives
-each one's wall time, what the demo did (from its log) and how many tests passed.
+``make demo`` and ``CI=true bash .ci/run`` (``make test``), each in its own ``git clone`` of ``HEAD``, one after the
+other: wall time, what the demo did (from its log) and how many tests passed.
 """
 
 from __future__ import annotations
