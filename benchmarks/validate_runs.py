@@ -98,7 +98,7 @@ def run_in_child(spec: dict[str, Any]) -> int:
             memory.pin_cpu_allocator()
         if spec.get("cap_bytes"):
             _cap_cuda_memory(int(spec["cap_bytes"]))
-        if spec["kind"] == "function":  # a helper of validate_data.py, away from the parent's memory
+        if spec["kind"] == "function":  # a helper below, away from the parent's memory
             record["value"] = HELPERS[spec["function"]](*spec.get("args", []))
             code = 0
         else:
