@@ -223,6 +223,16 @@ def test_the_stock_8b_paged_8bit_config_is_estimated(monkeypatch: pytest.MonkeyP
     assert estimate.paged_state_bytes == pytest.approx(2 * parameters, rel=0.01)
     assert estimate.model_state_bytes == pytest.approx(4 * parameters, rel=0.01)  # bf16 weights + state
     assert estimate.max_micro_batch >= 1 and estimate.max_micro_batch_paged_out >= estimate.max_micro_batch
+    assert not estimate.paged_state_evicted and "counted as device memory" in estimate.describe()
+    # The single 24 GiB card torchtune writes it for: the state does not fit beside one sample, so the answer is
+    # what the GPU does, the driver evicting the paged state to host memory, and it says so.
+    card = predict(trace, device_memory_bytes=24 * 2**30, verify=False)
+    room = card.budget_bytes - (card.model_state_bytes - card.paged_state_bytes)
+    assert card.paged_state_evicted and card.max_micro_batch == card.max_micro_batch_paged_out >= 1
+    assert card.model_state_bytes > card.budget_bytes and room >= card.bytes_per_sample
+    assert card.describe().startswith(f"predicted largest micro batch: {card.max_micro_batch} (2048-token samples, "
+                                      "1 rank(s), the paged optimizer state evicted)")
+    assert "the driver evicts its pages to host memory" in card.describe()
 
 
 @pytest.mark.parametrize("component, fragment", [

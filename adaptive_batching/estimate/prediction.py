@@ -51,7 +51,9 @@ class Estimate:
     per sample); the device figures are what stays on the device. ``paged_state_bytes``: a rank's optimizer
     state in CUDA unified memory (paged bitsandbytes optimizers), counted in the device figures; the driver
     moves it to host memory when the GPU runs short (and torch's allocator statistics never count it), so
-    ``max_micro_batch_paged_out`` is the answer with all of it off the device.
+    ``max_micro_batch_paged_out`` is the answer with all of it off the device. ``paged_state_evicted``: the device
+    cannot hold that state beside one sample, so ``max_micro_batch`` is what the hardware does, the driver
+    evicting the state's pages to host memory (the paged-out answer).
     """
 
     max_micro_batch: int
@@ -77,6 +79,7 @@ class Estimate:
     host_bytes_per_sample: float = 0.0
     paged_state_bytes: int = 0
     max_micro_batch_paged_out: Optional[int] = None
+    paged_state_evicted: bool = False
     compile: bool = False
 
     def to_dict(self) -> dict[str, Any]:
@@ -97,7 +100,12 @@ class Estimate:
         if self.optimizer_in_bwd:
             savers.append("optimizer_in_bwd: each parameter's optimizer steps in its gradient hook, which frees the "
                           "gradient; no full set of gradients, no optimizer step after the backward")
-        if self.paged_state_bytes:
+        if self.paged_state_evicted:
+            savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
+                          f"in CUDA unified memory, more than the device holds beside one sample: the driver evicts "
+                          f"its pages to host memory (each optimizer step pages them back, slower); micro batch "
+                          f"{self.max_micro_batch} is with it evicted, 0 with it all on the device")
+        elif self.paged_state_bytes:
             savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
                           f"in CUDA unified memory, counted as device memory (it stays on the GPU unless evicted); "
                           f"with all of it evicted to host memory: micro batch {self.max_micro_batch_paged_out}")
@@ -113,7 +121,7 @@ class Estimate:
                           f"sample); device figures are what stays on the GPU")
         return "\n".join([(
             f"predicted largest micro batch: {self.max_micro_batch} ({self.seq_len}-token samples, "
-            f"{self.world_size} rank(s))\n"
+            f"{self.world_size} rank(s){', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
             f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
             f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
             f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
@@ -239,7 +247,10 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
 
     fit_batch, largest, steps = search(budget)
     paged = 0 if offload else trace.paged_bytes // world_size
-    evicted = search(budget + paged)[1] if paged else None  # the paged state off the device: as if more room
+    evicted = search(budget + paged) if paged else None  # the paged state off the device: as if more room
+    paged_out = largest == 0 and evicted is not None and evicted[1] >= 1  # the driver evicts it, as the GPU would
+    if paged_out:
+        fit_batch, largest, steps = evicted
     host_at = _host_line(trace.host_bytes)
     return Estimate(
         max_micro_batch=largest,
@@ -264,7 +275,8 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         host_bytes=round(host_at(largest)),
         host_bytes_per_sample=host_at(1) - host_at(0),
         paged_state_bytes=paged,
-        max_micro_batch_paged_out=evicted,
+        max_micro_batch_paged_out=evicted[1] if evicted else None,
+        paged_state_evicted=paged_out,
         compile=trace.savers.compile,
     )
 
