@@ -82,6 +82,7 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
                      if e.max_micro_batch_paged_out is not None}
         if paged_out:
             row["micro_batch_paged_out"] = paged_out
+            row["paged_state_evicted"] = sorted(key for key, e in estimates.items() if e.paged_state_evicted)
         if trace.savers.activation_offloading:
             row["host_gib_per_sample"] = round(estimates["24GiB/1"].host_bytes_per_sample / GIB, 3)
         row["seconds"] = round(time.perf_counter() - start, 1)
@@ -131,9 +132,12 @@ def saver_cell(r: dict[str, Any]) -> str:
 
 
 def cell(r: dict[str, Any], key: str) -> str:
-    """The micro batch, and where paged optimizer state changes it, the answer with that state evicted (``3 / 5``)."""
+    """The micro batch; where paged optimizer state changes it, also the answer with that state evicted (``3 / 5``),
+    and where the device cannot hold that state beside one sample, the evicted answer alone (``2 paged``)."""
     mb = r["micro_batch"][key]
     out = r.get("micro_batch_paged_out", {}).get(key)
+    if key in r.get("paged_state_evicted", ()):
+        return f"{mb} paged"
     return f"{mb}" if out is None or out == mb else f"{mb} / {out}"
 
 
@@ -159,7 +163,8 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         "  (8-bit: two `uint8` moments and a `float32` absmax per 256 values; 32-bit below 4096 values) by a",
         "  stand-in; bitsandbytes is not imported, so the figures are the same with and without it. Paged state",
         "  lives in CUDA unified memory: it is counted as device memory (it stays on the GPU unless the driver",
-        "  evicts it). Where that changes the answer, the cell shows both: `counted / evicted to host`.",
+        "  evicts it). Where that changes the answer, the cell shows both: `counted / evicted to host`; where the",
+        "  device cannot hold it beside one sample, the answer is what the GPU does, the driver evicting it: `2 paged`.",
         "- activation checkpointing: each decoder layer recomputed in the backward.",
         "- activation offloading: torchtune's `OffloadActivations` replayed: the saved tensors go to host memory",
         "  (the column gives how much a sample takes there), the output projection's stay; the forward stash is",
