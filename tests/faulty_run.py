@@ -64,7 +64,7 @@ def main() -> None:
     kill_after = fault.get("kill_after")
     optimizer_failures = [int(fault.get("times", 1))]
 
-    import adaptive_batching.training.stepping as stepping
+    import adaptive_batching.training.objectives as objectives
     from adaptive_batching.training.trainer import Trainer
 
     rank = int(os.environ.get("RANK", 0))
@@ -82,7 +82,7 @@ def main() -> None:
     def oom(where: str) -> torch.OutOfMemoryError:
         return torch.OutOfMemoryError(f"injected: {where} out of memory (rank {rank})")
 
-    original_loss = stepping.summed_token_loss
+    original_loss = objectives.summed_token_loss
 
     def summed_token_loss(model, loss_fn, batch, *rest):  # type: ignore[no-untyped-def]
         self = state["trainer"]()  # a weak reference: the harness must not keep the run (and its process group) alive
@@ -96,7 +96,7 @@ def main() -> None:
             loss.register_hook(fail)
         return loss, tokens
 
-    stepping.summed_token_loss = summed_token_loss
+    objectives.summed_token_loss = summed_token_loss
 
     original_setup = Trainer.setup
 

@@ -15,6 +15,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Optional, Sequence
 
+from adaptive_batching.core.objective import sample_length
 from adaptive_batching.runtime.files import fingerprint, read_json_cache, write_atomically
 
 log = logging.getLogger(__name__)
@@ -65,7 +66,7 @@ def _save(path: Path, key: str, lengths: list[int]) -> None:
 
 
 def sequence_lengths(dataset: Any, *, cache_dir: Optional[Path], key_parts: Mapping[str, Any]) -> list[int]:
-    """``len(dataset[i]["tokens"])`` for every sample, from the cache under ``cache_dir`` when it has them.
+    """The padded length of every sample (``len(dataset[i]["tokens"])``, a pair's longer sequence), from the cache under ``cache_dir`` when it has them.
 
     The key is ``fingerprint`` of ``key_parts`` (the caller's dataset config, tokenizer config and
     data files digest) and the dataset size. ``cache_dir=None``: computed every time, nothing stored.
@@ -78,7 +79,7 @@ def sequence_lengths(dataset: Any, *, cache_dir: Optional[Path], key_parts: Mapp
         if cached is not None:
             return cached
     start = time.perf_counter()
-    lengths = [len(dataset[i]["tokens"]) for i in range(size)]
+    lengths = [sample_length(dataset[i]) for i in range(size)]
     log.info("measured the token count of %d samples in %.1f s", size, time.perf_counter() - start)
     if path is not None:
         try:

@@ -13,9 +13,10 @@ from torch import nn
 from torchtune import config
 from torchtune.modules import common_utils
 
-from adaptive_batching.batching.data import DEFAULT_COLLATE, build_collate, build_dataset
+from adaptive_batching.batching.data import DEFAULT_COLLATE, build_dataset
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training import compiling
 from adaptive_batching.training.model import ModelOptions, build_model
@@ -46,10 +47,12 @@ def build_data(cfg: DictConfig) -> Data:
     return Data(tokenizer, dataset, packed)
 
 
-def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[str, Any], data: Data, *,
-                     device: torch.device, dtype: torch.dtype, parallel: ParallelInfo, is_rank_zero: bool) -> Components:
+def build_components(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObjective, checkpoint: dict[str, Any],
+                     data: Data, *, device: torch.device, dtype: torch.dtype, parallel: ParallelInfo,
+                     is_rank_zero: bool) -> Components:
     """The model (sharded over ``parallel``, weights from ``checkpoint``), the optimizer over the trainable
-    parameters (one per parameter, stepped in the backward, with ``optimizer_in_bwd``), the loss (compiled with ``compile``) and the collate of ``data``."""
+    parameters (one per parameter, stepped in the backward, with ``optimizer_in_bwd``), the loss (compiled with
+    ``compile``) and the collate of ``data`` as ``objective`` collates it."""
     common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)  # as torchtune's LoRA recipe sets it (QLoRA saves)
     with building("model"):
         model = build_model(
@@ -71,6 +74,5 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, checkpoint: dict[s
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
     with building("collate_fn"):
-        collate = build_collate(cfg.get("collate_fn", DEFAULT_COLLATE), data.packed, data.tokenizer.pad_id,
-                                loss_fn.ignore_index)
+        collate = objective.collate(cfg.get("collate_fn", DEFAULT_COLLATE), data.packed, data.tokenizer.pad_id, loss_fn)
     return Components(model, optimizer, loss_fn, collate)

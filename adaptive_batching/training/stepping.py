@@ -17,9 +17,8 @@ import torch
 from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
-from adaptive_batching.batching.data import worst_case_batch
 from adaptive_batching.core import logs
-from adaptive_batching.core.loss import summed_token_loss
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults.guard import OK, StepGuard, optimizer_step_counts
@@ -27,6 +26,7 @@ from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
+from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 
@@ -44,6 +44,7 @@ class StepStats:
     grad_norm: Optional[float] = None
     samples: int = 0
     noise_scale: Optional[float] = None  # the smoothed gradient noise scale after this step, in samples
+    padded_tokens: int = 0  # token positions the step's forwards ran on, padding included (this rank)
 
 
 def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,
@@ -72,7 +73,8 @@ def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, 
 
 @dataclass
 class StepRunner:
-    """Runs optimizer steps on ``model``; ``where`` names the next optimizer step and the last save for messages."""
+    """Runs optimizer steps on ``model``, each micro batch's forward and loss from ``objective``; ``where`` names
+    the next optimizer step and the last save for messages."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -85,6 +87,7 @@ class StepRunner:
     where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
+    objective: TrainingObjective = field(default_factory=SupervisedFinetune)  # a micro batch's forward and loss
     gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
     last_loss: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
@@ -105,6 +108,7 @@ class StepRunner:
         # The first micro batch's gradient against the whole step's (see noise_scale.py): needs >= 2.
         first: list[torch.Tensor] = []
         samples = [float(len(b["tokens"])) for b in micro_batches]
+        padded = sum(b["tokens"].numel() for b in micro_batches)
 
         def forward_backward() -> None:
             for index, batch in enumerate(micro_batches):
@@ -137,7 +141,8 @@ class StepRunner:
             self._update_noise(noise[0])
         n_tokens = int(tokens.item())
         return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=_host_norm(norm), noise_scale=self.noise.value)
+                         seconds=time.perf_counter() - start, grad_norm=_host_norm(norm), noise_scale=self.noise.value,
+                         padded_tokens=padded)
 
     def _noise_sample(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> torch.Tensor:
         """One step's measurement for the noise scale, summed over ranks in one all-reduce and left on the device:
@@ -175,8 +180,8 @@ class StepRunner:
                     if param.requires_grad:
                         param.grad = torch.zeros_like(param)
             with memory.PeakMeter(self.device, *meters) as forward_backward:
-                batch = worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size,
-                                         packed=packed)
+                batch = self.objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len,
+                                                        vocab_size=vocab_size, packed=packed)
                 _, tokens = self.forward_backward(batch)
                 del batch
             with memory.PeakMeter(self.device, *meters) as optimizer_step:
@@ -209,7 +214,7 @@ class StepRunner:
         kernel between steps. Freed at once, they cost ours about 40% more page faults per step than stock's on CPU,
         and 1-3% of its speed (docs/benchmarks.md)."""
         utils.batch_to_device(batch, self.device)
-        loss, tokens = summed_token_loss(self.model, self.loss_fn, batch, self.activations)
+        loss, tokens = self.objective.micro_loss(self.model, self.loss_fn, batch, self.activations)
         self.gradients.backward(loss, tokens)
         self.last_loss = loss
         return loss.detach(), tokens

@@ -2,7 +2,8 @@
 
 The trainer composes objects that own their state: the feed (what each step trains on), the batch plan,
 growth, the OOM response, the step runner and the checkpoints. What differs between full and LoRA
-fine-tuning is a :class:`~adaptive_batching.training.model.FinetuneMethod` given by the recipe.
+fine-tuning is a :class:`~adaptive_batching.core.method.FinetuneMethod` given by the recipe; what differs between
+objectives (fine-tuning, DPO) a :class:`~adaptive_batching.core.objective.TrainingObjective`.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from adaptive_batching.config.loading import given_argv
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import StepNotRetried, UnguardedOutOfMemory
@@ -40,6 +42,7 @@ from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.training.components import build_components, build_data
 from adaptive_batching.training.feed import Feed
+from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.oom_response import OomResponse
 from adaptive_batching.training.optimizers import offloading
 from adaptive_batching.training.state import STATE_VERSION, Checkpoints, PendingState, Progress, check_resumable_on
@@ -48,8 +51,10 @@ from adaptive_batching.training.stepping import StepRunner, StepStats, step_metr
 class Trainer:
     """Fine-tunes a torchtune model; one instance per run."""
 
-    def __init__(self, cfg: DictConfig, settings: AdaptiveSettings, method: FinetuneMethod) -> None:
+    def __init__(self, cfg: DictConfig, settings: AdaptiveSettings, method: FinetuneMethod,
+                 objective: Optional[TrainingObjective] = None) -> None:
         self.cfg, self.settings, self.method = cfg, settings, method
+        self.objective = objective or SupervisedFinetune()
         if cfg.get("device", "cpu") == "cpu" and settings.needs_profile:
             # Before any rank joins the process group: a restart replaces this process.
             memory.restart_with_glibc_pinned(given_argv())
@@ -107,8 +112,8 @@ class Trainer:
             checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, self.resume, self.resume_job)
         if self.resume:
             check_resumable_on(checkpoint, self.parallel.world_size, elastic=self.settings.elastic is not None)
-        parts = build_components(cfg, self.method, checkpoint, data, device=self.device, dtype=self.dtype,
-                                 parallel=self.parallel, is_rank_zero=self.is_rank_zero)
+        parts = build_components(cfg, self.method, self.objective, checkpoint, data, device=self.device,
+                                 dtype=self.dtype, parallel=self.parallel, is_rank_zero=self.is_rank_zero)
         self.model, self.optimizer, self.loss_fn, self.collate = parts.model, parts.optimizer, parts.loss_fn, \
             parts.collate
         self.tokenizer, self.dataset, self.packed = data.tokenizer, data.dataset, data.packed
@@ -121,7 +126,8 @@ class Trainer:
                                 clip_grad_norm=cfg.get("clip_grad_norm", None),
                                 oom_recovery=self.settings.faults.oom_recovery,
                                 where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)),
-                                activations=offloading(self.model, cfg.get("enable_activation_offloading", None)))
+                                activations=offloading(self.model, cfg.get("enable_activation_offloading", None)),
+                                objective=self.objective)
         if self.resume:
             self.seed = self.checkpoints.restore(checkpoint, seed=self.seed, parts=self.parts(), model=self.model,
                                                  optimizer=self.optimizer, output_dir=self.output_dir)
@@ -299,7 +305,8 @@ class Trainer:
         metrics = step_metrics(stats, lr=training.get_lr(self.optimizer), accumulation=self.feed.batch.accumulation * self.feed.split,
                                ranks=self.parallel.world_size, device=self.device,
                                batching=self.feed.metrics(self.progress.epochs_run),
-                               peak_memory_stats=self.peak_memory_stats)
+                               peak_memory_stats=self.peak_memory_stats) \
+            | self.objective.step_metrics(stats.seconds, stats.padded_tokens)
         self.metric_logger.log_dict(metrics, step=self.progress.global_step)
 
     # ------------------------------------------------------------------ checkpoints

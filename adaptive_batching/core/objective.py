@@ -1,0 +1,48 @@
+"""The training objective's protocol: what differs between supervised fine-tuning and preference tuning (DPO).
+
+The trainer composes one objective (see ``training.objectives``) as it composes a
+:class:`~adaptive_batching.core.method.FinetuneMethod`: the objective says how samples are collated, what one
+micro batch's forward and loss are, how a sample's padded length is measured and what a step logs besides its loss.
+Everything about the batch (its size, growth, the OOM response, checkpoints) is shared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, ContextManager, Mapping, Protocol
+
+import torch
+from torch import nn
+
+PAIR_KEYS = ("chosen_input_ids", "rejected_input_ids")  # a preference sample's two token lists (torchtune's names)
+
+
+def sample_length(sample: Mapping[str, Any]) -> int:
+    """A sample's padded length: its tokens, or for a preference pair the longer of its two sequences (the
+    collate pads both to it)."""
+    if "tokens" in sample:
+        return len(sample["tokens"])
+    return max(len(sample[key]) for key in PAIR_KEYS)
+
+
+class TrainingObjective(Protocol):
+    """What one micro batch trains on and how its loss is made; everything else is the trainer's."""
+
+    name: str
+    sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
+
+    def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
+        """The collate of the data set's samples into a micro batch: a dict whose ``tokens`` has one row per
+        sample (``len(batch["tokens"])`` is the micro batch's samples) and which an empty list also gives."""
+
+    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
+                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward one micro batch; its loss summed over what counts (tokens, pairs) and how many counted.
+        The step divides the gradients by the count of all its micro batches and ranks."""
+
+    def worst_case_batch(self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
+                         packed: bool) -> dict[str, torch.Tensor]:
+        """``micro_batch`` samples of ``seq_len`` tokens each, collated as training collates them."""
+
+    def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
+        """What a logged step adds to (or changes in) the loss and the batch's metrics, from its last micro batch;
+        ``seconds`` and ``padded_tokens``: the step's time and the token positions its forwards ran on."""
