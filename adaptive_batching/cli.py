@@ -36,11 +36,12 @@ def _recipe_file(name: str) -> Path:
 
 
 def recipe_for(config: Path) -> str:
-    """The recipe that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one."""
+    """The recipe that runs a config (see :func:`~adaptive_batching.config.objectives.recipe_for_model`)."""
     from omegaconf import OmegaConf
 
-    component = str(OmegaConf.select(OmegaConf.load(config), "model._component_", default=""))
-    return "adaptive_lora_finetune" if "lora" in component else "adaptive_full_finetune"
+    from adaptive_batching.config.objectives import recipe_for_model
+
+    return recipe_for_model(OmegaConf.load(config))
 
 
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
@@ -65,7 +66,8 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
     paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
     print(describe(paths), end="")
     where = "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={paths.root}"
-    for recipe, config in (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora")):
+    for recipe, config in (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora"),
+                           ("adaptive_lora_dpo", "tiny_lora_dpo")):
         print(f"run: tune run {recipe} --config {config}{where}")
     return 0
 
@@ -108,10 +110,11 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.profiling.report import write_json
     from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
-    with Trainer(cfg, validate_config(cfg), method_for(cfg)) as trainer:
+    with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
         trainer.setup()
         result = trainer.profile()  # logs its table (rank 0)
         if trainer.is_rank_zero and args.json:
@@ -123,10 +126,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Set up, profile (or read the profile cache) and print the batch plan, without training a step."""
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
-    with Trainer(cfg, validate_config(cfg), method_for(cfg)) as trainer:
+    with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
         trainer.setup()
         trainer.profile()
         trainer.make_plan()
@@ -146,7 +150,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from adaptive_batching.batching import worst_case
     from adaptive_batching.config.inputs import worst_case_of
-    from adaptive_batching.config.objectives import check_objective
+    from adaptive_batching.config.objectives import check_objective, recipe_for_model
     from adaptive_batching.estimate.prediction import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.units import parse_bytes
@@ -158,7 +162,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
-    check_objective(cfg)  # a DPO, KD or QAT config: refused as the recipe refuses it, before any tracing
+    if recipe_for_model(cfg) == "adaptive_lora_dpo":
+        raise ConfigError(f"--config {args.config}: estimate does not model a DPO step yet (two sequences per pair "
+                          "and the reference's forward); `adaptive-batching profile` measures it")
+    check_objective(cfg)  # a KD or QAT config: refused as the recipe refuses it, before any tracing
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:

@@ -118,6 +118,7 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         paths.tokenizer_path,
         paths.special_tokens_path,
         paths.dataset_path,
+        paths.preference_path,
     ]
     for file in files:
         assert file.is_file() and file.stat().st_size > 0, file

@@ -115,12 +115,11 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: 
      "knowledge_distillation_single_device or knowledge_distillation_distributed"),
     ("loss._component_=torchtune.rlhf.loss.RSOLoss",
      "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
-     "and rejected answers, which adaptive_full_finetune does not do yet; use torchtune's lora_dpo_single_device, "
-     "lora_dpo_distributed or full_dpo_distributed"),
+     "and rejected answers, which adaptive_full_finetune does not do; use adaptive_lora_dpo"),
     ("dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
      "config key 'dataset._component_' = 'torchtune.datasets.hh_rlhf_helpful_dataset' asks for preference "
-     "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do yet; use "
-     "torchtune's lora_dpo_single_device, lora_dpo_distributed or full_dpo_distributed"),
+     "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do; use "
+     "adaptive_lora_dpo"),
     ("layer_dropout.prob=0.1",
      "config key 'layer_dropout' asks for early-exit training (layer dropout, an early-exit loss), which "
      "adaptive_full_finetune does not do yet; use torchtune's dev/early_exit_finetune_distributed"),

@@ -66,6 +66,7 @@ def test_paths_layout(assets: TinyAssetPaths) -> None:
     assert DEFAULT_TINY_DIR == "/tmp/adaptive-batching/tiny"
     assert sorted(_file_bytes(assets.root)) == [
         "data/alpaca_tiny.json",
+        "data/preference_tiny.json",
         "model/config.json",
         "model/model.safetensors",
         "tokenizer/special_tokens.json",

@@ -31,7 +31,7 @@ from torchtune.models.llama3 import Llama3Tokenizer, llama3, llama3_tokenizer
 from torchtune.models.llama3._tokenizer import LLAMA3_SPECIAL_TOKENS
 from torchtune.modules import TransformerDecoder
 
-from adaptive_batching.assets.tiny_data import generate_dataset
+from adaptive_batching.assets.tiny_data import generate_dataset, generate_preferences
 from adaptive_batching.assets.tiny_tokenizer import (
     NUM_BYTE_TOKENS,
     NUM_MERGEABLE_RANKS,
@@ -90,6 +90,7 @@ class TinyAssetPaths:
         tokenizer_path: ``root/tokenizer/tokenizer.model`` (tiktoken BPE ranks file).
         special_tokens_path: ``root/tokenizer/special_tokens.json`` (HF ``added_tokens`` format).
         dataset_path: ``root/data/alpaca_tiny.json`` (alpaca-format JSON list).
+        preference_path: ``root/data/preference_tiny.json`` (chosen/rejected message lists, for DPO).
     """
 
     root: Path
@@ -97,6 +98,7 @@ class TinyAssetPaths:
     tokenizer_path: Path
     special_tokens_path: Path
     dataset_path: Path
+    preference_path: Path
 
     @classmethod
     def from_root(cls, root: str | Path) -> "TinyAssetPaths":
@@ -108,6 +110,7 @@ class TinyAssetPaths:
             tokenizer_path=root / "tokenizer" / "tokenizer.model",
             special_tokens_path=root / "tokenizer" / "special_tokens.json",
             dataset_path=root / "data" / "alpaca_tiny.json",
+            preference_path=root / "data" / "preference_tiny.json",
         )
 
 
@@ -187,7 +190,7 @@ def _json_bytes(obj: Any) -> bytes:
 def write_tiny_assets(
     output_dir: str | Path = DEFAULT_TINY_DIR, seed: int = 0, num_samples: int = 3000
 ) -> TinyAssetPaths:
-    """Write the tiny model, tokenizer and dataset under ``output_dir`` and return their paths.
+    """Write the tiny model, tokenizer, dataset and preference pairs under ``output_dir`` and return their paths.
 
     Deterministic in ``seed`` (byte-identical files), idempotent (rewrites overwrite),
     and every file is replaced atomically.
@@ -196,6 +199,7 @@ def write_tiny_assets(
 
     records = generate_dataset(seed=seed, num_samples=num_samples)
     write_atomically(paths.dataset_path, _json_bytes(records))
+    write_atomically(paths.preference_path, _json_bytes(generate_preferences(records, seed)))
 
     tokens = train_bpe(training_texts(records))
     write_atomically(paths.tokenizer_path, tiktoken_ranks_file(tokens))
@@ -234,6 +238,7 @@ def describe(paths: TinyAssetPaths) -> str:
         paths.tokenizer_path,
         paths.special_tokens_path,
         paths.dataset_path,
+        paths.preference_path,
     ]
     lengths = sorted(token_lengths(paths))
     max_seq_len = TINY_MODEL_ARGS["max_seq_len"]

@@ -7,7 +7,7 @@ import math
 import random
 import re
 
-__all__ = ["generate_dataset"]
+__all__ = ["generate_dataset", "generate_preferences"]
 
 _BODY_MEDIAN_WORDS = 20.0
 _BODY_SIGMA = 0.55
@@ -202,3 +202,23 @@ def generate_dataset(seed: int = 0, num_samples: int = 3000) -> list[dict[str, s
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
     rng = random.Random(seed)
     return [_sample(rng) for _ in range(num_samples)]
+
+
+def _prompt(record: dict[str, str]) -> str:
+    """The user's turn of an alpaca record: its instruction, then its input when it has one."""
+    return record["instruction"] + (f"\n\n{record['input']}" if record["input"] else "")
+
+
+def generate_preferences(records: list[dict[str, str]], seed: int = 0) -> list[dict[str, list[dict[str, str]]]]:
+    """Preference pairs in torchtune's ``preference_dataset`` JSON format (``chosen`` and ``rejected`` message
+    lists), one per record: the record's answer is chosen, a fresh answer of its own length is rejected. Both
+    answers' lengths have the long tail of :func:`generate_dataset`, so pairs of very different lengths occur.
+    Its own generator: the records and their files stay as they are."""
+    rng = random.Random(seed + 1_000_003)
+    pairs = []
+    for record in records:
+        prompt = {"role": "user", "content": _prompt(record)}
+        rejected = _text(rng, _output_words(rng), as_list=record["instruction"].startswith("List"))
+        pairs.append({"chosen": [prompt, {"role": "assistant", "content": record["output"]}],
+                      "rejected": [prompt, {"role": "assistant", "content": rejected}]})
+    return pairs

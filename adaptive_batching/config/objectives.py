@@ -49,6 +49,7 @@ OBJECTIVES: dict[str, Objective] = {
 OURS: dict[str, frozenset[str]] = {
     "adaptive_full_finetune": frozenset(),
     "adaptive_lora_finetune": frozenset(),
+    "adaptive_lora_dpo": frozenset({DPO}),
 }
 
 # Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
@@ -78,9 +79,13 @@ _NAMED = 3  # other keys a refusal names besides the first
 
 
 def recipe_for_model(cfg: DictConfig) -> str:
-    """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one."""
+    """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one,
+    ``adaptive_lora_dpo`` for a LoRA one that asks for DPO."""
     component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    return "adaptive_lora_finetune" if "lora" in component else "adaptive_full_finetune"
+    if "lora" not in component:
+        return "adaptive_full_finetune"
+    dpo = any(objective == DPO for _, objective, _ in training_asked(cfg))
+    return "adaptive_lora_dpo" if dpo else "adaptive_lora_finetune"
 
 
 def _torchtune_name(component: Any, names: dict[str, str]) -> Optional[str]:
@@ -155,3 +160,32 @@ def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
     if asked:
         objective = asked[0][1]
         raise ConfigError(refusal(recipe, [(key, shown) for key, o, shown in asked if o == objective], objective))
+
+
+_PAIR_LOSSES = ("DPOLoss", "RSOLoss")
+
+
+def check_lora_dpo(cfg: DictConfig) -> None:
+    """Refuse, in one line before any model loads, what ``adaptive_lora_dpo`` cannot train: a model without LoRA
+    adapters (the reference is the policy with its adapters off), a separate reference model, a loss that is not
+    a preference loss over log-probabilities, packed data (a pair's chosen and rejected answers are two sequences
+    padded to each other) and a token budget (it does not yet count a pair's two sequences)."""
+    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
+    if "lora" not in component:
+        raise ConfigError(f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
+                          "reference model is the policy with its adapters off, so it needs a LoRA model builder")
+    if _asks(OmegaConf.select(cfg, "ref_checkpointer", default=None)):  # refused, not read
+        raise ConfigError("config key 'ref_checkpointer' asks for a separate reference model (full DPO), which "
+                          "adaptive_lora_dpo does not do: its reference is the policy with its adapters off")
+    loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "")
+    if loss.rsplit(".", 1)[-1] not in _PAIR_LOSSES:
+        raise ConfigError(f"config key 'loss._component_' = {loss!r}: adaptive_lora_dpo trains with "
+                          "torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss")
+    dataset = plain(cfg.get("dataset", None))
+    for part in dataset if isinstance(dataset, list) else [dataset]:
+        if isinstance(part, dict) and part.get("packed", False):
+            raise ConfigError("config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen "
+                              "and rejected answers are two sequences padded to each other; set it to False")
+    if OmegaConf.select(cfg, "adaptive_batching.max_tokens", default=None) is not None:
+        raise ConfigError("config key 'adaptive_batching.max_tokens': a token budget does not yet count a "
+                          "preference pair's two sequences in adaptive_lora_dpo; set it to null")

@@ -8,12 +8,14 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 from torchtune import rlhf
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
+from adaptive_batching.config.objectives import check_lora_dpo, recipe_for_model
 from adaptive_batching.core.loss import summed_token_loss
 
 
@@ -120,3 +122,12 @@ class LoRADPO:
         return {"tokens_per_second_per_gpu": padded_tokens / seconds,
                 **{name: float(value) for name, value in self.last.items()}}
 
+
+
+def objective_for(cfg: DictConfig) -> Any:
+    """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe):
+    LoRA DPO for a LoRA config that asks for DPO (checked as its recipe checks it), else supervised fine-tuning."""
+    if recipe_for_model(cfg) != "adaptive_lora_dpo":
+        return SupervisedFinetune()
+    check_lora_dpo(cfg)
+    return LoRADPO()

@@ -1,0 +1,146 @@
+"""DPO of LoRA adapters (issue 37): the objective's collate and step, the recipe's config checks, the tiny
+preference data, and the same losses and rewards as torchtune's ``lora_dpo_single_device`` step for step."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+import torch
+from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
+from torchtune.models.llama3 import lora_llama3
+from torchtune.rlhf.loss import DPOLoss
+
+from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.objectives import check_lora_dpo, recipe_for_model
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.core.objective import sample_length
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.training.objectives import LoRADPO, PairCollate
+from recipe_runs import read_metrics, run_command
+
+HERE = Path(__file__).parent
+STOCK_DPO = ("llama2/7B_lora_dpo_single_device", "llama3_1/8B_lora_dpo_single_device")
+
+
+def _pair(chosen: list[int], rejected: list[int]) -> dict[str, list[int]]:
+    return {"chosen_input_ids": chosen, "chosen_labels": chosen, "rejected_input_ids": rejected,
+            "rejected_labels": rejected}
+
+
+def test_pair_collate_keeps_each_pair_in_a_row_and_gives_back_torchtunes_batch() -> None:
+    samples = [_pair([1, 2, 3], [4, 5]), _pair([6, 7], [8, 9, 10, 11])]
+    batch = PairCollate(pad_id=0)(samples)
+    tokens, labels = padded_collate_dpo(samples, padding_idx=0, ignore_idx=CROSS_ENTROPY_IGNORE_IDX)
+    assert batch["tokens"].shape == (2, 2, 4)  # pairs, chosen/rejected, the longest of the four
+    assert batch["tokens"][1].tolist() == [[6, 7, 0, 0], [8, 9, 10, 11]]
+    assert torch.equal(batch["tokens"].transpose(0, 1).reshape(4, 4), tokens)
+    assert torch.equal(batch["labels"].transpose(0, 1).reshape(4, 4), labels)
+    assert sample_length(samples[1]) == 4 and sample_length({"tokens": [1, 2]}) == 2
+    empty = PairCollate(pad_id=0)([])
+    assert empty["tokens"].shape == (1, 2, 1) and (empty["labels"] == CROSS_ENTROPY_IGNORE_IDX).all()
+
+
+def _tiny_lora() -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = lora_llama3(lora_attn_modules=["q_proj", "v_proj"], vocab_size=32, num_layers=1, num_heads=2,
+                        num_kv_heads=1, embed_dim=16, max_seq_len=16, intermediate_dim=32, lora_rank=2, lora_alpha=4)
+    for name, param in model.named_parameters():  # adapters away from zero: the policy differs from the reference
+        if "lora_b" in name:
+            torch.nn.init.normal_(param, std=0.5)
+    return model
+
+
+def test_the_dpo_step_sums_torchtunes_loss_over_pairs_and_an_empty_pair_counts_nothing() -> None:
+    model, loss_fn, objective = _tiny_lora(), DPOLoss(beta=0.1), LoRADPO()
+    collate = PairCollate(pad_id=0)
+    samples = [_pair([1, 2, 3, 4], [5, 6]), _pair([7, 8], [9, 10, 11])]
+    loss, pairs = objective.micro_loss(model, loss_fn, collate(samples), torch.enable_grad())
+    assert pairs == 2 and loss.requires_grad
+    chosen, rejected = objective.last["log_probs/chosen"], objective.last["log_probs/rejected"]
+    assert chosen.item() != 0 and objective.last["rewards/margins"].item() != 0  # adapters on vs off differ
+    from torchtune import rlhf
+    from torchtune.modules.peft import disable_adapter
+    tokens, labels = padded_collate_dpo(samples)
+    log_probs = rlhf.get_batch_log_probs(model(tokens), labels)
+    with torch.no_grad(), disable_adapter(model):
+        reference = rlhf.get_batch_log_probs(model(tokens), labels)
+    expected, _, _ = loss_fn(log_probs[:2], log_probs[2:], reference[:2], reference[2:])
+    assert torch.equal(loss.detach() / 2, expected.mean().detach())
+    empty_loss, empty_pairs = objective.micro_loss(model, loss_fn, collate([]), torch.enable_grad())
+    assert empty_pairs == 0 and empty_loss.item() == 0
+
+
+def test_the_dpo_worst_case_is_full_length_pairs_whose_every_label_counts() -> None:
+    objective = LoRADPO()
+    batch = objective.worst_case_batch(PairCollate(pad_id=0), micro_batch=3, seq_len=7, vocab_size=32, packed=False)
+    assert batch["tokens"].shape == (3, 2, 7) and (batch["labels"] != CROSS_ENTROPY_IGNORE_IDX).all()
+
+
+@pytest.mark.parametrize("name", STOCK_DPO)
+def test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo(name: str) -> None:
+    cfg = load_config(name, ["use_maximum_batch_size=True"])
+    assert recipe_for_model(cfg) == "adaptive_lora_dpo"
+    assert validate_config(cfg, "adaptive_lora_dpo").use_maximum_batch_size
+    check_lora_dpo(cfg)
+
+
+@pytest.mark.parametrize("override, message", [
+    ("dataset.packed=True", "config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen and "
+                            "rejected answers are two sequences padded to each other; set it to False"),
+    ("adaptive_batching.max_tokens=2048", "config key 'adaptive_batching.max_tokens': a token budget does not yet "
+                                          "count a preference pair's two sequences in adaptive_lora_dpo; set it to null"),
+    ("loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
+     "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_lora_dpo trains "
+     "with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss"),
+])
+def test_what_cannot_apply_to_dpo_is_refused_in_one_line(override: str, message: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        check_lora_dpo(load_config("tiny_lora_dpo", [override]))
+    assert str(error.value) == message
+
+
+def test_a_full_dpo_config_is_refused_by_adaptive_lora_dpo() -> None:
+    with pytest.raises(ConfigError, match="has no LoRA adapters; adaptive_lora_dpo's reference model is the policy"):
+        check_lora_dpo(load_config("llama3_1/8B_full_dpo"))
+
+
+def test_the_tiny_preference_pairs_have_a_long_tail_of_lengths(assets: Path) -> None:
+    pairs = json.loads((assets / "data" / "preference_tiny.json").read_text())
+    assert len(pairs) == len(json.loads((assets / "data" / "alpaca_tiny.json").read_text()))
+    words = sorted(max(len(p[side][1]["content"].split()) for side in ("chosen", "rejected")) for p in pairs)
+    assert all(p["chosen"][0] == p["rejected"][0] and p["chosen"][0]["role"] == "user" for p in pairs)
+    assert words[-1] > 8 * statistics.median(words)  # a few pairs far longer than the typical one
+
+
+STEPS = 4
+EXACT = ("loss", "lr", "rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/margins",
+         "log_probs/chosen", "log_probs/rejected", "logits/chosen", "logits/rejected")
+
+
+@pytest.fixture(scope="module")
+def dpo_runs(assets: Path, runs: Path) -> dict[str, list[dict[str, float]]]:
+    """torchtune's lora_dpo_single_device and ours on the tiny pairs, the same config and batch (4 pairs x 2
+    micro batches), through dpo_parity_run.py (the adapters' first values from one generator, every metric
+    logged in full)."""
+    metrics = {}
+    for recipe in ("lora_dpo_single_device", "adaptive_lora_dpo"):
+        out = runs / recipe
+        result = run_command("script", [
+            str(HERE / "dpo_parity_run.py"), recipe, "--config", str(HERE.parent / "configs" / "tiny_lora_dpo.yaml"),
+            f"assets_dir={assets}", f"output_dir={out}", "epochs=1", f"max_steps_per_epoch={STEPS}", "shuffle=False",
+            "lr_scheduler.num_warmup_steps=0", "metric_logger._component_=dpo_parity_run.ExactDiskLogger"], cwd=runs)
+        assert result.returncode == 0, result.stderr[-3000:]
+        metrics[recipe] = read_metrics(out / "logs")
+    return metrics
+
+
+@pytest.mark.e2e
+def test_adaptive_lora_dpo_logs_stocks_loss_and_rewards_bit_for_bit(dpo_runs: dict) -> None:
+    stock, ours = dpo_runs["lora_dpo_single_device"], dpo_runs["adaptive_lora_dpo"]
+    assert len(stock) == len(ours) == STEPS
+    assert ours[-1]["rewards/margins"] != 0 and ours[-1]["loss"] != ours[0]["loss"]  # the adapters trained
+    for step_stock, step_ours in zip(stock, ours):
+        assert {key: step_ours[key] for key in EXACT} == {key: step_stock[key] for key in EXACT}
