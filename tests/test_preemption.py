@@ -291,18 +291,27 @@ def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Cal
 
 @pytest.mark.e2e
 @pytest.mark.multiprocess
-def test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes(assets: Path,
-                                                                                   tmp_path: Path) -> None:
-    """The script as the docs show it, at 2 ranks on CPU with a stub scontrol: SIGUSR1 to the script (as SLURM's
-    --signal=B:USR1 sends it) after step 3, the save, the requeue; the requeued script resumes and finishes, and
-    every step is logged once."""
+def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run(
+        assets: Path, tmp_path: Path) -> None:
+    """The script as the docs show it, at 2 ranks on CPU with a stub scontrol; SIGUSR1 to the script as SLURM's
+    --signal=B:USR1 sends it (torchrun passes it to both ranks). First during the profile: the job stops with
+    nothing saved, status says stopped, the script requeues it. The requeued job starts over, and the signal comes
+    again after optimizer step 1: it saves, status says resumable, the script requeues it. The third run resumes
+    and finishes; every step is logged once."""
     out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
-    job = slurm_job(tmp_path, assets, {"signal": "SIGUSR1", "signal_at": 3, "to": "env:SCRIPT_PID", "rank": 0})
+    job = slurm_job(tmp_path, assets, {"signal": "SIGUSR1", "signal_in": "profile", "once": True, "signal_at": 1,
+                                       "to": "env:SCRIPT_PID", "rank": 0},
+                    "use_maximum_batch_size=True", "adaptive_batching.memory_budget=64MiB")
     first = job()
-    assert calls.read_text().split("\n")[0] == "requeue 42", first.stderr[-3000:]
-    assert "SIGUSR1 received by the end of optimizer step" in first.stderr
-    assert run_status(out).startswith("resumable")
-    second = job()  # resumes after step 3, so its fault (a signal after step 3) never fires
-    assert calls.read_text().strip().split("\n") == ["requeue 42"], second.stderr[-3000:]
-    assert unclean_exit(second) is None and run_status(out).startswith("finished")
-    assert logged_steps(out / "logs") == list(range(1, 21))  # 40 samples, 4 a step, 2 epochs
+    assert "stopped while profiling, before any step trained" in first.stderr, first.stderr[-3000:]
+    assert run_status(out).startswith("stopped: SIGUSR1 received") and calls.read_text() == "requeue 42\n"
+    second = job()
+    assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
+           "received" in second.stderr, second.stderr[-3000:]
+    assert "SIGUSR1 received by the end of optimizer step" in second.stderr
+    assert run_status(out).startswith("resumable") and calls.read_text() == "requeue 42\nrequeue 42\n"
+    third = job()  # resumes after the stop's step, so the signal after step 1 never fires again
+    assert unclean_exit(third) is None and run_status(out).startswith("finished"), third.stderr[-3000:]
+    assert calls.read_text() == "requeue 42\nrequeue 42\n"
+    (last,) = {int(step) for step in re.findall(r"finished at optimizer step (\d+)", third.stderr)}
+    assert last > 1 and logged_steps(out / "logs") == list(range(1, last + 1))

@@ -14,7 +14,7 @@ from typing import Callable
 import pytest
 from recipe_runs import check, run_command, unclean_exit
 from test_oom_recovery import COMMON, faulty_run, ok
-from test_preemption import logged_steps, slurm_job
+from test_preemption import logged_steps
 
 from adaptive_batching.faults import checkpoints
 from adaptive_batching.faults.checkpoints import STOPPED_FILE, mark_stopped, run_status
@@ -148,28 +148,8 @@ def test_resuming_a_run_stopped_while_profiling_starts_it_over_once(stopped: dic
     assert logged_steps(runs / "profile" / "logs") == [1, 2, 3]
 
 
-# ---------------------------------------------------------------- two ranks, the documented SLURM script
-
-
-@pytest.mark.e2e
-@pytest.mark.multiprocess
-def test_the_slurm_script_requeues_a_job_stopped_while_profiling_and_it_trains_every_step_once(
-        assets: Path, tmp_path: Path) -> None:
-    """SIGUSR1 to the script during the profile (torchrun passes it to both ranks): the job stops with nothing
-    saved, status says stopped, the script requeues it; the requeued job starts over and finishes."""
-    out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
-    job = slurm_job(tmp_path, assets, {"signal": "SIGUSR1", "signal_in": "profile", "to": "env:SCRIPT_PID",
-                                       "rank": 0, "once": True}, *PROFILED)
-    first = job()
-    assert "stopped while profiling, before any step trained" in first.stderr, first.stderr[-3000:]
-    assert run_status(out).startswith("stopped: SIGUSR1 received") and calls.read_text() == "requeue 42\n"
-    second = job()
-    assert unclean_exit(second) is None and run_status(out).startswith("finished"), second.stderr[-3000:]
-    assert calls.read_text() == "requeue 42\n"
-    assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
-           "received" in second.stderr
-    (last,) = {int(step) for step in re.findall(r"finished at optimizer step (\d+)", second.stderr)}
-    assert logged_steps(out / "logs") == list(range(1, last + 1))
+# ---------------------------------------------------------------- two ranks
+# The documented SLURM script with a stop while profiling: test_preemption.py's SLURM test.
 
 
 @pytest.mark.e2e
