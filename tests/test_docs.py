@@ -672,10 +672,10 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_validate_device.py::validation", GPUS + " (the validation script's LoRA phase, on CPU)"),
     # docs/preemption.md
     "SCRIPT #SBATCH --job-name=finetune --nodes=1 --gpus-per-node=8 --time=04:00:00": (
-        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes",
+        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run",
         "the page's script, with SLURM's requeue played by the test"),
     "adaptive-batching status /checkpoints/run": (
-        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_on_sigusr1_and_the_requeued_job_resumes",
+        "tests/test_preemption.py::test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run",
         "run by the script, on its output folder"),
     # docs/profiler.md
     "adaptive-batching estimate --config llama3_1/8B_qlora_single_device --device-memory 24GiB --seq-len 2048": (
