@@ -4,6 +4,7 @@ preference data, and the same losses and rewards as torchtune's ``lora_dpo_singl
 from __future__ import annotations
 
 import json
+import re
 import statistics
 from pathlib import Path
 
@@ -127,7 +128,7 @@ def dpo_runs(assets: Path, runs: Path) -> dict[str, list[dict[str, float]]]:
     logged in full)."""
     metrics = {}
     for recipe in ("lora_dpo_single_device", "adaptive_lora_dpo"):
-        out = runs / recipe
+        out = runs / f"parity_{recipe}"  # not the recipe's name: a folder in the cwd would shadow its module
         result = run_command("script", [
             str(HERE / "dpo_parity_run.py"), recipe, "--config", str(HERE.parent / "configs" / "tiny_lora_dpo.yaml"),
             f"assets_dir={assets}", f"output_dir={out}", "epochs=1", f"max_steps_per_epoch={STEPS}", "shuffle=False",
@@ -144,3 +145,54 @@ def test_adaptive_lora_dpo_logs_stocks_loss_and_rewards_bit_for_bit(dpo_runs: di
     assert ours[-1]["rewards/margins"] != 0 and ours[-1]["loss"] != ours[0]["loss"]  # the adapters trained
     for step_stock, step_ours in zip(stock, ours):
         assert {key: step_ours[key] for key in EXACT} == {key: step_stock[key] for key in EXACT}
+
+
+def test_the_worst_case_of_preference_data_is_its_longest_pair() -> None:
+    from adaptive_batching.batching.sequence_lengths import sequence_lengths
+
+    pairs = [_pair([1] * 5, [2] * 9), _pair([3] * 12, [4] * 2), _pair([5] * 3, [6] * 3)]
+    assert sequence_lengths(pairs, cache_dir=None, key_parts={}) == [9, 12, 3]
+
+
+def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_and_the_optimizer() -> None:
+    """Two forwards of 2 x micro batch full-length sequences: the policy's (adapters on, saving for the backward)
+    and the reference's (adapters off, no autograd); then the backward and the optimizer step move the adapters."""
+    from adaptive_batching.faults.guard import StepGuard
+    from adaptive_batching.runtime.distributed import ParallelInfo
+    from adaptive_batching.training.stepping import StepRunner
+    from torchtune.modules.peft import get_adapter_params, set_trainable_params
+
+    model, one_rank, cpu = _tiny_lora(), ParallelInfo(world_size=1, rank=0, local_rank=0), torch.device("cpu")
+    set_trainable_params(model, get_adapter_params(model))
+    adapters = {name: param.detach().clone() for name, param in get_adapter_params(model).items()}
+    forwards: list[tuple[tuple[int, ...], bool, bool]] = []
+    attention = model.layers[0].attn.q_proj
+    model.register_forward_pre_hook(lambda module, args: forwards.append(
+        (tuple(args[0].shape), attention.disabled, torch.is_grad_enabled())))
+    runner = StepRunner(model, torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1),
+                        DPOLoss(), StepGuard(one_rank, cpu), one_rank, cpu, clip_grad_norm=None, oom_recovery=True,
+                        where=lambda: (1, None, "."), objective=LoRADPO())
+    measured = runner.trial_step(3, seq_len=8, accumulation=1, collate=PairCollate(pad_id=0), vocab_size=32,
+                                 packed=False)
+    assert forwards == [((6, 8), False, True), ((6, 8), True, False)]
+    assert measured.forward_backward_peak > 0 and measured.activation_bytes > 0
+    moved = [name for name, param in get_adapter_params(model).items() if not torch.equal(param, adapters[name])]
+    assert any("lora_a" in name for name in moved) and any("lora_b" in name for name in moved)
+
+
+@pytest.mark.e2e
+def test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits(assets: Path, runs: Path) -> None:
+    """The profiler's trial steps are DPO steps on pairs as long as the data's longest (here cut at
+    tokenizer.max_seq_len); the run trains at the micro batch it chose (7 pairs in 128 MiB on CPU, when written)."""
+    from recipe_runs import tune_run
+
+    out = runs / "profiled"
+    result = tune_run("adaptive_lora_dpo", "tiny_lora_dpo", [
+        f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=True",
+        "adaptive_batching.memory_budget=128MiB", "epochs=1", "max_steps_per_epoch=1"], cwd=runs)
+    assert result.returncode == 0, result.stderr[-3000:]
+    chosen = re.search(r"largest micro batch that ran (\d+); chosen micro batch (\d+)", result.stderr)
+    assert chosen and 1 < int(chosen[2]) <= int(chosen[1]) < 32, result.stderr[-3000:]
+    assert "worst-case samples of 256 tokens" in result.stderr
+    step = read_metrics(out / "logs")[0]
+    assert step["micro_batch_size"] == int(chosen[2]) and "rewards/margins" in step
