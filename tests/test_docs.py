@@ -571,6 +571,13 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "save_every_n_steps=200": (
         "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
         GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)"),
+    # docs/dpo.md
+    "tune run adaptive_lora_dpo --config tiny_lora_dpo": (
+        "tests/test_dpo.py::test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits",
+        f"with {TINY}, one step, a 128 MiB budget"),
+    "tune run adaptive_lora_dpo --config llama3_1/8B_lora_dpo_single_device use_maximum_batch_size=True": (
+        "tests/test_dpo.py::test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo",
+        "validated by name, with the override; the 8B weights are not on the test machine"),
     "tune run adaptive_lora_finetune --config tiny_lora": (
         "tests/test_first_hour.py::test_the_lora_and_qlora_starts_print_no_warning",
         f"smallest size: {TINY}, one step"),
