@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import sys
 from pathlib import Path
 from typing import Callable
 
@@ -12,6 +13,9 @@ from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.assets.tiny import write_tiny_assets
 from adaptive_batching.core import logs
+
+# The benchmark scripts some tests load import their sibling ``common.py`` (as ``python benchmarks/x.py`` finds it).
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
 @pytest.fixture(scope="module")

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from doc_tables import report  # noqa: E402
+from doc_tables import report  # the benchmarks folder is on sys.path (conftest.py)
 
 PAGE = "# Page\n\nabove\n\n<!-- table: speed -->\nold figures\n<!-- /table: speed -->\n\nbelow\n"
 
