@@ -175,7 +175,7 @@ def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_a
     measured = runner.trial_step(3, seq_len=8, accumulation=1, collate=PairCollate(pad_id=0), vocab_size=32,
                                  packed=False)
     assert forwards == [((6, 8), False, True), ((6, 8), True, False)]
-    assert measured.forward_backward_peak > 0 and measured.activation_bytes > 0
+    assert measured.forward_backward_peak > 0  # what a trial measures: the e2e profiled run below fits it
     moved = [name for name, param in get_adapter_params(model).items() if not torch.equal(param, adapters[name])]
     assert any("lora_a" in name for name in moved) and any("lora_b" in name for name in moved)
 
