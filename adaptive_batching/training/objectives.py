@@ -123,7 +123,6 @@ class LoRADPO:
                 **{name: float(value) for name, value in self.last.items()}}
 
 
-
 def objective_for(cfg: DictConfig) -> Any:
     """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe):
     LoRA DPO for a LoRA config that asks for DPO (checked as its recipe checks it), else supervised fine-tuning."""
