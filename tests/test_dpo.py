@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import statistics
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -91,8 +92,6 @@ def test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo(name:
 @pytest.mark.parametrize("override, message", [
     ("dataset.packed=True", "config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen and "
                             "rejected answers are two sequences padded to each other; set it to False"),
-    ("adaptive_batching.max_tokens=2048", "config key 'adaptive_batching.max_tokens': a token budget does not yet "
-                                          "count a preference pair's two sequences in adaptive_lora_dpo; set it to null"),
     ("loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
      "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_lora_dpo trains "
      "with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss"),
@@ -152,6 +151,45 @@ def test_the_worst_case_of_preference_data_is_its_longest_pair() -> None:
 
     pairs = [_pair([1] * 5, [2] * 9), _pair([3] * 12, [4] * 2), _pair([5] * 3, [6] * 3)]
     assert sequence_lengths(pairs, cache_dir=None, key_parts={}) == [9, 12, 3]
+
+
+def test_a_token_budget_counts_a_pairs_two_sequences_at_the_longer_ones_length() -> None:
+    """Each micro batch the budget cuts, collated as training collates it, holds exactly the padded tokens the budget
+    counted (chosen and rejected, both padded to the longest sequence), and no more than the budget; the check of
+    the budget on the shortest pairs runs pairs of the shortest pair's sequence length."""
+    from adaptive_batching.batching.policy import DataContext, TokenBatching
+    from adaptive_batching.batching.settings import BatchingSettings
+    from adaptive_batching.batching.shape import BatchShape, EpochBatch
+    from adaptive_batching.batching.token_sampler import padded_tokens
+    from adaptive_batching.batching.worst_case import LengthSource
+    from adaptive_batching.core.steps import StepMemory
+    from adaptive_batching.runtime.distributed import ParallelInfo
+
+    pairs = [_pair([1] * 5, [2] * 9), _pair([3] * 12, [4] * 2), _pair([5] * 3, [6] * 3), _pair([7] * 4, [8] * 6),
+             _pair([9] * 2, [1] * 2)]
+    collate = PairCollate(pad_id=0)
+    policy = TokenBatching(BatchingSettings(max_tokens=50))
+    policy.prepare(DataContext(pairs, collate, ParallelInfo(), shuffle=False, seed=0, max_steps=None,
+                               sequences_per_sample=LoRADPO.sequences_per_sample),
+                   LengthSource(dataset={}, tokenizer={}, data_files=(), max_seq_len=None, cache_dir=None),
+                   profiles=False)
+    assert policy.lengths == [18, 24, 6, 12, 4]
+    trials: list[tuple[int, int]] = []
+
+    @contextmanager
+    def verify():  # type: ignore[no-untyped-def]
+        yield lambda samples, seq_len: trials.append((samples, seq_len)) or StepMemory(0, 0, 0, 0)
+
+    shape = BatchShape(micro_batch=2, accumulation=1, ranks=1)
+    policy.use_plan([EpochBatch(epoch=0, requested=2, increment=0, shape=shape, reason="start")], start=2,
+                    profiled=2, verify=verify)
+    assert policy.budgets == [48]  # min(50, the profiled 2 pairs x 2 x the longest sequence's 12 tokens)
+    assert trials == [(12, 2)]  # 48 tokens: 12 pairs of the shortest pair's 2-token sequences
+    micro_batches = list(policy.loader(0, split=1, start_step=0).batch_sampler)
+    assert sorted(i for micro in micro_batches for i in micro) == list(range(5)) and len(micro_batches) > 1
+    for micro in micro_batches:
+        tokens = collate([pairs[i] for i in micro])["tokens"]
+        assert tokens.numel() == padded_tokens(policy.lengths, micro) <= 48, micro
 
 
 def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_and_the_optimizer() -> None:

@@ -20,7 +20,7 @@ from adaptive_batching.batching.lr_scaling import lr_factor
 from adaptive_batching.batching.sampler import SamplerSpan, epoch_extent
 from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.batching.shape import BatchShape, EpochBatch
-from adaptive_batching.batching.token_sampler import padding_waste
+from adaptive_batching.batching.token_sampler import budget_lengths, padding_waste
 from adaptive_batching.batching.worst_case import LengthSource, WorstCase
 from adaptive_batching.core import logs
 from adaptive_batching.core.steps import StepMemory
@@ -42,6 +42,7 @@ class DataContext:
     seed: int
     max_steps: Optional[int]
     packed: bool = False
+    sequences_per_sample: int = 1  # sequences the collate makes of a sample, each padded to the longest (a pair: 2)
 
     def common(self, epoch: int, split: int, start_step: int) -> dict[str, Any]:
         return dict(collate_fn=self.collate, parallel=self.parallel, shuffle=self.shuffle, seed=self.seed,
@@ -168,8 +169,9 @@ class TokenBatching(SampleBatching):
 
     def __init__(self, settings: BatchingSettings) -> None:
         super().__init__(settings)
-        self.lengths: list[int] = []
+        self.lengths: list[int] = []  # each sample's padded tokens alone: all its sequences (budget_lengths)
         self.budgets: list[int] = []
+        self.sequences = 1
 
     def cuts(self) -> Cuts:
         return TokenCuts()
@@ -179,10 +181,15 @@ class TokenBatching(SampleBatching):
         self.data = data
         self.worst, counts = worst_case.measure(data.dataset, lengths, packed=False)
         assert counts is not None
-        self.lengths = counts
+        self.sequences = data.sequences_per_sample
+        self.lengths = budget_lengths(counts, self.sequences)
         ordered = sorted(self.lengths)
-        logs.info(f"Token budget batching: {len(self.lengths)} samples of {ordered[0]} to {ordered[-1]} tokens "
-                  f"(median {ordered[len(ordered) // 2]})")
+        sizes = f"{ordered[0]} to {ordered[-1]} tokens (median {ordered[len(ordered) // 2]})"
+        if self.sequences == 1:
+            logs.info(f"Token budget batching: {len(self.lengths)} samples of {sizes}")
+        else:
+            logs.info(f"Token budget batching: {len(self.lengths)} samples of {sizes}, a sample's {self.sequences} "
+                      "sequences each counted at the longer one's length")
 
     def use_plan(self, epoch_plan: list[EpochBatch], *, start: int, profiled: Optional[int], verify: Verifier) -> None:
         """Each epoch's budget; the first epoch's is decided once (a resumed run's and a re-plan keep it)."""
@@ -212,7 +219,7 @@ class TokenBatching(SampleBatching):
             while budget >= seq_len:
                 samples = budget // shortest
                 try:
-                    used = trial_step(samples, shortest)
+                    used = trial_step(samples, shortest // self.sequences)
                 except Exception as error:  # noqa: BLE001 - only an OOM lowers the budget
                     if not is_out_of_memory(error):
                         raise

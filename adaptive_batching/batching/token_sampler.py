@@ -50,6 +50,16 @@ def picking_order(lengths: Sequence[int], order: str, *, shuffle: bool, seed: in
     return list(range(n))
 
 
+def budget_lengths(lengths: Sequence[int], sequences_per_sample: int) -> list[int]:
+    """Each sample's length as the budget counts it: its padded length (``core.objective.sample_length``) times the
+    sequences the collate makes of it. A preference pair's chosen and rejected answers are both padded to the micro
+    batch's longest sequence, so a pair counts 2 x its longer sequence and ``padded_tokens`` of a micro batch of
+    pairs is then every token position of its forward, both sequences."""
+    if sequences_per_sample < 1:
+        raise ValueError(f"sequences_per_sample must be >= 1, got {sequences_per_sample}")
+    return [sequences_per_sample * length for length in lengths]
+
+
 def padded_tokens(lengths: Sequence[int], batch: Sequence[int]) -> int:
     """Positions a padded micro batch holds: its samples x its longest sample (0 when empty)."""
     return len(batch) * max(map(lengths.__getitem__, batch), default=0)

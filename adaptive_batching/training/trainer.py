@@ -132,7 +132,8 @@ class Trainer:
             self.seed = self.checkpoints.restore(checkpoint, seed=self.seed, parts=self.parts(), model=self.model,
                                                  optimizer=self.optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(self.dataset, self.collate, self.parallel, shuffle=cfg.get("shuffle", True),
-                                          seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed),
+                                          seed=self.seed, max_steps=self.max_steps_per_epoch, packed=self.packed,
+                                          sequences_per_sample=self.objective.sequences_per_sample),
                               length_source(cfg, self.settings.profiler.cache_dir),
                               profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, self.model.max_seq_len)
