@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md.
 
-Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` under ``ulimit -v`` with no explicit
-budget: the largest micro batch its profile ran, against the fresh-process maximum (bisection over fresh
-``python`` and ``tune run`` processes that each run 2 worst-case steps at one size, glibc tuned from the start).
+Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` (``--objective dpo``: ``tune run
+adaptive_lora_dpo --config tiny_lora_dpo``, micro batches of pairs) under ``ulimit -v`` with no explicit budget: the
+largest micro batch its profile ran, against the fresh-process maximum (bisection over fresh ``python`` and ``tune
+run`` processes that each run 2 worst-case steps at one size, glibc tuned from the start).
 """
 
 from __future__ import annotations
@@ -26,13 +27,17 @@ TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
 IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1",
           "adaptive_batching.grow_past_memory=skip", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"]
+# objective: its recipe, its config and what makes the config profile
+OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
+              "dpo": ("adaptive_lora_dpo", "tiny_lora_dpo", ["use_maximum_batch_size=True"])}
 
 
 def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[str], tunables: bool,
-                     timeout: int = 600) -> subprocess.CompletedProcess:
+                     objective: str = "finetune", timeout: int = 600) -> subprocess.CompletedProcess:
     """``tune run`` in a fresh shell whose whole process is limited to ``limit_kib`` of address space."""
-    cmd = [TUNE, "run", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
-           f"output_dir={out}", "epochs=1", "max_steps_per_epoch=2", "lr_scheduler=null", *overrides]
+    recipe, config, profiles = OBJECTIVES[objective]
+    cmd = [TUNE, "run", recipe, "--config", config, f"assets_dir={assets}", f"output_dir={out}", "epochs=1",
+           "max_steps_per_epoch=2", "lr_scheduler=null", *profiles, *overrides]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     env.pop("GLIBC_TUNABLES", None)
     if tunables:
@@ -44,15 +49,16 @@ def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[st
 LAUNCHERS = ("python", "tune")
 
 
-def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool) -> bool:
+def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool,
+           objective: str) -> bool:
     """Two worst-case training steps (every sample full length, the profiler's own trial step) at
     ``micro_batch`` in a fresh process under the limit, glibc tuned from its start. The process is
     ``python this_file.py`` or, as a user's run, ``tune run`` (its CLI's imports and objects included)."""
     env = dict(os.environ, OMP_NUM_THREADS="1", GLIBC_TUNABLES=TUNABLES)
     child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}"),
-                  *(["--optimizer-in-bwd"] if in_bwd else [])]
+                  "--objective", objective, *(["--optimizer-in-bwd"] if in_bwd else [])]
     if launcher == "tune":  # ``tune run`` runs a module from the working directory, and wants a --config
-        cmd = [TUNE, "run", Path(__file__).stem, "--config", "tiny_full", *child_args]
+        cmd = [TUNE, "run", Path(__file__).stem, "--config", OBJECTIVES[objective][1], *child_args]
     else:
         cmd = [sys.executable, __file__, *child_args]
     result = subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
@@ -62,15 +68,17 @@ def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher:
     return ok
 
 
-def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool) -> int:
+def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool, objective: str) -> int:
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.training.trainer import Trainer
 
-    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"output_dir={out}", "batch_increase_function=null",
-                                    *(IN_BWD if in_bwd else [])])
-    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
+    _, config, profiles = OBJECTIVES[objective]
+    cfg = load_config(config, [f"assets_dir={assets}", f"output_dir={out}", "batch_increase_function=null",
+                               *profiles, *(IN_BWD if in_bwd else [])])
+    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg))
     trainer.setup()  # measures the worst case (the run would profile); profile() is not called
     for _ in range(2):
         trainer.trial_step(micro_batch)
@@ -80,19 +88,19 @@ def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool) -> int:
 def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, args: argparse.Namespace,
                           launcher: str) -> tuple[int, list[str]]:
     """The largest micro batch that trains in a fresh process: double from ``--start``, then bisect."""
-    found, _, tried = largest_fit(lambda size: trains(limit_kib, work, assets, size, launcher, args.optimizer_in_bwd),
-                                  args.start, args.fresh_trials)
+    found, _, tried = largest_fit(lambda size: trains(limit_kib, work, assets, size, launcher, args.optimizer_in_bwd,
+                                                      args.objective), args.start, args.fresh_trials)
     return found, tried
 
 
 def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float],
-             in_bwd: bool) -> dict[str, Any]:
+             in_bwd: bool, objective: str) -> dict[str, Any]:
     out = work / name
     overrides = ["adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0",
                  *(IN_BWD if in_bwd else [])]
     if tolerance is not None:
         overrides.append(f"adaptive_batching.search_tolerance={tolerance}")
-    result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False)
+    result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False, objective=objective)
     profile_path = out / "profile" / "profile.json"
     found = json.loads(profile_path.read_text()) if profile_path.exists() else {}
     trials = " ".join(f"{t['micro_batch']}{'' if t['ok'] else 'x'}" for t in found.get("trials", []))
@@ -117,6 +125,8 @@ def main(argv: Optional[list[str]] = None) -> int:
                         help="the fresh processes whose maximum is searched: python, tune or both (default both)")
     parser.add_argument("--optimizer-in-bwd", action="store_true",
                         help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="finetune",
+                        help="finetune (tiny_full) or dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs; default finetune)")
     parser.add_argument("--fresh-trials", type=int, default=None,
                         help="at most this many fresh processes per search (a lower bound then; default: no limit)")
     parser.add_argument("--json", type=Path, default=None)
@@ -131,15 +141,15 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not launchers or not set(launchers) <= set(LAUNCHERS):
         parser.error(f"--launchers: a comma-separated list of {', '.join(LAUNCHERS)}")
     if args.child is not None:
-        return child(args.child, args.assets, args.out, args.optimizer_in_bwd)
+        return child(args.child, args.assets, args.out, args.optimizer_in_bwd, args.objective)
 
     limit_kib = int(args.limit_gib * 2**20)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         assets = tiny_assets(None, work)
-        runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd)
-                for i in range(args.repeats)]
+        runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd,
+                         args.objective) for i in range(args.repeats)]
         maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args, launcher) for launcher in launchers}
 
     def percent(found: Optional[int], launcher: str) -> Optional[float]:
@@ -150,13 +160,15 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
     result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "optimizer_in_bwd": args.optimizer_in_bwd,
+              "objective": args.objective,
               **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in launchers},
               **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in launchers},
               "runs": rows, "seconds": time.perf_counter() - started}
     tolerance = "default" if args.tolerance is None else args.tolerance
-    name = f"whole-process-limit{'-in-bwd' if args.optimizer_in_bwd else ''}-tolerance-{tolerance}"
+    name = (f"whole-process-limit{'-dpo' if args.objective == 'dpo' else ''}{'-in-bwd' if args.optimizer_in_bwd else ''}"
+            f"-tolerance-{tolerance}")
     with report(name if args.publish else None):
-        print(f"whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
+        print(f"{' '.join(OBJECTIVES[args.objective][:2])}: whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
               "the fresh processes" + (f"; {' '.join(IN_BWD)}" if args.optimizer_in_bwd else ""))
         for launcher in launchers:
             print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
