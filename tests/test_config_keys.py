@@ -115,20 +115,20 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: 
      "knowledge_distillation_single_device or knowledge_distillation_distributed"),
     ("loss._component_=torchtune.rlhf.loss.RSOLoss",
      "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
-     "and rejected answers, which adaptive_full_finetune does not do; use adaptive_lora_dpo"),
+     "and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo"),
     ("dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
      "config key 'dataset._component_' = 'torchtune.datasets.hh_rlhf_helpful_dataset' asks for preference "
      "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do; use "
-     "adaptive_lora_dpo"),
+     "adaptive_full_dpo"),
     ("layer_dropout.prob=0.1",
      "config key 'layer_dropout' asks for early-exit training (layer dropout, an early-exit loss), which "
      "adaptive_full_finetune does not do yet; use torchtune's dev/early_exit_finetune_distributed"),
 ])
 def test_a_key_that_asks_for_other_training_is_refused_before_any_model_loads(override: str, line: str) -> None:
     """Refused first, before the keys are checked for near misses (``teacher_checkpointer`` is one of
-    ``checkpointer``)."""
+    ``checkpointer``); a DPO key names the DPO recipe for the model's kind (full here)."""
     with pytest.raises(ConfigError) as info:
-        validate_config(load_config("tiny_full", [override]))
+        validate_config(load_config("tiny_full", [override]), "adaptive_full_finetune")
     assert str(info.value) == line
 
 

@@ -115,9 +115,6 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
      "(with 'teacher_checkpointer', 'kd_loss', 'kd_ratio') asks for knowledge distillation from a teacher model, which "
      "adaptive_lora_finetune does not do yet; use torchtune's knowledge_distillation_single_device or "
      "knowledge_distillation_distributed"),
-    ("llama3_1/8B_full_dpo", "config key 'ref_checkpointer' = 'torchtune.training.FullModelHFCheckpointer' (with "
-     "'loss._component_', 'dataset._component_') asks for preference optimisation (DPO) on chosen and rejected "
-     "answers, which adaptive_full_finetune does not do; use adaptive_lora_dpo"),
     ("mistral/7B_full_ppo_low_memory", "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
      "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
      "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "

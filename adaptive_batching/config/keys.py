@@ -30,6 +30,7 @@ RECIPE_KEYS = frozenset({
     "enable_activation_checkpointing", "metric_logger", "log_every_n_steps", "custom_sharded_layers",
     "fsdp_reshard_after_forward", "fsdp_cpu_offload", "save_adapter_weights_only", "cudnn_deterministic_mode",
     "log_peak_memory_stats", "low_cpu_ram",
+    "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.objectives)
     # In torchtune's stock configs, read by no recipe of torchtune 0.6.1 either (``fsdp.cpu_offload``), or only
     # with tensor parallelism, which is refused: accepted silently, as torchtune accepts them.
     "fsdp", "tensor_parallel_plan",

@@ -50,6 +50,7 @@ OURS: dict[str, frozenset[str]] = {
     "adaptive_full_finetune": frozenset(),
     "adaptive_lora_finetune": frozenset(),
     "adaptive_lora_dpo": frozenset({DPO}),
+    "adaptive_full_dpo": frozenset({DPO}),
 }
 
 # Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
@@ -79,13 +80,11 @@ _NAMED = 3  # other keys a refusal names besides the first
 
 
 def recipe_for_model(cfg: DictConfig) -> str:
-    """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one,
-    ``adaptive_lora_dpo`` for a LoRA one that asks for DPO."""
-    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    if "lora" not in component:
-        return "adaptive_full_finetune"
+    """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one, full
+    otherwise; ``adaptive_lora_dpo`` or ``adaptive_full_dpo`` when the config asks for DPO."""
+    lora = "lora" in str(OmegaConf.select(cfg, "model._component_", default="") or "")
     dpo = any(objective == DPO for _, objective, _ in training_asked(cfg))
-    return "adaptive_lora_dpo" if dpo else "adaptive_lora_finetune"
+    return f"adaptive_{'lora' if lora else 'full'}_{'dpo' if dpo else 'finetune'}"
 
 
 def _torchtune_name(component: Any, names: dict[str, str]) -> Optional[str]:
@@ -135,9 +134,10 @@ def _shown(value: Any) -> Any:
     return None if OmegaConf.is_config(value) else plain(value)
 
 
-def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str) -> str:
+def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: Optional[str] = None) -> str:
     """The one line that refuses ``keys`` (key, value shown; the first is shown with its value, at most
-    :data:`_NAMED` of the others are named) asking for ``objective`` in ``recipe``."""
+    :data:`_NAMED` of the others are named) asking for ``objective`` in ``recipe``; ``runs``, the recipe of ours
+    for the config's model, is the one named when it trains so (the full or the LoRA DPO recipe)."""
     what = OBJECTIVES[objective]
     (key, shown), others = keys[0], [f"'{other}'" for other, _ in keys[1:]]
     subject = f"config key '{key}'" + ("" if shown is None else f" = {shown!r}")
@@ -145,6 +145,7 @@ def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str) -> str:
         more = f" and {len(others) - _NAMED} more" if len(others) > _NAMED else ""
         subject += f" (with {', '.join(others[:_NAMED])}{more})"
     ours = [name for name, objectives in OURS.items() if objective in objectives]
+    ours = [runs] if runs in ours else ours
     if ours:
         return f"{subject} asks for {what.what}, which {recipe} does not do; use {' or '.join(ours)}"
     recipes = ", ".join(what.torchtune[:-1]) + (" or " if len(what.torchtune) > 1 else "") + what.torchtune[-1]
@@ -159,27 +160,20 @@ def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
     asked = [(key, objective, shown) for key, objective, shown in training_asked(cfg) if objective not in done]
     if asked:
         objective = asked[0][1]
-        raise ConfigError(refusal(recipe, [(key, shown) for key, o, shown in asked if o == objective], objective))
+        raise ConfigError(refusal(recipe, [(key, shown) for key, o, shown in asked if o == objective], objective,
+                                  runs=recipe_for_model(cfg)))
 
 
 _PAIR_LOSSES = ("DPOLoss", "RSOLoss")
 
 
-def check_lora_dpo(cfg: DictConfig) -> None:
-    """Refuse, in one line before any model loads, what ``adaptive_lora_dpo`` cannot train: a model without LoRA
-    adapters (the reference is the policy with its adapters off), a separate reference model, a loss that is not
-    a preference loss over log-probabilities, packed data (a pair's chosen and rejected answers are two sequences
-    padded to each other) and a token budget (it does not yet count a pair's two sequences)."""
-    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    if "lora" not in component:
-        raise ConfigError(f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
-                          "reference model is the policy with its adapters off, so it needs a LoRA model builder")
-    if _asks(OmegaConf.select(cfg, "ref_checkpointer", default=None)):  # refused, not read
-        raise ConfigError("config key 'ref_checkpointer' asks for a separate reference model (full DPO), which "
-                          "adaptive_lora_dpo does not do: its reference is the policy with its adapters off")
+def _check_pairs(cfg: DictConfig, recipe: str) -> None:
+    """What neither DPO recipe can train: a loss that is not a preference loss over log-probabilities, packed data
+    (a pair's chosen and rejected answers are two sequences padded to each other) and a token budget (it does not
+    yet count a pair's two sequences)."""
     loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "")
     if loss.rsplit(".", 1)[-1] not in _PAIR_LOSSES:
-        raise ConfigError(f"config key 'loss._component_' = {loss!r}: adaptive_lora_dpo trains with "
+        raise ConfigError(f"config key 'loss._component_' = {loss!r}: {recipe} trains with "
                           "torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss")
     dataset = plain(cfg.get("dataset", None))
     for part in dataset if isinstance(dataset, list) else [dataset]:
@@ -188,4 +182,36 @@ def check_lora_dpo(cfg: DictConfig) -> None:
                               "and rejected answers are two sequences padded to each other; set it to False")
     if OmegaConf.select(cfg, "adaptive_batching.max_tokens", default=None) is not None:
         raise ConfigError("config key 'adaptive_batching.max_tokens': a token budget does not yet count a "
-                          "preference pair's two sequences in adaptive_lora_dpo; set it to null")
+                          f"preference pair's two sequences in {recipe}; set it to null")
+
+
+def check_lora_dpo(cfg: DictConfig) -> None:
+    """Refuse, in one line before any model loads, what ``adaptive_lora_dpo`` cannot train: a model without LoRA
+    adapters (the reference is the policy with its adapters off), a separate reference model, and what neither DPO
+    recipe trains (see :func:`_check_pairs`)."""
+    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
+    if "lora" not in component:
+        raise ConfigError(f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
+                          "reference model is the policy with its adapters off, so it needs a LoRA model builder; "
+                          "use adaptive_full_dpo for DPO of the whole model")
+    if _asks(OmegaConf.select(cfg, "ref_checkpointer", default=None)):  # refused, not read
+        raise ConfigError("config key 'ref_checkpointer' asks for a separate reference model (full DPO), which "
+                          "adaptive_lora_dpo does not do: its reference is the policy with its adapters off")
+    _check_pairs(cfg, "adaptive_lora_dpo")
+
+
+def check_full_dpo(cfg: DictConfig) -> None:
+    """Refuse, in one line before any model loads, what ``adaptive_full_dpo`` cannot train: a LoRA model (its
+    reference is the policy with its adapters off: the LoRA recipe's), no ``ref_checkpointer`` (the frozen
+    reference model's weights, as torchtune's ``full_dpo_distributed`` reads them), and what neither DPO recipe
+    trains (see :func:`_check_pairs`)."""
+    component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
+    if "lora" in component:
+        raise ConfigError(f"config key 'model._component_' = {component!r} is a LoRA model, whose reference is the "
+                          "policy with its adapters off; use adaptive_lora_dpo")
+    reference = OmegaConf.select(cfg, "ref_checkpointer", default=None)
+    if not _asks(reference) or not OmegaConf.is_dict(reference):
+        raise ConfigError("config key 'ref_checkpointer' is missing: adaptive_full_dpo loads its reference model, "
+                          "a frozen copy of 'model', with it (a checkpointer such as "
+                          "torchtune.training.FullModelHFCheckpointer pointing at the original weights)")
+    _check_pairs(cfg, "adaptive_full_dpo")

@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any, Callable, ContextManager, Mapping, Protocol
 
 import torch
+from omegaconf import DictConfig
 from torch import nn
 
 PAIR_KEYS = ("chosen_input_ids", "rejected_input_ids")  # a preference sample's two token lists (torchtune's names)
@@ -29,6 +30,11 @@ class TrainingObjective(Protocol):
 
     name: str
     sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
+    resident: tuple[nn.Module, ...]  # models it holds besides the policy (full DPO's reference): memory a step counts
+
+    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+        """Build what it needs besides the policy, with the other parts: ``frozen_copy(key)`` is a frozen copy of
+        the model with the weights of the checkpointer at config key ``key``, sharded as the policy is."""
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         """The collate of the data set's samples into a micro batch: a dict whose ``tokens`` has one row per

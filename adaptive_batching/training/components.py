@@ -4,7 +4,7 @@ config's names its key (see ``config.loading.building``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable
 
 import torch
@@ -19,7 +19,7 @@ from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training import compiling
-from adaptive_batching.training.model import ModelOptions, build_model
+from adaptive_batching.training.model import FrozenWeights, ModelOptions, build_model
 from adaptive_batching.training.optimizers import build_optimizer
 
 
@@ -50,22 +50,22 @@ def build_data(cfg: DictConfig) -> Data:
 def build_components(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObjective, checkpoint: dict[str, Any],
                      data: Data, *, device: torch.device, dtype: torch.dtype, parallel: ParallelInfo,
                      is_rank_zero: bool) -> Components:
-    """The model (sharded over ``parallel``, weights from ``checkpoint``), the optimizer over the trainable
-    parameters (one per parameter, stepped in the backward, with ``optimizer_in_bwd``), the loss (compiled with
-    ``compile``) and the collate of ``data`` as ``objective`` collates it."""
+    """The model (sharded over ``parallel``, weights from ``checkpoint``), what ``objective`` builds besides
+    (full DPO's reference model), the optimizer over the trainable parameters (one per parameter, stepped in the
+    backward, with ``optimizer_in_bwd``), the loss (compiled with ``compile``) and the collate of ``data`` as
+    ``objective`` collates it."""
     common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)  # as torchtune's LoRA recipe sets it (QLoRA saves)
+    options = ModelOptions(
+        activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
+        compile=cfg.get("compile", False),
+        custom_sharded_layers=cfg.get("custom_sharded_layers", None),
+        reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
+        fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
+    )
+    place = dict(device=device, dtype=dtype, parallel=parallel, is_rank_zero=is_rank_zero)
     with building("model"):
-        model = build_model(
-            cfg.model, method, checkpoint, device=device, dtype=dtype, parallel=parallel,
-            options=ModelOptions(
-                activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-                compile=cfg.get("compile", False),
-                custom_sharded_layers=cfg.get("custom_sharded_layers", None),
-                reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
-                fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
-            ),
-            is_rank_zero=is_rank_zero,
-        )
+        model = build_model(cfg.model, method, checkpoint, options=options, **place)
+    objective.build(cfg, lambda key: build_frozen_copy(cfg, key, options, **place))
     optimizer = build_optimizer(cfg, model)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)
@@ -76,3 +76,15 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, objective: Trainin
     with building("collate_fn"):
         collate = objective.collate(cfg.get("collate_fn", DEFAULT_COLLATE), data.packed, data.tokenizer.pad_id, loss_fn)
     return Components(model, optimizer, loss_fn, collate)
+
+
+def build_frozen_copy(cfg: DictConfig, key: str, options: ModelOptions, *, device: torch.device, dtype: torch.dtype,
+                      parallel: ParallelInfo, is_rank_zero: bool) -> nn.Module:
+    """A second copy of ``cfg.model`` with the weights of the checkpointer at config key ``key``, built, compiled
+    and sharded as the policy is (FSDP2 under torchrun), frozen: no gradients, eval mode, dropout off, in no
+    optimizer and no checkpoint. Full DPO's reference model, as torchtune's ``full_dpo_distributed`` builds it
+    (without activation checkpointing: nothing is saved for a backward)."""
+    with building(key):
+        weights = config.instantiate(cfg[key], should_load_recipe_state=False).load_checkpoint()
+        return build_model(cfg.model, FrozenWeights(key), weights, device=device, dtype=dtype, parallel=parallel,
+                           options=replace(options, activation_checkpointing=False), is_rank_zero=is_rank_zero)

@@ -17,6 +17,7 @@ from torch import nn
 from torchtune import config, modules, training
 
 from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
 from adaptive_batching.training import compiling
@@ -94,6 +95,37 @@ def build_model(
     training.validate_no_params_on_meta_device(model)
     barrier(parallel)
     return model
+
+
+class FrozenWeights:
+    """The fine-tuning method of a model that never trains (full DPO's reference): no parameter takes a gradient,
+    every weight comes from the checkpoint of config key ``key``, nothing is saved."""
+
+    name = "frozen"
+    adapter_only = False
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+
+    def configure(self, model: nn.Module) -> None:
+        for param in model.parameters():
+            param.requires_grad_(False)
+
+    def initialize(self, model: nn.Module) -> None:
+        pass
+
+    def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
+        return [checkpoint[training.MODEL_KEY]]
+
+    def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
+        if missing or unexpected:
+            raise ConfigError(f"the checkpoint of config key '{self.key}' does not match config key 'model': "
+                              f"missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]}")
+        training.disable_dropout(model)
+        model.eval()
+
+    def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {}
 
 
 def full_state_dict(model: nn.Module, parallel: ParallelInfo, device: torch.device,

@@ -1,11 +1,13 @@
-"""The training objectives: supervised fine-tuning and direct preference optimisation (DPO) on LoRA adapters.
+"""The training objectives: supervised fine-tuning, and direct preference optimisation (DPO) of LoRA adapters or of
+the whole model.
 
 Each is a :class:`~adaptive_batching.core.objective.TrainingObjective` the trainer composes; the recipes pick one.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager
+import contextlib
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -15,7 +17,7 @@ from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
-from adaptive_batching.config.objectives import check_lora_dpo, recipe_for_model
+from adaptive_batching.config.objectives import check_full_dpo, check_lora_dpo, recipe_for_model
 from adaptive_batching.core.loss import summed_token_loss
 
 
@@ -24,6 +26,10 @@ class SupervisedFinetune:
 
     name = "finetune"
     sequences_per_sample = 1
+    resident: tuple[nn.Module, ...] = ()
+
+    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+        pass
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         return build_collate(collate_path, packed, pad_id, loss_fn.ignore_index)
@@ -72,9 +78,13 @@ class LoRADPO:
 
     name = "lora_dpo"
     sequences_per_sample = 2
+    resident: tuple[nn.Module, ...] = ()
 
     def __init__(self) -> None:
         self.last: dict[str, torch.Tensor] = {}
+
+    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+        pass
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         return PairCollate(pad_id)
@@ -82,6 +92,11 @@ class LoRADPO:
     def reference(self, model: nn.Module) -> ContextManager:
         """The reference model: the policy with its adapters off."""
         return disable_adapter(model)
+
+    def _reference_log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                             activations: ContextManager) -> torch.Tensor:
+        with torch.no_grad(), self.reference(model):
+            return self._log_probs(model, tokens, labels, activations)[0]
 
     def _log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
                    activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
@@ -96,8 +111,7 @@ class LoRADPO:
         log_probs, logits = self._log_probs(model, tokens, labels, activations)
         logits_chosen, logits_rejected = logits[:pairs].detach().mean(), logits[pairs:].detach().mean()
         del logits
-        with torch.no_grad(), self.reference(model):
-            reference, _ = self._log_probs(model, tokens, labels, activations)
+        reference = self._reference_log_probs(model, tokens, labels, activations)
         chosen, rejected = log_probs[:pairs], log_probs[pairs:]
         losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected, reference[:pairs], reference[pairs:])
         counts = (labels != CROSS_ENTROPY_IGNORE_IDX).any(dim=-1).view(2, pairs).any(dim=0)
@@ -123,10 +137,44 @@ class LoRADPO:
                 **{name: float(value) for name, value in self.last.items()}}
 
 
+class FullDPO(LoRADPO):
+    """DPO of the whole model, as torchtune's ``full_dpo_distributed`` trains it: the policy is the model, every
+    weight trainable; the reference a second, frozen copy loaded from ``ref_checkpointer`` (built with the other
+    parts, sharded as the policy is, in eval mode, in no optimizer and no checkpoint). Its weights stay resident,
+    so the profiler's trials count them (:attr:`resident`); its log-probabilities are computed again at every
+    micro batch, never kept. The step, loss and metrics are :class:`LoRADPO`'s."""
+
+    name = "full_dpo"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.reference_model: Optional[nn.Module] = None
+
+    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+        self.reference_model = frozen_copy("ref_checkpointer")
+
+    @property
+    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
+        return () if self.reference_model is None else (self.reference_model,)
+
+    def _reference_log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
+                             activations: ContextManager) -> torch.Tensor:
+        """The frozen reference's forward, without autograd or activation offloading (nothing is saved for a
+        backward), as ``full_dpo_distributed`` runs it."""
+        assert self.reference_model is not None, "the reference model is built with the other parts"
+        with torch.no_grad():
+            return self._log_probs(self.reference_model, tokens, labels, contextlib.nullcontext())[0]
+
+
 def objective_for(cfg: DictConfig) -> Any:
-    """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe):
-    LoRA DPO for a LoRA config that asks for DPO (checked as its recipe checks it), else supervised fine-tuning."""
-    if recipe_for_model(cfg) != "adaptive_lora_dpo":
-        return SupervisedFinetune()
-    check_lora_dpo(cfg)
-    return LoRADPO()
+    """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe),
+    checked as its recipe checks it: LoRA or full DPO for a config that asks for DPO, else supervised
+    fine-tuning."""
+    recipe = recipe_for_model(cfg)
+    if recipe == "adaptive_lora_dpo":
+        check_lora_dpo(cfg)
+        return LoRADPO()
+    if recipe == "adaptive_full_dpo":
+        check_full_dpo(cfg)
+        return FullDPO()
+    return SupervisedFinetune()

@@ -94,6 +94,12 @@ class StepRunner:
     def __post_init__(self) -> None:
         self.gradients = gradients_for(self.optimizer, self.guard, self.parallel)
 
+    @property
+    def tracked(self) -> tuple[Any, ...]:
+        """What holds a step's long-lived tensors (the meters count them on CPU): the model, the optimizer and the
+        models the objective keeps resident (full DPO's reference)."""
+        return (self.model, self.optimizer, *self.objective.resident)
+
     def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
         """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
 
@@ -169,7 +175,7 @@ class StepRunner:
 
         An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
         """
-        meters = (self.model, self.optimizer)
+        meters = self.tracked
         measured: list[StepMemory] = []
         self.guard.attach()  # profiling is always guarded; training opens its own windows
 
