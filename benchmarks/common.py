@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -128,11 +129,24 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
 
 
 def tune_child(stamps_path: str, tune_args: list[str],
-               on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None) -> int:
-    """``tune TUNE_ARGS`` in this process (a ``--tune-child`` of a script); writes to ``stamps_path`` the
-    :func:`step_stamps` of its steps, the torch threads, and when training started and ended."""
+               on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None,
+               same_adapters: bool = False) -> int:
+    """``tune TUNE_ARGS`` in this process (a ``--tune-child`` of a script), with ``BENCH_THREADS`` torch threads
+    when the parent set it; writes to ``stamps_path`` the :func:`step_stamps` of its steps, the torch threads, and
+    when training started and ended. ``same_adapters``: every LoRA A matrix drawn from a generator of its own, as
+    tests/dpo_parity_run.py does, so that stock's recipe (adapters initialised between the base weights' random
+    initialisations) and ours (on the meta device) start from the same adapters."""
+    import torch
+    import torchtune.modules.peft.lora as lora
+    from torchtune._cli.tune import main as tune_main
+
     from adaptive_batching.training.trainer import Trainer
 
+    if os.environ.get("BENCH_THREADS"):
+        torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
+    if same_adapters:
+        generator = torch.Generator().manual_seed(0)
+        lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5), generator=generator)
     record: dict[str, Any] = {"train_start": None, "train_end": None}
     train = Trainer.train
 
@@ -142,29 +156,14 @@ def tune_child(stamps_path: str, tune_args: list[str],
         record["train_end"] = time.perf_counter()
 
     Trainer.train = timed_train
+    sys.argv = ["tune", *tune_args]
     with step_stamps(on_step) as record["stamps"]:
         try:
-            tune_in_process(tune_args)
+            tune_main()  # the recipes end with ``sys.exit(recipe_main())``: a SystemExit passes through
         finally:
-            import torch
-
             record["threads"] = torch.get_num_threads()
             Path(stamps_path).write_text(json.dumps(record))
     return 0
-
-
-def tune_in_process(tune_args: list[str]) -> None:
-    """``tune TUNE_ARGS`` in this process (the recipes end with ``sys.exit(recipe_main())``: a SystemExit passes
-    through), with ``BENCH_THREADS`` torch threads when the parent set it."""
-    threads = os.environ.get("BENCH_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
-    from torchtune._cli.tune import main as tune_main
-
-    sys.argv = ["tune", *tune_args]
-    tune_main()
 
 
 def log(message: str) -> None:

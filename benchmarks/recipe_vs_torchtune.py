@@ -1,10 +1,10 @@
 #!/usr/bin/env python
-"""Our full fine-tune recipe against torchtune's stock single-device one: optimizer steps per second, per-step
-losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md.
+"""Our full fine-tune recipe (``--objective dpo``: LoRA DPO) against torchtune's stock single-device one: optimizer
+steps per second, per-step losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md.
 
 Both run as ``tune run RECIPE --config FILE`` in fresh children; stock's config is ours' resolved one cut to the
-keys it reads (:data:`STOCK_KEYS`). A child stamps each logged step (``common.tune_child``); steps per second =
-``--steps`` / (the last step's stamp - the ``--warmup``-th one's). The exit code is 1 only when a run failed.
+keys stock's recipe reads (:func:`stock_keys`). A child stamps each logged step (``common.tune_child``); steps per
+second = ``--steps`` / (the last step's stamp - the ``--warmup``-th one's). The exit code is 1 only when a run failed.
 """
 
 from __future__ import annotations
@@ -28,19 +28,10 @@ from doc_tables import report
 BAR_RATIO = 0.99
 BATCH, SEQ_LEN, SEED = 8, 256, 0  # seed 0: the stock recipe's sampler always uses 0
 SWITCH_EPOCHS, SWITCH_STEPS = 3, 5  # the epoch-switch run: linear_ramp +4 at each epoch
-OURS_RECIPE = "adaptive_full_finetune"
-STOCK_RECIPE = "full_finetune_single_device"
-CONFIG = "tiny_full"
-
-# Top-level keys torchtune 0.6.1's full_finetune_single_device reads (cfg.x / cfg.get("x")).
-STOCK_KEYS = (
-    "output_dir", "model", "tokenizer", "dataset", "seed", "shuffle", "checkpointer", "resume_from_checkpoint",
-    "batch_size", "epochs", "max_steps_per_epoch", "gradient_accumulation_steps", "optimizer", "lr_scheduler",
-    "loss", "optimizer_in_bwd", "clip_grad_norm", "compile", "device", "dtype", "enable_activation_checkpointing",
-    "enable_activation_offloading", "metric_logger", "log_every_n_steps", "log_peak_memory_stats", "profiler",
-    "collate_fn", "cudnn_deterministic_mode",
-)
-# What the stock recipe requires (or would otherwise turn on) that ours' config does not say.
+# --objective: (ours, stock, config)
+OBJECTIVES = {"finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
+              "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo")}
+# What a stock recipe requires (or would otherwise turn on) that ours' config does not say, where it reads it.
 STOCK_REQUIRED = {
     "optimizer_in_bwd": False,
     "enable_activation_offloading": False,
@@ -68,6 +59,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run first and not measured (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each recipe, alternating (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of every child (default 1)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="finetune",
+                   help="finetune (tiny_full, full fine-tuning) or dpo (tiny_lora_dpo, LoRA DPO; default finetune)")
     p.add_argument("--no-switch", action="store_true", help="skip the epoch-switch run")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--together", action="store_true",
@@ -80,17 +73,18 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--steps, --warmup, --repeats and --threads must be positive")
     if args.together and len(os.sched_getaffinity(0)) < 2:
         p.error("--together needs 2 cores")
+    args.ours, args.stock, args.config = OBJECTIVES[args.objective]
     return args
 
 
 # --------------------------------------------------------------------------- configs
 def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
-    """``tiny_full`` as our recipe reads it, with this benchmark's settings, fully resolved."""
+    """``args.config`` as our recipe reads it, with this benchmark's settings, fully resolved."""
     from omegaconf import OmegaConf
 
     from adaptive_batching.config.loading import load_config
 
-    cfg = load_config(CONFIG, [
+    cfg = load_config(args.config, [
         f"assets_dir={args.assets}",
         f"output_dir={output_dir}",
         f"tokenizer.max_seq_len={SEQ_LEN}",
@@ -114,14 +108,24 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
     return out
 
 
-def stock_config(ours: dict[str, Any]) -> tuple[dict[str, Any], list[str]]:
+def stock_keys(recipe: str) -> set[str]:
+    """The top-level keys torchtune's ``recipe`` reads (``cfg.x``, ``cfg.get("x")``), from its source."""
+    import torchtune
+
+    source = (Path(torchtune.__file__).parent.parent / "recipes" / f"{recipe}.py").read_text()
+    return {a or b for a, b in re.findall(r"\bcfg\.(?:get\(\s*[\"'](\w+)|(?!get\b)(\w+))", source)}
+
+
+def stock_config(ours: dict[str, Any], recipe: str) -> tuple[dict[str, Any], list[str]]:
     """The stock recipe's config from ours: the keys it reads, plus the ones it requires switched off."""
-    out = {k: v for k, v in ours.items() if k in STOCK_KEYS}
-    dropped = sorted(k for k in ours if k not in STOCK_KEYS)
+    keys = stock_keys(recipe)
+    out = {k: v for k, v in ours.items() if k in keys}
     for key, value in STOCK_REQUIRED.items():
-        out.setdefault(key, value)
-    out["profiler"] = dict(STOCK_REQUIRED["profiler"], output_dir=str(Path(out["output_dir"]) / "profiling_outputs"))
-    return out, dropped
+        if key in keys:
+            out.setdefault(key, value)
+    if "profiler" in keys:
+        out["profiler"] = dict(STOCK_REQUIRED["profiler"], output_dir=str(Path(out["output_dir"]) / "profiling_outputs"))
+    return out, sorted(set(ours) - keys)
 
 
 def write_yaml(data: dict[str, Any], path: Path) -> Path:
@@ -188,9 +192,9 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
         output_dir = args.workdir / "runs" / tag
         ours = ours_config(args, output_dir, epochs=1, steps_per_epoch=total)
         if name == "ours":
-            recipe, cfg = OURS_RECIPE, ours
+            recipe, cfg = args.ours, ours
         else:
-            recipe, (cfg, dropped) = STOCK_RECIPE, stock_config(ours)
+            recipe, (cfg, dropped) = args.stock, stock_config(ours, args.stock)
         # together: the two share a time window, each on its own core, the cores swapped every repeat
         cpu = cores[(i + (name == "ours")) % 2] if args.together else None
         log(f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps"
@@ -263,7 +267,7 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
     function = {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}
     cfg["batch_increase_function"] = function
     log(f"epoch-switch run: ours, {SWITCH_EPOCHS} epochs x {SWITCH_STEPS} steps, batch_increase_function = {function}")
-    result = run_recipe(args, tag, OURS_RECIPE, cfg)
+    result = run_recipe(args, tag, args.ours, cfg)
     shutil.rmtree(output_dir, ignore_errors=True)
     lines = [line.strip() for line in result["output"].splitlines() if "Epoch switch" in line]
     took = [float(m.group(1)) for line in lines if (m := SWITCH_LINE.search(line))]
@@ -288,7 +292,7 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
 def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
     rows = []
     medians: dict[str, Optional[float]] = {}
-    for name, recipe in (("ours", OURS_RECIPE), ("stock", STOCK_RECIPE)):
+    for name, recipe in (("ours", args.ours), ("stock", args.stock)):
         runs = measured["runs"][name]
         figures = [r["steps_per_second"] for r in runs if r["steps_per_second"] is not None]
         medians[name] = statistics.median(figures) if figures else None
@@ -349,7 +353,7 @@ def print_switch(switch: Optional[dict[str, Any]]) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
-        return tune_child(argv[1], argv[2:], figures)
+        return tune_child(argv[1], argv[2:], figures, same_adapters=True)
     args = parse_args(argv)
     print(f"$ {shlex.join([sys.executable, *sys.argv])}", flush=True)
     with work_dir(args.workdir, "recipe_vs_torchtune_") as args.workdir:
@@ -357,7 +361,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         figures_ = {"settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                  "batch_size": BATCH, "seq_len": SEQ_LEN, "seed": SEED, "threads": args.threads,
-                                 "config": CONFIG, "compile": args.compile, "together": args.together},
+                                 "config": args.config, "objective": args.objective, "compile": args.compile, "together": args.together},
                     "bar_ratio": BAR_RATIO}
         measured = throughput_runs(args)
         summary = summarise(args, measured)
@@ -367,9 +371,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         figures_["pair_ratios"] = pair_ratios(runs) if args.together else None
         figures_["pair_step_ratios"] = pair_ratios(runs, "median_step_rate") if args.together else None
         switch = figures_["epoch_switch"] = None if args.no_switch else switch_run(args)
-    name = "recipe-vs-torchtune" + ("-compiled" if args.compile else "") + ("-together" if args.together else "")
+    name = "recipe-vs-torchtune" + ("-dpo" if args.objective == "dpo" else "") + ("-compiled" if args.compile else "") + ("-together" if args.together else "")
     with report(name if args.publish else None):
-        print(f"{CONFIG}, batch {BATCH} x 1, seq {SEQ_LEN}, fp32, cpu, {args.threads} thread(s), seed {SEED}"
+        print(f"{args.config}, batch {BATCH} x 1, seq {SEQ_LEN}, fp32, cpu, {args.threads} thread(s), seed {SEED}"
               + (", compile=True" if args.compile else "")
               + (", each repeat's two runs at the same time on their own cores" if args.together else "")
               + f"; {args.warmup} warm-up + {args.steps} measured steps per run")

@@ -98,6 +98,17 @@ def test_recipe_vs_torchtune_together(recipe_vs_torchtune: tuple[dict, str]) -> 
     assert "measured windows of each pair overlap" in out and "the pairs' medians" in out
 
 
+def test_recipe_vs_torchtune_dpo(tmp_path: Path) -> None:
+    js = tmp_path / "dpo.json"
+    out = script("recipe_vs_torchtune.py", "--objective", "dpo", "--steps", "1", "--warmup", "1", "--repeats", "1",
+                 "--no-switch", "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    figures = json.loads(js.read_text())
+    # the adapters drawn from one generator in both: stock's losses bit for bit
+    assert figures["same_computation"]["loss"] == {"steps": 2, "max_abs_diff": 0.0, "max_rel_diff": 0.0}
+    assert "| ours: adaptive_lora_dpo | 1 |" in out and "| stock: lora_dpo_single_device | 1 |" in out
+    assert "save_adapter_weights_only" not in figures["dropped_keys"]  # stock's LoRA recipe reads it
+
+
 def test_token_budget_vs_fixed(tmp_path: Path) -> None:
     out = script("token_budget_vs_fixed.py", "--samples", "40", "--repeats", "1", "--threads", "1", cwd=tmp_path)
     assert "| token budget, " in out
@@ -121,16 +132,19 @@ def test_clean_exits(tmp_path: Path) -> None:
     assert record["setting"] == "saves" and record["exit"] == 0 and record["unclean"] is None
 
 
-def test_profiler_whole_process_limit(tmp_path: Path) -> None:
+@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16", "32"]), ("dpo", 8, ["8"])])
+def test_profiler_whole_process_limit(tmp_path: Path, objective: str, start: int, trials: list[str]) -> None:
     js = tmp_path / "limit.json"
     # about 600 MiB above what a run takes before training (1.9 GiB here): room for a machine that takes more;
-    # two fresh processes (16 and 32 samples, about 90 and 180 MiB of it) instead of the whole bisection
-    script("profiler_whole_process_limit.py", "--limit-gib", "2.5", "--start", "16", "--fresh-trials", "2",
-           "--repeats", "1", "--launchers", "python", "--json", str(js), cwd=tmp_path)
+    # a few fresh processes (16 and 32 samples, about 90 and 180 MiB of it; 8 pairs, about 130 MiB) instead of
+    # the whole bisection
+    script("profiler_whole_process_limit.py", "--objective", objective, "--limit-gib", "2.5", "--start", str(start),
+           "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--json", str(js),
+           cwd=tmp_path)
     result = json.loads(js.read_text())
     (run,) = result["runs"]
-    assert run["returncode"] == 0 and run["max_micro_batch"] >= 1
-    assert result["fresh_python_trials"] == ["16", "32"] and result["fresh_python_max"] == 32
+    assert result["objective"] == objective and run["returncode"] == 0 and run["max_micro_batch"] >= 1
+    assert result["fresh_python_trials"] == trials and result["fresh_python_max"] == int(trials[-1])
 
 
 def test_profiler_vs_peers(tmp_path: Path) -> None:

@@ -611,10 +611,14 @@ RUN_BY: dict[str, tuple[str, str]] = {
     **{f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, the python launcher")
        for extra in ("--tolerance 0.01", "--optimizer-in-bwd")},
+    "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 --publish": (
+        "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, 1 fresh process"),
     "python benchmarks/recipe_vs_torchtune.py --repeats 12 --steps 100 --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --compile --warmup 20 --repeats 10 --steps 150 --no-switch --together "
     "--publish": ("tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat"),
+    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --publish": (
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
         "tests/test_benchmarks.py::test_step_overhead", "smallest size: 2 steps, settings none and stop"),
