@@ -165,6 +165,7 @@ def test_a_token_budget_counts_a_pairs_two_sequences_at_the_longer_ones_length()
     from adaptive_batching.core.steps import StepMemory
     from adaptive_batching.runtime.distributed import ParallelInfo
 
+    check_lora_dpo(load_config("tiny_lora_dpo", ["adaptive_batching.max_tokens=2048"]))  # accepted
     pairs = [_pair([1] * 5, [2] * 9), _pair([3] * 12, [4] * 2), _pair([5] * 3, [6] * 3), _pair([7] * 4, [8] * 6),
              _pair([9] * 2, [1] * 2)]
     collate = PairCollate(pad_id=0)

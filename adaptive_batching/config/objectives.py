@@ -168,9 +168,9 @@ _PAIR_LOSSES = ("DPOLoss", "RSOLoss")
 
 
 def _check_pairs(cfg: DictConfig, recipe: str) -> None:
-    """What neither DPO recipe can train: a loss that is not a preference loss over log-probabilities, packed data
-    (a pair's chosen and rejected answers are two sequences padded to each other) and a token budget (it does not
-    yet count a pair's two sequences)."""
+    """What neither DPO recipe can train: a loss that is not a preference loss over log-probabilities and packed
+    data (a pair's chosen and rejected answers are two sequences padded to each other). A token budget applies: it
+    counts a pair's two sequences (``batching.token_sampler.budget_lengths``)."""
     loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "")
     if loss.rsplit(".", 1)[-1] not in _PAIR_LOSSES:
         raise ConfigError(f"config key 'loss._component_' = {loss!r}: {recipe} trains with "
@@ -180,9 +180,6 @@ def _check_pairs(cfg: DictConfig, recipe: str) -> None:
         if isinstance(part, dict) and part.get("packed", False):
             raise ConfigError("config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen "
                               "and rejected answers are two sequences padded to each other; set it to False")
-    if OmegaConf.select(cfg, "adaptive_batching.max_tokens", default=None) is not None:
-        raise ConfigError("config key 'adaptive_batching.max_tokens': a token budget does not yet count a "
-                          f"preference pair's two sequences in {recipe}; set it to null")
 
 
 def check_lora_dpo(cfg: DictConfig) -> None:
