@@ -132,8 +132,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     cfg = load_config(args.config, args.overrides)
     with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
         trainer.setup()
-        trainer.profile()
-        trainer.make_plan()
+        trainer.make_plan(trainer.profile())
     return 0
 
 

@@ -115,13 +115,13 @@ def plain_step(trainer: Any, micro_batch: int) -> None:
     from adaptive_batching.batching.data import worst_case_batch
 
     try:
-        batch = worst_case_batch(trainer.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
-                                 vocab_size=trainer.tokenizer.vocab_size, packed=trainer.packed)
-        _, tokens = trainer.runner.forward_backward(batch)
+        batch = worst_case_batch(trainer.parts.collate, micro_batch=micro_batch, seq_len=trainer.seq_len,
+                                 vocab_size=trainer.parts.data.tokenizer.vocab_size, packed=trainer.parts.data.packed)
+        _, tokens = trainer.parts.runner.forward_backward(batch)
         del batch
-        trainer.runner.apply_gradients(tokens)
+        trainer.parts.runner.apply_gradients(tokens)
     finally:
-        trainer.optimizer.zero_grad(set_to_none=True)
+        trainer.parts.optimizer.zero_grad(set_to_none=True)
 
 
 def _describe_error(error: BaseException) -> str:
@@ -165,16 +165,16 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
     from adaptive_batching.batching.sampler import epoch_extent
 
-    plan = trainer.make_plan()
-    first = plan.entries[0].shape
+    schedule = trainer.make_plan(result)
+    first = schedule.plan.entries[0].shape
     epoch: dict[str, Any] = {"micro_batch": first.micro_batch, "capped": False,
-                             "steps_planned": epoch_extent(len(trainer.dataset), first.global_batch, None)[0]}
+                             "steps_planned": epoch_extent(len(trainer.parts.data.dataset), first.global_batch, None)[0]}
     if args.epoch_time_cap > 0:
         signal.signal(signal.SIGALRM, _epoch_time_cap_reached)
         signal.setitimer(signal.ITIMER_REAL, args.epoch_time_cap)
     t0 = time.perf_counter()
     try:
-        trainer.train(plan)
+        trainer.train(schedule)
         epoch.update(ok=True, steps=trainer.global_step)
     except EpochTimeCap:
         epoch.update(ok=True, capped=True, steps=trainer.global_step)
@@ -255,13 +255,13 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
     trainer = build_trainer(args, "lightning")
-    seq_len, vocab = trainer.seq_len, trainer.tokenizer.vocab_size
+    seq_len, vocab = trainer.seq_len, trainer.parts.data.tokenizer.vocab_size
 
     class WorstCaseSamples(Dataset):
         """Full-length samples, labels = tokens (every token in the loss), as many as the real data set."""
 
         def __len__(self) -> int:
-            return len(trainer.dataset)
+            return len(trainer.parts.data.dataset)
 
         def __getitem__(self, index: int) -> dict[str, list[int]]:
             generator = torch.Generator().manual_seed(index)
@@ -271,24 +271,24 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
     class TunedModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = trainer.model
+            self.net = trainer.parts.model
             self.batch_size = 2  # the tuner sets this attribute
             self.automatic_optimization = False  # the trainer's own step; Lightning counts opt.step()
             self.trials: list[dict[str, Any]] = []
 
         def train_dataloader(self) -> DataLoader:
             return DataLoader(WorstCaseSamples(), batch_size=self.batch_size, shuffle=False,
-                              collate_fn=trainer.collate, num_workers=0)
+                              collate_fn=trainer.parts.collate, num_workers=0)
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return trainer.optimizer
+            return trainer.parts.optimizer
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             step = {"micro_batch": int(batch["tokens"].shape[0]), "ok": False}
             self.trials.append(step)
             optimizer = self.optimizers()
             try:
-                _, tokens = trainer.runner.forward_backward(batch)
+                _, tokens = trainer.parts.runner.forward_backward(batch)
                 del batch
                 # What StepRunner.apply_gradients does on one rank without clipping, with the
                 # optimizer step going through Lightning so that it counts the step.

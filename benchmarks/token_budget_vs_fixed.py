@@ -29,19 +29,19 @@ BUDGET = "512MiB"  # adaptive_batching.memory_budget of both
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
     """A run that records the wall time of its training loop."""
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training import hooks
 
     timing: dict[str, Any] = {}
-    original = Trainer.train_epoch
 
-    def timed(self: Any, epoch: int) -> Any:
-        start = time.perf_counter()
-        stats = original(self, epoch)
-        timing["seconds"] = time.perf_counter() - start
-        timing["steps"] = self.feed.epoch_steps
-        return stats
+    class EpochTimer(hooks.TrainerHooks):
+        def before_epoch(self, trainer: Any, epoch: int) -> None:
+            timing["start"] = time.perf_counter()
 
-    Trainer.train_epoch = timed
+        def after_epoch(self, trainer: Any, epoch: int) -> None:
+            timing["seconds"] = time.perf_counter() - timing.pop("start")
+            timing["steps"] = trainer.feed.epoch_steps
+
+    hooks.install(EpochTimer())
     sys.argv = [module, *argv]
     try:
         importlib.import_module(module).recipe_main()

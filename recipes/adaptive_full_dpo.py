@@ -31,8 +31,8 @@ def recipe_main(cfg: DictConfig) -> None:
     check_full_dpo(cfg)
     with Trainer(cfg, settings, FullFinetune(), FullDPO()) as trainer:
         trainer.setup()
-        trainer.profile()
-        trainer.train(trainer.make_plan())
+        profile = trainer.profile()
+        trainer.train(trainer.make_plan(profile))
 
 
 if __name__ == "__main__":

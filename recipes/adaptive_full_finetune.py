@@ -26,8 +26,8 @@ def recipe_main(cfg: DictConfig) -> None:
     settings = validate_config(cfg, "adaptive_full_finetune")
     with Trainer(cfg, settings, FullFinetune()) as trainer:
         trainer.setup()
-        trainer.profile()
-        trainer.train(trainer.make_plan())
+        profile = trainer.profile()
+        trainer.train(trainer.make_plan(profile))
 
 
 if __name__ == "__main__":

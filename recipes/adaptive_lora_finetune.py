@@ -27,8 +27,8 @@ def recipe_main(cfg: DictConfig) -> None:
     adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
     with Trainer(cfg, settings, adapters) as trainer:
         trainer.setup()
-        trainer.profile()
-        trainer.train(trainer.make_plan())
+        profile = trainer.profile()
+        trainer.train(trainer.make_plan(profile))
 
 
 if __name__ == "__main__":

@@ -16,16 +16,14 @@ import sys
 
 def main() -> None:
     crash_after, module_name, *argv = sys.argv[1:]
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training import hooks
 
-    original = Trainer.train_step
+    class Crash(hooks.TrainerHooks):
+        def before_step(self, trainer, micro_batches):  # type: ignore[no-untyped-def]
+            if trainer.global_step == int(crash_after):
+                os._exit(17)
 
-    def train_step(self, micro_batches):  # type: ignore[no-untyped-def]
-        if self.global_step == int(crash_after):
-            os._exit(17)
-        return original(self, micro_batches)
-
-    Trainer.train_step = train_step
+    hooks.install(Crash())
     sys.argv = [module_name, *argv]
     importlib.import_module(module_name).recipe_main()
 

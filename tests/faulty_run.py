@@ -42,6 +42,7 @@ import sys
 import time
 import types
 import weakref
+from typing import Any, Callable
 
 import torch
 
@@ -64,12 +65,11 @@ def main() -> None:
     kill_after = fault.get("kill_after")
     optimizer_failures = [int(fault.get("times", 1))]
 
-    import adaptive_batching.training.objectives as objectives
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training import hooks
 
     rank = int(os.environ.get("RANK", 0))
     failing_rank = only_rank is None or int(only_rank) == rank
-    state = {"pending": [], "steps": [], "ids": {}}
+    state: dict[str, Any] = {"pending": [], "steps": [], "ids": {}, "taken": []}
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     record = f"{record_prefix}rank{rank}{f'-restart{attempt}' if attempt else ''}.json"
     with open(f"{record_prefix}rank{rank}-attempt{attempt}.start", "w") as f:
@@ -78,108 +78,112 @@ def main() -> None:
         f.write(open("/proc/self/stat").read())  # a forked worker has the fork server's command line
     if attempt:  # faults hit the first attempt only; a torchrun restart runs clean
         phase, kill_after, fault = "none", None, {k: v for k, v in fault.items() if k != "kill_in_save"}
+    signal_number = getattr(signal, fault["signal"]) if "signal_at" in fault and failing_rank else None
+    sent: list[int] = []
 
     def oom(where: str) -> torch.OutOfMemoryError:
         return torch.OutOfMemoryError(f"injected: {where} out of memory (rank {rank})")
 
-    original_loss = objectives.summed_token_loss
+    class FaultHooks(hooks.TrainerHooks):
+        """The faults of FAULT_JSON, through the trainer's public hooks."""
 
-    def summed_token_loss(model, loss_fn, batch, *rest):  # type: ignore[no-untyped-def]
-        self = state["trainer"]()  # a weak reference: the harness must not keep the run (and its process group) alive
-        affected = failing_rank and from_step <= self.global_step + 1 <= to_step and batch["tokens"].shape[0] > above
-        if affected and phase == "forward":
-            raise oom("forward")
-        loss, tokens = original_loss(model, loss_fn, batch, *rest)
-        if affected and phase == "backward":
-            def fail(grad):  # type: ignore[no-untyped-def]
-                raise oom("backward")
-            loss.register_hook(fail)
-        return loss, tokens
+        def __init__(self) -> None:
+            self.trainer: Callable[[], Any] = lambda: None
+            self.affected, self.send_in_profile = False, lambda: None
 
-    objectives.summed_token_loss = summed_token_loss
+        def next_step_affected(self) -> bool:
+            trainer = self.trainer()
+            return failing_rank and trainer is not None and from_step <= trainer.global_step + 1 <= to_step
 
-    original_setup = Trainer.setup
+        def collate(self, inner):  # type: ignore[no-untyped-def]
+            ids = state["ids"]
 
-    def setup(self):  # type: ignore[no-untyped-def]
-        state["trainer"] = weakref.ref(self)
-        original_setup(self)
-        ids = {}
-        for i in range(len(self.dataset)):
-            key = tuple(self.dataset[i]["tokens"])
-            assert key not in ids, "the test dataset must not hold two identical samples"
-            ids[key] = i
-        inner = self.collate
+            def collate(samples):  # type: ignore[no-untyped-def]
+                # The profiler's synthetic worst-case samples are not in the dataset: not recorded.
+                state["pending"].extend(ids[key] for sample in samples if (key := sample_key(sample)) in ids)
+                return inner(samples)
 
-        def collate(samples):  # type: ignore[no-untyped-def]
-            # The profiler's synthetic worst-case samples are not in the dataset: not recorded.
-            state["pending"].extend(ids[key] for sample in samples if (key := tuple(sample["tokens"])) in ids)
-            return inner(samples)
+            return collate
 
-        self.collate = self.batching.data.collate = collate
-        if phase == "embedding_backward":
-            def hook_embedding(module, args, output):  # type: ignore[no-untyped-def]
-                if failing_rank and from_step <= self.global_step + 1 <= to_step and output.shape[0] > above \
-                        and output.requires_grad:
-                    def fail(grad):  # type: ignore[no-untyped-def]
-                        raise oom("embedding backward")
-                    output.register_hook(fail)
-            self.model.tok_embeddings.register_forward_hook(hook_embedding)
-        optimizer_step = self.optimizer.step
+        def before_setup(self, trainer):  # type: ignore[no-untyped-def]
+            self.trainer = weakref.ref(trainer)  # weak: the harness must not keep the run (and its process group) alive
 
-        def step(optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
-            if phase == "optimizer" and failing_rank and from_step <= self.global_step + 1 <= to_step \
-                    and optimizer_failures[0] > 0 and not self.guard.armed:
-                optimizer_failures[0] -= 1
-                raise oom("optimizer step")
-            return optimizer_step(*args, **kwargs)
+        def after_setup(self, trainer):  # type: ignore[no-untyped-def]
+            dataset, ids = trainer.parts.data.dataset, state["ids"]
+            for i in range(len(dataset)):
+                key = sample_key(dataset[i])
+                assert key not in ids, "the test dataset must not hold two identical samples"
+                ids[key] = i
+            state["pending"] = []
+            if phase == "embedding_backward":
+                def hook_embedding(module, args, output):  # type: ignore[no-untyped-def]
+                    if self.next_step_affected() and output.shape[0] > above and output.requires_grad:
+                        def fail(grad):  # type: ignore[no-untyped-def]
+                            raise oom("embedding backward")
+                        output.register_hook(fail)
+                trainer.parts.model.tok_embeddings.register_forward_hook(hook_embedding)
+            optimizer = trainer.parts.optimizer
+            optimizer_step = optimizer.step
 
-        self.optimizer.step = types.MethodType(step, self.optimizer)  # bound: LR schedulers wrap it
-        if "room_mib" in fault:
-            limit = virtual_size_bytes() + int(fault["room_mib"]) * 2**20
-            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+            def step(optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
+                if phase == "optimizer" and self.next_step_affected() and optimizer_failures[0] > 0 \
+                        and not trainer.guard.armed:
+                    optimizer_failures[0] -= 1
+                    raise oom("optimizer step")
+                return optimizer_step(*args, **kwargs)
 
-    Trainer.setup = setup
-    original_step = Trainer.train_step
+            optimizer.step = types.MethodType(step, optimizer)  # bound: LR schedulers wrap it
+            if "room_mib" in fault:
+                limit = virtual_size_bytes() + int(fault["room_mib"]) * 2**20
+                resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 
-    def train_step(self, micro_batches):  # type: ignore[no-untyped-def]
-        taken, state["pending"] = state["pending"], []
-        result = original_step(self, micro_batches)
-        if result is not None:
-            state["steps"].append({"step": self.global_step + 1, "epoch": self.progress.epochs_run, "samples": taken})
+        def before_forward(self, batch):  # type: ignore[no-untyped-def]
+            self.affected = self.next_step_affected() and batch["tokens"].shape[0] > above
+            if self.affected and phase == "forward":
+                raise oom("forward")
+
+        def after_loss(self, loss):  # type: ignore[no-untyped-def]
+            if self.affected and phase == "backward":
+                def fail(grad):  # type: ignore[no-untyped-def]
+                    raise oom("backward")
+                loss.register_hook(fail)
+
+        def before_step(self, trainer, micro_batches):  # type: ignore[no-untyped-def]
+            state["taken"], state["pending"] = state["pending"], []
+
+        def after_step(self, trainer, stats):  # type: ignore[no-untyped-def]
+            if stats is None:
+                return
+            step = trainer.global_step + 1
+            state["steps"].append({"step": step, "epoch": trainer.progress.epochs_run, "samples": state["taken"]})
             with open(record, "w") as f:
                 json.dump(state["steps"], f)
-            if kill_after is not None and self.global_step + 1 == int(kill_after) and failing_rank:
+            if kill_after is not None and step == int(kill_after) and failing_rank:
                 os.kill(os.getpid(), signal.SIGKILL)
-        return result
+            if signal_number is not None and step == int(fault["signal_at"]):
+                sent.append(signal_number)
+                to = fault.get("to", "self")
+                os.kill(os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:")
+                        else os.getpid(), signal_number)
 
-    Trainer.train_step = train_step
-    if "signal_at" in fault and failing_rank:
-        number, at = getattr(signal, fault["signal"]), int(fault["signal_at"])
-        to = fault.get("to", "self")
-        target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
-        counted_step, sent = Trainer.train_step, []
+        def before_trial(self, micro_batch):  # type: ignore[no-untyped-def]
+            self.send_in_profile()
 
-        def signalling_step(self, micro_batches):  # type: ignore[no-untyped-def]
-            result = counted_step(self, micro_batches)
-            if result is not None and self.global_step + 1 == at:
-                sent.append(number)
-                os.kill(target, number)
-            return result
+    fault_hooks = FaultHooks()
+    hooks.install(fault_hooks)
+    if signal_number is not None and fault.get("again_in_save"):
+        import adaptive_batching.faults.checkpoints as checkpoints
 
-        Trainer.train_step = signalling_step
-        if fault.get("again_in_save"):
-            import adaptive_batching.faults.checkpoints as checkpoints
+        write_marker = checkpoints._write_marker
 
-            write_marker = checkpoints._write_marker
+        def signalled_write_marker(*args, **kwargs):  # type: ignore[no-untyped-def]
+            if sent:
+                os.kill(os.getpid(), signal_number)  # the scheduler's second signal, while the stop's save runs
+            return write_marker(*args, **kwargs)
 
-            def signalled_write_marker(*args, **kwargs):  # type: ignore[no-untyped-def]
-                if sent:
-                    os.kill(os.getpid(), number)  # the scheduler's second signal, while the stop's save runs
-                return write_marker(*args, **kwargs)
-
-            checkpoints._write_marker = signalled_write_marker
+        checkpoints._write_marker = signalled_write_marker
     if "signal_in" in fault and failing_rank:
-        signal_in(fault, state, f"{record_prefix}signalled")
+        fault_hooks.send_in_profile = signal_in(fault, lambda: fault_hooks.trainer(), f"{record_prefix}signalled")
     if "kill_in_save" in fault:
         import adaptive_batching.faults.checkpoints as checkpointing
 
@@ -196,16 +200,19 @@ def main() -> None:
     importlib.import_module(module_name).recipe_main()
 
 
-def signal_in(fault: dict, state: dict, once_file: str) -> None:
-    """Send ``fault["signal"]`` as the phase ``fault["signal_in"]`` begins (see the module docstring)."""
+def signal_in(fault: dict, trainer: Callable[[], Any], once_file: str) -> Callable[[], None]:
+    """Send ``fault["signal"]`` as the phase ``fault["signal_in"]`` begins (see the module docstring): the token
+    counts and the compile step are met in the library's functions; for the profile's first trial step, the
+    returned callable sends it (the hooks call it before each trial step; it sends once)."""
     import adaptive_batching.batching.worst_case as worst_case
     import adaptive_batching.profiling.run as profiling_run
     from adaptive_batching.faults.preemption import run_pending_handlers
-    from adaptive_batching.training.trainer import Trainer
 
     number, to, phase = getattr(signal, fault["signal"]), fault.get("to", "self"), fault["signal_in"]
+    if phase not in ("token_counts", "profile", "compile"):
+        raise ValueError(f"signal_in: {phase!r} is not token_counts, profile or compile")
     if fault.get("once") and os.path.exists(once_file):
-        return
+        return lambda: None
 
     sent: list[int] = []
 
@@ -217,11 +224,11 @@ def signal_in(fault: dict, state: dict, once_file: str) -> None:
             open(once_file, "w").close()
         target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
         os.kill(target, number)
-        trainer, deadline = state["trainer"](), time.monotonic() + 120
-        while trainer.preemption.received is None and time.monotonic() < deadline:
+        run, deadline = trainer(), time.monotonic() + 120
+        while run.preemption.received is None and time.monotonic() < deadline:
             run_pending_handlers()
             time.sleep(0.01)
-        assert trainer.preemption.received is not None, f"{fault['signal']} sent to {to} never reached this process"
+        assert run.preemption.received is not None, f"{fault['signal']} sent to {to} never reached this process"
 
     def sending(function):  # type: ignore[no-untyped-def]
         def call(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -231,12 +238,16 @@ def signal_in(fault: dict, state: dict, once_file: str) -> None:
 
     if phase == "token_counts":
         worst_case.sequence_lengths = sending(worst_case.sequence_lengths)
-    elif phase == "profile":
-        Trainer.trial_step = sending(Trainer.trial_step)
     elif phase == "compile":
         profiling_run._compile_first = sending(profiling_run._compile_first)
-    else:
-        raise ValueError(f"signal_in: {phase!r} is not token_counts, profile or compile")
+    return send if phase == "profile" else lambda: None
+
+
+def sample_key(sample: dict) -> tuple:
+    """A data set sample's tokens (a preference pair's two sequences), to find it by."""
+    if "tokens" in sample:
+        return tuple(sample["tokens"])
+    return tuple(sample["chosen_input_ids"]), tuple(sample["rejected_input_ids"])
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def main() -> int:
     limit = virtual_size_bytes() + int(room_mib) * 2**20
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     result = trainer.profile()
-    trainer.train(trainer.make_plan())
+    trainer.train(trainer.make_plan(result))
     print(json.dumps({"profile": result.to_dict(), "trained_steps": trainer.global_step,
                       "micro_batch": trainer.feed.batch.micro_batch}))
     return 0

@@ -26,6 +26,7 @@ from adaptive_batching.faults.oom import is_out_of_memory
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
+from adaptive_batching.training.hooks import TrainerHooks
 from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
@@ -88,6 +89,7 @@ class StepRunner:
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
     objective: TrainingObjective = field(default_factory=SupervisedFinetune)  # a micro batch's forward and loss
+    hooks: TrainerHooks = field(default_factory=TrainerHooks)  # before each forward, with each loss
     gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
     last_loss: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
 
@@ -220,7 +222,9 @@ class StepRunner:
         kernel between steps. Freed at once, they cost ours about 40% more page faults per step than stock's on CPU,
         and 1-3% of its speed (docs/benchmarks.md)."""
         utils.batch_to_device(batch, self.device)
+        self.hooks.before_forward(batch)
         loss, tokens = self.objective.micro_loss(self.model, self.loss_fn, batch, self.activations)
+        self.hooks.after_loss(loss)
         self.gradients.backward(loss, tokens)
         self.last_loss = loss
         return loss.detach(), tokens

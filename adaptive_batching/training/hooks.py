@@ -1,0 +1,87 @@
+"""The trainer's public seam: where a harness sees or changes a run (fault injection in tests, timing in benchmarks).
+
+A :class:`TrainerHooks` subclass overrides what it needs; every method here does nothing. Give one to the
+:class:`~adaptive_batching.training.trainer.Trainer` (``hooks=``), or :func:`install` one for the whole process
+before a recipe builds its trainer (a recipe run through ``tune run`` takes no arguments but its config). The
+hooks are plain calls: none reads a device value, so none makes the host wait for the device.
+
+Where each is called, in the order a run meets them:
+
+- :meth:`~TrainerHooks.before_setup` as set-up begins, and :meth:`~TrainerHooks.after_setup` at its end, every
+  part built (``trainer.parts``), before the profile;
+- :meth:`~TrainerHooks.collate` once in set-up, when the collate is built: the collate the run then uses
+  everywhere (training, the profiler's trial steps); a hook may wrap it, to see which samples each step takes;
+- :meth:`~TrainerHooks.before_trial` before each trial step (the profiler's, and growth's checks of a batch);
+- :meth:`~TrainerHooks.before_train` and :meth:`~TrainerHooks.after_train` around the whole training;
+- :meth:`~TrainerHooks.before_epoch` and :meth:`~TrainerHooks.after_epoch` around an epoch's step loop (after
+  its batch switch, before its save);
+- :meth:`~TrainerHooks.before_step` before each optimizer step, ``trainer.global_step`` steps done;
+- :meth:`~TrainerHooks.before_forward` and :meth:`~TrainerHooks.after_loss` for each micro batch, in training and
+  trial steps alike: before its forward (its tensors on the device) and with its loss, before its backward (a hook
+  may raise ``torch.OutOfMemoryError`` here, or register a tensor hook that raises in the backward);
+- :meth:`~TrainerHooks.after_step` after each optimizer step, before the trainer counts it (``trainer.global_step``
+  is still the step before), with its statistics, or None when it ran out of memory and is served again.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from adaptive_batching.training.stepping import StepStats
+    from adaptive_batching.training.trainer import Trainer
+
+
+class TrainerHooks:
+    """No-op hooks (see the module docstring for where each is called)."""
+
+    def before_setup(self, trainer: Trainer) -> None:
+        pass
+
+    def collate(self, collate: Callable) -> Callable:
+        return collate
+
+    def after_setup(self, trainer: Trainer) -> None:
+        pass
+
+    def before_trial(self, micro_batch: int) -> None:
+        pass
+
+    def before_train(self, trainer: Trainer) -> None:
+        pass
+
+    def after_train(self, trainer: Trainer) -> None:
+        pass
+
+    def before_epoch(self, trainer: Trainer, epoch: int) -> None:
+        pass
+
+    def after_epoch(self, trainer: Trainer, epoch: int) -> None:
+        pass
+
+    def before_step(self, trainer: Trainer, micro_batches: list[dict[str, Any]]) -> None:
+        pass
+
+    def before_forward(self, batch: dict[str, torch.Tensor]) -> None:
+        pass
+
+    def after_loss(self, loss: torch.Tensor) -> None:
+        pass
+
+    def after_step(self, trainer: Trainer, stats: Optional[StepStats]) -> None:
+        pass
+
+
+_installed: list[TrainerHooks] = [TrainerHooks()]
+
+
+def install(hooks: TrainerHooks) -> None:
+    """Make ``hooks`` those of every trainer built from now on in this process without its own."""
+    _installed[0] = hooks
+
+
+def installed() -> TrainerHooks:
+    """The hooks :func:`install` set (no-op hooks if none)."""
+    return _installed[0]
