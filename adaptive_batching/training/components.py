@@ -14,6 +14,7 @@ from torchtune import config
 from torchtune.modules import common_utils
 
 from adaptive_batching.batching.data import DEFAULT_COLLATE, build_dataset
+from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import TrainingObjective
@@ -86,5 +87,21 @@ def build_frozen_copy(cfg: DictConfig, key: str, options: ModelOptions, *, devic
     (without activation checkpointing: nothing is saved for a backward)."""
     with building(key):
         weights = config.instantiate(cfg[key], should_load_recipe_state=False).load_checkpoint()
-        return build_model(cfg.model, FrozenWeights(key), weights, device=device, dtype=dtype, parallel=parallel,
-                           options=replace(options, activation_checkpointing=False), is_rank_zero=is_rank_zero)
+        model = build_model(cfg.model, FrozenWeights(key), weights, device=device, dtype=dtype, parallel=parallel,
+                            options=replace(options, activation_checkpointing=False), is_rank_zero=is_rank_zero)
+    logs.info(describe_frozen_copy(model, key, parallel.world_size))
+    return model
+
+
+def describe_frozen_copy(model: nn.Module, key: str, ranks: int) -> str:
+    """One line: what the frozen copy costs, all its weights and those this rank holds (a shard under FSDP2)."""
+    whole = sum(param.numel() * param.element_size() for param in model.parameters())
+    here = sum(_local(param).numel() * param.element_size() for param in model.parameters())
+    where = f", {here / 2**20:.3f} MiB on this rank (sharded over {ranks} ranks as the policy)" if ranks > 1 else ""
+    return (f"Reference model ({key}): a frozen copy of the model, {whole / 2**20:.3f} MiB of weights{where}; "
+            "no gradients, eval mode, in no optimizer or checkpoint")
+
+
+def _local(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's local shard (a DTensor's), else itself."""
+    return param.to_local() if hasattr(param, "to_local") else param
