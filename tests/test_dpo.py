@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from config_edits import CONFIGS, TINY_CHECKPOINTER_KEYS, TINY_NODES
+from omegaconf import OmegaConf
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.models.llama3 import lora_llama3
 from torchtune.rlhf.loss import DPOLoss
@@ -235,3 +237,52 @@ def test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits
     assert "worst-case samples of 256 tokens" in result.stderr
     step = read_metrics(out / "logs")[0]
     assert step["micro_batch_size"] == int(chosen[2]) and "rewards/margins" in step
+
+
+# adaptive-batching's command line, printing the shape of each DPO micro batch it runs: what a profile's trials ran on.
+PROFILE_SHOWING_DPO_STEPS = """
+import sys
+from adaptive_batching.cli import main
+from adaptive_batching.training.objectives import LoRADPO
+
+step = LoRADPO.micro_loss
+
+def micro_loss(self, model, loss_fn, batch, activations):
+    print("DPO micro batch", tuple(batch["tokens"].shape), flush=True)
+    return step(self, model, loss_fn, batch, activations)
+
+LoRADPO.micro_loss = micro_loss
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@pytest.mark.e2e
+def test_a_tune_cp_copy_of_a_stock_dpo_config_profiles_dpo_steps_with_one_override(assets: Path,
+                                                                                   tmp_path: Path) -> None:
+    """``tune cp llama3_1/8B_lora_dpo_single_device X.yaml``, the copy pointed at the tiny model, tokenizer and pairs
+    (every other key as torchtune ships it: bf16, activation checkpointing, batch 4 x 8), then ``adaptive-batching
+    profile --config X.yaml use_maximum_batch_size=True``: each trial step is a DPO step on pairs of the data's
+    longest length."""
+    copy = tmp_path / "X.yaml"
+    copied = run_command("tune", ["cp", "llama3_1/8B_lora_dpo_single_device", str(copy)], cwd=tmp_path)
+    assert copied.returncode == 0, copied.stderr[-3000:]
+    cfg, ours = OmegaConf.load(copy), OmegaConf.load(CONFIGS / "tiny_lora_dpo.yaml")
+    assert cfg.model._component_ == "torchtune.models.llama3_1.lora_llama3_1_8b"
+    assert cfg.gradient_accumulation_steps == 8 and cfg.enable_activation_checkpointing
+    for node in TINY_NODES:
+        cfg[node] = ours[node]
+    for key in TINY_CHECKPOINTER_KEYS:
+        cfg.checkpointer[key] = OmegaConf.to_container(ours.checkpointer, resolve=False)[key]
+    cfg.assets_dir, cfg.output_dir, cfg.device = str(assets), str(tmp_path / "out"), "cpu"
+    OmegaConf.save(cfg, copy)
+    script = tmp_path / "profile_showing_dpo_steps.py"
+    script.write_text(PROFILE_SHOWING_DPO_STEPS)
+    result = run_command("script", [str(script), "profile", "--config", str(copy), "use_maximum_batch_size=True",
+                                    "adaptive_batching.memory_budget=24MiB", "tokenizer.max_seq_len=64",
+                                    f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((tmp_path / "out" / "profile" / "profile.json").read_text())
+    shapes = {(int(pairs), int(length)) for pairs, length in re.findall(r"DPO micro batch \((\d+), 2, (\d+)\)",
+                                                                         result.stdout)}
+    assert report["seq_len"] == 64 and report["micro_batch"] >= 1
+    assert shapes == {(trial["micro_batch"], 64) for trial in report["trials"]}
