@@ -578,6 +578,15 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "tune run adaptive_lora_dpo --config llama3_1/8B_lora_dpo_single_device use_maximum_batch_size=True": (
         "tests/test_dpo.py::test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo",
         "validated by name, with the override; the 8B weights are not on the test machine"),
+    "tune run adaptive_full_dpo --config tiny_full_dpo": (
+        "tests/test_full_dpo.py::parity_runs",
+        f"with {TINY}, 4 steps, shuffle off, through tests/full_dpo_parity_run.py (killed at step 2 and resumed)"),
+    "tune run --nproc_per_node 2 adaptive_full_dpo --config tiny_full_dpo use_maximum_batch_size=True": (
+        "tests/test_full_dpo.py::test_two_ranks_profile_with_the_reference_sharded_and_train",
+        f"with {TINY}, a 128 MiB budget, 2 steps"),
+    "tune run --nproc_per_node 8 adaptive_full_dpo --config llama3_1/8B_full_dpo use_maximum_batch_size=True": (
+        "tests/test_full_dpo.py::test_the_stock_full_dpo_config_validates_by_name_for_adaptive_full_dpo",
+        GPUS + " (2 ranks: test_two_ranks_profile_with_the_reference_sharded_and_train)"),
     "tune run adaptive_lora_finetune --config tiny_lora": (
         "tests/test_first_hour.py::test_the_lora_and_qlora_starts_print_no_warning",
         f"smallest size: {TINY}, one step"),
