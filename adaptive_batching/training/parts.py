@@ -1,4 +1,5 @@
-"""The parts of a run, built in one place (:func:`build_parts`, at the trainer's set-up), and the schedule its plan fixes."""
+"""The parts of a run, built in one place (:func:`build_parts`, at the trainer's set-up), and the schedule its plan
+fixes (:func:`build_schedule`)."""
 
 from __future__ import annotations
 
@@ -7,10 +8,12 @@ from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
+from torchtune import training
 
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR
+from adaptive_batching.batching.policy import Verifier
 from adaptive_batching.core.method import FinetuneMethod
-from adaptive_batching.core.nodes import building
+from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults.guard import StepGuard
@@ -18,9 +21,10 @@ from adaptive_batching.growth.growing import Growth
 from adaptive_batching.growth.plan import BatchPlan
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.components import Components, Data, build_components, build_data
+from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.hooks import TrainerHooks
 from adaptive_batching.training.optimizers import offloading
-from adaptive_batching.training.state import Checkpoints, check_resumable_on
+from adaptive_batching.training.state import Checkpoints, Progress, check_resumable_on
 from adaptive_batching.training.stepping import StepRunner
 
 
@@ -60,7 +64,7 @@ class Schedule:
 
 def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObjective, hooks: TrainerHooks, *,
                 resume: tuple[bool, Optional[str]], elastic: bool, guard: StepGuard, parallel: ParallelInfo,
-                device: torch.device, dtype: torch.dtype, oom_recovery: bool,
+                device: torch.device, oom_recovery: bool,
                 where: Callable[[], tuple[int, Optional[int], str]]) -> tuple[Parts, dict[str, Any]]:
     """Every part of a run, and the checkpoint its weights came from (a resumed run restores the rest from it).
 
@@ -72,6 +76,7 @@ def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObje
         checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, *resume)
     if resume[0]:
         check_resumable_on(checkpoint, parallel.world_size, elastic=elastic)
+    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
     components = build_components(cfg, method, objective, checkpoint, data, device=device, dtype=dtype,
                                   parallel=parallel, is_rank_zero=parallel.is_rank_zero)
     components.collate = hooks.collate(components.collate)
@@ -84,3 +89,16 @@ def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObje
                         activations=offloading(model, cfg.get("enable_activation_offloading", None)),
                         objective=objective, hooks=hooks)
     return Parts(data, components, runner, checkpoints, [group["lr"] for group in optimizer.param_groups]), checkpoint
+
+
+def build_schedule(cfg: DictConfig, parts: Parts, plan: BatchPlan, feed: Feed, progress: Progress, *,
+                   saved_lr: Optional[dict[str, Any]], total_steps: int, reference_global_batch: int, rule: str,
+                   verify: Verifier) -> Schedule:
+    """The schedule of ``plan`` (made): the config's LR schedule over ``total_steps`` reference steps, scaled by
+    ``rule`` for each step's global batch (``saved_lr``: a resumed run's state), which ``feed`` sets at each step;
+    and growth, which ``verify`` checks a larger batch with."""
+    lr = SampleDrivenLR.from_config(optional_component(cfg.get("lr_scheduler", None)), parts.optimizer, parts.base_lrs,
+                                    total_steps=total_steps, reference_global_batch=reference_global_batch, rule=rule,
+                                    state=saved_lr)
+    feed.follow(lr)
+    return Schedule(plan, lr, Growth(plan, feed, lr, parts.runner.noise, progress, verify=verify))

@@ -20,7 +20,7 @@ from torchtune import config, training
 from tqdm import tqdm
 
 from adaptive_batching.batching import worst_case
-from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
+from adaptive_batching.batching.lr_scaling import reference_steps
 from adaptive_batching.batching.policy import DataContext, batching_for
 from adaptive_batching.config.inputs import length_source, profiled_setup
 from adaptive_batching.config.loading import given_argv
@@ -28,14 +28,13 @@ from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
-from adaptive_batching.core.nodes import building, optional_component
+from adaptive_batching.core.nodes import building
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
-from adaptive_batching.growth.growing import Growth
 from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
 from adaptive_batching.profiling.profiler import ProfileResult, preserved_training_state
 from adaptive_batching.profiling.run import ProfilerContext, StartupProfiler
@@ -45,13 +44,12 @@ from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.hooks import TrainerHooks, installed
 from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.oom_response import OomResponse
-from adaptive_batching.training.parts import Parts, Schedule, build_parts
+from adaptive_batching.training.parts import Parts, Schedule, build_parts, build_schedule
 from adaptive_batching.training.state import STATE_VERSION, PendingState, Progress
 from adaptive_batching.training.stepping import StepStats, step_metrics
 
 class Trainer:
-    """Fine-tunes a torchtune model; one instance per run. ``hooks`` (default: those
-    :func:`~adaptive_batching.training.hooks.install` set) see inside the run."""
+    """Fine-tunes a torchtune model; one instance per run (``hooks``: see ``training.hooks``)."""
 
     def __init__(self, cfg: DictConfig, settings: AdaptiveSettings, method: FinetuneMethod,
                  objective: Optional[TrainingObjective] = None, hooks: Optional[TrainerHooks] = None) -> None:
@@ -61,11 +59,9 @@ class Trainer:
             # Before any rank joins the process group: a restart replaces this process.
             memory.restart_with_glibc_pinned(given_argv())
         self.device, self.parallel = init_parallel(cfg.get("device", "cpu"))
-        self.dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=self.device)
         self.seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
         self.output_dir = Path(cfg.checkpointer.output_dir)
         self.total_epochs: int = cfg.epochs
-        self.max_steps_per_epoch: Optional[int] = cfg.get("max_steps_per_epoch", None)
         self.reference = reference_batch(cfg, settings.elastic, self.parallel.world_size)
         # A torchrun restart resumes by itself, and only its own job's checkpoints (``resume_job``).
         self.resume, self.resume_job = restart.resume_decision(cfg.get("resume_from_checkpoint", False), self.output_dir)
@@ -77,9 +73,8 @@ class Trainer:
         self.plan = BatchPlan(settings.growth, self.total_epochs, self.parallel.world_size,
                               epochs_run=lambda: progress.epochs_run)
         self.guard = StepGuard(self.parallel, self.device)
-        self.batching = batching = batching_for(settings.batching)
-        faults = settings.faults
-        self.feed = Feed(batching, OomRecovery(batching.cuts(), faults.oom_grow_back_after), self.guard,
+        self.batching, faults = batching_for(settings.batching), settings.faults
+        self.feed = Feed(self.batching, OomRecovery(self.batching.cuts(), faults.oom_grow_back_after), self.guard,
                          faults.guard_steps, self.reference, step_in_epoch=lambda: progress.step_in_epoch,
                          elastic=settings.elastic is not None)
         self.built: Optional[Parts] = None  # by setup()
@@ -101,13 +96,11 @@ class Trainer:
 
     @property
     def parts(self) -> Parts:
-        """The parts :meth:`setup` built."""
         assert self.built is not None, "Trainer.setup() builds the parts"
         return self.built
 
     @property
     def scheduled(self) -> Schedule:
-        """The schedule :meth:`make_plan` fixed."""
         assert self.schedule is not None, "Trainer.make_plan() fixes the schedule"
         return self.schedule
 
@@ -119,19 +112,18 @@ class Trainer:
             memory.pin_glibc_for_profile()
         with building("metric_logger"):  # built when training starts (``profile`` and ``plan`` log nothing)
             config._utils._get_component_from_path(cfg.metric_logger._component_)
-        progress = self.progress
         self.built, checkpoint = build_parts(
             cfg, self.method, self.objective, self.hooks, resume=(self.resume, self.resume_job),
             elastic=self.settings.elastic is not None, guard=self.guard, parallel=self.parallel, device=self.device,
-            dtype=self.dtype, oom_recovery=self.settings.faults.oom_recovery,
-            where=lambda: (progress.global_step + 1, progress.saved_step, str(self.output_dir)))
+            oom_recovery=self.settings.faults.oom_recovery,
+            where=lambda: (self.progress.global_step + 1, self.progress.saved_step, str(self.output_dir)))
         data, model, optimizer = self.built.data, self.built.model, self.built.optimizer
         if self.resume:
             self.seed = self.built.checkpoints.restore(checkpoint, seed=self.seed, parts=self.resumable(), model=model,
                                                        optimizer=optimizer, output_dir=self.output_dir)
         self.batching.prepare(DataContext(data.dataset, self.built.collate, self.parallel, shuffle=cfg.get("shuffle", True),
-                                          seed=self.seed, max_steps=self.max_steps_per_epoch, packed=data.packed,
-                                          sequences_per_sample=self.objective.sequences_per_sample),
+                                          seed=self.seed, max_steps=cfg.get("max_steps_per_epoch", None),
+                                          packed=data.packed, sequences_per_sample=self.objective.sequences_per_sample),
                               length_source(cfg, self.settings.profiler.cache_dir),
                               profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, model.max_seq_len)
@@ -141,13 +133,12 @@ class Trainer:
         return self.built
 
     def profile(self) -> Optional[ProfileResult]:
-        """Find the largest micro batch that fits (see profiler), or take it from the resumed checkpoint; None when
-        the run needs no profile."""
+        """The largest micro batch that fits (see profiler), or the resumed checkpoint's; None if the run needs none."""
         return self.profiler.find(self.trial_step) if self.settings.needs_profile else None
 
     def profiler_context(self) -> ProfilerContext:
         """All the profiler sees of this run, besides :meth:`trial_step`."""
-        parts = self.parts
+        parts = self.parts  # built by now: the profiler asks for its context after set-up
         return ProfilerContext(
             setup=profiled_setup(self.cfg), settings=self.settings.profiler, device=self.device, parallel=self.parallel,
             seq_len=self.seq_len, seq_len_source=self.batching.worst.source,
@@ -173,7 +164,7 @@ class Trainer:
     def make_plan(self, profile: Optional[ProfileResult]) -> Schedule:
         """Fix every epoch's batch from ``profile`` (:meth:`profile`'s answer: growth function, memory cap) and the
         sample-driven LR schedule; log both."""
-        settings, parts = self.settings, self.parts
+        settings = self.settings
         start = starting_batch(settings.growth, settings.elastic, self.reference, self.parallel.world_size,
                                profile.micro_batch if profile is not None else None,
                                use_maximum_batch_size=settings.use_maximum_batch_size,
@@ -186,15 +177,11 @@ class Trainer:
                             reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling)
         extents = [self.batching.extent(epoch) for epoch in range(self.total_epochs)]
         total_steps = reference_steps(sum(samples for _, samples in extents), self.reference.global_batch)
-        lr = SampleDrivenLR.from_config(
-            optional_component(self.cfg.get("lr_scheduler", None)), parts.optimizer, parts.base_lrs,
-            total_steps=total_steps, reference_global_batch=self.reference.global_batch, rule=settings.lr_scaling,
-            state=self.saved_lr)
-        self.feed.follow(lr)
-        growth = Growth(self.plan, self.feed, lr, parts.runner.noise, self.progress, verify=self._verifying)
-        self.schedule = Schedule(self.plan, lr, growth)
-        logs.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch, lr.rule,
-                                     total_steps, self.batching.worst.describe() if profile else ""))
+        self.schedule = build_schedule(self.cfg, self.parts, self.plan, self.feed, self.progress, verify=self._verifying,
+                                       total_steps=total_steps, reference_global_batch=self.reference.global_batch,
+                                       rule=settings.lr_scaling, saved_lr=self.saved_lr)
+        logs.info(self.plan.describe(self.batching.plan_rows, extents, self.reference.global_batch,
+                                     self.schedule.lr.rule, total_steps, self.batching.worst.describe() if profile else ""))
         return self.schedule
 
     @contextmanager
@@ -284,8 +271,7 @@ class Trainer:
         progress.global_step += 1
         progress.step_in_epoch = index + 1
         bar.update(1)
-        bar.set_postfix_str(f"global batch {stats.samples} lr {training.get_lr(self.parts.optimizer):.2e} "
-                            f"loss {stats.loss:.4f}")
+        bar.set_postfix_str(f"global batch {stats.samples} lr {training.get_lr(self.parts.optimizer):.2e} loss {stats.loss:.4f}")
         if progress.global_step % self.log_every == 0:  # read once: a cfg.get costs 5-150 us
             self.log_step(stats)
         period = self.plan.period_after_step(progress.global_step, schedule.lr.consumed_samples, stats.samples)
@@ -308,8 +294,7 @@ class Trainer:
                              f"saved the checkpoint of optimizer step {self.progress.global_step} in {self.output_dir}")
 
     def train_step(self, epoch: int, index: int) -> tuple[Optional[StepStats], bool]:
-        """The epoch's step ``index`` (see :meth:`StepRunner.train_step`): its statistics (None after an OOM recovered
-        in place; one it cannot recover from stops the run) and whether a stop signal came during it."""
+        """The epoch's step ``index``: its statistics (None after an OOM recovered in place) and if a signal came."""
         self.preemption.begin_step()
         try:
             micro_batches = self.feed.next_step(index)
@@ -333,14 +318,12 @@ class Trainer:
 
     def save(self, epoch: int) -> None:
         """Write the weights and everything an exact resume needs (see :class:`Checkpoints`)."""
-        parts = self.parts
-        parts.checkpoints.save(epoch, model=parts.model, optimizer=parts.optimizer, seed=self.seed,
-                               progress=self.progress, adaptive_state=self.adaptive_state)
+        self.parts.checkpoints.save(epoch, model=self.parts.model, optimizer=self.parts.optimizer, seed=self.seed,
+                                    progress=self.progress, adaptive_state=self.adaptive_state)
         self.preemption.saved()
 
     def resumable(self) -> dict[str, Stateful]:
-        """The parts that resume, by their key in the checkpoint (the LR schedule, built by the plan, resumes
-        from :attr:`saved_lr`)."""
+        """The parts that resume, by their key in the checkpoint (the LR schedule's state waits in :attr:`saved_lr`)."""
         return {"progress": self.progress, "feed": self.feed, "plan": self.plan,
                 "lr": self.schedule.lr if self.schedule else PendingState(self, "saved_lr"),
                 "noise_scale": self.parts.runner.noise, "profile": self.profiler}
