@@ -146,7 +146,8 @@ def tune_child(stamps_path: str, tune_args: list[str],
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
     if same_adapters:
         generator = torch.Generator().manual_seed(0)
-        lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5), generator=generator)
+        lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5),
+                                                                            generator=generator)
     record: dict[str, Any] = {"train_start": None, "train_end": None}
     train = Trainer.train
 

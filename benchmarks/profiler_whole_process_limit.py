@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import largest_fit, tiny_assets
+from common import fmt, largest_fit, tiny_assets
 from doc_tables import report
 
 TUNE = str(Path(sys.executable).with_name("tune"))
@@ -32,18 +32,13 @@ OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
               "dpo": ("adaptive_lora_dpo", "tiny_lora_dpo", ["use_maximum_batch_size=True"])}
 
 
-def tune_under_limit(limit_kib: int, out: Path, assets: Path, overrides: list[str], tunables: bool,
-                     objective: str = "finetune", timeout: int = 600) -> subprocess.CompletedProcess:
-    """``tune run`` in a fresh shell whose whole process is limited to ``limit_kib`` of address space."""
-    recipe, config, profiles = OBJECTIVES[objective]
-    cmd = [TUNE, "run", recipe, "--config", config, f"assets_dir={assets}", f"output_dir={out}", "epochs=1",
-           "max_steps_per_epoch=2", "lr_scheduler=null", *profiles, *overrides]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    env.pop("GLIBC_TUNABLES", None)
-    if tunables:
-        env["GLIBC_TUNABLES"] = TUNABLES
-    shell = f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"
-    return subprocess.run(["bash", "-c", shell], env=env, capture_output=True, text=True, timeout=timeout)
+def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``cmd`` in a fresh shell whose whole process is limited to ``limit_kib`` of address space, 1 thread;
+    ``tuned``: glibc tuned from the process's start (else not: a profiled run tunes it itself)."""
+    env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"GLIBC_TUNABLES": TUNABLES} if tuned else {}))
+    return subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
+                          capture_output=True, text=True, timeout=600, **kwargs)
 
 
 LAUNCHERS = ("python", "tune")
@@ -54,16 +49,13 @@ def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher:
     """Two worst-case training steps (every sample full length, the profiler's own trial step) at
     ``micro_batch`` in a fresh process under the limit, glibc tuned from its start. The process is
     ``python this_file.py`` or, as a user's run, ``tune run`` (its CLI's imports and objects included)."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", GLIBC_TUNABLES=TUNABLES)
     child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}"),
                   "--objective", objective, *(["--optimizer-in-bwd"] if in_bwd else [])]
     if launcher == "tune":  # ``tune run`` runs a module from the working directory, and wants a --config
         cmd = [TUNE, "run", Path(__file__).stem, "--config", OBJECTIVES[objective][1], *child_args]
     else:
         cmd = [sys.executable, __file__, *child_args]
-    result = subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
-                            cwd=Path(__file__).parent, capture_output=True, text=True, timeout=600)
-    ok = result.returncode == 0
+    ok = under_limit(limit_kib, cmd, tuned=True, cwd=Path(__file__).parent).returncode == 0
     print(f"  fresh {launcher} process, micro batch {micro_batch}: {'trains' if ok else 'fails'}", flush=True)
     return ok
 
@@ -95,22 +87,21 @@ def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, args: argpar
 
 def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float],
              in_bwd: bool, objective: str) -> dict[str, Any]:
-    out = work / name
-    overrides = ["adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0",
-                 *(IN_BWD if in_bwd else [])]
-    if tolerance is not None:
-        overrides.append(f"adaptive_batching.search_tolerance={tolerance}")
-    result = tune_under_limit(limit_kib, out, assets, overrides, tunables=False, objective=objective)
+    out, (recipe, config, profiles) = work / name, OBJECTIVES[objective]
+    result = under_limit(limit_kib, [
+        TUNE, "run", recipe, "--config", config, f"assets_dir={assets}", f"output_dir={out}", "epochs=1",
+        "max_steps_per_epoch=2", "lr_scheduler=null", *profiles, "adaptive_batching.memory_budget=null",
+        "adaptive_batching.memory_fraction=1.0", *(IN_BWD if in_bwd else []),
+        *([] if tolerance is None else [f"adaptive_batching.search_tolerance={tolerance}"])], tuned=False)
     profile_path = out / "profile" / "profile.json"
     found = json.loads(profile_path.read_text()) if profile_path.exists() else {}
     trials = " ".join(f"{t['micro_batch']}{'' if t['ok'] else 'x'}" for t in found.get("trials", []))
     restarted = "this process starts again with GLIBC_TUNABLES" in result.stdout + result.stderr
     print(f"  profiled run {name}: exit {result.returncode}, largest that ran {found.get('max_micro_batch')}, "
           f"chose {found.get('micro_batch')}, trials {trials}, restarted {restarted}", flush=True)
-    return {"returncode": result.returncode, "max_micro_batch": found.get("max_micro_batch"),
-            "micro_batch": found.get("micro_batch"), "budget_source": found.get("budget_source"),
-            "budget_bytes": found.get("budget_bytes"), "trial_steps": found.get("trial_steps"),
-            "profile_seconds": found.get("seconds"), "trials": trials, "restarted": restarted,
+    return {"returncode": result.returncode, "profile_seconds": found.get("seconds"), "trials": trials,
+            **{key: found.get(key) for key in ("max_micro_batch", "micro_batch", "budget_source", "budget_bytes",
+                                               "trial_steps")}, "restarted": restarted,
             "stderr_tail": result.stderr[-1500:] if result.returncode else ""}
 
 
@@ -126,7 +117,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--optimizer-in-bwd", action="store_true",
                         help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
     parser.add_argument("--objective", choices=OBJECTIVES, default="finetune",
-                        help="finetune (tiny_full) or dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs; default finetune)")
+                        help="finetune (tiny_full; the default) or dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs)")
     parser.add_argument("--fresh-trials", type=int, default=None,
                         help="at most this many fresh processes per search (a lower bound then; default: no limit)")
     parser.add_argument("--json", type=Path, default=None)
@@ -160,30 +151,27 @@ def main(argv: Optional[list[str]] = None) -> int:
                                    for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
     result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "optimizer_in_bwd": args.optimizer_in_bwd,
-              "objective": args.objective,
-              **{f"fresh_{launcher}_max": maxima[launcher][0] for launcher in launchers},
-              **{f"fresh_{launcher}_trials": maxima[launcher][1] for launcher in launchers},
+              "objective": args.objective, **{f"fresh_{launcher}_{key}": value for launcher in launchers
+                                              for key, value in zip(("max", "trials"), maxima[launcher])},
               "runs": rows, "seconds": time.perf_counter() - started}
     tolerance = "default" if args.tolerance is None else args.tolerance
-    name = (f"whole-process-limit{'-dpo' if args.objective == 'dpo' else ''}{'-in-bwd' if args.optimizer_in_bwd else ''}"
-            f"-tolerance-{tolerance}")
+    name = "whole-process-limit" + ("-dpo" if args.objective == "dpo" else "") + (
+        "-in-bwd" if args.optimizer_in_bwd else "") + f"-tolerance-{tolerance}"
     with report(name if args.publish else None):
-        print(f"{' '.join(OBJECTIVES[args.objective][:2])}: whole-process limit ulimit -v {limit_kib} KiB ({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in "
-              "the fresh processes" + (f"; {' '.join(IN_BWD)}" if args.optimizer_in_bwd else ""))
+        print(f"{' '.join(OBJECTIVES[args.objective][:2])}: whole-process limit ulimit -v {limit_kib} KiB "
+              f"({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in the fresh processes"
+              + (f"; {' '.join(IN_BWD)}" if args.optimizer_in_bwd else ""))
         for launcher in launchers:
             print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
         print("\n| run | largest micro batch that ran | chosen | trained | % of fresh python max | % of fresh tune max "
               "| trial steps | profile seconds | trials (x: failed) |")
         print("|---|---|---|---|---|---|---|---|---|")
-
-        def shown(value: Optional[float]) -> str:
-            return f"{value:.1f}" if value is not None else "n/a"
-
         for row in rows:
+            shown = [fmt(row[key], ".1f", "n/a") for key in ("percent_of_fresh_python_max",
+                                                             "percent_of_fresh_tune_max", "profile_seconds")]
             print(f"| {row['run']} | {row['max_micro_batch']} | {row['micro_batch']} | "
-                  f"{'yes' if row['returncode'] == 0 else 'no'} | {shown(row['percent_of_fresh_python_max'])} | "
-                  f"{shown(row['percent_of_fresh_tune_max'])} | {row['trial_steps']} | {shown(row['profile_seconds'])} "
-                  f"| {row['trials']} |")
+                  f"{'yes' if row['returncode'] == 0 else 'no'} | {shown[0]} | {shown[1]} | {row['trial_steps']} | "
+                  f"{shown[2]} | {row['trials']} |")
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
     return 0

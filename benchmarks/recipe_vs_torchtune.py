@@ -32,14 +32,8 @@ SWITCH_EPOCHS, SWITCH_STEPS = 3, 5  # the epoch-switch run: linear_ramp +4 at ea
 OBJECTIVES = {"finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
               "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo")}
 # What a stock recipe requires (or would otherwise turn on) that ours' config does not say, where it reads it.
-STOCK_REQUIRED = {
-    "optimizer_in_bwd": False,
-    "enable_activation_offloading": False,
-    "log_peak_memory_stats": False,
-    "profiler": {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False},
-    "resume_from_checkpoint": False,
-    "compile": False,
-}
+STOCK_REQUIRED = {"optimizer_in_bwd": False, "enable_activation_offloading": False, "log_peak_memory_stats": False,
+                  "resume_from_checkpoint": False, "compile": False}
 SWITCH_LINE = re.compile(r"Epoch switch.*?took ([0-9]+(?:\.[0-9]+)?) ?ms")
 
 
@@ -85,20 +79,10 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
     from adaptive_batching.config.loading import load_config
 
     cfg = load_config(args.config, [
-        f"assets_dir={args.assets}",
-        f"output_dir={output_dir}",
-        f"tokenizer.max_seq_len={SEQ_LEN}",
-        f"batch_size={BATCH}",
-        "gradient_accumulation_steps=1",
-        f"epochs={epochs}",
-        f"max_steps_per_epoch={steps_per_epoch}",
-        f"seed={SEED}",
-        "use_maximum_batch_size=False",
-        "device=cpu",
-        "dtype=fp32",
-        f"compile={args.compile}",
-        "log_every_n_steps=1",
-    ])
+        f"assets_dir={args.assets}", f"output_dir={output_dir}", f"tokenizer.max_seq_len={SEQ_LEN}",
+        f"batch_size={BATCH}", "gradient_accumulation_steps=1", f"epochs={epochs}",
+        f"max_steps_per_epoch={steps_per_epoch}", f"seed={SEED}", "use_maximum_batch_size=False", "device=cpu",
+        "dtype=fp32", f"compile={args.compile}", "log_every_n_steps=1"])
     out = OmegaConf.to_container(cfg, resolve=True)
     out["batch_increase_function"] = None
     if "save_every_n_steps" in out:  # mid-epoch checkpoints: the stock recipe has none
@@ -120,20 +104,11 @@ def stock_config(ours: dict[str, Any], recipe: str) -> tuple[dict[str, Any], lis
     """The stock recipe's config from ours: the keys it reads, plus the ones it requires switched off."""
     keys = stock_keys(recipe)
     out = {k: v for k, v in ours.items() if k in keys}
-    for key, value in STOCK_REQUIRED.items():
-        if key in keys:
-            out.setdefault(key, value)
+    out.update({key: value for key, value in STOCK_REQUIRED.items() if key in keys and key not in out})
     if "profiler" in keys:
-        out["profiler"] = dict(STOCK_REQUIRED["profiler"], output_dir=str(Path(out["output_dir"]) / "profiling_outputs"))
+        out["profiler"] = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False,
+                           "output_dir": str(Path(out["output_dir"]) / "profiling_outputs")}
     return out, sorted(set(ours) - keys)
-
-
-def write_yaml(data: dict[str, Any], path: Path) -> Path:
-    from omegaconf import OmegaConf
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    OmegaConf.save(OmegaConf.create(data), path)
-    return path
 
 
 # --------------------------------------------------------------------------- running
@@ -141,9 +116,12 @@ def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, A
                cpu: Optional[int] = None) -> dict[str, Any]:
     """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` when given); its per-step log
     stamps and output."""
-    config_path = write_yaml(cfg, args.workdir / "configs" / f"{tag}.yaml")
-    stamps_path = args.workdir / "stamps" / f"{tag}.json"
-    stamps_path.parent.mkdir(parents=True, exist_ok=True)
+    from omegaconf import OmegaConf
+
+    config_path, stamps_path = args.workdir / "configs" / f"{tag}.yaml", args.workdir / "stamps" / f"{tag}.json"
+    for path in (config_path, stamps_path):
+        path.parent.mkdir(parents=True, exist_ok=True)
+    OmegaConf.save(OmegaConf.create(cfg), config_path)
     stamps_path.unlink(missing_ok=True)
     log_path = args.workdir / "logs" / f"{tag}.log"
     command = [sys.executable, os.path.abspath(__file__), "--tune-child", str(stamps_path),
@@ -154,30 +132,21 @@ def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, A
     result: dict[str, Any] = {"tag": tag, "recipe": recipe, "exit_code": code,
                               "child_seconds": time.perf_counter() - started, "log": str(log_path),
                               "output": log_path.read_text(errors="replace")}
-    if stamps_path.exists():
-        result.update(json.loads(stamps_path.read_text()))
-    else:
-        result["stamps"] = []
+    result.update(json.loads(stamps_path.read_text()) if stamps_path.exists() else {"stamps": []})
     if code != 0:
         tail = " | ".join(result["output"].strip().splitlines()[-4:])[-400:]
         result["error"] = f"{'timed out' if code is None else f'exit code {code}'}: {tail}"
     return result
 
 
-def steps_per_second(stamps: list[dict[str, Any]], warmup: int, steps: int) -> Optional[float]:
-    """Steps after the first ``warmup`` per second, from the log-call times (None if too few steps)."""
+def step_rates(stamps: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, Optional[float]]:
+    """From the log-call times: the ``steps`` after the first ``warmup`` per second, and 1 / their median interval
+    (less sensitive to bursts from other processes); None when too few steps were logged."""
     if len(stamps) < warmup + steps:
-        return None
-    times = [s["t"] for s in stamps[: warmup + steps]]
-    return steps / (times[-1] - times[warmup - 1])
-
-
-def median_step_rate(stamps: list[dict[str, Any]], warmup: int, steps: int) -> Optional[float]:
-    """1 / the median step interval over the same steps: less sensitive to bursts from other processes."""
-    if len(stamps) < warmup + steps:
-        return None
+        return {"steps_per_second": None, "median_step_rate": None}
     times = [s["t"] for s in stamps[warmup - 1: warmup + steps]]
-    return 1.0 / statistics.median(b - a for a, b in zip(times, times[1:]))
+    return {"steps_per_second": steps / (times[-1] - times[0]),
+            "median_step_rate": 1.0 / statistics.median(b - a for a, b in zip(times, times[1:]))}
 
 
 def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
@@ -200,8 +169,7 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
         log(f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps"
             + (f", core {cpu}" if cpu is not None else "") + ") ...")
         result = run_recipe(args, tag, recipe, cfg, cpu=cpu)
-        result["steps_per_second"] = steps_per_second(result["stamps"], args.warmup, args.steps)
-        result["median_step_rate"] = median_step_rate(result["stamps"], args.warmup, args.steps)
+        result.update(step_rates(result["stamps"], args.warmup, args.steps))
         if result["steps_per_second"] is None and "error" not in result:
             result["error"] = f"only {len(result['stamps'])} steps logged, need {total}"
         sps = result["steps_per_second"]
@@ -361,7 +329,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         figures_ = {"settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                  "batch_size": BATCH, "seq_len": SEQ_LEN, "seed": SEED, "threads": args.threads,
-                                 "config": args.config, "objective": args.objective, "compile": args.compile, "together": args.together},
+                                 "config": args.config, "objective": args.objective, "compile": args.compile,
+                                 "together": args.together},
                     "bar_ratio": BAR_RATIO}
         measured = throughput_runs(args)
         summary = summarise(args, measured)
