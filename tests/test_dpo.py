@@ -104,6 +104,24 @@ def test_what_cannot_apply_to_dpo_is_refused_in_one_line(override: str, message:
     assert str(error.value) == message
 
 
+@pytest.mark.e2e
+@pytest.mark.parametrize("override, line", [
+    ("dataset.packed=True", "config error: config key 'dataset.packed' = True: packing does not apply to DPO"),
+    ("adaptive_batching.growth_interval=3 steps", "config error: config key 'adaptive_batching.growth_interval' = "
+                                                  "'3 steps' says when the batch grows, but batch_increase_function is "
+                                                  "null: set one, or remove the key"),
+])
+def test_the_recipe_stops_on_a_bad_key_in_one_line_before_any_model_loads(override: str, line: str, assets: Path,
+                                                                         tmp_path: Path) -> None:
+    from recipe_runs import tune_run
+
+    result = tune_run("adaptive_lora_dpo", "tiny_lora_dpo", [f"assets_dir={assets}", f"output_dir={tmp_path}",
+                                                             override], cwd=tmp_path)
+    assert result.returncode == 1, result.stderr[-3000:]
+    (said,) = (result.stdout + result.stderr).strip().splitlines()  # one line: nothing was set up before it
+    assert said.startswith(line)
+
+
 def test_a_full_dpo_config_is_refused_by_adaptive_lora_dpo() -> None:
     with pytest.raises(ConfigError, match="has no LoRA adapters; adaptive_lora_dpo's reference model is the policy"):
         check_lora_dpo(load_config("llama3_1/8B_full_dpo"))
