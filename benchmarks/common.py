@@ -110,15 +110,16 @@ def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
 def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None
                 ) -> Iterator[list[dict[str, Any]]]:
     """Within the block, every metric line a recipe logs (torchtune's ``DiskLogger.log_dict``, once per optimizer
-    step in ours and in stock's) appends ``{"step", "t"}`` (``time.perf_counter()`` at the call), plus what
-    ``on_step(payload, step)`` returns, to the list it yields."""
+    step in ours and in stock's) appends ``{"step", "t", "cpu"}`` (``time.perf_counter()`` and this process's CPU
+    time, ``time.process_time()``, at the call), plus what ``on_step(payload, step)`` returns, to the list it yields."""
     from torchtune.training.metric_logging import DiskLogger
 
     stamps: list[dict[str, Any]] = []
     original = DiskLogger.log_dict
 
     def stamped(self: Any, payload: Any, step: int) -> None:
-        stamps.append({"step": int(step), "t": time.perf_counter(), **(on_step(payload, step) if on_step else {})})
+        stamps.append({"step": int(step), "t": time.perf_counter(), "cpu": time.process_time(),
+                       **(on_step(payload, step) if on_step else {})})
         original(self, payload, step)
 
     DiskLogger.log_dict = stamped
@@ -140,7 +141,7 @@ def tune_child(stamps_path: str, tune_args: list[str],
     import torchtune.modules.peft.lora as lora
     from torchtune._cli.tune import main as tune_main
 
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training import hooks
 
     if os.environ.get("BENCH_THREADS"):
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
@@ -149,14 +150,15 @@ def tune_child(stamps_path: str, tune_args: list[str],
         lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5),
                                                                             generator=generator)
     record: dict[str, Any] = {"train_start": None, "train_end": None}
-    train = Trainer.train
 
-    def timed_train(self: Any, *args: Any, **kwargs: Any) -> None:
-        record["train_start"] = time.perf_counter()
-        train(self, *args, **kwargs)
-        record["train_end"] = time.perf_counter()
+    class TrainTimer(hooks.TrainerHooks):
+        def before_train(self, trainer: Any) -> None:
+            record["train_start"] = time.perf_counter()
 
-    Trainer.train = timed_train
+        def after_train(self, trainer: Any) -> None:
+            record["train_end"] = time.perf_counter()
+
+    hooks.install(TrainTimer())
     sys.argv = ["tune", *tune_args]
     with step_stamps(on_step) as record["stamps"]:
         try:
