@@ -34,13 +34,16 @@ def test_the_stock_full_dpo_config_validates_by_name_for_adaptive_full_dpo() -> 
     assert type(objective_for(load_config("tiny_lora_dpo"))) is LoRADPO
 
 
-def test_tune_cp_copies_the_stock_config_and_ours_names_the_recipe(tmp_path: Path) -> None:
+def test_tune_cp_copies_the_stock_config_and_ours_names_the_recipe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    from adaptive_batching.cli import main
+
     result = run_command("tune", ["cp", "llama3_1/8B_full_dpo", "mine.yaml"], cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert recipe_for_model(OmegaConf.load(tmp_path / "mine.yaml")) == "adaptive_full_dpo"
-    copied = run_command("cli", ["cp", "llama3_1/8B_full_dpo", "ours.yaml"], cwd=tmp_path)
-    assert copied.returncode == 0, copied.stderr
-    assert "Run it with: tune run adaptive_full_dpo --config ours.yaml" in copied.stdout
+    monkeypatch.chdir(tmp_path)
+    assert main(["cp", "llama3_1/8B_full_dpo", "ours.yaml"]) == 0
+    assert "Run it with: tune run adaptive_full_dpo --config ours.yaml" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("config, override, message", [
