@@ -4,6 +4,10 @@
 runs, and torch refuses a hook on a tensor that does not require gradients, so tracking a LoRA
 model (frozen base weights) raised before the first op. Frozen parameters never get a gradient,
 so this tracker simply marks them as already hooked; everything it counts is unchanged.
+
+``MemTracker`` also refuses a second forward of the root module in one tracked span (it takes it for the next
+iteration); a DPO step runs the model twice, the policy and then the reference (the same model with its adapters
+off), so this tracker starts the root's statistics again instead. The memory it counts is unaffected.
 """
 
 from __future__ import annotations
@@ -29,3 +33,10 @@ class FrozenAwareMemTracker(MemTracker):
             if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
                 self._param_to_grad_hook_handles[param] = (_NoHook(), _NoHook())
         return super()._track_module_params_and_buffers(module, install_grad_hooks)
+
+    def _pre_fw_hook(self, module: nn.Module, inputs: Any) -> None:
+        name = self._mod_tracker.get_known_fqn(module)
+        root = set(self._mod_tracker.parents) - {name} == {"Global"}
+        if root and module in self.memory_tracking and not self._mod_tracker.is_bw:
+            del self.memory_tracking[module]  # a second forward of the model in the same step (DPO's reference)
+        super()._pre_fw_hook(module, inputs)
