@@ -149,9 +149,10 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from adaptive_batching.batching import worst_case
     from adaptive_batching.config.inputs import worst_case_of
-    from adaptive_batching.config.objectives import check_objective, recipe_for_model
+    from adaptive_batching.config.objectives import check_objective
     from adaptive_batching.estimate.prediction import estimate_max_micro_batch
     from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.units import parse_bytes
 
     try:
@@ -161,16 +162,15 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
-    if recipe_for_model(cfg) == "adaptive_lora_dpo":
-        raise ConfigError(f"--config {args.config}: estimate does not model a DPO step yet (two sequences per pair "
-                          "and the reference's forward); `adaptive-batching profile` measures it")
     check_objective(cfg)  # a KD or QAT config: refused as the recipe refuses it, before any tracing
+    objective = objective_for(cfg)  # a DPO config: checked as its recipe checks it; its step is traced
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
         estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
                                             fraction=args.fraction, world_size=args.world_size,
-                                            exact=args.full_trace, seq_len=worst.tokens, seq_len_source=worst.source)
+                                            exact=args.full_trace, seq_len=worst.tokens, seq_len_source=worst.source,
+                                            objective=None if objective.name == "finetune" else objective)
     except ConfigError:
         raise  # a config key's fault, reported as such by main()
     except ValueError as err:

@@ -210,7 +210,8 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     asked = []
 
     def recorded(cfg: object, method: object, *, seq_len: int, seq_len_source: str, exact: bool,
-                 max_probe: int) -> StepTrace:
+                 max_probe: int, objective: object) -> StepTrace:
+        assert objective is None  # fine-tuning: the estimate's own step
         asked.append((exact, cfg.model.num_layers, method.name, seq_len, seq_len_source))
         return replace(full, measure=None) if exact else fast  # verifying the full trace costs seconds
 

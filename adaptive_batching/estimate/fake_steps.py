@@ -24,6 +24,13 @@ Both follow the config's memory savers (:class:`Savers`):
 * bitsandbytes optimizers: counted by ``optimizer_state.BitsAndBytesStandIn``, never imported.
 * ``compile``: the decoder layers, the loss and NF4 dequantization hold memory as compiled: each layer through
   AOTAutograd's min-cut partition, as inductor (``compiled``).
+
+A training objective other than fine-tuning (DPO: a :class:`~adaptive_batching.core.objective.TrainingObjective`
+the caller hands in, the one the trainer composes) has its own step traced: its worst-case micro batch, collated as
+training collates it, and its ``micro_loss`` (for DPO the policy's forward on the chosen and rejected sequences of
+each pair, the reference's forward without autograd, the loss), then the backward. The models it holds besides
+the policy (full DPO's frozen reference, built by its ``build`` from a fake frozen copy of the model) count with
+the weights, sharded as the policy is.
 """
 
 from __future__ import annotations
@@ -39,13 +46,14 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.estimate.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
+from adaptive_batching.estimate.objective_step import Step, step_of
 from adaptive_batching.estimate.layer_timeline import (
     LayerTimeline,
     PassStretch,
@@ -92,7 +100,9 @@ class Traced:
 
     ``host_bytes(micro_batch)``: host memory the offloaded activations of one step take (0 without offloading;
     the step at that micro batch is traced if it was not). ``paged_bytes``: optimizer state in CUDA unified
-    memory (paged bitsandbytes optimizers), whole model, included in the counted state.
+    memory (paged bitsandbytes optimizers), whole model, included in the counted state. ``resident_bytes``: the
+    weights and buffers of models the step holds besides the policy (full DPO's reference), whole, included in the
+    counted state.
     """
 
     measure: Measure
@@ -101,11 +111,20 @@ class Traced:
     host_bytes: Callable[[int], int]
     paged_bytes: int
     savers: Savers
+    resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
 
 
-def _tokens(micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
-    tokens = torch.randint(0, vocab_size, (micro_batch, seq_len))
-    return {"tokens": tokens, "labels": tokens}
+def frozen_copy(cfg: DictConfig, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
+    """The config's model with fake storage, no parameter taking a gradient, in eval mode: full DPO's reference
+    (torchtune's ``full_dpo_distributed`` builds it without activation checkpointing; it runs without autograd)."""
+    with building("model"), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
+        model = config.instantiate(cfg.model)
+    model.requires_grad_(False)
+    with fake:
+        model.to_empty(device=CPU)
+        nf4.quantize_empty(model)
+    _init_buffers(model, dtype, fake)
+    return model.eval()
 
 
 class FakeOptimizers:
@@ -152,16 +171,17 @@ class FakeOptimizers:
         return paged_bytes(self.all)
 
 
-def _tracked(model: nn.Module, optimizers: FakeOptimizers) -> tuple[Any, ...]:
-    return (model, *optimizers.all)
+def _tracked(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[Any, ...]:
+    return (model, *step.resident, *optimizers.all)
 
 
 def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int,
-                      offload: Optional[FakeOffload], compiled: bool) -> None:
+                      offload: Optional[FakeOffload], compiled: bool, step: Step = Step(),
+                      batch: Optional[dict[str, Any]] = None) -> None:
     handles = offloading_forward(model, offload) if offload is not None else []
     with fused_nf4_dequantization() if compiled else contextlib.nullcontext():
         try:
-            loss, _ = summed_token_loss(model, loss_fn, _tokens(micro_batch, seq_len, vocab_size))
+            loss = step.loss(model, loss_fn, batch, micro_batch, seq_len, vocab_size)
         finally:
             for handle in handles:
                 handle.remove()
@@ -172,11 +192,12 @@ def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len:
 
 
 def _fake_step(model: nn.Module, optimizers: FakeOptimizers, loss_fn: Any, micro_batch: int,
-               seq_len: int, vocab_size: int, offload: Optional[FakeOffload], compiled: bool) -> StepMemory:
+               seq_len: int, vocab_size: int, offload: Optional[FakeOffload], compiled: bool, step: Step,
+               batch: Optional[dict[str, Any]]) -> StepMemory:
     """The memory one training step would use; the tensors are fake, nothing is allocated."""
-    tracked = _tracked(model, optimizers)
+    tracked = _tracked(model, optimizers, step)
     with PeakMeter(CPU, *tracked) as forward_backward:
-        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload, compiled)
+        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload, compiled, step, batch)
     with PeakMeter(CPU, *tracked) as optimizer_step:
         optimizers.step()
     return StepMemory(
@@ -231,11 +252,12 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
 
 
 def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-               seq_len: int) -> Traced:
+               seq_len: int, objective: Optional[TrainingObjective] = None) -> Traced:
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
     savers = savers_of(cfg)
     model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
     vocab_size = model.tok_embeddings.num_embeddings
+    kind = step_of(cfg, objective, lambda: frozen_copy(cfg, dtype, fake))
     with fake:
         optimizers = FakeOptimizers(cfg, model, savers.optimizer_in_bwd)
         if savers.optimizer_in_bwd:  # the state exists before the first probe, as extrapolated() has it
@@ -247,9 +269,10 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         # The first step also creates the optimizer state; activations do not depend on it.
         if micro_batch not in traced:
             offload = FakeOffload() if savers.activation_offloading else None
+            batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
             with fake:
                 memory = _fake_step(model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload,
-                                    savers.compile)
+                                    savers.compile, kind, batch)
             stash = offload.stash_bytes() if offload is not None else 0
             traced[micro_batch] = replace(memory, activation_bytes=memory.activation_bytes + stash,
                                           forward_backward_peak=memory.forward_backward_peak + stash)
@@ -260,17 +283,18 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         step(micro_batch)
         return host[micro_batch]
 
-    return Traced(step, num_layers, num_layers, host_bytes, optimizers.paged_bytes(), savers)
+    return Traced(step, num_layers, num_layers, host_bytes, optimizers.paged_bytes(), savers,
+                  _resident_bytes(kind))
 
 
-def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers) -> tuple[int, int, list[int]]:
+def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[int, int, list[int]]:
     """Bytes before the first step, after the steps, and each step's peak: two fake steps on fake gradients.
 
     The first step creates the optimizer state, the second runs with it, as the probes' steps do. With
     ``optimizer_in_bwd`` the steps run inside the backward (the trace sees them), so their peaks are the memory
     after them: no step follows the backward.
     """
-    tracked = _tracked(model, optimizers)
+    tracked = _tracked(model, optimizers, step)
     before = current_bytes(CPU, *tracked)
     peaks = []
     for _ in range(2):
@@ -293,6 +317,12 @@ def _bytes(module: nn.Module) -> int:
     return total
 
 
+def _resident_bytes(step: Step) -> int:
+    """The bytes of the models the step holds besides the policy (full DPO's reference), whole: weights and
+    buffers (the rotary caches)."""
+    return sum(_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers()) for model in step.resident)
+
+
 def gathered_bytes(model: nn.Module) -> int:
     """What FSDP holds unsharded at once while it runs a layer: that layer and the next one, prefetched (the
     largest of the layers, the embedding and the output projection, twice)."""
@@ -301,7 +331,7 @@ def gathered_bytes(model: nn.Module) -> int:
 
 
 def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-                 seq_len: int) -> Traced:
+                 seq_len: int, objective: Optional[TrainingObjective] = None) -> Traced:
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
@@ -309,32 +339,39 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
     vocab_size = small.tok_embeddings.num_embeddings
     gathered = gathered_bytes(small)
+    kind = step_of(cfg, objective, lambda: frozen_copy(cfg, dtype, fake))
     with fake:
         optimizers = FakeOptimizers(cfg, small, savers.optimizer_in_bwd)
-        initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers)
+        initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers, kind)
     paged = optimizers.paged_bytes()
+    resident = _resident_bytes(kind)
     traced = layers_to_trace(num_layers)
-    small.layers = nn.ModuleList(list(small.layers)[:traced])  # the whole model's optimizer state is gone with it
-    counts = repeats(traced, num_layers)
+    for model in (small, *kind.resident):  # the whole models' weights and optimizer state are gone with them
+        model.layers = nn.ModuleList(list(decoder_layers(model))[:traced])
+    counts: dict[int, list[int]] = {}  # how often each segment runs: the forwards the step ran (DPO: two)
     segments: dict[int, list[PassStretch]] = {}
     host: dict[int, int] = {}
     stash: dict[int, int] = {}
 
     def trace(micro_batch: int) -> None:
-        with fake, LayerTimeline(small.layers, small, *optimizers.all) as timeline:
+        batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
+        with fake, LayerTimeline(small.layers, small, *kind.resident, *optimizers.all,
+                                 reference_layers=[model.layers for model in kind.resident]) as timeline:
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
-            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile)
+            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind,
+                              batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
-        host[micro_batch] = offload.host_bytes(counts) if offload is not None else 0
-        stash[micro_batch] = offload.stash_bytes(counts) if offload is not None else 0
+        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards())
+        host[micro_batch] = offload.host_bytes(counts[micro_batch]) if offload is not None else 0
+        stash[micro_batch] = offload.stash_bytes(counts[micro_batch]) if offload is not None else 0
 
     def step(micro_batch: int, ranks: int = 1) -> StepMemory:
         if micro_batch not in segments:
             trace(micro_batch)
         kept = 1.0 if ranks == 1 else 0.0 if savers.fsdp_cpu_offload else 1 / ranks
         in_flight = 0 if ranks == 1 else round(gathered * (1.0 if savers.fsdp_cpu_offload else 1 - 1 / ranks))
-        activation = extrapolate_peak(segments[micro_batch], counts, kept) + in_flight + stash[micro_batch]
+        activation = extrapolate_peak(segments[micro_batch], counts[micro_batch], kept) + in_flight + stash[micro_batch]
         first = micro_batch == min(segments)  # the first step also creates the optimizer state
         start = initial if first else steady
         return StepMemory(activation, start + activation, optimizer_peaks[0 if first else 1], steady)
@@ -344,4 +381,4 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
             trace(micro_batch)
         return host[micro_batch]
 
-    return Traced(step, num_layers, traced, host_bytes, paged, savers)
+    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident)

@@ -15,6 +15,11 @@ bottom, a middle and a top one; an N-layer pass is the same segments with the mi
 forward and backward repeated N - 2 times. Memory moves by the same amount in every repeat, so
 the highest point of a run of repeats is at its first or its last one, and the peak at N layers
 is computed exactly, at no extra cost, for any N.
+
+A DPO step has a second forward between the two: the reference's (the policy with its adapters off, or a
+frozen copy), under ``no_grad``. Its layers are segments of their own ("reference forward i", after the
+policy's forwards), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory,
+and its transient peak is counted where it happens, on top of the policy's saved activations.
 """
 
 from __future__ import annotations
@@ -62,19 +67,22 @@ def _signature(layer: nn.Module) -> tuple:
     return modules, params
 
 
-def repeats(traced: int, total: int) -> list[int]:
+def repeats(traced: int, total: int, forwards: int = 1) -> list[int]:
     """How often each segment of a ``traced``-layer pass occurs in a ``total``-layer pass.
 
     Segments: before the layers, the forward of layers 0 .. traced-2, the top layer and head,
-    the backward of layers traced-1 .. 1, then the bottom layer's backward and the rest.
+    the backward of layers traced-1 .. 1, then the bottom layer's backward and the rest. With ``forwards`` 2
+    (DPO), the reference's forward of layers 0 .. traced-1 comes between the two (its top layer's segment
+    holds its head, the loss and the head's backward).
     """
     if traced < 1 or total < traced:
         raise ValueError(f"cannot extrapolate {traced} traced layers to {total}")
-    counts = [1] * (2 * traced + 1)
+    counts = [1] * ((forwards + 1) * traced + 1)
     if total > traced:
         if traced != TRACED_LAYERS:
             raise ValueError(f"extrapolation needs {TRACED_LAYERS} traced layers (bottom, middle, top), got {traced}")
-        counts[2] = counts[5] = total - traced + 1  # the middle layer's forward and backward
+        for middle in range(2, len(counts), traced):  # the middle layer's forwards and backward
+            counts[middle] = total - traced + 1
     return counts
 
 
@@ -102,15 +110,18 @@ class LayerTimeline(FrozenAwareMemTracker):
 
     A segment starts at a layer's forward (pre-hook on ``layers[i]``; activation checkpointing
     recomputes the wrapped module inside, which has no such hook) and when the gradient of a
-    layer's output arrives (the start of its backward). Highest points are sampled where
-    ``MemTracker`` samples its own peak, after every op, so the segments' highest point is the
-    tracker's peak.
+    layer's output arrives (the start of its backward). A layer's forward without autograd, or one of
+    ``reference_layers`` (a separate reference model's), is the reference's ("reference forward i").
+    Highest points are sampled where ``MemTracker`` samples its own peak, after every op, so the segments'
+    highest point is the tracker's peak.
     """
 
-    def __init__(self, layers: nn.ModuleList, model: nn.Module, *tracked: Any) -> None:
+    def __init__(self, layers: nn.ModuleList, model: nn.Module, *tracked: Any,
+                 reference_layers: Sequence[nn.ModuleList] = ()) -> None:
         super().__init__()
         self.track_external(model, *tracked)
         self._layers = layers
+        self._reference_layers = [stack for stack in reference_layers if stack is not layers]
         self._model = model
         self._segments: list[PassStretch] = []
         self._handles: list[Any] = []
@@ -150,6 +161,9 @@ class LayerTimeline(FrozenAwareMemTracker):
         for i, layer in enumerate(self._layers):
             self._handles.append(layer.register_forward_pre_hook(self._forward_hook(i)))
             self._handles.append(layer.register_forward_hook(self._output_hook(i)))
+        for stack in self._reference_layers:
+            for i, layer in enumerate(stack):
+                self._handles.append(layer.register_forward_pre_hook(self._forward_hook(i, reference=True)))
         self._mark("before the layers")
         super().__enter__()
         return self
@@ -162,9 +176,9 @@ class LayerTimeline(FrozenAwareMemTracker):
         self._handles = []
         super().__exit__(*exc)
 
-    def _forward_hook(self, i: int) -> Any:
+    def _forward_hook(self, i: int, reference: bool = False) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
-            self._mark(f"forward {i}")
+            self._mark(f"reference forward {i}" if reference or not torch.is_grad_enabled() else f"forward {i}")
         return hook
 
     def _output_hook(self, i: int) -> Any:
@@ -173,10 +187,16 @@ class LayerTimeline(FrozenAwareMemTracker):
                 output.register_hook(lambda grad: self._mark(f"backward {i}"))
         return hook
 
+    def forwards(self) -> int:
+        """The forwards the pass ran: 1, or 2 with a reference's (DPO)."""
+        return 2 if any(s.label.startswith("reference") for s in self._segments) else 1
+
     def segments(self) -> list[PassStretch]:
-        """The segments, checked to be in layer order (bottom to top, then back) and to have seen ops."""
+        """The segments, checked to be in layer order (bottom to top, the reference's bottom to top if it ran,
+        then back) and to have seen ops."""
         n = len(self._layers)
-        expected = (["before the layers"] + [f"forward {i}" for i in range(n)]
+        reference = [f"reference forward {i}" for i in range(n)] if self.forwards() == 2 else []
+        expected = (["before the layers"] + [f"forward {i}" for i in range(n)] + reference
                     + [f"backward {i}" for i in reversed(range(n))])
         labels = [s.label for s in self._segments]
         if labels != expected:

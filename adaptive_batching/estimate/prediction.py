@@ -15,6 +15,11 @@ Both follow the config's memory savers (see ``fake_steps``): ``optimizer_in_bwd`
 no optimizer step after the backward), activation offloading (the device figures are what stays on the
 device; the host memory the offloaded activations need is reported beside them), and bitsandbytes optimizers,
 counted at their real state size without bitsandbytes (paged state is counted as device memory).
+
+A DPO config's step is the objective's own (``objective``, the one its recipe trains with; see ``fake_steps``): a
+sample is a pair, chosen and rejected each ``seq_len`` tokens, so the policy's forward and backward run on twice
+the sequences of the micro batch, and the reference's forward, which keeps nothing for the backward, adds its
+transient peak; full DPO's reference weights are counted with the policy's, sharded as they are.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import training
 
 from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
 from adaptive_batching.profiling.memory_fit import LinearFit, max_micro_batch_under
@@ -54,6 +60,10 @@ class Estimate:
     ``max_micro_batch_paged_out`` is the answer with all of it off the device. ``paged_state_evicted``: the device
     cannot hold that state beside one sample, so ``max_micro_batch`` is what the hardware does, the driver
     evicting the state's pages to host memory (the paged-out answer).
+
+    ``objective``: the training objective whose step was traced (``finetune``, ``lora_dpo``, ``full_dpo``); for
+    DPO a sample is a pair of ``seq_len``-token sequences. ``reference_bytes``: a rank's share of the weights of
+    full DPO's reference model (weights and buffers), counted in ``model_state_bytes``.
     """
 
     max_micro_batch: int
@@ -81,9 +91,15 @@ class Estimate:
     max_micro_batch_paged_out: Optional[int] = None
     paged_state_evicted: bool = False
     compile: bool = False
+    objective: str = "finetune"
+    reference_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+    def _samples(self) -> str:
+        return (f"{self.seq_len}-token samples" if self.objective == "finetune" else
+                f"pairs of {self.seq_len}-token sequences")
 
     def describe(self) -> str:
         gib = 2**30
@@ -115,12 +131,20 @@ class Estimate:
                           "NF4 weights dequantized in one fused op")
         else:
             savers.append("compile: off (an eager step)")
+        if self.objective != "finetune":
+            reference = ("the policy with its adapters off" if not self.reference_bytes else
+                         f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
+                         f"weights")
+            savers.insert(0, f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
+                             f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
+                             f"reference's forward without autograd ({reference}), which saves nothing for the "
+                             f"backward")
         if self.activation_offloading:
             savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
                           f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
                           f"sample); device figures are what stays on the GPU")
         return "\n".join([(
-            f"predicted largest micro batch: {self.max_micro_batch} ({self.seq_len}-token samples, "
+            f"predicted largest micro batch: {self.max_micro_batch} ({self._samples()}, "
             f"{self.world_size} rank(s){', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
             f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
             f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
@@ -157,16 +181,20 @@ class StepTrace:
     optimizer: str = ""
     host_bytes: dict[int, int] = field(default_factory=dict)  # offloaded activations' host memory per probe
     paged_bytes: int = 0  # optimizer state in CUDA unified memory, whole model
+    objective: str = "finetune"  # the training objective whose step was traced
+    resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
-                exact: bool = False, max_probe: int = MAX_PROBE) -> StepTrace:
+                exact: bool = False, max_probe: int = MAX_PROBE,
+                objective: Optional[TrainingObjective] = None) -> StepTrace:
     """Count the memory of fake training steps at micro batch 1, 2, 4, ... of ``seq_len``-token samples (the
     worst case, see ``batching.worst_case``; ``seq_len_source`` says where it came from) until the peaks grow
     linearly.
 
     ``exact`` traces every layer (slow for deep models); by default 3 layers are traced and
-    extended to the model's depth (see the module docstring).
+    extended to the model's depth (see the module docstring). ``objective``: the step of a training objective
+    other than fine-tuning (DPO: its pairs of ``seq_len``-token sequences), as its recipe's trainer runs it.
     """
     if not isinstance(max_probe, int) or isinstance(max_probe, bool) or max_probe < 2:
         raise ValueError(f"max_probe must be an integer >= 2, got {max_probe!r}")
@@ -175,7 +203,7 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
     started = time.perf_counter()
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=CPU)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    steps = (full_trace if exact else extrapolated)(cfg, method, dtype, fake, seq_len)
+    steps = (full_trace if exact else extrapolated)(cfg, method, dtype, fake, seq_len, objective)
     measure = steps.measure
     probed = probe_until_slope(lambda micro_batch: measure(micro_batch, 1), max_probe)
     if fit_probes(probed) is None:
@@ -184,7 +212,8 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
     return StepTrace(probed, seq_len, seq_len_source, steps.savers.fsdp_cpu_offload, steps.num_layers,
                      steps.traced_layers, FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started,
                      measure, max_probe, steps.savers, str(cfg.optimizer.get("_component_", "")), host,
-                     steps.paged_bytes)
+                     steps.paged_bytes, objective.name if objective is not None else "finetune",
+                     steps.resident_bytes)
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -265,8 +294,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         world_size=world_size,
         seconds=trace.seconds + time.perf_counter() - started,
         method=trace.method,
-        num_layers=trace.num_layers,
-        traced_layers=trace.traced_layers,
+        num_layers=trace.num_layers, traced_layers=trace.traced_layers,
         fit_micro_batch=fit_batch,
         verify_steps=steps,
         optimizer=trace.optimizer,
@@ -278,6 +306,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         max_micro_batch_paged_out=evicted[1] if evicted else None,
         paged_state_evicted=paged_out,
         compile=trace.savers.compile,
+        objective=trace.objective, reference_bytes=0 if offload else trace.resident_bytes // world_size,
     )
 
 
@@ -323,11 +352,12 @@ def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_s
 
 def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int, seq_len: int,
                              seq_len_source: str = "", fraction: float = 0.9, world_size: int = 1,
-                             max_probe: int = MAX_PROBE, exact: bool = False) -> Estimate:
+                             max_probe: int = MAX_PROBE, exact: bool = False,
+                             objective: Optional[TrainingObjective] = None) -> Estimate:
     """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
-    ``seq_len``-token worst-case samples: :func:`trace_steps`, then :func:`predict` (arguments are checked
-    before any tracing)."""
+    ``seq_len``-token worst-case samples (``objective``: see :func:`trace_steps`): :func:`trace_steps`, then
+    :func:`predict` (arguments are checked before any tracing)."""
     _check_device(device_memory_bytes, fraction, world_size)
     trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source=seq_len_source, exact=exact,
-                        max_probe=max_probe)
+                        max_probe=max_probe, objective=objective)
     return predict(trace, device_memory_bytes=device_memory_bytes, fraction=fraction, world_size=world_size)
