@@ -1,9 +1,11 @@
 #!/usr/bin/env python
-"""``adaptive-batching estimate`` on every full, LoRA and QLoRA config torchtune 0.6.1 ships: docs/estimates.md.
+"""``adaptive-batching estimate`` on every full, LoRA, QLoRA and DPO config torchtune 0.6.1 ships: docs/estimates.md.
 
-Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens per worst-case sample, as the
-config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a forked child (``common.in_fork``);
-one that cannot be estimated gets a one-line reason. ``--only`` writes its rows to ``--json`` alone.
+Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens per worst-case sample (for DPO,
+per sequence of a pair), as the config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a
+forked child (``common.in_fork``); one that cannot be estimated gets a one-line reason. ``--only`` writes its rows
+to ``--json`` alone; with ``--merge`` they take the place of those configs' rows in the page's table and in
+``--json``'s file, everything else kept.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import difflib
 import json
 import multiprocessing
 import platform
+import re
 import time
 from datetime import date
 from pathlib import Path
@@ -26,16 +29,18 @@ DEVICES_GIB = (24, 40, 80)
 RANKS = (1, 8)
 GIB = 2**30
 FIDELITY = "## Fidelity against published GPU measurements"  # the section estimate_fidelity.py writes
+DPO_RECIPES = ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")
 
 
 def method_of(cfg: Any) -> str:
     component = str(cfg.model.get("_component_", ""))
     name = component.rsplit(".", 1)[-1]
+    dpo = " DPO" if "DPO" in str(cfg.get("loss", {}).get("_component_", "")) else ""
     if cfg.model.get("use_dora", False):
-        return "DoRA"
+        return "DoRA" + dpo
     if "qlora" in name or cfg.model.get("quantize_base", False):
-        return "QLoRA"
-    return "LoRA" if "lora" in name else "full"
+        return "QLoRA" + dpo
+    return ("LoRA" if "lora" in name else "full") + dpo
 
 
 def savers(cfg: Any) -> list[str]:
@@ -67,14 +72,16 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
     from adaptive_batching.core.nodes import one_line
     from adaptive_batching.estimate.prediction import predict, trace_steps
     from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.objectives import objective_for
 
     row: dict[str, Any] = {"config": name}
     try:
         cfg = load_config(path)
         row.update(model=str(cfg.model._component_).rsplit(".", 1)[-1], method=method_of(cfg), savers=savers(cfg))
         start = time.perf_counter()
-        method = method_for(cfg)
-        trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len")
+        method, objective = method_for(cfg), objective_for(cfg)
+        trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len",
+                            objective=None if objective.name == "finetune" else objective)
         estimates = {f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB, world_size=ranks)
                      for gib in DEVICES_GIB for ranks in RANKS}
         row["micro_batch"] = {key: e.max_micro_batch for key, e in estimates.items()}
@@ -148,12 +155,12 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     lines = [
         "# `estimate` on torchtune's stock configs",
         "",
-        f"The predicted largest micro batch of every full, LoRA and QLoRA config of torchtune 0.6.1, at {seq_len}-token",
-        "samples, for one GPU of 24, 40 or 80 GiB and for 8 of them (FSDP shards weights, gradients and optimizer",
-        "state; activations are per rank), with 0.9 of the memory as the budget. The configs run as written (dtype,",
-        "optimizer, memory savers); `0` means that not even one sample fits. Fake tensors: no weights are needed and",
-        "no memory is allocated; allocator overheads are not seen. `seconds`: the trace and the six predictions,",
-        "after the imports.",
+        "The predicted largest micro batch of every full, LoRA, QLoRA and DPO config of torchtune 0.6.1, at",
+        f"{seq_len}-token samples (a DPO sample is a pair of them), for one GPU of 24, 40 or 80 GiB and for 8 of",
+        "them (FSDP shards weights, gradients and optimizer state; activations are per rank), with 0.9 of the memory",
+        "as the budget. The configs run as written (dtype, optimizer, memory savers); `0` means that not even one",
+        "sample fits. Fake tensors: no weights are needed and no memory is allocated; allocator overheads are not",
+        "seen. `seconds`: the trace and the six predictions, after the imports.",
         "",
         "The `memory savers` column names what each config turns on, and `estimate` models each of them:",
         "",
@@ -174,6 +181,14 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         "- `compile`: each decoder layer keeps for the backward what AOTAutograd's min-cut partition keeps, as",
         "  inductor's compiled layer does; the cross-entropy keeps no float32 copy of the logits; NF4 weights are",
         "  dequantized in one fused op.",
+        "",
+        "DPO configs (`LoRA DPO`, `full DPO`) are traced on the step that `adaptive_lora_dpo` and",
+        "`adaptive_full_dpo` train with (their objective's own code, on fake tensors): a sample is a pair, chosen",
+        "and rejected each padded to the pair's longer sequence, so the policy's forward and backward run on twice",
+        "the sequences of the micro batch; then the reference's forward (LoRA: the same model with its adapters off;",
+        "full: a frozen copy), without autograd: it saves nothing for the backward, and its transient peak (a",
+        "layer's working memory, its logits and log-probabilities) counts where it happens, on top of what the",
+        "policy's forward saved. Full DPO's reference weights count with the policy's, sharded as they are at 8 ranks.",
         "",
         "The Llama 3.2 Vision configs are not estimated: their builders import torchvision, and the only",
         "torchvision for torch 2.13.0 in the package registry (0.28.0, a CUDA build) does not load against the CPU",
@@ -201,6 +216,33 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     return "\n".join(lines) + "\n"
 
 
+ESTIMATED = re.compile(r"^\d+ of \d+ configs estimated", re.MULTILINE)
+
+
+def merged_page(page: str, rows: list[dict[str, Any]], seq_len: int) -> str:
+    """``page`` with the table rows of ``rows`` in place of those of the same configs (a new config's row where
+    its name sorts), every other line kept, and its count of configs estimated counted again."""
+    new = {line.split("`", 2)[1]: line for line in markdown(rows, seq_len, "").splitlines()
+           if line.startswith("| `")}
+    head, tail = (page.split("\n" + FIDELITY, 1) + [""])[:2]
+    lines = head.split("\n")
+    table = [i for i, line in enumerate(lines) if line.startswith("| `")]
+    if not table:
+        raise ValueError("the page has no table of configs to merge into")
+    kept = {lines[i].split("`", 2)[1]: lines[i] for i in table} | new
+    merged = [kept[name] for name in sorted(kept)]
+    lines[table[0]:table[-1] + 1] = merged
+    done = sum(1 for line in merged if "| not estimated: " not in line)
+    text = ESTIMATED.sub(f"{done} of {len(merged)} configs estimated", "\n".join(lines), count=1)
+    return text + ("\n" + FIDELITY + tail if tail else "")
+
+
+def merged_rows(old: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The rows of ``old`` with ``rows`` in place of those of the same configs, in name order."""
+    by_name = {r["config"]: r for r in old} | {r["config"]: r for r in rows}
+    return [by_name[name] for name in sorted(by_name)]
+
+
 def unknown_names(only: list[str], names: list[str]) -> list[str]:
     """The ``--only`` names that are not stock configs, each with the nearest stock name where one is close."""
     found = []
@@ -222,23 +264,39 @@ def main() -> None:
                         help="the page the table of every config is written to (default docs/estimates.md); not "
                              "with --only, whose rows are part of that table")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "estimate_stock_configs.json"))
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only: the rows take the place of those configs' rows in docs/estimates.md's "
+                             "table and in --json's file (new configs where their names sort); the rest is kept")
     args = parser.parse_args()
     if args.only and args.markdown is not None:
         parser.exit(2, "error: --markdown writes the table of every config; with --only the rows go to --json "
                        "alone: drop --markdown, or --only to rewrite the page\n")
+    if args.merge and not args.only:
+        parser.exit(2, "error: --merge puts the rows of --only into the page and --json; without --only every row "
+                       "is written: drop --merge\n")
 
     import torchtune  # noqa: F401 - imported once, before the children fork
 
     from adaptive_batching.config.loading import FINETUNE_RECIPES, stock_configs
 
-    names = stock_configs(FINETUNE_RECIPES)
+    names = stock_configs((*FINETUNE_RECIPES, *DPO_RECIPES))
     unknown = unknown_names(args.only, sorted(names))
     if unknown:
         parser.exit(2, f"error: --only: not a stock full, LoRA or QLoRA config of torchtune: {', '.join(unknown)}\n")
     if args.only:
         names = {n: p for n, p in names.items() if n in args.only}
+    results, page = Path(args.json), ROOT / "docs" / "estimates.md"
+    old = json.loads(results.read_text()) if args.merge and results.exists() else {"seq_len": args.seq_len, "rows": []}
+    if old["seq_len"] != args.seq_len:
+        parser.exit(2, f"error: --merge: {results} holds rows at --seq-len {old['seq_len']}, not {args.seq_len}\n")
     rows = run(names, args.seq_len, args.timeout)
     command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
+    if args.merge:
+        results.write_text(json.dumps({"seq_len": args.seq_len, "rows": merged_rows(old["rows"], rows)}, indent=1)
+                           + "\n")
+        page.write_text(merged_page(page.read_text(), rows, args.seq_len))
+        print(f"merged into {results} and {page}")
+        return
     Path(args.json).write_text(json.dumps({"seq_len": args.seq_len, "rows": rows}, indent=1) + "\n")
     if not args.only:
         args.markdown = args.markdown or str(ROOT / "docs" / "estimates.md")
