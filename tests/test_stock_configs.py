@@ -135,14 +135,17 @@ def test_the_configs_of_recipes_that_do_not_train_are_refused_for_what_they_lack
                 validate_config(OmegaConf.load(path))
 
 
-def test_estimate_refuses_a_dpo_config_in_one_line_before_tracing(capsys: pytest.CaptureFixture) -> None:
-    """Before, it traced the step and ended in AttributeError: 'DPOLoss' object has no attribute 'ignore_index'."""
+def test_estimate_traces_a_stock_dpo_config(capsys: pytest.CaptureFixture) -> None:
+    """The issue's command (issue 37.5). Before: a one-line refusal ('estimate does not model a DPO step yet'), and
+    before that AttributeError: 'DPOLoss' object has no attribute 'ignore_index'. The DPO step itself is tested on
+    tiny models in test_estimate_dpo.py."""
     assert main(["estimate", "--config", "llama3_1/8B_lora_dpo_single_device", "--device-memory", "80GiB",
-                 "--seq-len", "2048"]) == 2
-    error = capsys.readouterr().err
-    assert error == ("config error: --config llama3_1/8B_lora_dpo_single_device: estimate does not model a DPO step "
-                     "yet (two sequences per pair and the reference's forward); `adaptive-batching profile` "
-                     "measures it\n")
+                 "--seq-len", "2048"]) == 0
+    out = capsys.readouterr().out
+    pairs = int(out.split("predicted largest micro batch: ", 1)[1].split(" ", 1)[0])
+    assert pairs >= 1 and out.startswith(f"predicted largest micro batch: {pairs} (pairs of 2048-token sequences, "
+                                         "1 rank(s))")
+    assert "DPO (lora_dpo): a sample is a pair" in out and "(the policy with its adapters off)" in out
 
 
 def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
