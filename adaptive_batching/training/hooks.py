@@ -12,10 +12,12 @@ Where each is called, in the order a run meets them:
 - :meth:`~TrainerHooks.collate` once in set-up, when the collate is built: the collate the run then uses
   everywhere (training, the profiler's trial steps); a hook may wrap it, to see which samples each step takes;
 - :meth:`~TrainerHooks.before_trial` before each trial step (the profiler's, and growth's checks of a batch);
-- :meth:`~TrainerHooks.before_train` and :meth:`~TrainerHooks.after_train` around the whole training;
+- :meth:`~TrainerHooks.before_train` and :meth:`~TrainerHooks.after_train` around the whole training (the latter
+  when it finishes: not after a stop signal or an error);
 - :meth:`~TrainerHooks.before_epoch` and :meth:`~TrainerHooks.after_epoch` around an epoch's step loop (after
   its batch switch, before its save);
-- :meth:`~TrainerHooks.before_step` before each optimizer step, ``trainer.global_step`` steps done;
+- :meth:`~TrainerHooks.before_step` before each optimizer step, its micro batches collated, ``trainer.global_step``
+  steps done;
 - :meth:`~TrainerHooks.before_forward` and :meth:`~TrainerHooks.after_loss` for each micro batch, in training and
   trial steps alike: before its forward (its tensors on the device) and with its loss, before its backward (a hook
   may raise ``torch.OutOfMemoryError`` here, or register a tensor hook that raises in the backward);
