@@ -91,7 +91,8 @@ def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Opt
     result = under_limit(limit_kib, [
         TUNE, "run", recipe, "--config", config, f"assets_dir={assets}", f"output_dir={out}", "epochs=1",
         "max_steps_per_epoch=2", "lr_scheduler=null", *profiles, "adaptive_batching.memory_budget=null",
-        "adaptive_batching.memory_fraction=1.0", *(IN_BWD if in_bwd else []),
+        "adaptive_batching.memory_fraction=1.0", f"adaptive_batching.cache_dir={out}/profile_cache",  # a profile each
+        *(IN_BWD if in_bwd else []),
         *([] if tolerance is None else [f"adaptive_batching.search_tolerance={tolerance}"])], tuned=False)
     profile_path = out / "profile" / "profile.json"
     found = json.loads(profile_path.read_text()) if profile_path.exists() else {}
