@@ -6,6 +6,8 @@ this module writes everything a torchtune recipe needs from a single seed:
 * a randomly initialised tiny ``llama3`` checkpoint in Hugging Face layout
   (``config.json`` + ``model.safetensors``) loadable by
   ``torchtune.training.FullModelHFCheckpointer`` with ``model_type="LLAMA3"``;
+* a smaller tiny student of the same layout, tokenizer and vocabulary, which the tiny model
+  teaches in knowledge distillation (``configs/tiny_kd.yaml``);
 * a tiny byte-level BPE tokenizer in tiktoken format plus a HF-style special
   tokens file, loadable by ``torchtune.models.llama3.llama3_tokenizer``;
 * a synthetic alpaca-format JSON dataset whose token lengths have a long tail,
@@ -47,6 +49,7 @@ __all__ = [
     "NUM_MERGEABLE_RANKS",
     "DEFAULT_TINY_DIR",
     "TINY_MODEL_ARGS",
+    "TINY_STUDENT_ARGS",
     "TinyAssetPaths",
     "build_tiny_model",
     "describe",
@@ -75,9 +78,11 @@ TINY_MODEL_ARGS: dict[str, Any] = {
     "rope_base": 500000.0,
 }
 
-NUM_SPECIAL_TOKENS = TINY_MODEL_ARGS["vocab_size"] - NUM_MERGEABLE_RANKS
+# The student the tiny model teaches (knowledge distillation): one layer and half the width, the same vocabulary.
+TINY_STUDENT_ARGS: dict[str, Any] = {**TINY_MODEL_ARGS, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
+                                     "embed_dim": 32, "intermediate_dim": 96}
 
-_HEAD_DIM = TINY_MODEL_ARGS["embed_dim"] // TINY_MODEL_ARGS["num_heads"]
+NUM_SPECIAL_TOKENS = TINY_MODEL_ARGS["vocab_size"] - NUM_MERGEABLE_RANKS
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,7 @@ class TinyAssetPaths:
         special_tokens_path: ``root/tokenizer/special_tokens.json`` (HF ``added_tokens`` format).
         dataset_path: ``root/data/alpaca_tiny.json`` (alpaca-format JSON list).
         preference_path: ``root/data/preference_tiny.json`` (chosen/rejected message lists, for DPO).
+        student_dir: ``root/student``, the smaller tiny student (``TINY_STUDENT_ARGS``), same layout as model_dir.
     """
 
     root: Path
@@ -99,6 +105,7 @@ class TinyAssetPaths:
     special_tokens_path: Path
     dataset_path: Path
     preference_path: Path
+    student_dir: Path
 
     @classmethod
     def from_root(cls, root: str | Path) -> "TinyAssetPaths":
@@ -111,6 +118,7 @@ class TinyAssetPaths:
             special_tokens_path=root / "tokenizer" / "special_tokens.json",
             dataset_path=root / "data" / "alpaca_tiny.json",
             preference_path=root / "data" / "preference_tiny.json",
+            student_dir=root / "student",
         )
 
 
@@ -132,46 +140,48 @@ def load_tiny_tokenizer(paths: TinyAssetPaths, max_seq_len: int | None = None) -
 # --------------------------------------------------------------------------- #
 
 
-def build_tiny_model(seed: int = 0) -> TransformerDecoder:
-    """Build ``llama3(**TINY_MODEL_ARGS)`` initialised from ``seed`` without touching global RNG state."""
+def build_tiny_model(seed: int = 0, args: dict[str, Any] = TINY_MODEL_ARGS) -> TransformerDecoder:
+    """Build ``llama3(**args)`` (the tiny model, or ``TINY_STUDENT_ARGS``) initialised from ``seed`` without
+    touching global RNG state."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        return llama3(**TINY_MODEL_ARGS)
+        return llama3(**args)
 
 
-def hf_config() -> dict[str, Any]:
-    """HF ``config.json`` for the tiny model; FullModelHFCheckpointer reads its head/dim fields."""
+def hf_config(args: dict[str, Any] = TINY_MODEL_ARGS) -> dict[str, Any]:
+    """HF ``config.json`` for the tiny model (or ``args``); FullModelHFCheckpointer reads its head/dim fields."""
     return {
         "architectures": ["LlamaForCausalLM"],
         "attention_bias": False,
         "bos_token_id": NUM_MERGEABLE_RANKS + list(LLAMA3_SPECIAL_TOKENS).index("<|begin_of_text|>"),
         "eos_token_id": NUM_MERGEABLE_RANKS + list(LLAMA3_SPECIAL_TOKENS).index("<|end_of_text|>"),
-        "head_dim": _HEAD_DIM,
+        "head_dim": args["embed_dim"] // args["num_heads"],
         "hidden_act": "silu",
-        "hidden_size": TINY_MODEL_ARGS["embed_dim"],
-        "intermediate_size": TINY_MODEL_ARGS["intermediate_dim"],
-        "max_position_embeddings": TINY_MODEL_ARGS["max_seq_len"],
+        "hidden_size": args["embed_dim"],
+        "intermediate_size": args["intermediate_dim"],
+        "max_position_embeddings": args["max_seq_len"],
         "mlp_bias": False,
         "model_type": "llama",
-        "num_attention_heads": TINY_MODEL_ARGS["num_heads"],
-        "num_hidden_layers": TINY_MODEL_ARGS["num_layers"],
-        "num_key_value_heads": TINY_MODEL_ARGS["num_kv_heads"],
-        "rms_norm_eps": TINY_MODEL_ARGS["norm_eps"],
+        "num_attention_heads": args["num_heads"],
+        "num_hidden_layers": args["num_layers"],
+        "num_key_value_heads": args["num_kv_heads"],
+        "rms_norm_eps": args["norm_eps"],
         "rope_scaling": None,
-        "rope_theta": TINY_MODEL_ARGS["rope_base"],
+        "rope_theta": args["rope_base"],
         "tie_word_embeddings": False,
         "torch_dtype": "float32",
-        "vocab_size": TINY_MODEL_ARGS["vocab_size"],
+        "vocab_size": args["vocab_size"],
     }
 
 
-def hf_state_dict(model: TransformerDecoder) -> dict[str, torch.Tensor]:
-    """The model's weights converted to HF Llama names and q/k layout, contiguous for safetensors."""
+def hf_state_dict(model: TransformerDecoder, args: dict[str, Any] = TINY_MODEL_ARGS) -> dict[str, torch.Tensor]:
+    """The model's weights (built from ``args``) converted to HF Llama names and q/k layout, contiguous for
+    safetensors."""
     converted = tune_to_hf(
         model.state_dict(),
-        num_heads=TINY_MODEL_ARGS["num_heads"],
-        num_kv_heads=TINY_MODEL_ARGS["num_kv_heads"],
-        dim=TINY_MODEL_ARGS["embed_dim"],
+        num_heads=args["num_heads"],
+        num_kv_heads=args["num_kv_heads"],
+        dim=args["embed_dim"],
     )
     return {name: tensor.detach().contiguous() for name, tensor in converted.items()}
 
@@ -190,7 +200,8 @@ def _json_bytes(obj: Any) -> bytes:
 def write_tiny_assets(
     output_dir: str | Path = DEFAULT_TINY_DIR, seed: int = 0, num_samples: int = 3000
 ) -> TinyAssetPaths:
-    """Write the tiny model, tokenizer, dataset and preference pairs under ``output_dir`` and return their paths.
+    """Write the tiny model, its smaller student, tokenizer, dataset and preference pairs under ``output_dir`` and
+    return their paths.
 
     Deterministic in ``seed`` (byte-identical files), idempotent (rewrites overwrite),
     and every file is replaced atomically.
@@ -208,6 +219,10 @@ def write_tiny_assets(
     model = build_tiny_model(seed)
     write_atomically(paths.model_dir / "model.safetensors", safetensors_save(hf_state_dict(model)))
     write_atomically(paths.model_dir / "config.json", _json_bytes(hf_config()))
+    student = build_tiny_model(seed + 1, TINY_STUDENT_ARGS)
+    write_atomically(paths.student_dir / "model.safetensors",
+                     safetensors_save(hf_state_dict(student, TINY_STUDENT_ARGS)))
+    write_atomically(paths.student_dir / "config.json", _json_bytes(hf_config(TINY_STUDENT_ARGS)))
     return paths
 
 
@@ -239,6 +254,8 @@ def describe(paths: TinyAssetPaths) -> str:
         paths.special_tokens_path,
         paths.dataset_path,
         paths.preference_path,
+        paths.student_dir / "config.json",
+        paths.student_dir / "model.safetensors",
     ]
     lengths = sorted(token_lengths(paths))
     max_seq_len = TINY_MODEL_ARGS["max_seq_len"]

@@ -22,7 +22,8 @@ from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemorySto
 from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from adaptive_batching.runtime.distributed import mesh_holders, release_destroyed_group
 
-RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune", "adaptive_lora_dpo", "adaptive_full_dpo")
+RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune", "adaptive_lora_dpo", "adaptive_full_dpo",
+           "adaptive_knowledge_distillation")
 
 
 def shipped_configs_dir() -> Path:

@@ -51,6 +51,7 @@ OURS: dict[str, frozenset[str]] = {
     "adaptive_lora_finetune": frozenset(),
     "adaptive_lora_dpo": frozenset({DPO}),
     "adaptive_full_dpo": frozenset({DPO}),
+    "adaptive_knowledge_distillation": frozenset({KD}),
 }
 
 # Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
@@ -81,9 +82,13 @@ _NAMED = 3  # other keys a refusal names besides the first
 
 def recipe_for_model(cfg: DictConfig) -> str:
     """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one, full
-    otherwise; ``adaptive_lora_dpo`` or ``adaptive_full_dpo`` when the config asks for DPO."""
+    otherwise; ``adaptive_lora_dpo`` or ``adaptive_full_dpo`` when the config asks for DPO,
+    ``adaptive_knowledge_distillation`` (a LoRA or a full student) when it asks for distillation."""
     lora = "lora" in str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    dpo = any(objective == DPO for _, objective, _ in training_asked(cfg))
+    asked = {objective for _, objective, _ in training_asked(cfg)}
+    if KD in asked:
+        return "adaptive_knowledge_distillation"
+    dpo = DPO in asked
     return f"adaptive_{'lora' if lora else 'full'}_{'dpo' if dpo else 'finetune'}"
 
 
@@ -212,3 +217,40 @@ def check_full_dpo(cfg: DictConfig) -> None:
                           "a frozen copy of 'model', with it (a checkpointer such as "
                           "torchtune.training.FullModelHFCheckpointer pointing at the original weights)")
     _check_pairs(cfg, "adaptive_full_dpo")
+
+
+_KD_LOSSES = tuple(f"{kind}KL{chunked}Loss" for kind in ("Forward", "Reverse", "Symmetric")
+                   for chunked in ("", "WithChunkedOutput"))
+_CHUNKED_CE = "CEWithChunkedOutputLoss"
+
+
+def check_kd(cfg: DictConfig) -> None:
+    """Refuse, in one line before any model loads, what ``adaptive_knowledge_distillation`` cannot train, as
+    torchtune's ``knowledge_distillation_single_device`` reads its keys: no ``teacher_model`` or
+    ``teacher_checkpointer`` (the frozen teacher and its weights), a ``kd_loss`` that is not one of torchtune's KL
+    losses, a ``kd_ratio`` outside [0, 1], and a ``loss`` and ``kd_loss`` that do not both take the logits in the
+    same chunks (the student's output is chunked for the cross-entropy, and the teacher's as the student's)."""
+    recipe = "adaptive_knowledge_distillation"
+    for key, what in (("teacher_model", "the teacher's model builder, e.g. torchtune.models.qwen2.qwen2_1_5b"),
+                      ("teacher_checkpointer", "a checkpointer pointing at the teacher's weights")):
+        if not OmegaConf.is_dict(OmegaConf.select(cfg, key, default=None)):
+            raise ConfigError(f"config key '{key}' is missing: {recipe} needs {what}")
+    kd_loss = str(OmegaConf.select(cfg, "kd_loss._component_", default="") or "")
+    if not kd_loss.startswith("torchtune.") or kd_loss.rsplit(".", 1)[-1] not in _KD_LOSSES:
+        raise ConfigError(f"config key 'kd_loss._component_' = {kd_loss or None!r}: {recipe} distils with one of "
+                          f"torchtune.modules.loss.{', '.join(_KD_LOSSES)}")
+    ratio = plain(cfg.get("kd_ratio", 0.5))
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ConfigError(f"config key 'kd_ratio' = {ratio!r}: the weight of the KD loss against the cross-entropy "
+                          "must be a number in [0, 1]")
+    loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "").rsplit(".", 1)[-1]
+    chunked = (loss == _CHUNKED_CE, kd_loss.endswith("WithChunkedOutputLoss"))
+    if chunked[0] != chunked[1]:
+        raise ConfigError(f"config key 'kd_loss._component_' = {kd_loss!r} with 'loss._component_' = {loss!r}: "
+                          f"both take chunked logits or neither does (torchtune.modules.loss.{_CHUNKED_CE} with a "
+                          "...WithChunkedOutputLoss KD loss)")
+    chunks = [OmegaConf.select(cfg, f"{key}.num_output_chunks", default=8) for key in ("loss", "kd_loss")]
+    if all(chunked) and chunks[0] != chunks[1]:
+        raise ConfigError(f"config key 'kd_loss.num_output_chunks' = {chunks[1]!r}: it must equal "
+                          f"'loss.num_output_chunks' = {chunks[0]!r} (the student's and teacher's logits are chunked "
+                          "alike)")

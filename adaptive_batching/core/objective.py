@@ -1,4 +1,5 @@
-"""The training objective's protocol: what differs between supervised fine-tuning and preference tuning (DPO).
+"""The training objective's protocol: what differs between supervised fine-tuning, preference tuning (DPO) and
+knowledge distillation (KD).
 
 The trainer composes one objective (see ``training.objectives``) as it composes a
 :class:`~adaptive_batching.core.method.FinetuneMethod`: the objective says how samples are collated, what one
@@ -30,11 +31,16 @@ class TrainingObjective(Protocol):
 
     name: str
     sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
-    resident: tuple[nn.Module, ...]  # models it holds besides the policy (full DPO's reference): memory a step counts
+    resident: tuple[nn.Module, ...]  # models it holds besides the policy (a reference, a teacher): memory a step counts
 
     def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
-        """Build what it needs besides the policy, with the other parts: ``frozen_copy(key)`` is a frozen copy of
-        the model with the weights of the checkpointer at config key ``key``, sharded as the policy is."""
+        """Build what it needs besides the policy, with the other parts: ``frozen_copy(key, node="model")`` is a
+        frozen model built from config key ``node`` (the model itself, or a teacher) with the weights of the
+        checkpointer at config key ``key``, sharded as the policy is."""
+
+    def start_step(self) -> None:
+        """A training step's micro batches begin (again, after an out-of-memory retry): forget what
+        :meth:`step_metrics` would have read from an unfinished one."""
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         """The collate of the data set's samples into a micro batch: a dict whose ``tokens`` has one row per

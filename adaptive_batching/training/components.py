@@ -66,7 +66,7 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, objective: Trainin
     place = dict(device=device, dtype=dtype, parallel=parallel, is_rank_zero=is_rank_zero)
     with building("model"):
         model = build_model(cfg.model, method, checkpoint, options=options, **place)
-    objective.build(cfg, lambda key: build_frozen_copy(cfg, key, options, **place))
+    objective.build(cfg, lambda key, node="model": build_frozen_copy(cfg, key, options, node=node, **place))
     optimizer = build_optimizer(cfg, model)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)
@@ -80,26 +80,30 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, objective: Trainin
 
 
 def build_frozen_copy(cfg: DictConfig, key: str, options: ModelOptions, *, device: torch.device, dtype: torch.dtype,
-                      parallel: ParallelInfo, is_rank_zero: bool) -> nn.Module:
-    """A second copy of ``cfg.model`` with the weights of the checkpointer at config key ``key``, built, compiled
-    and sharded as the policy is (FSDP2 under torchrun), frozen: no gradients, eval mode, dropout off, in no
-    optimizer and no checkpoint. Full DPO's reference model, as torchtune's ``full_dpo_distributed`` builds it
-    (without activation checkpointing: nothing is saved for a backward)."""
+                      parallel: ParallelInfo, is_rank_zero: bool, node: str = "model") -> nn.Module:
+    """A frozen model built from config key ``node`` (``model``: a second copy of the policy; ``teacher_model``:
+    distillation's teacher, another architecture) with the weights of the checkpointer at config key ``key``,
+    built, compiled and sharded as the policy is (FSDP2 under torchrun), frozen: no gradients, eval mode, dropout
+    off, in no optimizer and no checkpoint. Full DPO's reference model, as torchtune's ``full_dpo_distributed``
+    builds it, or the KD teacher (both without activation checkpointing: nothing is saved for a backward)."""
     with building(key):
         weights = config.instantiate(cfg[key], should_load_recipe_state=False).load_checkpoint()
-        model = build_model(cfg.model, FrozenWeights(key), weights, device=device, dtype=dtype, parallel=parallel,
-                            options=replace(options, activation_checkpointing=False), is_rank_zero=is_rank_zero)
-    logs.info(describe_frozen_copy(model, key, parallel.world_size))
+    with building(node):
+        model = build_model(cfg[node], FrozenWeights(key, node), weights, device=device, dtype=dtype,
+                            parallel=parallel, options=replace(options, activation_checkpointing=False),
+                            is_rank_zero=is_rank_zero)
+    logs.info(describe_frozen_copy(model, key, parallel.world_size, node))
     return model
 
 
-def describe_frozen_copy(model: nn.Module, key: str, ranks: int) -> str:
-    """One line: what the frozen copy costs, all its weights and those this rank holds (a shard under FSDP2)."""
+def describe_frozen_copy(model: nn.Module, key: str, ranks: int, node: str = "model") -> str:
+    """One line: what the frozen model costs, all its weights and those this rank holds (a shard under FSDP2)."""
     whole = sum(param.numel() * param.element_size() for param in model.parameters())
     here = sum(_local(param).numel() * param.element_size() for param in model.parameters())
     where = f", {here / 2**20:.3f} MiB on this rank (sharded over {ranks} ranks as the policy)" if ranks > 1 else ""
-    return (f"Reference model ({key}): a frozen copy of the model, {whole / 2**20:.3f} MiB of weights{where}; "
-            "no gradients, eval mode, in no optimizer or checkpoint")
+    what = f"Reference model ({key}): a frozen copy of the model" if node == "model" else \
+        f"Teacher model ({node}, weights from {key}): frozen"
+    return f"{what}, {whole / 2**20:.3f} MiB of weights{where}; no gradients, eval mode, in no optimizer or checkpoint"
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:

@@ -98,14 +98,15 @@ def build_model(
 
 
 class FrozenWeights:
-    """The fine-tuning method of a model that never trains (full DPO's reference): no parameter takes a gradient,
-    every weight comes from the checkpoint of config key ``key``, nothing is saved."""
+    """The fine-tuning method of a model that never trains (full DPO's reference, a KD teacher): no parameter takes
+    a gradient, every weight comes from the checkpoint of config key ``key`` for the model of config key ``node``,
+    nothing is saved."""
 
     name = "frozen"
     adapter_only = False
 
-    def __init__(self, key: str) -> None:
-        self.key = key
+    def __init__(self, key: str, node: str = "model") -> None:
+        self.key, self.node = key, node
 
     def configure(self, model: nn.Module) -> None:
         for param in model.parameters():
@@ -119,7 +120,7 @@ class FrozenWeights:
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
         if missing or unexpected:
-            raise ConfigError(f"the checkpoint of config key '{self.key}' does not match config key 'model': "
+            raise ConfigError(f"the checkpoint of config key '{self.key}' does not match config key '{self.node}': "
                               f"missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]}")
         training.disable_dropout(model)
         model.eval()

@@ -1,5 +1,5 @@
-"""The training objectives: supervised fine-tuning, and direct preference optimisation (DPO) of LoRA adapters or of
-the whole model.
+"""The training objectives: supervised fine-tuning, direct preference optimisation (DPO) of LoRA adapters or of
+the whole model, and knowledge distillation (KD) from a frozen teacher.
 
 Each is a :class:`~adaptive_batching.core.objective.TrainingObjective` the trainer composes; the recipes pick one.
 """
@@ -10,15 +10,18 @@ import contextlib
 from typing import Any, Callable, ContextManager, Optional
 
 import torch
+import torch.nn.functional as F
 from omegaconf import DictConfig
 from torch import nn
-from torchtune import rlhf
+from torchtune import config, rlhf
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
-from adaptive_batching.config.objectives import check_full_dpo, check_lora_dpo, recipe_for_model
+from adaptive_batching.config.objectives import check_full_dpo, check_kd, check_lora_dpo, recipe_for_model
 from adaptive_batching.core.loss import summed_token_loss
+from adaptive_batching.core.nodes import building
+from adaptive_batching.training import compiling
 
 
 class SupervisedFinetune:
@@ -28,7 +31,10 @@ class SupervisedFinetune:
     sequences_per_sample = 1
     resident: tuple[nn.Module, ...] = ()
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
+        pass
+
+    def start_step(self) -> None:
         pass
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
@@ -83,7 +89,10 @@ class LoRADPO:
     def __init__(self) -> None:
         self.last: dict[str, torch.Tensor] = {}
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
+        pass
+
+    def start_step(self) -> None:
         pass
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
@@ -150,7 +159,7 @@ class FullDPO(LoRADPO):
         super().__init__()
         self.reference_model: Optional[nn.Module] = None
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
+    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
         self.reference_model = frozen_copy("ref_checkpointer")
 
     @property
@@ -166,11 +175,88 @@ class FullDPO(LoRADPO):
             return self._log_probs(self.reference_model, tokens, labels, contextlib.nullcontext())[0]
 
 
+class KnowledgeDistillation(SupervisedFinetune):
+    """Knowledge distillation, as torchtune's ``knowledge_distillation_single_device`` trains it: the student (the
+    model, LoRA or full) is trained on ``(1 - kd_ratio) x`` the cross-entropy on its labels ``+ kd_ratio x`` the
+    ``kd_loss`` (a KL divergence) between its logits and those of a frozen teacher, built from ``teacher_model``
+    with the weights of ``teacher_checkpointer`` (another architecture with the same vocabulary, sharded as the
+    student is, in eval mode, in no optimizer and no checkpoint). The teacher's forward runs without autograd on
+    the same micro batch; its weights stay resident and its logits live until both losses are done, so the
+    profiler's trials count them (:attr:`resident`).
+
+    Both losses are summed over the micro batch's tokens (their means x its tokens) and the step divides by the
+    tokens of all its micro batches and ranks, as the fine-tuning recipes do: the step's gradient does not depend on
+    how it is cut into micro batches. (Stock's backward takes each micro batch's mean and then divides by the step's
+    tokens again; see docs/distillation.md.) A step logs its ``class_loss`` and ``kd_loss`` besides ``loss``."""
+
+    name = "kd"
+
+    def __init__(self) -> None:
+        self.teacher: Optional[nn.Module] = None
+        self.kd_loss_fn: Any = None
+        self.kd_ratio = 0.5
+        self._sums: list[torch.Tensor] = []  # the step's (cross-entropy, KD, tokens) so far, on the device
+
+    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
+        self.kd_ratio = float(cfg.get("kd_ratio", 0.5))
+        with building("kd_loss"):
+            self.kd_loss_fn = config.instantiate(cfg.kd_loss)
+        if cfg.get("compile", False):
+            self.kd_loss_fn = compiling.compile_loss(self.kd_loss_fn, verbose=False)
+        self.teacher = frozen_copy("teacher_checkpointer", "teacher_model")
+        if hasattr(self.kd_loss_fn, "num_output_chunks"):
+            self.teacher.set_num_output_chunks(self.kd_loss_fn.num_output_chunks)
+
+    @property
+    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
+        return () if self.teacher is None else (self.teacher,)
+
+    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
+                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+        """The student's forward (under ``activations``), the teacher's without autograd, both losses on the
+        labels shifted by one token; returns the mixed loss summed over the tokens that count, and their number."""
+        assert self.teacher is not None, "the teacher is built with the other parts"
+        labels = batch.pop("labels")
+        ignore = loss_fn.ignore_index
+        labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
+        tokens = (labels != ignore).sum()
+        labels.view(-1)[:1].masked_fill_(tokens == 0, 0)  # as summed_token_loss: finite means, then x 0
+        with activations:
+            logits = model(**batch)
+        with torch.no_grad():
+            teacher_logits = self.teacher(**batch)
+        if not isinstance(logits, list):
+            labels = labels.reshape(-1)
+            logits = logits.reshape(-1, logits.size(-1))
+            teacher_logits = teacher_logits.reshape(-1, teacher_logits.size(-1))
+        kd_loss = self.kd_loss_fn(logits, teacher_logits, labels)
+        class_loss = loss_fn(logits, labels)
+        del logits, teacher_logits
+        self._sums.append(torch.stack([class_loss.detach() * tokens, kd_loss.detach() * tokens, tokens.float()]))
+        return ((1 - self.kd_ratio) * class_loss + self.kd_ratio * kd_loss) * tokens, tokens
+
+    def start_step(self) -> None:
+        """Forget the micro batches of a step that did not finish (an out-of-memory retry, a profiler trial)."""
+        self._sums.clear()
+
+    def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
+        """The step's cross-entropy and KD loss (token-weighted over its micro batches on this rank), as
+        ``knowledge_distillation_single_device`` logs them beside ``loss``."""
+        if not self._sums:
+            return {}
+        class_sum, kd_sum, tokens = torch.stack(self._sums).sum(dim=0).tolist()
+        self._sums.clear()
+        return {"class_loss": class_sum / max(tokens, 1), "kd_loss": kd_sum / max(tokens, 1)}
+
+
 def objective_for(cfg: DictConfig) -> Any:
     """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe),
-    checked as its recipe checks it: LoRA or full DPO for a config that asks for DPO, else supervised
-    fine-tuning."""
+    checked as its recipe checks it: LoRA or full DPO for a config that asks for DPO, distillation for one with a
+    teacher, else supervised fine-tuning."""
     recipe = recipe_for_model(cfg)
+    if recipe == "adaptive_knowledge_distillation":
+        check_kd(cfg)
+        return KnowledgeDistillation()
     if recipe == "adaptive_lora_dpo":
         check_lora_dpo(cfg)
         return LoRADPO()

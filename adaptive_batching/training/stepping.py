@@ -119,6 +119,7 @@ class StepRunner:
         padded = sum(b["tokens"].numel() for b in micro_batches)
 
         def forward_backward() -> None:
+            self.objective.start_step()
             for index, batch in enumerate(micro_batches):
                 micro_loss, micro_tokens = self.forward_backward(batch)
                 loss_sum.add_(micro_loss)
