@@ -17,7 +17,7 @@ import pytest
 import torch
 from config_edits import CONFIGS
 from torch import nn
-from torchtune import config, training
+from torchtune import config, modules, training
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.cli import main
@@ -32,6 +32,7 @@ MiB = 2**20
 SEQ_LEN = 32
 LAYERS = "model.num_layers=5"
 CE = "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss"
+CHECKPOINTING = "enable_activation_checkpointing=True"
 FIDELITY = 0.05  # the fine-tuning estimate's tolerance against the profiler's real steps (docs/profiler.md)
 
 
@@ -146,6 +147,22 @@ def test_each_traced_step_runs_the_policy_on_both_sequences_then_the_reference_w
     assert set(trace.probes) <= {recorded.calls[2 * i][1][0] // 2 for i in range(steps)}
 
 
+def test_the_dpo_step_extrapolated_matches_the_full_trace(traces: dict[str, Any]) -> None:
+    """Three layers traced and extended to five (the policy's and the reference's middle forward and the middle
+    backward repeated), against all five traced (``--full-trace``): the same probes, to 2% as for fine-tuning.
+    Full DPO (a separate reference, cut to three layers too); both DPO steps are also checked against real steps
+    below."""
+    name = "tiny_full_dpo"
+    cfg = _cfg(name)
+    full = trace_steps(cfg, method_for(cfg), seq_len=SEQ_LEN, exact=True, objective=objective_for(cfg))
+    fast = traces[name]
+    assert sorted(fast.probes) == sorted(full.probes) and fast.traced_layers == 3 and full.traced_layers == 5
+    for micro_batch, exact in full.probes.items():
+        for field in ("activation_bytes", "forward_backward_peak", "optimizer_peak", "steady_bytes"):
+            assert getattr(fast.probes[micro_batch], field) == pytest.approx(getattr(exact, field), rel=0.02), (
+                micro_batch, field)
+
+
 def test_full_dpo_counts_the_reference_weights_sharded_as_the_policy(traces: dict[str, StepTrace]) -> None:
     """The same model fine-tuned (cross-entropy) holds the policy and its optimizer state; full DPO holds the
     frozen reference's weights besides, whole on one rank and half of them on each of 2."""
@@ -224,16 +241,19 @@ def test_the_reference_forward_saves_nothing_and_adds_at_most_its_own_transient_
         assert policy_only < with_it <= policy_only + reference, pairs
 
 
-def _real_activation_bytes(name: str, micro_batch: int) -> int:
+def _real_activation_bytes(name: str, micro_batch: int, *overrides: str) -> int:
     """The bytes a real training step's forward and backward take above where they start, on CPU, counted by
     ``MemTracker`` on real tensors: the step of the objective the config's recipe trains with, on its worst-case
-    micro batch, with the real model (and full DPO's real frozen reference)."""
-    cfg = _cfg(name)
+    micro batch, with the real model built as the recipes build it (and full DPO's real frozen reference, which
+    they never checkpoint)."""
+    cfg = _cfg(name, *overrides)
     objective, method = objective_for(cfg), method_for(cfg)
     torch.manual_seed(0)
     with training.set_default_dtype(torch.float32):
         model = config.instantiate(cfg.model)
     method.configure(model)
+    if cfg.get("enable_activation_checkpointing", False):
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     loss_fn = config.instantiate(cfg.loss)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
@@ -257,13 +277,18 @@ def _real_activation_bytes(name: str, micro_batch: int) -> int:
     return tracker.highest - start
 
 
-@pytest.mark.parametrize("name", ["tiny_lora", "tiny_lora_dpo", "tiny_full_dpo"])
-def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], name: str) -> None:
+@pytest.mark.parametrize("name, overrides", [
+    ("tiny_lora", ()), ("tiny_lora_dpo", ()), ("tiny_full_dpo", ()),
+    ("tiny_lora_dpo", (CHECKPOINTING,)), ("tiny_full_dpo", (CHECKPOINTING,))],
+    ids=["finetune", "lora_dpo", "full_dpo", "lora_dpo, checkpointing", "full_dpo, checkpointing"])
+def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], name: str,
+                                              overrides: tuple[str, ...]) -> None:
     """The fake, extrapolated step against the real one of the same tiny model, at the micro batches the estimate
     probed: each step's bytes and the bytes a sample (a pair) adds within the fine-tuning estimate's tolerance
-    (5%; ``tiny_lora`` is the fine-tuning step, for comparison; on CPU they agree to the byte today)."""
-    trace = traces[name]
-    real = {m: _real_activation_bytes(name, m) for m in sorted(trace.probes)}
+    (5%; ``tiny_lora`` is the fine-tuning step, for comparison; on CPU they agree to a few bytes today), without
+    and with activation checkpointing (which the stock DPO configs turn on)."""
+    trace = _trace(name, *overrides) if overrides else traces[name]
+    real = {m: _real_activation_bytes(name, m, *overrides) for m in sorted(trace.probes)}
     estimated = {m: trace.probes[m].activation_bytes for m in real}
     for m in real:
         assert estimated[m] == pytest.approx(real[m], rel=FIDELITY), (m, estimated, real)
