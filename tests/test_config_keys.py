@@ -108,11 +108,11 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: 
      "does not do yet; use torchtune's qat_distributed or qat_lora_finetune_distributed"),
     ("kd_ratio=0.5",
      "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
-     "does not do yet; use torchtune's knowledge_distillation_single_device or knowledge_distillation_distributed"),
+     "does not do; use adaptive_knowledge_distillation"),
     ("loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
      "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for knowledge "
-     "distillation from a teacher model, which adaptive_full_finetune does not do yet; use torchtune's "
-     "knowledge_distillation_single_device or knowledge_distillation_distributed"),
+     "distillation from a teacher model, which adaptive_full_finetune does not do; use "
+     "adaptive_knowledge_distillation"),
     ("loss._component_=torchtune.rlhf.loss.RSOLoss",
      "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
      "and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo"),

@@ -100,9 +100,10 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
         else:
             assert stock_recipe in re.split(r", | or ", match["recipes"]), line
         refused[name] = match["what"]
-    assert len(refused) == 18 - 5 * ("dpo" in OURS[recipe])  # 5 DPO, 4 KD, 6 QAT, 1 PPO, 1 quantize, 1 multi-data-set
+    # 5 DPO, 4 KD, 6 QAT, 1 PPO, 1 quantize, 1 multi-data-set
+    assert len(refused) == 18 - 5 * ("dpo" in OURS[recipe]) - 4 * ("kd" in OURS[recipe])
     assert "dpo" in OURS[recipe] or refused["llama3_1/8B_lora_dpo_single_device"] == OBJECTIVES["dpo"].what
-    assert refused["llama3_2/8B_to_1B_KD_lora_single_device"] == OBJECTIVES["kd"].what
+    assert "kd" in OURS[recipe] or refused["llama3_2/8B_to_1B_KD_lora_single_device"] == OBJECTIVES["kd"].what
     assert refused["llama3_2/1B_qat_lora"] == OBJECTIVES["qat"].what
 
 
@@ -111,10 +112,6 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
      "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks for "
      "quantization-aware training, which adaptive_lora_finetune does not do yet; use torchtune's qat_distributed or "
      "qat_lora_finetune_distributed"),
-    ("llama3_2/8B_to_1B_KD_lora_single_device", "config key 'teacher_model' = 'torchtune.models.llama3_1.llama3_1_8b' "
-     "(with 'teacher_checkpointer', 'kd_loss', 'kd_ratio') asks for knowledge distillation from a teacher model, which "
-     "adaptive_lora_finetune does not do yet; use torchtune's knowledge_distillation_single_device or "
-     "knowledge_distillation_distributed"),
     ("mistral/7B_full_ppo_low_memory", "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
      "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
      "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
@@ -148,17 +145,24 @@ def test_estimate_traces_a_stock_dpo_config(capsys: pytest.CaptureFixture) -> No
     assert "DPO (lora_dpo): a sample is a pair" in out and "(the policy with its adapters off)" in out
 
 
-def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The one place a future recipe of ours is listed: then it is named instead of torchtune's, and it is not
-    refused the keys."""
-    monkeypatch.setitem(OURS, "adaptive_knowledge_distillation", frozenset({"kd"}))
-    cfg = load_config("llama3_2/8B_to_1B_KD_lora_single_device")
-    with pytest.raises(ConfigError, match=r"which adaptive_lora_finetune does not do; use "
-                                          r"adaptive_knowledge_distillation$"):
-        validate_config(cfg)
-    from adaptive_batching.config.objectives import check_objective
+@pytest.mark.parametrize("name", ["qwen2/1.5_to_0.5B_KD_lora_single_device", "qwen2/1.5_to_0.5B_KD_lora_distributed",
+                                  "llama3_2/8B_to_1B_KD_lora_single_device", "llama3_2/8B_to_1B_KD_lora_distributed"])
+def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(name: str) -> None:
+    """The 4 stock KD configs validate by name for adaptive_knowledge_distillation (the recipe that runs them, as
+    ``cp`` says); a fine-tuning recipe refuses them naming it (issue 38.1)."""
+    from adaptive_batching.config.objectives import check_kd, recipe_for_model
 
-    check_objective(cfg, "adaptive_knowledge_distillation")
+    cfg = load_config(name)
+    assert recipe_for_model(cfg) == "adaptive_knowledge_distillation"
+    validate_config(cfg, "adaptive_knowledge_distillation")
+    check_kd(cfg)
+    with pytest.raises(ConfigError) as error:
+        validate_config(cfg, "adaptive_lora_finetune")
+    teacher = OmegaConf.select(cfg, "teacher_model._component_")
+    assert str(error.value) == (
+        f"config key 'teacher_model' = '{teacher}' (with 'teacher_checkpointer', 'kd_loss', 'kd_ratio') asks for "
+        "knowledge distillation from a teacher model, which adaptive_lora_finetune does not do; use "
+        "adaptive_knowledge_distillation")
 
 
 def test_stock_names_resolve_as_tune_run_resolves_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
