@@ -20,6 +20,7 @@ from torch import nn
 
 from adaptive_batching.core.loss import summed_token_loss
 from adaptive_batching.core.objective import TrainingObjective
+from adaptive_batching.errors import ConfigError
 
 
 def _tokens(micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, torch.Tensor]:
@@ -61,5 +62,8 @@ def step_of(cfg: DictConfig, objective: Optional[TrainingObjective], frozen_copy
     (a fake, frozen copy of the config's model, whichever checkpointer's weights it asks for: they are fake)."""
     if objective is None:
         return Step()
+    if objective.name == "kd":
+        raise ConfigError("config key 'teacher_model': estimate does not model knowledge distillation yet (the "
+                          "teacher's weights, forward and logits); measure it with adaptive-batching profile")
     objective.build(cfg, lambda key: frozen_copy())
     return Step(objective, tuple(objective.resident))
