@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from adaptive_batching.config.loading import parse
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.training.methods import FullFinetune
+from adaptive_batching.training.quantization import step_hooks, with_quantizer
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -24,7 +25,8 @@ def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
     saving as it goes. Every weight trains."""
     settings = validate_config(cfg, "adaptive_full_finetune")
-    with Trainer(cfg, settings, FullFinetune()) as trainer:
+    method = with_quantizer(cfg, FullFinetune())  # fake-quantized when the config has a quantizer (QAT)
+    with Trainer(cfg, settings, method, hooks=step_hooks(method)) as trainer:
         trainer.setup()
         profile = trainer.profile()
         trainer.train(trainer.make_plan(profile))

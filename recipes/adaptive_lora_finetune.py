@@ -16,6 +16,7 @@ from omegaconf import DictConfig
 from adaptive_batching.config.loading import parse
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.training.methods import LoRAFinetune
+from adaptive_batching.training.quantization import step_hooks, with_quantizer
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -25,7 +26,8 @@ def recipe_main(cfg: DictConfig) -> None:
     saving as it goes. Only the adapters train."""
     settings = validate_config(cfg, "adaptive_lora_finetune")
     adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
-    with Trainer(cfg, settings, adapters) as trainer:
+    method = with_quantizer(cfg, adapters)  # the base weights fake-quantized when the config has a quantizer (QAT)
+    with Trainer(cfg, settings, method, hooks=step_hooks(method)) as trainer:
         trainer.setup()
         profile = trainer.profile()
         trainer.train(trainer.make_plan(profile))

@@ -95,17 +95,14 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: 
     with caplog.at_level(logging.WARNING):
         validate_config(cfg)
     lines = [r.getMessage() for r in caplog.records if "not read by the recipes" in r.getMessage()]
-    assert lines == ["config keys not read by the recipes (ignored): ac_mode, quantizer, save_every_n_epochs"]
+    assert lines == ["config keys not read by the recipes (ignored): ac_mode, save_every_n_epochs"]
 
 
 @pytest.mark.parametrize("override, line", [
-    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
-     "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks for "
-     "quantization-aware training, which adaptive_full_finetune does not do yet; use torchtune's qat_distributed or "
-     "qat_lora_finetune_distributed"),
-    ("fake_quant_after_n_steps=100",
-     "config key 'fake_quant_after_n_steps' = 100 asks for quantization-aware training, which adaptive_full_finetune "
-     "does not do yet; use torchtune's qat_distributed or qat_lora_finetune_distributed"),
+    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
+     "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks for quantizing a "
+     "trained model (post-training quantization), which adaptive_full_finetune does not do yet; use torchtune's "
+     "quantize"),
     ("kd_ratio=0.5",
      "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
      "does not do; use adaptive_knowledge_distillation"),
@@ -138,7 +135,7 @@ QUOTED = {
     "lr_scaling": "lr_scaling=cubic",
     "use_max_batch_size": "use_max_batch_size=True",
     "save_every_n_step": "save_every_n_step=5",
-    "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+    "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
     "metric_logger._component_": "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
     "optimizer._component_": "optimizer._component_=torch.optim.AdamWW",
 }

@@ -367,7 +367,7 @@ def tune_run_problem(argv: list[str], created: set[str], mention: bool = False) 
     path = config_path(config)
     if recipe in RECIPES and path is not None and recipe_for(path) != recipe:
         return f"config {config!r} is run by {recipe_for(path)}, not {recipe}"
-    if recipe not in RECIPES and config not in torchtune_recipes()[recipe]:
+    if recipe not in RECIPES and config not in torchtune_recipes()[recipe] and config_path(config) is not None:
         return f"torchtune's {recipe} has no config {config!r}"
     return None
 
@@ -571,6 +571,20 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "save_every_n_steps=200": (
         "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
         GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)"),
+    # docs/qat.md
+    "tune run adaptive_lora_finetune --config tiny_qat_lora": (
+        "tests/test_qat.py::chain", f"with {TINY}, 48 samples of 64 tokens, a 256 MiB budget, through "
+        "tests/faulty_run.py (growth, an injected OOM, SIGTERM and a resume)"),
+    "tune run adaptive_lora_finetune --config llama3_2/1B_qat_lora use_maximum_batch_size=True": (
+        "tests/test_qat.py::test_the_stock_qat_configs_validate_by_name_for_our_recipe_with_their_quantizer",
+        "validated by name; the 1B weights are not on the test machine (a tune cp copy on the tiny model is "
+        "profiled: test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_steps)"),
+    "tune cp quantization my_quantization.yaml": (
+        "tests/test_qat.py::test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_same_quantizer",
+        "as written, in the QAT run's folder, then pointed at its checkpoint"),
+    "tune run quantize --config my_quantization.yaml": (
+        "tests/test_qat.py::test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_same_quantizer",
+        f"on the full QAT run's checkpoint of {TINY}"),
     # docs/dpo.md
     "tune run adaptive_lora_dpo --config tiny_lora_dpo": (
         "tests/test_dpo.py::test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits",
@@ -865,7 +879,7 @@ CONFIG_ERROR_OVERRIDES: dict[str, str] = {
     "save_every_n_step": "save_every_n_step=5",
     "optimizer._component_": "optimizer._component_=torch.optim.AdamWW",
     "metric_logger._component_": "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
-    "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+    "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
 }
 RUN_ELSEWHERE = {"adaptive_batching.elastic"}
 

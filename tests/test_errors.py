@@ -30,10 +30,10 @@ def last_line(result: object) -> str:
                  marks=pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed")),
     ("save_every_n_step=5",
      "config error: config key 'save_every_n_step' is not read by the recipes; did you mean 'save_every_n_steps'?"),
-    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
-     "config error: config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer' asks "
-     "for quantization-aware training, which adaptive_full_finetune does not do yet; use torchtune's qat_distributed "
-     "or qat_lora_finetune_distributed"),
+    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
+     "config error: config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks "
+     "for quantizing a trained model (post-training quantization), which adaptive_full_finetune does not do yet; use "
+     "torchtune's quantize"),
     ("model.no_such_argument=1",
      "config error: config key 'model': TypeError: llama3() got an unexpected keyword argument 'no_such_argument'"),
     ("adaptive_batching.memory_budget=1MiB", "profile error: micro batch 1 does not fit the memory budget"),

@@ -45,6 +45,8 @@ def memory_setup(cfg: DictConfig) -> dict[str, Any]:
         "gradients_alive_in_forward": int(_select(cfg, "gradient_accumulation_steps", 1) or 1) > 1,
         "fsdp_cpu_offload": _select(cfg, "fsdp_cpu_offload", False),
         "custom_sharded_layers": _select(cfg, "custom_sharded_layers", None),
+        # Fake quantization keeps more for the backward (QAT); absent without a quantizer, as before it was read.
+        **({"quantizer": quantizer} if (quantizer := _select(cfg, "quantizer", None)) else {}),
     }
 
 

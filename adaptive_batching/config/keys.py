@@ -31,6 +31,7 @@ RECIPE_KEYS = frozenset({
     "fsdp_reshard_after_forward", "fsdp_cpu_offload", "save_adapter_weights_only", "cudnn_deterministic_mode",
     "log_peak_memory_stats", "low_cpu_ram",
     "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.objectives)
+    "quantizer", "fake_quant_after_n_steps",  # QAT in the fine-tuning recipes; the others refuse them (same)
     "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",  # adaptive_knowledge_distillation's (same)
     # In torchtune's stock configs, read by no recipe of torchtune 0.6.1 either (``fsdp.cpu_offload``), or only
     # with tensor parallelism, which is refused: accepted silently, as torchtune accepts them.

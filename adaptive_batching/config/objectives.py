@@ -47,8 +47,8 @@ OBJECTIVES: dict[str, Objective] = {
 
 # Our recipes and the objectives above that each trains (besides supervised fine-tuning).
 OURS: dict[str, frozenset[str]] = {
-    "adaptive_full_finetune": frozenset(),
-    "adaptive_lora_finetune": frozenset(),
+    "adaptive_full_finetune": frozenset({QAT}),
+    "adaptive_lora_finetune": frozenset({QAT}),
     "adaptive_lora_dpo": frozenset({DPO}),
     "adaptive_full_dpo": frozenset({DPO}),
     "adaptive_knowledge_distillation": frozenset({KD}),

@@ -116,7 +116,10 @@ class LoRAFinetune:
 
 
 def method_for(cfg: DictConfig) -> FinetuneMethod:
-    """The method a config asks for: LoRA when its model builder is a LoRA one, else full fine-tuning."""
+    """The method a config asks for: LoRA when its model builder is a LoRA one, else full fine-tuning; with fake
+    quantization when it has a ``quantizer`` (see ``training.quantization``)."""
+    from adaptive_batching.training.quantization import with_quantizer
+
     if "lora" in str(cfg.model.get("_component_", "")):
-        return LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False))
-    return FullFinetune()
+        return with_quantizer(cfg, LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False)))
+    return with_quantizer(cfg, FullFinetune())
