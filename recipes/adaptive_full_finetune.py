@@ -4,7 +4,7 @@
     tune run --nproc_per_node 2 adaptive_full_finetune --config llama3_2_1b
 
 Every parameter trains and the whole model is saved; the batch machinery is shared with
-``adaptive_lora_finetune``.
+``adaptive_lora_finetune``. With a ``quantizer`` the linear layers are fake-quantized (docs/qat.md).
 """
 
 from __future__ import annotations

@@ -2,9 +2,11 @@
 
     tune run adaptive_lora_finetune --config tiny_lora
     tune run --nproc_per_node 2 adaptive_lora_finetune --config llama3_2_1b_lora
+    tune run adaptive_lora_finetune --config tiny_qat_lora    # with quantization-aware training (a quantizer)
 
 Only adapter parameters train; the batch machinery is shared with ``adaptive_full_finetune``.
-``save_adapter_weights_only: True`` saves the adapter alone, else the merged model as well.
+``save_adapter_weights_only: True`` saves the adapter alone, else the merged model as well. With a ``quantizer``
+the base weights are fake-quantized (docs/qat.md).
 """
 
 from __future__ import annotations
