@@ -274,8 +274,8 @@ def test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_
 
 # ---------------------------------------------------------------- growth, OOM, SIGTERM and resume with LoRA QAT
 QAT = {"recipe": "adaptive_lora_finetune", "config": "tiny_qat_lora"}
-SAMPLES, AFTER, STOP_AT = 48, 4, 3
-GROWING = (f"dataset.split=train[:{SAMPLES}]", "tokenizer.max_seq_len=64", "batch_size=2", "lr_scheduler=null",
+SAMPLES, AFTER, STOP_AT = 40, 4, 3
+GROWING = (f"dataset.split=train[:{SAMPLES}]", "batch_size=2", "lr_scheduler=null",
            "adaptive_batching.growth_interval=3 steps", "batch_increase_function.factor=2",
            "batch_increase_function._component_=adaptive_batching.growth.geometric",
            "adaptive_batching.memory_budget=256MiB", "save_every_n_steps=4", f"fake_quant_after_n_steps={AFTER}",
