@@ -27,13 +27,12 @@ Where each is called, in the order a run meets them:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable
 
 import torch
 
-if TYPE_CHECKING:
-    from adaptive_batching.training.stepping import StepStats
-    from adaptive_batching.training.trainer import Trainer
+Trainer = Any  # the Trainer (training/trainer.py imports this module)
+StepStats = Any  # training/stepping.py's: the optimizer step's statistics, or None
 
 
 class TrainerHooks:
@@ -72,7 +71,7 @@ class TrainerHooks:
     def after_loss(self, loss: torch.Tensor) -> None:
         pass
 
-    def after_step(self, trainer: Trainer, stats: Optional[StepStats]) -> None:
+    def after_step(self, trainer: Trainer, stats: StepStats) -> None:
         pass
 
 
