@@ -2,6 +2,7 @@
 that recipe with its gradient normalised as the fine-tuning recipes normalise it (``stock_fixed``).
 
     python tests/kd_parity_run.py RECIPE --config CONFIG KEY=VALUE...
+    python tests/faulty_run.py FAULT_JSON PREFIX kd_parity_run --config CONFIG KEY=VALUE...  (ours, its faults)
 
 As tests/dpo_parity_run.py (whose LoRA A generator and exact logger it uses). torchtune 0.6.1's KD recipes
 backpropagate each micro batch's *mean* loss and then divide the step's gradients by its tokens again (counted
@@ -52,6 +53,26 @@ def fix_stock_normalisation() -> None:
         scale_grads(model, 1 / tokens)
 
     training.scale_grads = scale_by_shifted_tokens
+
+
+def same_adapters() -> None:
+    """Every LoRA A matrix drawn from one generator of its own (as dpo_parity_run.main draws them)."""
+    import math
+
+    import torchtune.modules.peft.lora as lora
+    from torch import nn
+
+    generator = torch.Generator().manual_seed(0)
+    lora._lora_a_init_params = lambda x: nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5), generator=generator)
+
+
+def recipe_main() -> Any:
+    """``adaptive_knowledge_distillation`` with the LoRA A matrices of :func:`same_adapters`, for the harnesses
+    that import a recipe module and call its ``recipe_main`` (tests/faulty_run.py, crashing_run.py)."""
+    same_adapters()
+    import adaptive_knowledge_distillation
+
+    return adaptive_knowledge_distillation.recipe_main()
 
 
 if __name__ == "__main__":

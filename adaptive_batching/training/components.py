@@ -100,7 +100,8 @@ def describe_frozen_copy(model: nn.Module, key: str, ranks: int, node: str = "mo
     """One line: what the frozen model costs, all its weights and those this rank holds (a shard under FSDP2)."""
     whole = sum(param.numel() * param.element_size() for param in model.parameters())
     here = sum(_local(param).numel() * param.element_size() for param in model.parameters())
-    where = f", {here / 2**20:.3f} MiB on this rank (sharded over {ranks} ranks as the policy)" if ranks > 1 else ""
+    trained = "policy" if node == "model" else "student"
+    where = f", {here / 2**20:.3f} MiB on this rank (sharded over {ranks} ranks as the {trained})" if ranks > 1 else ""
     what = f"Reference model ({key}): a frozen copy of the model" if node == "model" else \
         f"Teacher model ({node}, weights from {key}): frozen"
     return f"{what}, {whole / 2**20:.3f} MiB of weights{where}; no gradients, eval mode, in no optimizer or checkpoint"
