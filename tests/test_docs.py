@@ -598,6 +598,19 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "tune run --nproc_per_node 2 adaptive_full_dpo --config tiny_full_dpo use_maximum_batch_size=True": (
         "tests/test_full_dpo.py::test_two_ranks_profile_with_the_reference_sharded_and_train",
         f"with {TINY}, a 128 MiB budget, 2 steps"),
+    # docs/distillation.md
+    "tune run adaptive_knowledge_distillation --config tiny_kd": (
+        "tests/test_kd.py::parity", f"with {TINY}, 4 steps, shuffle off, through tests/kd_parity_run.py (stopped by "
+        "SIGTERM at step 2 and resumed)"),
+    "tune run adaptive_knowledge_distillation --config qwen2/1.5_to_0.5B_KD_lora_single_device "
+    "use_maximum_batch_size=True": (
+        "tests/test_kd.py::test_the_stock_kd_configs_validate_by_name_for_adaptive_knowledge_distillation",
+        "validated by name, with the override; the Qwen2 weights are not on the test machine"),
+    "adaptive-batching cp qwen2/1.5_to_0.5B_KD_lora_distributed my_kd.yaml": (
+        "tests/test_kd.py::test_tune_cp_copies_a_stock_kd_config_and_ours_names_the_recipe", "as written"),
+    "tune run --nproc_per_node 2 adaptive_knowledge_distillation --config my_kd.yaml use_maximum_batch_size=True": (
+        "tests/test_kd.py::test_two_ranks_profile_a_stock_kd_copy_with_the_teacher_sharded_and_exit_cleanly",
+        f"a tune cp copy of llama3_2/8B_to_1B_KD_lora_distributed pointed at {TINY}, a 96 MiB budget, 2 steps"),
     "tune run --nproc_per_node 8 adaptive_full_dpo --config llama3_1/8B_full_dpo use_maximum_batch_size=True": (
         "tests/test_full_dpo.py::test_the_stock_full_dpo_config_validates_by_name_for_adaptive_full_dpo",
         GPUS + " (2 ranks: test_two_ranks_profile_with_the_reference_sharded_and_train)"),
