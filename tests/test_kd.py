@@ -212,7 +212,7 @@ def test_ours_trains_as_stock_with_its_gradient_normalised_bit_for_bit_across_a_
     shift)."""
     ours, fixed = parity["adapters"]["ours"], parity["adapters"]["stock_fixed"]
     assert ours.keys() == fixed.keys() and all(torch.equal(ours[k], fixed[k]) for k in ours)
-    assert any(bool(v.abs().sum()) for k, v in ours.items() if "lora_b" in k)  # the adapters trained
+    assert any(bool(v.abs().sum()) for k, v in ours.items() if "lora_b" in k.lower())  # the adapters trained
     for row_ours, row_fixed in zip(parity["ours"], parity["stock_fixed"], strict=True):
         assert row_ours["lr"] == row_fixed["lr"]
         assert {key: row_ours[key] for key in LOSSES} == pytest.approx({key: row_fixed[key] for key in LOSSES},
@@ -238,7 +238,7 @@ def test_ours_logs_stocks_losses_within_the_stated_tolerance(parity: dict) -> No
 
 # ---------------------------------------------------------------- growth and an out-of-memory error
 BASE_LR, REFERENCE_BATCH = 1e-3, 2
-GROWING = ("dataset.split=train[:48]", "tokenizer.max_seq_len=64", "batch_size=2", "gradient_accumulation_steps=1",
+GROWING = ("dataset.split=train[:48]", "batch_size=2", "gradient_accumulation_steps=1",
            "lr_scheduler=null", f"optimizer.lr={BASE_LR}", "epochs=1", "max_steps_per_epoch=null",
            "use_maximum_batch_size=False", "adaptive_batching.growth_interval=2 steps",
            "batch_increase_function._component_=adaptive_batching.growth.geometric", "batch_increase_function.factor=2")
