@@ -91,7 +91,8 @@ def test_bad_qat_keys_are_one_line_before_any_model_loads(overrides: list[str], 
 
 
 def test_a_post_training_quantizer_is_refused_naming_torchtunes_quantize() -> None:
-    cfg = load_config("tiny_lora", ["quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer"])
+    ptq = "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
+    cfg = load_config("tiny_lora", [ptq])
     with pytest.raises(ConfigError, match=r"asks for quantizing a trained model \(post-training quantization\), "
                                           r"which adaptive_lora_finetune does not do yet; use torchtune's quantize$"):
         validate_config(cfg, "adaptive_lora_finetune")
@@ -293,8 +294,8 @@ def chain(assets: Path, runs: Path) -> dict[str, Any]:
     straight = ok(run("straight", OOM_AT_7, f"adaptive_batching.cache_dir={runs}/straight-cache"))
     first = run("chain", {**OOM_AT_7, "signal": "SIGTERM", "signal_at": STOP_AT},
                 f"adaptive_batching.cache_dir={runs}/chain-cache")
-    resumed = ok(run("resumed", OOM_AT_7, f"output_dir={runs / 'chain'}", f"adaptive_batching.cache_dir={runs}/chain-cache",
-                     "resume_from_checkpoint=True"))
+    resumed = ok(run("resumed", OOM_AT_7, f"output_dir={runs / 'chain'}",
+                     f"adaptive_batching.cache_dir={runs}/chain-cache", "resume_from_checkpoint=True"))
     return {"straight": straight, "first": first, "resumed": resumed}
 
 
