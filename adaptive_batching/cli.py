@@ -73,13 +73,14 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    print(f"{'RECIPE':<28}CONFIG")
+    width = max(len(recipe) for recipe in RECIPES) + 2
+    print(f"{'RECIPE':<{width}}CONFIG")
     by_recipe = {recipe: [] for recipe in RECIPES}
     for name in shipped_config_names():
         by_recipe[recipe_for(shipped_configs_dir() / f"{name}.yaml")].append(name)
     for recipe, configs in by_recipe.items():
         for i, name in enumerate(configs):
-            print(f"{recipe if i == 0 else '':<28}{name}")
+            print(f"{recipe if i == 0 else '':<{width}}{name}")
     print("\nAlso torchtune's own full, LoRA and QLoRA configs by their names (`tune ls`), e.g. llama3_1/8B_full")
     return 0
 

@@ -119,6 +119,8 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
         paths.special_tokens_path,
         paths.dataset_path,
         paths.preference_path,
+        paths.student_dir / "config.json",
+        paths.student_dir / "model.safetensors",
     ]
     for file in files:
         assert file.is_file() and file.stat().st_size > 0, file

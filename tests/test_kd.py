@@ -128,7 +128,12 @@ def test_the_teacher_is_frozen_from_its_own_checkpoint_and_the_trials_count_its_
 
     runner = StepRunner(parts.model, parts.optimizer, parts.loss_fn, StepGuard(one_rank, cpu), one_rank, cpu,
                         clip_grad_norm=None, oom_recovery=True, where=lambda: (1, None, "."), objective=objective)
+    seen: list[tuple[str, tuple[int, ...], bool]] = []
+    for name, model in (("student", parts.model), ("teacher", teacher)):
+        model.register_forward_pre_hook(lambda module, args, kwargs, name=name: seen.append(
+            (name, tuple(kwargs["tokens"].shape), torch.is_grad_enabled())), with_kwargs=True)
     measured = runner.trial_step(2, seq_len=16, accumulation=1, collate=parts.collate, vocab_size=1280, packed=False)
+    assert seen == [("student", (2, 16), True), ("teacher", (2, 16), False)]  # the worst case, both forwards
     student_bytes, teacher_bytes = memory.current_bytes(cpu, parts.model, parts.optimizer), \
         memory.current_bytes(cpu, teacher)  # as the trial's meters count: the same path on every machine
     assert teacher_bytes > 0 and measured.steady_bytes == student_bytes + teacher_bytes

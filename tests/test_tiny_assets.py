@@ -18,6 +18,7 @@ from torchtune.training import FullModelHFCheckpointer
 from adaptive_batching.assets.tiny import (
     DEFAULT_TINY_DIR,
     TINY_MODEL_ARGS,
+    TINY_STUDENT_ARGS,
     TinyAssetPaths,
     build_tiny_model,
     describe,
@@ -69,6 +70,8 @@ def test_paths_layout(assets: TinyAssetPaths) -> None:
         "data/preference_tiny.json",
         "model/config.json",
         "model/model.safetensors",
+        "student/config.json",
+        "student/model.safetensors",
         "tokenizer/special_tokens.json",
         "tokenizer/tokenizer.model",
     ]
@@ -117,6 +120,21 @@ def test_checkpoint_round_trip(assets: TinyAssetPaths, tmp_path: Path) -> None:
     for name, tensor in reference.items():
         assert torch.equal(loaded[name], tensor), name
     assert not torch.equal(loaded["output.weight"], loaded["tok_embeddings.weight"])
+
+
+def test_the_student_is_a_smaller_tiny_model_with_the_same_vocabulary(assets: TinyAssetPaths, tmp_path: Path) -> None:
+    """The tiny model teaches it (configs/tiny_kd.yaml): fewer layers and dimensions, the same tokenizer and vocabulary,
+    its own weights in the same layout."""
+    config = json.loads((assets.student_dir / "config.json").read_text())
+    assert config["vocab_size"] == TINY_MODEL_ARGS["vocab_size"] == TINY_STUDENT_ARGS["vocab_size"]
+    assert config["num_hidden_layers"] < TINY_MODEL_ARGS["num_layers"]
+    assert config["hidden_size"] < TINY_MODEL_ARGS["embed_dim"]
+    checkpointer = FullModelHFCheckpointer(checkpoint_dir=str(assets.student_dir), checkpoint_files=["model.safetensors"],
+                                           model_type="LLAMA3", output_dir=str(tmp_path / "out"))
+    student = llama3(**TINY_STUDENT_ARGS)
+    student.load_state_dict(checkpointer.load_checkpoint()["model"], strict=True)
+    reference = build_tiny_model(SEED + 1, TINY_STUDENT_ARGS).state_dict()
+    assert all(torch.equal(student.state_dict()[name], tensor) for name, tensor in reference.items())
 
 
 def test_tokenizer(assets: TinyAssetPaths) -> None:
