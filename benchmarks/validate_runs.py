@@ -2,10 +2,10 @@
 runs in children (device, assets, data sets, padding), so that the parent never creates a tensor.
 
 A child is a fresh interpreter (``spawn``; on CUDA, where a context never crosses a fork) or a fork of the parent,
-which has the imports done (``fork``; about 5 s saved per run on CPU). It patches the library's step runner in
-itself only: each step in the library's ``memory.PeakMeter`` (peak, reservation, allocator retries), tokens and
-seconds, out-of-memory errors counted; ``Trainer.save`` and the profile's plot are skipped. With ``cap_bytes``
-on CUDA the caching allocator is capped at the budget, so a run over it fails for real.
+which has the imports done (``fork``; about 5 s saved per run on CPU). It measures through the trainer's
+hooks (``training/hooks.py``), in itself only: each step in the library's ``memory.PeakMeter`` (peak, reservation,
+allocator retries), tokens and seconds, out-of-memory errors counted; the checkpoints and the profile's plot are
+skipped. With ``cap_bytes`` on CUDA the caching allocator is capped at the budget, so a run over it fails for real.
 """
 
 from __future__ import annotations
@@ -27,50 +27,46 @@ HERE = Path(__file__).resolve()
 
 # --------------------------------------------------------------------------- child side
 def _instrument(record: dict[str, Any], no_save: bool) -> None:
-    """Patch the library's step runner (and the trainer's save) in this process only."""
-    from adaptive_batching.faults.oom import is_out_of_memory
+    """Measure each step and time each epoch through the trainer's hooks (and skip its saves), in this process."""
     from adaptive_batching.runtime import memory
-    from adaptive_batching.training.stepping import StepRunner
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training import hooks
 
-    original_step = StepRunner.train_step
+    class Measured(hooks.TrainerHooks):
+        meter: Any = None
+        samples = 0
+        epoch_start = 0.0
 
-    def measured_step(self: Any, micro_batches: list) -> Any:
-        samples = sum(len(b["tokens"]) for b in micro_batches)
-        try:
-            with memory.PeakMeter(self.device, self.model, self.optimizer) as meter:
-                stats = original_step(self, micro_batches)
-        except Exception as error:
-            if is_out_of_memory(error):
+        def after_setup(self, trainer: Any) -> None:
+            if no_save:  # no checkpoint (the epoch's save of an 8B model takes minutes)
+                trainer.parts.checkpoints.save = lambda *args, **kwargs: None
+
+        def before_epoch(self, trainer: Any, epoch: int) -> None:
+            self.epoch_start = time.perf_counter()
+
+        def after_epoch(self, trainer: Any, epoch: int) -> None:
+            record["epoch_seconds"].append(time.perf_counter() - self.epoch_start)
+
+        def before_step(self, trainer: Any, micro_batches: list) -> None:
+            self.samples = sum(len(b["tokens"]) for b in micro_batches)
+            self.meter = memory.PeakMeter(trainer.device, trainer.parts.model, trainer.parts.optimizer).__enter__()
+
+        def after_step(self, trainer: Any, stats: Any) -> None:
+            meter, self.meter = self.meter, None
+            meter.__exit__(None, None, None)
+            if stats is None:  # out of memory, recovered in place by the library
                 record["oom_errors"] += 1
-            raise
-        if stats is None:  # out of memory, recovered in place by the library
-            record["oom_errors"] += 1
-            return stats
-        record["steps"].append({"samples": samples, "tokens": stats.tokens, "seconds": stats.seconds,
-                                "peak_bytes": meter.peak_bytes, "reserved_peak_bytes": meter.reserved_peak_bytes,
-                                "alloc_retries": meter.alloc_retries})
-        return stats
+                return
+            record["steps"].append({"samples": self.samples, "tokens": stats.tokens, "seconds": stats.seconds,
+                                    "peak_bytes": meter.peak_bytes, "reserved_peak_bytes": meter.reserved_peak_bytes,
+                                    "alloc_retries": meter.alloc_retries})
 
-    StepRunner.train_step = measured_step
-    if no_save:  # neither checkpoints nor the profile's plot (a Python process with matplotlib per profile)
+    hooks.install(Measured())
+    if no_save:  # nor the profile's plot (a Python process with matplotlib per profile)
         from adaptive_batching.profiling import report as profile_report
         from adaptive_batching.profiling import run as profiling_run
 
-        Trainer.save = lambda self, epoch: None
         profiling_run.write_report = lambda result, directory: {
             "json": profile_report.write_json(result, Path(directory) / "profile.json"), "png": "(not drawn)"}
-
-    original_epoch = Trainer.train_epoch
-
-    def timed_epoch(self: Any, epoch: int) -> Any:
-        start = time.perf_counter()
-        try:
-            return original_epoch(self, epoch)
-        finally:
-            record["epoch_seconds"].append(time.perf_counter() - start)
-
-    Trainer.train_epoch = timed_epoch
 
 
 def _cap_cuda_memory(cap_bytes: int) -> None:
