@@ -142,6 +142,30 @@ def test_the_teacher_is_frozen_from_its_own_checkpoint_and_the_trials_count_its_
     assert objective.step_metrics(1.0, 0) == {}
 
 
+def test_a_student_without_adapters_trains_every_weight_against_the_frozen_teacher(assets: Path) -> None:
+    """torchtune's KD recipes are LoRA only; ours takes a full student too (the recipe picks FullFinetune)."""
+    from torchtune import config
+
+    from adaptive_batching.runtime.distributed import ParallelInfo
+    from adaptive_batching.training.components import build_components, build_data
+    from adaptive_batching.training.methods import FullFinetune
+
+    lora = {f"model.{key}": DELETE for key in ("lora_attn_modules", "apply_lora_to_mlp", "apply_lora_to_output",
+                                              "lora_rank", "lora_alpha", "lora_dropout")}
+    cfg = modified(load_config("tiny_kd", [f"assets_dir={assets}"]),
+                   {"model._component_": "torchtune.models.llama3.llama3", **lora})
+    check_kd(cfg)
+    assert recipe_for_model(cfg) == "adaptive_knowledge_distillation"
+    objective = KnowledgeDistillation()
+    checkpoint = config.instantiate(cfg.checkpointer, should_load_recipe_state=False).load_checkpoint()
+    parts = build_components(cfg, FullFinetune(), objective, checkpoint, build_data(cfg), device=torch.device("cpu"),
+                             dtype=torch.float32, parallel=ParallelInfo(world_size=1, rank=0, local_rank=0),
+                             is_rank_zero=True)
+    optimized = {id(param) for group in parts.optimizer.param_groups for param in group["params"]}
+    assert optimized == {id(param) for param in parts.model.parameters()}
+    assert objective.teacher is not None and not optimized & {id(p) for p in objective.teacher.parameters()}
+
+
 def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as_torchtune() -> None:
     """The student's forward with autograd, the teacher's (a larger model, same vocabulary) without, on the same
     tokens; the loss is (1 - kd_ratio) x CE + kd_ratio x forward KL on the shifted labels, x the tokens that count."""
