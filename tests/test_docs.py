@@ -655,6 +655,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "--publish": ("tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo", "smallest size: 2 steps, 1 repeat"),
+    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together --publish": (
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
+        "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)"),
     "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
         "tests/test_benchmarks.py::test_step_overhead", "smallest size: 2 steps, settings none and stop"),
