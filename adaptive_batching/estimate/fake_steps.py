@@ -114,11 +114,12 @@ class Traced:
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
 
 
-def frozen_copy(cfg: DictConfig, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
-    """The config's model with fake storage, no parameter taking a gradient, in eval mode: full DPO's reference
-    (torchtune's ``full_dpo_distributed`` builds it without activation checkpointing; it runs without autograd)."""
-    with building("model"), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
-        model = config.instantiate(cfg.model)
+def frozen_copy(cfg: DictConfig, dtype: torch.dtype, fake: FakeTensorMode, node: str = "model") -> nn.Module:
+    """The model of config key ``node`` with fake storage, no parameter taking a gradient, in eval mode: full DPO's
+    reference (``model``) or KD's teacher (``teacher_model``), in the run's dtype (the recipes build both without
+    activation checkpointing; they run without autograd)."""
+    with building(node), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
+        model = config.instantiate(cfg[node])
     model.requires_grad_(False)
     with fake:
         model.to_empty(device=CPU)
@@ -257,7 +258,7 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
     savers = savers_of(cfg)
     model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
     vocab_size = model.tok_embeddings.num_embeddings
-    kind = step_of(cfg, objective, lambda: frozen_copy(cfg, dtype, fake))
+    kind = step_of(cfg, objective, lambda node: frozen_copy(cfg, dtype, fake, node))
     with fake:
         optimizers = FakeOptimizers(cfg, model, savers.optimizer_in_bwd)
         if savers.optimizer_in_bwd:  # the state exists before the first probe, as extrapolated() has it
@@ -338,16 +339,19 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     savers = savers_of(cfg)
     small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
     vocab_size = small.tok_embeddings.num_embeddings
-    gathered = gathered_bytes(small)
-    kind = step_of(cfg, objective, lambda: frozen_copy(cfg, dtype, fake))
+    kind = step_of(cfg, objective, lambda node: frozen_copy(cfg, dtype, fake, node))
+    # FSDP gathers one model's layers at a time: the policy's, or the frozen model's while it runs
+    gathered = max(gathered_bytes(model) for model in (small, *kind.resident))
     with fake:
         optimizers = FakeOptimizers(cfg, small, savers.optimizer_in_bwd)
         initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers, kind)
     paged = optimizers.paged_bytes()
     resident = _resident_bytes(kind)
     traced = layers_to_trace(num_layers)
+    depths = [len(decoder_layers(model)) for model in kind.resident]  # KD's teacher: its own depth
+    reference = (layers_to_trace(depths[0]), depths[0]) if depths else None
     for model in (small, *kind.resident):  # the whole models' weights and optimizer state are gone with them
-        model.layers = nn.ModuleList(list(decoder_layers(model))[:traced])
+        model.layers = nn.ModuleList(list(decoder_layers(model))[:layers_to_trace(len(model.layers))])
     counts: dict[int, list[int]] = {}  # how often each segment runs: the forwards the step ran (DPO: two)
     segments: dict[int, list[PassStretch]] = {}
     host: dict[int, int] = {}
@@ -362,7 +366,7 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
                               batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
-        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards())
+        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference)
         host[micro_batch] = offload.host_bytes(counts[micro_batch]) if offload is not None else 0
         stash[micro_batch] = offload.stash_bytes(counts[micro_batch]) if offload is not None else 0
 

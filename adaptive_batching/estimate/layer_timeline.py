@@ -16,8 +16,8 @@ forward and backward repeated N - 2 times. Memory moves by the same amount in ev
 the highest point of a run of repeats is at its first or its last one, and the peak at N layers
 is computed exactly, at no extra cost, for any N.
 
-A DPO step has a second forward between the two: the reference's (the policy with its adapters off, or a
-frozen copy), under ``no_grad``. Its layers are segments of their own ("reference forward i", after the
+A DPO or KD step has a second forward between the two: the reference's (the policy with its adapters off, a
+frozen copy, or KD's teacher, another architecture traced on three of its own layers), under ``no_grad``. Its layers are segments of their own ("reference forward i", after the
 policy's forwards), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory,
 and its transient peak is counted where it happens, on top of the policy's saved activations.
 """
@@ -67,23 +67,29 @@ def _signature(layer: nn.Module) -> tuple:
     return modules, params
 
 
-def repeats(traced: int, total: int, forwards: int = 1) -> list[int]:
+def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tuple[int, int]] = None) -> list[int]:
     """How often each segment of a ``traced``-layer pass occurs in a ``total``-layer pass.
 
     Segments: before the layers, the forward of layers 0 .. traced-2, the top layer and head,
     the backward of layers traced-1 .. 1, then the bottom layer's backward and the rest. With ``forwards`` 2
-    (DPO), the reference's forward of layers 0 .. traced-1 comes between the two (its top layer's segment
-    holds its head, the loss and the head's backward).
+    (DPO, KD), the reference's forward of its layers comes between the two (its top layer's segment holds its
+    head, the loss and the head's backward): ``reference`` is its (traced, total) layers when they differ from
+    the policy's (KD's teacher, another architecture), else the policy's.
     """
-    if traced < 1 or total < traced:
-        raise ValueError(f"cannot extrapolate {traced} traced layers to {total}")
-    counts = [1] * ((forwards + 1) * traced + 1)
-    if total > traced:
-        if traced != TRACED_LAYERS:
-            raise ValueError(f"extrapolation needs {TRACED_LAYERS} traced layers (bottom, middle, top), got {traced}")
-        for middle in range(2, len(counts), traced):  # the middle layer's forwards and backward
-            counts[middle] = total - traced + 1
-    return counts
+    def middle(traced: int, total: int) -> list[int]:
+        if traced < 1 or total < traced:
+            raise ValueError(f"cannot extrapolate {traced} traced layers to {total}")
+        counts = [1] * traced
+        if total > traced:
+            if traced != TRACED_LAYERS:
+                raise ValueError(f"extrapolation needs {TRACED_LAYERS} traced layers (bottom, middle, top), "
+                                 f"got {traced}")
+            counts[1] = total - traced + 1
+        return counts
+
+    policy = middle(traced, total)
+    other = middle(*(reference or (traced, total))) if forwards == 2 else []
+    return [1, *policy, *other, *policy]
 
 
 def extrapolate_peak(segments: Sequence[PassStretch], counts: Sequence[int], kept_grads: float = 1.0) -> int:
@@ -195,7 +201,8 @@ class LayerTimeline(FrozenAwareMemTracker):
         """The segments, checked to be in layer order (bottom to top, the reference's bottom to top if it ran,
         then back) and to have seen ops."""
         n = len(self._layers)
-        reference = [f"reference forward {i}" for i in range(n)] if self.forwards() == 2 else []
+        depth = len(self._reference_layers[0]) if self._reference_layers else n
+        reference = [f"reference forward {i}" for i in range(depth)] if self.forwards() == 2 else []
         expected = (["before the layers"] + [f"forward {i}" for i in range(n)] + reference
                     + [f"backward {i}" for i in reversed(range(n))])
         labels = [s.label for s in self._segments]

@@ -19,7 +19,11 @@ counted at their real state size without bitsandbytes (paged state is counted as
 A DPO config's step is the objective's own (``objective``, the one its recipe trains with; see ``fake_steps``): a
 sample is a pair, chosen and rejected each ``seq_len`` tokens, so the policy's forward and backward run on twice
 the sequences of the micro batch, and the reference's forward, which keeps nothing for the backward, adds its
-transient peak; full DPO's reference weights are counted with the policy's, sharded as they are.
+transient peak; full DPO's reference weights are counted with the policy's, sharded as they are. A KD config's
+step is distillation's: the student's forward and backward, the teacher's forward on the same micro batch without
+autograd (it keeps nothing for the backward; its logits live until both losses are done), the teacher's weights
+counted with the student's, sharded as they are. A QAT config (a ``quantizer``) is traced with the model its recipe
+prepares, fake quantization on: what torchao's fake quantizers keep for the backward is counted as traced.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from adaptive_batching.profiling.search import Trial, search_max_micro_batch
 
 EXTRAPOLATED = "layer extrapolation"
 FULL_TRACE = "full trace"
+DPO = ("lora_dpo", "full_dpo")  # the objectives whose sample is a pair
 
 
 @dataclass(frozen=True)
@@ -93,13 +98,14 @@ class Estimate:
     compile: bool = False
     objective: str = "finetune"
     reference_bytes: int = 0
+    quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     def _samples(self) -> str:
-        return (f"{self.seq_len}-token samples" if self.objective == "finetune" else
-                f"pairs of {self.seq_len}-token sequences")
+        return (f"pairs of {self.seq_len}-token sequences" if self.objective in DPO else
+                f"{self.seq_len}-token samples")
 
     def describe(self) -> str:
         gib = 2**30
@@ -131,7 +137,12 @@ class Estimate:
                           "NF4 weights dequantized in one fused op")
         else:
             savers.append("compile: off (an eager step)")
-        if self.objective != "finetune":
+        if self.objective == "kd":
+            savers.insert(0, f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
+                             f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
+                             f"per rank, sharded as the student's and counted with them), which saves nothing for "
+                             f"the backward; both models' logits live until the cross-entropy and KD losses are done")
+        elif self.objective in DPO:
             reference = ("the policy with its adapters off" if not self.reference_bytes else
                          f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
                          f"weights")
@@ -139,6 +150,10 @@ class Estimate:
                              f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
                              f"reference's forward without autograd ({reference}), which saves nothing for the "
                              f"backward")
+        if self.quantization:
+            savers.insert(0, f"QAT: {self.quantization}; traced with fake quantization on (torchao's fake quantizers "
+                             f"on fake tensors), so what they keep for the backward is counted, as in the steps after "
+                             f"fake_quant_after_n_steps turns it on")
         if self.activation_offloading:
             savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
                           f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
@@ -183,6 +198,7 @@ class StepTrace:
     paged_bytes: int = 0  # optimizer state in CUDA unified memory, whole model
     objective: str = "finetune"  # the training objective whose step was traced
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
+    quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
@@ -213,7 +229,17 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
                      steps.traced_layers, FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started,
                      measure, max_probe, steps.savers, str(cfg.optimizer.get("_component_", "")), host,
                      steps.paged_bytes, objective.name if objective is not None else "finetune",
-                     steps.resident_bytes)
+                     steps.resident_bytes, quantized(method))
+
+
+def quantized(method: FinetuneMethod) -> str:
+    """What a quantization-aware method fake-quantizes, in words ("" for another method)."""
+    if getattr(method, "quantizer", None) is None:  # training.quantization.QuantizationAware
+        return ""
+    config = method.quantizer.get_weight_fake_quantize_config()
+    group = f", groupsize {config.group_size}" if getattr(config, "group_size", None) else ""
+    layers = "LoRA layers' frozen base weights and inputs" if method.method.name == "lora" else "linear layers"
+    return f"{type(method.quantizer).__name__} ({method.mode}{group}), {method.swapped} {layers} fake-quantized"
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -307,6 +333,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         paged_state_evicted=paged_out,
         compile=trace.savers.compile,
         objective=trace.objective, reference_bytes=0 if offload else trace.resident_bytes // world_size,
+        quantization=trace.quantization,
     )
 
 
