@@ -1,5 +1,6 @@
 #!/usr/bin/env python
-"""``adaptive-batching estimate`` on every full, LoRA, QLoRA and DPO config torchtune 0.6.1 ships: docs/estimates.md.
+"""``adaptive-batching estimate`` on every full, LoRA, QLoRA, DPO, KD and QAT config torchtune 0.6.1 ships:
+docs/estimates.md.
 
 Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens per worst-case sample (for DPO,
 per sequence of a pair), as the config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a
@@ -30,12 +31,15 @@ RANKS = (1, 8)
 GIB = 2**30
 FIDELITY = "## Fidelity against published GPU measurements"  # the section estimate_fidelity.py writes
 DPO_RECIPES = ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")
+KD_RECIPES = ("knowledge_distillation_single_device", "knowledge_distillation_distributed")
+QAT_RECIPES = ("qat_distributed", "qat_lora_finetune_distributed")
 
 
 def method_of(cfg: Any) -> str:
     component = str(cfg.model.get("_component_", ""))
     name = component.rsplit(".", 1)[-1]
     dpo = " DPO" if "DPO" in str(cfg.get("loss", {}).get("_component_", "")) else ""
+    dpo = " KD" if cfg.get("teacher_model", None) is not None else " QAT" if cfg.get("quantizer", None) else dpo
     if cfg.model.get("use_dora", False):
         return "DoRA" + dpo
     if "qlora" in name or cfg.model.get("quantize_base", False):
@@ -77,7 +81,7 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
     row: dict[str, Any] = {"config": name}
     try:
         cfg = load_config(path)
-        row.update(model=str(cfg.model._component_).rsplit(".", 1)[-1], method=method_of(cfg), savers=savers(cfg))
+        row.update(model=model_of(cfg), method=method_of(cfg), savers=savers(cfg))
         start = time.perf_counter()
         method, objective = method_for(cfg), objective_for(cfg)
         trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len",
@@ -99,6 +103,13 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
         reason = one_line(error).split(" Are you sure")[0][:200]
         row["reason"] = VISION_REASON if "torchvision" in reason else reason
     return row
+
+
+def model_of(cfg: Any) -> str:
+    """The model's builder; for KD the student's, then the teacher's."""
+    name = str(cfg.model._component_).rsplit(".", 1)[-1]
+    teacher = cfg.get("teacher_model", None)
+    return name if teacher is None else f"{name}, teacher {str(teacher._component_).rsplit('.', 1)[-1]}"
 
 
 def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
@@ -155,7 +166,7 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     lines = [
         "# `estimate` on torchtune's stock configs",
         "",
-        "The predicted largest micro batch of every full, LoRA, QLoRA and DPO config of torchtune 0.6.1, at",
+        "The predicted largest micro batch of every full, LoRA, QLoRA, DPO, KD and QAT config of torchtune 0.6.1, at",
         f"{seq_len}-token samples (a DPO sample is a pair of them), for one GPU of 24, 40 or 80 GiB and for 8 of",
         "them (FSDP shards weights, gradients and optimizer state; activations are per rank), with 0.9 of the memory",
         "as the budget. The configs run as written (dtype, optimizer, memory savers); `0` means that not even one",
@@ -189,6 +200,25 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         "full: a frozen copy), without autograd: it saves nothing for the backward, and its transient peak (a",
         "layer's working memory, its logits and log-probabilities) counts where it happens, on top of what the",
         "policy's forward saved. Full DPO's reference weights count with the policy's, sharded as they are at 8 ranks.",
+        "",
+        "KD configs (`LoRA KD`; the model column names the student, then the teacher) are traced on the step that",
+        "`adaptive_knowledge_distillation` trains with (its objective's own code, on fake tensors): the student's",
+        "forward and backward on the micro batch, and the teacher's forward on the same micro batch without autograd,",
+        "which saves nothing for the backward; both models' logits (chunked as the losses are) live until the",
+        "cross-entropy and KD losses are done. The teacher, another architecture, is traced on three of its own layers",
+        "and extended to its own depth. Its weights count with the student's, sharded as they are at 8 ranks (the",
+        "recipe shards the teacher over the ranks as the student); FSDP's in-flight layers are those of the larger model.",
+        "",
+        "QAT configs (`full QAT`, `LoRA QAT`) are traced with the model prepared by their `quantizer` as",
+        "`adaptive_full_finetune` and `adaptive_lora_finetune` prepare it (torchao's fake-quantized linear layers; for",
+        "LoRA, the frozen base weight and its input fake-quantized), fake quantization on, as in the steps after",
+        "`fake_quant_after_n_steps`. torchao's fake quantizers are plain torch ops, so they run on fake tensors and what",
+        "they keep for the backward is counted as traced. Each fake-quantized linear keeps its fake-quantized weight, a",
+        "new copy of the whole weight in the run's dtype (the matmul needs it for the input's gradient; a plain linear",
+        "keeps the weight itself), so the model's linear weights are held once more by the end of the forward, LoRA",
+        "too, and unsharded at 8 ranks (made from the gathered weight); full QAT also keeps a float32 copy of each",
+        "weight for its gradient. Each fake-quantized input keeps a float32 copy and its fake-quantized copy. Checked",
+        "against real CPU steps of the tiny models to 5% (tests/test_estimate_kd_qat.py).",
         "",
         "The Llama 3.2 Vision configs are not estimated: their builders import torchvision, and the only",
         "torchvision for torch 2.13.0 in the package registry (0.28.0, a CUDA build) does not load against the CPU",
@@ -279,10 +309,11 @@ def main() -> None:
 
     from adaptive_batching.config.loading import FINETUNE_RECIPES, stock_configs
 
-    names = stock_configs((*FINETUNE_RECIPES, *DPO_RECIPES))
+    names = stock_configs((*FINETUNE_RECIPES, *DPO_RECIPES, *KD_RECIPES, *QAT_RECIPES))
     unknown = unknown_names(args.only, sorted(names))
     if unknown:
-        parser.exit(2, f"error: --only: not a stock full, LoRA or QLoRA config of torchtune: {', '.join(unknown)}\n")
+        parser.exit(2, f"error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: "
+                       f"{', '.join(unknown)}\n")
     if args.only:
         names = {n: p for n, p in names.items() if n in args.only}
     results, page = Path(args.json), ROOT / "docs" / "estimates.md"
