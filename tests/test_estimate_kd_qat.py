@@ -201,3 +201,20 @@ def test_the_stock_table_names_kd_and_qat_configs_and_their_teacher() -> None:
     assert {methods[n] for n in qat} == {"full QAT", "LoRA QAT"}
     assert model_of(load_config("llama3_2/8B_to_1B_KD_lora_single_device")) == "lora_llama3_2_1b, teacher llama3_1_8b"
     assert model_of(load_config("llama3_2/1B_qat_lora")) == "lora_llama3_2_1b"
+
+
+def test_the_issues_command_counts_the_8b_teacher(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """Issue 38's command. Before: 2.76 GB of fixed bytes, the 1B student alone (and after 38.1, a one-line
+    refusal); now the 8B teacher's bf16 weights (about 16 GB) count with the student's."""
+    argv = ["estimate", "--config", "llama3_2/8B_to_1B_KD_lora_single_device", "--device-memory", "80GiB",
+            "--seq-len", "2048", "--json", str(tmp_path / "e.json")]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    written = json.loads((tmp_path / "e.json").read_text())
+    with torch.device("meta"):
+        teacher = config.instantiate(load_config("llama3_2/8B_to_1B_KD_lora_single_device").teacher_model)
+    bf16_weights = sum(p.numel() for p in teacher.parameters()) * 2
+    assert written["reference_bytes"] >= bf16_weights > 16 * 10**9
+    assert min(written["fixed_bytes"], written["model_state_bytes"]) > bf16_weights + 2 * 2**30  # and the student
+    assert out.startswith(f"predicted largest micro batch: {written['max_micro_batch']} (2048-token samples, ")
+    assert written["max_micro_batch"] >= 1 and "KD: the student's forward and backward" in out
