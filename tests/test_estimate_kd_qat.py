@@ -218,3 +218,11 @@ def test_the_issues_command_counts_the_8b_teacher(tmp_path: Path, capsys: pytest
     assert min(written["fixed_bytes"], written["model_state_bytes"]) > bf16_weights + 2 * 2**30  # and the student
     assert out.startswith(f"predicted largest micro batch: {written['max_micro_batch']} (2048-token samples, ")
     assert written["max_micro_batch"] >= 1 and "KD: the student's forward and backward" in out
+
+
+def test_fake_quant_after_n_steps_is_estimated_with_fake_quantization_on(traces: dict[str, StepTrace]) -> None:
+    """With ``fake_quant_after_n_steps`` the first steps train without fake quantization; the plan must fit the
+    steps after it turns on, so the estimate traces those: the same bytes as with it on from the start."""
+    name, overrides = CASES["qat_lora"]
+    later = _trace(name, (*overrides, "fake_quant_after_n_steps=5"))
+    assert later.probes == traces["qat_lora"].probes
