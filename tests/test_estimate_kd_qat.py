@@ -115,6 +115,7 @@ def test_the_kd_step_extrapolated_matches_the_full_trace(traces: dict[str, StepT
     them traced (``--full-trace``): the same probes, to 2% as for fine-tuning."""
     fast, full = traces["kd"], _trace(*CASES["kd"], exact=True)
     assert sorted(fast.probes) == sorted(full.probes) and fast.traced_layers == 3 and full.traced_layers == 5
+    assert fast.reference_layers == (3, 4) and full.reference_layers == (4, 4)
     for micro_batch, exact in full.probes.items():
         for field in ("activation_bytes", "forward_backward_peak", "optimizer_peak", "steady_bytes"):
             assert getattr(fast.probes[micro_batch], field) == pytest.approx(getattr(exact, field), rel=0.02), (
@@ -218,6 +219,7 @@ def test_the_issues_command_counts_the_8b_teacher(tmp_path: Path, capsys: pytest
     assert min(written["fixed_bytes"], written["model_state_bytes"]) > bf16_weights + 2 * 2**30  # and the student
     assert out.startswith(f"predicted largest micro batch: {written['max_micro_batch']} (2048-token samples, ")
     assert written["max_micro_batch"] >= 1 and "KD: the student's forward and backward" in out
+    assert written["reference_layers"] == [3, 32] and "; 3 of its 32 layers traced)" in out
 
 
 def test_fake_quant_after_n_steps_is_estimated_with_fake_quantization_on(traces: dict[str, StepTrace]) -> None:

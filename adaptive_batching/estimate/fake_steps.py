@@ -112,6 +112,7 @@ class Traced:
     paged_bytes: int
     savers: Savers
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
+    resident_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
 
 
 def frozen_copy(cfg: DictConfig, dtype: torch.dtype, fake: FakeTensorMode, node: str = "model") -> nn.Module:
@@ -284,8 +285,9 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         step(micro_batch)
         return host[micro_batch]
 
+    depth = len(getattr(kind.resident[0], "layers", ())) if kind.resident else 0
     return Traced(step, num_layers, num_layers, host_bytes, optimizers.paged_bytes(), savers,
-                  _resident_bytes(kind))
+                  _resident_bytes(kind), (depth, depth))
 
 
 def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[int, int, list[int]]:
@@ -385,4 +387,4 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
             trace(micro_batch)
         return host[micro_batch]
 
-    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident)
+    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident, reference or (0, 0))

@@ -99,6 +99,7 @@ class Estimate:
     objective: str = "finetune"
     reference_bytes: int = 0
     quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
+    reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -138,10 +139,13 @@ class Estimate:
         else:
             savers.append("compile: off (an eager step)")
         if self.objective == "kd":
+            traced, total = self.reference_layers
+            layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
             savers.insert(0, f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
                              f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
-                             f"per rank, sharded as the student's and counted with them), which saves nothing for "
-                             f"the backward; both models' logits live until the cross-entropy and KD losses are done")
+                             f"per rank, sharded as the student's and counted with them; {layers}), which saves "
+                             f"nothing for the backward; both models' logits live until the cross-entropy and KD "
+                             f"losses are done")
         elif self.objective in DPO:
             reference = ("the policy with its adapters off" if not self.reference_bytes else
                          f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
@@ -199,6 +203,7 @@ class StepTrace:
     objective: str = "finetune"  # the training objective whose step was traced
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
     quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
+    reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
 
 
 def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
@@ -229,7 +234,7 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
                      steps.traced_layers, FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started,
                      measure, max_probe, steps.savers, str(cfg.optimizer.get("_component_", "")), host,
                      steps.paged_bytes, objective.name if objective is not None else "finetune",
-                     steps.resident_bytes, quantized(method))
+                     steps.resident_bytes, quantized(method), steps.resident_layers)
 
 
 def quantized(method: FinetuneMethod) -> str:
@@ -333,7 +338,7 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         paged_state_evicted=paged_out,
         compile=trace.savers.compile,
         objective=trace.objective, reference_bytes=0 if offload else trace.resident_bytes // world_size,
-        quantization=trace.quantization,
+        quantization=trace.quantization, reference_layers=trace.reference_layers,
     )
 
 
