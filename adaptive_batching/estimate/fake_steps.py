@@ -25,12 +25,16 @@ Both follow the config's memory savers (:class:`Savers`):
 * ``compile``: the decoder layers, the loss and NF4 dequantization hold memory as compiled: each layer through
   AOTAutograd's min-cut partition, as inductor (``compiled``).
 
-A training objective other than fine-tuning (DPO: a :class:`~adaptive_batching.core.objective.TrainingObjective`
+A training objective other than fine-tuning (DPO, KD: a :class:`~adaptive_batching.core.objective.TrainingObjective`
 the caller hands in, the one the trainer composes) has its own step traced: its worst-case micro batch, collated as
 training collates it, and its ``micro_loss`` (for DPO the policy's forward on the chosen and rejected sequences of
-each pair, the reference's forward without autograd, the loss), then the backward. The models it holds besides
-the policy (full DPO's frozen reference, built by its ``build`` from a fake frozen copy of the model) count with
-the weights, sharded as the policy is.
+each pair, the reference's forward without autograd, the loss; for KD the student's forward, the teacher's without
+autograd, both losses), then the backward. The models it holds besides the policy (full DPO's frozen reference,
+KD's teacher, built by its ``build`` from fake frozen models of the config key it names) count with the weights,
+sharded as the policy is; a teacher of another depth is traced on three of its own layers and extended to its own.
+
+A QAT config's model is the one its ``quantizer`` prepares (the method's ``configure``, as the recipes), traced with
+fake quantization on: torchao's fake quantizers are torch ops, so what they keep for the backward is counted.
 """
 
 from __future__ import annotations
