@@ -163,8 +163,8 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
-    check_objective(cfg)  # a KD or QAT config: refused as the recipe refuses it, before any tracing
-    objective = objective_for(cfg)  # a DPO config: checked as its recipe checks it; its step is traced
+    check_objective(cfg)  # keys no recipe of ours trains with: refused as the recipe refuses them, before any tracing
+    objective = objective_for(cfg)  # DPO, KD: checked as its recipe checks it; its step is traced
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
