@@ -36,7 +36,8 @@ QAT_LORA = ("model.num_layers=5",)
 QAT_FULL = ("model.num_layers=5", "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
             "quantizer.groupsize=32")
 CASES = {"kd": ("tiny_kd", KD), "qat_lora": ("tiny_qat_lora", QAT_LORA), "qat_full": ("tiny_full", QAT_FULL),
-         "qat_lora_bf16": ("tiny_qat_lora", (*QAT_LORA, "dtype=bf16"))}  # the stock QAT configs' dtype
+         "qat_lora_bf16": ("tiny_qat_lora", (*QAT_LORA, "dtype=bf16")),  # the stock KD and QAT configs' dtype
+         "kd_bf16": ("tiny_kd", (*KD, "dtype=bf16"))}
 
 
 def _cfg(name: str, overrides: tuple[str, ...]) -> Any:
@@ -178,7 +179,8 @@ def _real_activation_bytes(case: str, micro_batch: int) -> int:
 def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], case: str) -> None:
     """The fake, extrapolated step against the real one of the same tiny model, at the micro batches the estimate
     probed: each step's bytes and the bytes a sample adds within the fine-tuning estimate's tolerance (5%); QAT LoRA
-    also in bf16, where the fake quantizers' float32 copies are larger than the activations they copy."""
+    and KD also in bf16 (the stock configs' dtype: the fake quantizers' float32 copies are larger than the
+    activations they copy, and the KD loss upcasts each chunk of both models' logits)."""
     trace = traces[case]
     real = {m: _real_activation_bytes(case, m) for m in sorted(trace.probes)}
     estimated = {m: trace.probes[m].activation_bytes for m in real}
