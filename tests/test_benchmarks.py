@@ -44,7 +44,7 @@ def test_estimate_stock_configs(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("args, says", [
     (["--only", "llama3_2/1B_lora_single_devic"],
-     "error: --only: not a stock full, LoRA or QLoRA config of torchtune: 'llama3_2/1B_lora_single_devic' "
+     "error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: 'llama3_2/1B_lora_single_devic' "
      "(did you mean 'llama3_2/1B_lora_single_device'?)"),
     (["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],
      "error: --markdown writes the table of every config; with --only the rows go to --json alone: drop "

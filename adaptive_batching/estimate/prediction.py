@@ -138,26 +138,6 @@ class Estimate:
                           "NF4 weights dequantized in one fused op")
         else:
             savers.append("compile: off (an eager step)")
-        if self.objective == "kd":
-            traced, total = self.reference_layers
-            layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
-            savers.insert(0, f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
-                             f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
-                             f"per rank, sharded as the student's and counted with them; {layers}), which saves "
-                             f"nothing for the backward; both models' logits live until the cross-entropy and KD "
-                             f"losses are done")
-        elif self.objective in DPO:
-            reference = ("the policy with its adapters off" if not self.reference_bytes else
-                         f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
-                         f"weights")
-            savers.insert(0, f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
-                             f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
-                             f"reference's forward without autograd ({reference}), which saves nothing for the "
-                             f"backward")
-        if self.quantization:
-            savers.insert(0, f"QAT: {self.quantization}; traced with fake quantization on (torchao's fake quantizers "
-                             f"on fake tensors), so what they keep for the backward is counted, as in the steps after "
-                             f"fake_quant_after_n_steps turns it on")
         if self.activation_offloading:
             savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
                           f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
@@ -171,7 +151,32 @@ class Estimate:
             f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
             f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
             f"{verified}\n"
-            f"method: {how}"), *savers])
+            f"method: {how}"), *self._objective_lines(), *savers])
+
+    def _objective_lines(self) -> list[str]:
+        """What the traced step trains besides fine-tuning (QAT, then KD's teacher or DPO's pair and reference)."""
+        gib, lines = 2**30, []
+        if self.objective == "kd":
+            traced, total = self.reference_layers
+            layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
+            lines.insert(0, f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
+                           f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
+                           f"per rank, sharded as the student's and counted with them; {layers}), which saves "
+                           f"nothing for the backward; both models' logits live until the cross-entropy and KD "
+                           f"losses are done")
+        elif self.objective in DPO:
+            reference = ("the policy with its adapters off" if not self.reference_bytes else
+                         f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
+                         f"weights")
+            lines.insert(0, f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
+                           f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
+                           f"reference's forward without autograd ({reference}), which saves nothing for the "
+                           f"backward")
+        if self.quantization:
+            lines.insert(0, f"QAT: {self.quantization}; traced with fake quantization on (torchao's fake quantizers "
+                           f"on fake tensors), so what they keep for the backward is counted, as in the steps after "
+                           f"fake_quant_after_n_steps turns it on")
+        return lines
 
 
 MAX_PROBE = 1024  # the largest micro batch a trace probes for a slope
@@ -322,12 +327,8 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         fixed_bytes=fit.fixed_bytes,
         bytes_per_sample=fit.bytes_per_sample,
         optimizer_peak_bytes=optimizer_peak,
-        world_size=world_size,
-        seconds=trace.seconds + time.perf_counter() - started,
-        method=trace.method,
-        num_layers=trace.num_layers, traced_layers=trace.traced_layers,
-        fit_micro_batch=fit_batch,
-        verify_steps=steps,
+        world_size=world_size, seconds=trace.seconds + time.perf_counter() - started, method=trace.method,
+        num_layers=trace.num_layers, traced_layers=trace.traced_layers, fit_micro_batch=fit_batch, verify_steps=steps,
         optimizer=trace.optimizer,
         optimizer_in_bwd=trace.savers.optimizer_in_bwd,
         activation_offloading=trace.savers.activation_offloading,
