@@ -8,23 +8,22 @@ Tiny models of 5 layers (3 traced, the middle one repeated by the extrapolation)
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 import torch
 from config_edits import CONFIGS
+from real_steps import FIDELITY, PeakTracker, one_thread, real_activation_bytes
 from torch import nn
-from torchtune import config, modules, training
+from torchtune import config
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.estimate.layer_timeline import repeats
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
-from adaptive_batching.runtime.mem_tracker import FrozenAwareMemTracker
 from adaptive_batching.training.methods import method_for
 from adaptive_batching.training.objectives import FullDPO, LoRADPO, objective_for
 
@@ -33,7 +32,6 @@ SEQ_LEN = 32
 LAYERS = "model.num_layers=5"
 CE = "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss"
 CHECKPOINTING = "enable_activation_checkpointing=True"
-FIDELITY = 0.05  # the fine-tuning estimate's tolerance against the profiler's real steps (docs/profiler.md)
 
 
 def _cfg(name: str, *overrides: str) -> Any:
@@ -189,28 +187,6 @@ class _NoReferenceForward(LoRADPO):
         return torch.zeros(tokens.size(0), dtype=torch.float32)
 
 
-class _PeakTracker(FrozenAwareMemTracker):
-    """``MemTracker``'s count of tensor bytes, its highest point after any op kept (cheaply: no per-module peaks)."""
-
-    highest = 0
-
-    def _update_peak_stats(self, peak_state: Any) -> None:
-        self.highest = max(self.highest, self.total())
-
-    def total(self) -> int:
-        return int(sum(snap.get("Total", 0) for snap in self._curr_mem_snap.values()))
-
-
-@contextlib.contextmanager
-def _one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny ops on a shared 2-core machine: threads only wait for each other
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
-
-
 def _reference_forward_peak(name: str, pairs: int) -> int:
     """Bytes the reference's forward and log-probabilities take above where they start, alone, on real tensors:
     the adapters off, no autograd, on 2 x ``pairs`` sequences."""
@@ -220,7 +196,7 @@ def _reference_forward_peak(name: str, pairs: int) -> int:
     torch.manual_seed(0)
     model = config.instantiate(cfg.model)
     tokens = torch.randint(0, 1280, (2 * pairs, SEQ_LEN))
-    with _one_thread(), _PeakTracker() as tracker, torch.no_grad(), disable_adapter(model):
+    with one_thread(), PeakTracker() as tracker, torch.no_grad(), disable_adapter(model):
         start = tracker.total()
         rlhf.get_batch_log_probs(model(tokens), tokens)
     return tracker.highest - start
@@ -242,39 +218,8 @@ def test_the_reference_forward_saves_nothing_and_adds_at_most_its_own_transient_
 
 
 def _real_activation_bytes(name: str, micro_batch: int, *overrides: str) -> int:
-    """The bytes a real training step's forward and backward take above where they start, on CPU, counted by
-    ``MemTracker`` on real tensors: the step of the objective the config's recipe trains with, on its worst-case
-    micro batch, with the real model built as the recipes build it (and full DPO's real frozen reference, which
-    they never checkpoint)."""
-    cfg = _cfg(name, *overrides)
-    objective, method = objective_for(cfg), method_for(cfg)
-    torch.manual_seed(0)
-    with training.set_default_dtype(torch.float32):
-        model = config.instantiate(cfg.model)
-    method.configure(model)
-    if cfg.get("enable_activation_checkpointing", False):
-        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
-    loss_fn = config.instantiate(cfg.loss)
-    if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
-        model.set_num_output_chunks(loss_fn.num_output_chunks)
-
-    def frozen_copy(key: str) -> nn.Module:
-        copy = config.instantiate(cfg.model).requires_grad_(False)
-        return copy.eval()
-
-    objective.build(cfg, frozen_copy)
-    collate = objective.collate("torchtune.data.padded_collate_sft", False, 0, loss_fn)
-    batch = objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=SEQ_LEN, vocab_size=1280,
-                                       packed=False)
-    with _one_thread():
-        tracker = _PeakTracker()
-        tracker.track_external(model, *objective.resident)
-        with tracker:
-            start = tracker.total()
-            loss, _ = objective.micro_loss(model, loss_fn, {k: v.clone() for k, v in batch.items()},
-                                           contextlib.nullcontext())
-            loss.backward()
-    return tracker.highest - start
+    """A real step of the tiny config (full DPO's real frozen reference with it), as :func:`real_activation_bytes`."""
+    return real_activation_bytes(_cfg(name, *overrides), micro_batch, SEQ_LEN)
 
 
 @pytest.mark.parametrize("name, overrides", [

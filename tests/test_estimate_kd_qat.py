@@ -10,7 +10,6 @@ own middle layer repeated), at short sequences.
 
 from __future__ import annotations
 
-import contextlib
 import json
 from pathlib import Path
 from typing import Any
@@ -18,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 from config_edits import CONFIGS
-from test_estimate_dpo import FIDELITY, _one_thread, _PeakTracker
+from real_steps import FIDELITY, real_activation_bytes
 from torch import nn
-from torchtune import config, training
+from torchtune import config
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
@@ -142,37 +141,8 @@ def test_fake_quantization_keeps_tensors_for_the_backward(traces: dict[str, Step
 
 
 def _real_activation_bytes(case: str, micro_batch: int) -> int:
-    """The bytes a real training step's forward and backward take above where they start, on CPU, counted by
-    ``MemTracker`` on real tensors: the model built and prepared as the recipes prepare it (the quantizer's fake
-    quantization on), the step of the objective its recipe trains with (KD: a real frozen teacher), on its
-    worst-case micro batch."""
-    cfg = _cfg(*CASES[case])
-    objective, method = objective_for(cfg), method_for(cfg)
-    torch.manual_seed(0)
-    dtype = training.get_dtype(cfg.dtype, device=torch.device("cpu"))
-    with training.set_default_dtype(dtype):
-        model = config.instantiate(cfg.model)
-    method.configure(model)
-    loss_fn = config.instantiate(cfg.loss)
-    model.set_num_output_chunks(loss_fn.num_output_chunks)
-
-    def frozen_copy(key: str, node: str = "model") -> nn.Module:
-        return config.instantiate(cfg[node]).requires_grad_(False).eval()
-
-    with training.set_default_dtype(dtype):
-        objective.build(cfg, frozen_copy)
-    collate = objective.collate("torchtune.data.padded_collate_sft", False, 0, loss_fn)
-    batch = objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=SEQ_LEN, vocab_size=1280,
-                                       packed=False)
-    with _one_thread():
-        tracker = _PeakTracker()
-        tracker.track_external(model, *objective.resident)
-        with tracker:
-            start = tracker.total()
-            loss, _ = objective.micro_loss(model, loss_fn, {k: v.clone() for k, v in batch.items()},
-                                           contextlib.nullcontext())
-            loss.backward()
-    return tracker.highest - start
+    """A real step of the case's tiny config (KD: a real frozen teacher), as :func:`real_activation_bytes`."""
+    return real_activation_bytes(_cfg(*CASES[case]), micro_batch, SEQ_LEN)
 
 
 @pytest.mark.parametrize("case", list(CASES))
