@@ -4,8 +4,9 @@ fake, extrapolated step is checked against (tests/test_estimate_dpo.py, tests/te
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
+import pytest
 import torch
 from torch import nn
 from torchtune import config, modules, training
@@ -72,3 +73,15 @@ def real_activation_bytes(cfg: Any, micro_batch: int, seq_len: int) -> int:
                                            contextlib.nullcontext())
             loss.backward()
     return tracker.highest - start
+
+
+def assert_matches_real_steps(trace: Any, real_bytes: Callable[[int], int]) -> None:
+    """Each probed micro batch's traced activation bytes, and the bytes a sample adds between the smallest and the
+    largest, equal the real step's (``real_bytes(micro_batch)``) within :data:`FIDELITY`."""
+    real = {m: real_bytes(m) for m in sorted(trace.probes)}
+    estimated = {m: trace.probes[m].activation_bytes for m in real}
+    for m in real:
+        assert estimated[m] == pytest.approx(real[m], rel=FIDELITY), (m, estimated, real)
+    low, high = min(real), max(real)
+    per_sample = (real[high] - real[low]) / (high - low)
+    assert (estimated[high] - estimated[low]) / (high - low) == pytest.approx(per_sample, rel=FIDELITY)

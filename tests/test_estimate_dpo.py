@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 from config_edits import CONFIGS
-from real_steps import FIDELITY, PeakTracker, one_thread, real_activation_bytes
+from real_steps import PeakTracker, assert_matches_real_steps, one_thread, real_activation_bytes
 from torch import nn
 from torchtune import config
 from torchtune.modules.peft import disable_adapter
@@ -233,13 +233,7 @@ def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], name
     (5%; ``tiny_lora`` is the fine-tuning step, for comparison; on CPU they agree to a few bytes today), without
     and with activation checkpointing (which the stock DPO configs turn on)."""
     trace = _trace(name, *overrides) if overrides else traces[name]
-    real = {m: _real_activation_bytes(name, m, *overrides) for m in sorted(trace.probes)}
-    estimated = {m: trace.probes[m].activation_bytes for m in real}
-    for m in real:
-        assert estimated[m] == pytest.approx(real[m], rel=FIDELITY), (m, estimated, real)
-    low, high = min(real), max(real)
-    per_sample = (real[high] - real[low]) / (high - low)
-    assert (estimated[high] - estimated[low]) / (high - low) == pytest.approx(per_sample, rel=FIDELITY)
+    assert_matches_real_steps(trace, lambda m: _real_activation_bytes(name, m, *overrides))
 
 
 def test_merged_rows_take_the_place_of_their_configs_in_the_table_and_the_rest_is_kept() -> None:

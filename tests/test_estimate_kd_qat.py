@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 from config_edits import CONFIGS
-from real_steps import FIDELITY, real_activation_bytes
+from real_steps import assert_matches_real_steps, real_activation_bytes
 from torch import nn
 from torchtune import config
 
@@ -152,13 +152,7 @@ def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], case
     and KD also in bf16 (the stock configs' dtype: the fake quantizers' float32 copies are larger than the
     activations they copy, and the KD loss upcasts each chunk of both models' logits)."""
     trace = traces[case]
-    real = {m: _real_activation_bytes(case, m) for m in sorted(trace.probes)}
-    estimated = {m: trace.probes[m].activation_bytes for m in real}
-    for m in real:
-        assert estimated[m] == pytest.approx(real[m], rel=FIDELITY), (m, estimated, real)
-    low, high = min(real), max(real)
-    per_sample = (real[high] - real[low]) / (high - low)
-    assert (estimated[high] - estimated[low]) / (high - low) == pytest.approx(per_sample, rel=FIDELITY)
+    assert_matches_real_steps(trace, lambda m: _real_activation_bytes(case, m))
 
 
 def test_the_stock_table_names_kd_and_qat_configs_and_their_teacher() -> None:
