@@ -21,6 +21,7 @@ from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
 from adaptive_batching.training import compiling
+from adaptive_batching.training.methods import FullFinetune
 
 
 @dataclass(frozen=True)
@@ -97,13 +98,12 @@ def build_model(
     return model
 
 
-class FrozenWeights:
+class FrozenWeights(FullFinetune):
     """The fine-tuning method of a model that never trains (full DPO's reference, a KD teacher): no parameter takes
     a gradient, every weight comes from the checkpoint of config key ``key`` for the model of config key ``node``,
     nothing is saved."""
 
     name = "frozen"
-    adapter_only = False
 
     def __init__(self, key: str, node: str = "model") -> None:
         self.key, self.node = key, node
@@ -111,12 +111,6 @@ class FrozenWeights:
     def configure(self, model: nn.Module) -> None:
         for param in model.parameters():
             param.requires_grad_(False)
-
-    def initialize(self, model: nn.Module) -> None:
-        pass
-
-    def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
-        return [checkpoint[training.MODEL_KEY]]
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
         if missing or unexpected:
