@@ -569,7 +569,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "accumulation)"),
     "tune run --nproc_per_node 8 --max-restarts 3 adaptive_lora_finetune --config llama3_8b_lora "
     "save_every_n_steps=200": (
-        "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
+        "tests/test_chaos.py::test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses",
         GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)"),
     # docs/qat.md
     "tune run adaptive_lora_finetune --config tiny_qat_lora": (
@@ -703,7 +703,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 adaptive_full_finetune --config llama3_8b": (
         "tests/test_two_nodes.py::nodes", "no SLURM here: the same tune run of two nodes, tiny model"),
     "tune run --nproc_per_node N --max-restarts R adaptive_full_finetune --config CFG": (
-        "tests/test_restart.py::test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once",
+        "tests/test_chaos.py::test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses",
         f"2 ranks, {TINY}"),
     # docs/memory-savers.md
     "tune run adaptive_full_finetune --config llama3_2/1B_full_single_device": (

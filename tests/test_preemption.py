@@ -43,15 +43,6 @@ def stopped(result: subprocess.CompletedProcess, signal_name: str) -> int:
     return step
 
 
-def stops_of_ranks(result: subprocess.CompletedProcess) -> tuple[set[int], list[int]]:
-    """Under torchrun: the steps the ranks stopped after, and for each rank that received the signal, how many
-    steps after the one by whose end it saw it."""
-    stops = {int(n) for n in re.findall(r"stopped after optimizer step (\d+)", result.stderr)}
-    lags = [int(stop) - int(seen) for seen, stop in re.findall(
-        r"received by the end of optimizer step (\d+); stopped after optimizer step (\d+)", result.stderr)]
-    return stops, lags
-
-
 def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
     previous = signal.getsignal(signal.SIGUSR1)
     stop = Preemption(["SIGUSR1"], ParallelInfo(), None)
@@ -187,70 +178,6 @@ def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(ass
     resumed = ok(faulty_run(runs, "twice", {}, assets, *SAVE_EVERY_2, "resume_from_checkpoint=True"))
     assert "Resuming at step 2 of epoch 1 (optimizer step 2)" in resumed
     assert losses(runs / "twice" / "logs") == losses(runs / "whole" / "logs")
-
-
-@pytest.mark.e2e
-@pytest.mark.multiprocess
-def test_two_ranks_stop_together_on_the_agents_signal_or_one_workers(assets: Path, runs: Path) -> None:
-    """SIGTERM to the torchrun agent (it forwards it to every worker), then SIGUSR1 to rank 1 only: the ranks
-    agree on the step to stop after (the signal's, or the next), save it and resume without a step twice."""
-    common = (*SAVE_EVERY_2, "batch_size=2")
-    whole = ok(faulty_run(runs, "whole2", {}, assets, *common, nproc=2))
-    assert "Rank 1: finished at optimizer step 20" in whole
-    agent = faulty_run(runs, "ranks", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 0}, assets,
-                       *common, nproc=2)
-    assert agent.returncode != 0
-    # The agent forwards the signal to both workers, a few steps later here; a worker it reaches after the ranks
-    # agreed stops for "a stop signal on another rank", at the same step.
-    stops, lags = stops_of_ranks(agent)
-    assert len(stops) == 1 and min(stops) >= 3 and 1 <= len(lags) <= 2 and all(0 <= lag <= 1 for lag in lags)
-    assert agent.stderr.count("stopped after optimizer step") == 2  # both ranks stopped, saying why
-    one = faulty_run(runs, "ranks", {"signal": "SIGUSR1", "signal_at": 13, "rank": 1}, assets, *common,
-                     "resume_from_checkpoint=True", nproc=2)
-    assert one.returncode != 0
-    stops, lags = stops_of_ranks(one)
-    assert len(stops) == 1 and stops <= {13, 14} and len(lags) == 1 and lags[0] <= 1  # rank 0 stops with rank 1
-    assert "a stop signal on another rank; stopped after optimizer step" in one.stderr
-    ok(faulty_run(runs, "ranks", {}, assets, *common, "resume_from_checkpoint=True", nproc=2))
-    assert logged_steps(runs / "ranks" / "logs") == list(range(1, 21))
-    assert losses(runs / "ranks" / "logs") == losses(runs / "whole2" / "logs")
-
-
-def running(stat: str) -> bool:
-    """Whether the process whose ``/proc/PID/stat`` read ``stat`` still runs: same pid and start time, not a
-    zombie (Linux)."""
-    pid, started = stat.split()[0], stat.rsplit(")", 1)[1].split()[19]
-    try:
-        now = (Path("/proc") / pid / "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return False
-    return now[19] == started and now[0] != "Z"
-
-
-@pytest.mark.e2e
-@pytest.mark.multiprocess
-def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(assets: Path, runs: Path) -> None:
-    """SIGKILL to the torchrun agent after step 5: its workers get the parent-death signal, save where they are and
-    exit instead of training on as orphans; the resumed run trains every step once, as the uninterrupted one."""
-    common = (*SAVE_EVERY_2, "batch_size=2")
-    whole = runs / "whole2"
-    if not (whole / "logs").is_dir():
-        ok(faulty_run(runs, "whole2", {}, assets, *common, nproc=2))
-    agent = faulty_run(runs, "orphans", {"signal": "SIGKILL", "signal_at": 5, "to": "parent", "rank": 0}, assets,
-                       *common, nproc=2)
-    assert agent.returncode == -signal.SIGKILL
-    workers = [path.read_text() for path in runs.glob("orphans-rank*-attempt0.pid")]
-    assert len(workers) == 2
-    deadline = time.monotonic() + 60
-    while any(map(running, workers)) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert not any(map(running, workers)), "workers outlived their killed agent"
-    latest = checkpoints.latest_complete_checkpoint(runs / "orphans")
-    assert latest is not None and 5 <= json.loads((latest / checkpoints.MARKER).read_text())["global_step"] < 20, \
-        "the workers did not stop and save after the agent died"
-    ok(faulty_run(runs, "orphans", {}, assets, *common, "resume_from_checkpoint=True", nproc=2))
-    assert logged_steps(runs / "orphans" / "logs") == list(range(1, 21))
-    assert losses(runs / "orphans" / "logs") == losses(whole / "logs")
 
 
 def documented_slurm_script() -> str:

@@ -4,7 +4,6 @@ or a crash after that restarts the job, which resumes by itself from its own las
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections import Counter
 from pathlib import Path
@@ -181,16 +180,6 @@ def test_an_oom_outside_the_window_restarts_and_resumes_under_the_cut(runs: Path
     assert sorted(a) == sorted(b) == list(range(1, 11))
     for step in range(7, 11):
         assert a[step] == pytest.approx(b[step], rel=1e-4), step
-
-
-@pytest.mark.multiprocess
-@pytest.mark.e2e
-def test_a_rank_killed_mid_run_restarts_and_every_sample_is_trained_once(runs: Path, assets: Path) -> None:
-    output = ok(faulty_run(runs, "killed", {"kill_after": 7, "rank": 1}, assets, *TWO_RANKS, nproc=2,
-                           timeout=400, launcher=["--max-restarts=1"]))
-    resumed = int(re.search(r"Resuming at .* \(optimizer step (\d+)\)", output).group(1))
-    assert resumed == 6 and "Rank 0: finished at optimizer step 10" in output
-    assert_every_sample_once(final_trajectory(runs, "killed", resumed))
 
 
 @pytest.mark.multiprocess
