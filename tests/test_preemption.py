@@ -9,7 +9,9 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
+import traceback
 from pathlib import Path
 from typing import Callable
 
@@ -57,13 +59,66 @@ def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
     assert signal.getsignal(signal.SIGUSR1) is previous
 
 
-def test_a_second_signal_ends_the_process_at_once() -> None:
-    code = ("import signal, time; from adaptive_batching.faults.preemption import Preemption; "
-            "from adaptive_batching.runtime.distributed import ParallelInfo; "
-            "p = Preemption(['SIGTERM'], ParallelInfo(), None); p.install(); signal.raise_signal(signal.SIGTERM); "
-            "print('first', p.received, flush=True); signal.raise_signal(signal.SIGTERM); time.sleep(5); print('alive')")
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
-    assert result.returncode == -signal.SIGTERM and "first 15" in result.stdout and "alive" not in result.stdout
+def forked(target: Callable[[], None], cwd: Path, env: dict[str, str] | None = None) -> int:
+    """Fork a child that runs ``target`` in ``cwd`` with ``env`` added, its stdout and stderr appended to
+    ``cwd/stdout`` and ``cwd/stderr``, and exits 0 once it returns (1 on an exception); returns its pid. The
+    child has the library imported already: a fresh interpreter spends seconds importing torch first."""
+    pid = os.fork()
+    if pid:
+        return pid
+    code = 1
+    try:
+        os.chdir(cwd)
+        os.environ.update(env or {})
+        for fd, name in ((1, "stdout"), (2, "stderr")):
+            os.dup2(os.open(cwd / name, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644), fd)
+        sys.stdout, sys.stderr = open(1, "w", buffering=1, closefd=False), open(2, "w", buffering=1, closefd=False)
+        target()
+        code = 0
+    except BaseException:  # noqa: BLE001 - reported as an interpreter would
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def exit_status(pid: int, seconds: float = 120) -> int:
+    """The forked child's exit code, or minus the signal that ended it, as subprocess gives it."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return -os.WTERMSIG(status) if os.WIFSIGNALED(status) else os.WEXITSTATUS(status)
+        time.sleep(0.01)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    pytest.fail(f"the forked child did not end in {seconds:.0f} s")
+
+
+def python(code: str) -> Callable[[], None]:
+    """Running ``python -c code`` in the process that calls the result."""
+    return lambda: exec(compile(code, "<child>", "exec"), {"__name__": "__main__"})
+
+
+SECOND_SIGNAL = """
+import signal, time
+from adaptive_batching.faults.preemption import Preemption
+from adaptive_batching.runtime.distributed import ParallelInfo
+p = Preemption(['SIGTERM'], ParallelInfo(), None)
+p.install()
+signal.raise_signal(signal.SIGTERM)
+print('first', p.received, flush=True)
+signal.raise_signal(signal.SIGTERM)
+time.sleep(5)
+print('alive')
+"""
+
+
+def test_a_second_signal_ends_the_process_at_once(tmp_path: Path) -> None:
+    assert exit_status(forked(python(SECOND_SIGNAL), tmp_path)) == -signal.SIGTERM
+    printed = (tmp_path / "stdout").read_text()
+    assert "first 15" in printed and "alive" not in printed
 
 
 ANOTHER_THREAD = """
@@ -87,24 +142,27 @@ print(stop.received is None, stop.end_step(1))
 """
 
 
-def test_a_signal_another_thread_took_stops_at_the_steps_end() -> None:
+def test_a_signal_another_thread_took_stops_at_the_steps_end(tmp_path: Path) -> None:
     """The kernel may hand the stop signal to any thread; CPython 3.11 then leaves the main thread unaware until
     some call checks for signals. The step's end checks: it stops there, not a minute later."""
-    result = subprocess.run([sys.executable, "-c", ANOTHER_THREAD], capture_output=True, text=True, timeout=120)
-    assert result.returncode == 0, result.stderr
-    seen_before, stopped = result.stdout.split()
-    assert stopped == "True", (seen_before, result.stderr)
+    assert exit_status(forked(python(ANOTHER_THREAD), tmp_path)) == 0, (tmp_path / "stderr").read_text()
+    seen_before, stopped = (tmp_path / "stdout").read_text().split()
+    assert stopped == "True", (seen_before, (tmp_path / "stderr").read_text())
 
 
-LAUNCHER = """
-import subprocess, sys, threading, time
-for _ in range(16):  # the kernel sends the parent-death signal once per thread of the dying parent
-    threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
-subprocess.Popen([sys.executable, "-c", sys.argv[1]])
-time.sleep(600)
-"""
+def launcher(worker: Callable[[], None]) -> Callable[[], None]:
+    """A launcher with 17 threads that forks ``worker`` and waits: the kernel sends the parent-death signal once per
+    thread of the dying parent."""
+    def launch() -> None:
+        for _ in range(16):
+            threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
+        forked(worker, Path.cwd(), {"RANK": "0", "WORLD_SIZE": "1"})
+        time.sleep(600)
+    return launch
+
+
 WORKER = """
-import time
+import os, time
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
 stop = Preemption(["SIGTERM", "SIGUSR1"], ParallelInfo(), None)
@@ -116,25 +174,24 @@ while time.monotonic() < end and not stop.end_step(step):  # steps, as the train
     sum(range(1000))
 for _ in range(10**6):  # the repeats come while it saves
     sum(range(10))
-open("stopped", "w").write(stop.signal_name)
+open("stopping", "w").write(stop.signal_name)
+os.rename("stopping", "stopped")  # whole: the test reads it once it exists
 """
 
 
 def test_the_launchers_death_stops_a_worker_once_however_often_the_kernel_signals_it(tmp_path: Path) -> None:
     """SIGKILL to a launcher with 17 threads: its worker gets the parent-death signal up to 17 times, which must
     stop it as one stop signal does (finish, save, exit), not as a scheduler's second signal (end at once)."""
-    env = dict(os.environ, RANK="0", WORLD_SIZE="1")
-    with open(tmp_path / "worker.err", "w") as err:
-        launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, WORKER], cwd=tmp_path, env=env, stderr=err)
+    pid = forked(launcher(python(WORKER)), tmp_path)
     deadline = time.monotonic() + 300
     while not (tmp_path / "ready").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)
+        time.sleep(0.01)
     started = time.monotonic()
-    launcher.kill()
-    launcher.wait()
+    os.kill(pid, signal.SIGKILL)
+    assert exit_status(pid) == -signal.SIGKILL
     while not (tmp_path / "stopped").exists() and time.monotonic() < started + 60:
-        time.sleep(0.05)
-    assert (tmp_path / "stopped").exists(), (tmp_path / "worker.err").read_text()
+        time.sleep(0.01)
+    assert (tmp_path / "stopped").exists(), (tmp_path / "stderr").read_text()
     assert re.fullmatch(r"the torchrun agent's death seen by the end of optimizer step \d+",
                         (tmp_path / "stopped").read_text())
 
