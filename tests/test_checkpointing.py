@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing
 import shutil
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -19,6 +18,7 @@ import pytest
 import torch
 from config_edits import CONFIGS, modified
 from omegaconf import DictConfig, OmegaConf
+from recipe_runs import run_command
 from torchtune import training
 from torchtune.models.llama3 import lora_llama3
 
@@ -330,9 +330,9 @@ def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path
     torch.save(state, tmp_path / "state.pt")
     OmegaConf.save(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), tmp_path / "checkpointer.yaml")
 
-    child = subprocess.run(
-        [sys.executable, "-c", CHILD, stage, str(tmp_path / "checkpointer.yaml"), str(tmp_path / "state.pt"),
-         str(epoch), "8"], capture_output=True, text=True, timeout=300)
+    (tmp_path / "kill_save.py").write_text(CHILD)
+    child = run_command("script", [str(tmp_path / "kill_save.py"), stage, str(tmp_path / "checkpointer.yaml"),
+                                   str(tmp_path / "state.pt"), str(epoch), "8"], cwd=tmp_path, timeout=300)
     assert child.returncode == 17, child.stderr[-3000:]
     assert hidden_leftovers(out), "the kill should leave a save under way behind"
 
@@ -348,18 +348,31 @@ def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path
 def test_a_resume_waits_for_a_save_under_way(tmp_path: Path) -> None:
     """The lock: ranks resuming (and repairing) never delete the staging folder of a live save."""
     (tmp_path / ".incomplete-epoch_0-1").mkdir()
-    code = ("import sys; from pathlib import Path; from adaptive_batching.faults import checkpoints as c; "
-            "print('start', flush=True); print(c.latest_complete_checkpoint(Path(sys.argv[1])), flush=True)")
+    # Another process, forked without a new interpreter's imports; before the lock is taken, as a child would
+    # otherwise hold the lock's file through its copy of the descriptor.
+    context = multiprocessing.get_context("fork")
+    ours, theirs = context.Pipe()
+    child = context.Process(target=_resume_in_child, args=(theirs, tmp_path))
+    child.start()
     with checkpointing._locked(tmp_path):
-        child = subprocess.Popen([sys.executable, "-c", code, str(tmp_path)], stdout=subprocess.PIPE, text=True)
-        assert child.stdout is not None
-        assert child.stdout.readline().strip() == "start"
+        ours.send("go")
+        assert ours.poll(60) and ours.recv() == "start"
         time.sleep(1.0)
-        assert child.poll() is None
+        assert child.is_alive() and not ours.poll()
         assert (tmp_path / ".incomplete-epoch_0-1").is_dir()
-    out, _ = child.communicate(timeout=60)
-    assert child.returncode == 0 and out.strip() == "None"
+    assert ours.poll(60)
+    found = ours.recv()
+    child.join(60)
+    assert child.exitcode == 0 and found is None
     assert not (tmp_path / ".incomplete-epoch_0-1").exists()
+
+
+def _resume_in_child(conn: Any, out: Path) -> None:
+    """What a resuming rank does first, in a child process: find the latest complete checkpoint of ``out``, once
+    told that the lock is taken."""
+    assert conn.recv() == "go"
+    conn.send("start")
+    conn.send(latest_complete_checkpoint(out))
 
 
 def state_on(*, ranks: int, step_in_epoch: int) -> dict[str, Any]:
