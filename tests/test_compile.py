@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from recipe_runs import TUNE
+from recipe_runs import run_command
 from torch._dynamo.utils import counters
 from torchtune import config
 
@@ -101,14 +100,27 @@ def test_without_the_marks_the_micro_batch_recompiles(aot_eager: None, assets: P
     assert counters["stats"]["unique_graphs"] > 2
 
 
+# ``tune ARGV...`` with dynamo's recompile log on: torch reads TORCH_LOGS when it is imported, and the suite's fork
+# server has imported it, so the run turns the log on itself before the recipe starts.
+TUNE_LOGGING_RECOMPILES = """
+import sys
+import torch._logging
+from torchtune._cli.tune import main
+
+torch._logging.set_logs(recompiles=True)
+sys.argv = ["tune", *sys.argv[1:]]
+main()
+"""
+
+
 @pytest.mark.e2e
 def test_a_compiled_run_compiles_once_before_its_trials_and_never_again(tmp_path: Path, assets: Path) -> None:
-    # A fresh process: TORCH_LOGS is read when torch is imported (the suite's fork server has imported it).
-    result = subprocess.run([TUNE, "run", "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
-                             f"output_dir={tmp_path / 'run'}", "compile=True", "epochs=2", "max_steps_per_epoch=2",
-                             f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path, capture_output=True,
-                            text=True, timeout=600, env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager",
-                                                             TORCH_LOGS="recompiles", OMP_NUM_THREADS="1"))
+    (tmp_path / "tune_logging_recompiles.py").write_text(TUNE_LOGGING_RECOMPILES)
+    result = run_command("script", [str(tmp_path / "tune_logging_recompiles.py"), "run", "adaptive_full_finetune",
+                                    "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}",
+                                    "compile=True", "epochs=2", "max_steps_per_epoch=2",
+                                    f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path,
+                         env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager"))
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "Profiler: compiled in" in output and "compiled before them in" in output
