@@ -213,18 +213,20 @@ class KnowledgeDistillation(SupervisedFinetune):
 
     def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
                    activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
-        """The student's forward (under ``activations``), the teacher's without autograd, both losses on the
-        labels shifted by one token; returns the mixed loss summed over the tokens that count, and their number."""
+        """The teacher's forward without autograd, then the student's (under ``activations``), both losses on the
+        labels shifted by one token; returns the mixed loss summed over the tokens that count, and their number.
+        (Stock runs the student first: the same arithmetic, but the teacher's forward then runs on top of the
+        student's saved activations, and on CPU glibc hands its freed pages back to be faulted in again.)"""
         assert self.teacher is not None, "the teacher is built with the other parts"
         labels = batch.pop("labels")
         ignore = loss_fn.ignore_index
         labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
         tokens = (labels != ignore).sum()
         labels.view(-1)[:1].masked_fill_(tokens == 0, 0)  # as summed_token_loss: finite means, then x 0
+        with torch.no_grad():  # first: its transients are gone before the student's activations are saved
+            teacher_logits = self.teacher(**batch)
         with activations:
             logits = model(**batch)
-        with torch.no_grad():
-            teacher_logits = self.teacher(**batch)
         if not isinstance(logits, list):
             labels = labels.reshape(-1)
             logits = logits.reshape(-1, logits.size(-1))
