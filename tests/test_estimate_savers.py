@@ -292,12 +292,32 @@ def test_activation_offloading_is_traced_the_same_both_ways(offloading: dict[str
     assert fast.host_bytes == full.host_bytes
 
 
-def test_compile_traces_a_compiled_step_that_keeps_less_a_sample() -> None:
+class _CompiledTraces(dict):
+    """tiny_lora at 64 tokens, traced when a test first asks: eager, and compiled (with or without activation
+    checkpointing) extrapolated or traced in full; one module-wide trace each."""
+
+    CASES = {"eager": ([], False), "compiled": (["compile=True"], False),
+             "compiled, full trace": (["compile=True"], True),
+             "checkpointing": (["compile=True", "enable_activation_checkpointing=True"], False),
+             "checkpointing, full trace": (["compile=True", "enable_activation_checkpointing=True"], True)}
+
+    def __missing__(self, case: str) -> StepTrace:
+        extra, exact = self.CASES[case]
+        self[case] = _trace(extra, seq_len=64, exact=exact, config="tiny_lora.yaml")
+        return self[case]
+
+
+@pytest.fixture(scope="module")
+def compiled_traces() -> dict[str, StepTrace]:
+    return _CompiledTraces()
+
+
+def test_compile_traces_a_compiled_step_that_keeps_less_a_sample(compiled_traces: dict[str, StepTrace]) -> None:
     """Compiled (layers through the min-cut partition, the cross-entropy without a float32 copy of the logits) a
     sample costs less than eager, by more than the logits' float32 copy alone; what each part keeps is checked
     against inductor in ``test_compiled_fake.py``."""
     seq_len, vocab = 64, 1280  # tiny_lora's vocabulary
-    eager, compiled = (_trace(extra, seq_len=seq_len, config="tiny_lora.yaml") for extra in ([], ["compile=True"]))
+    eager, compiled = compiled_traces["eager"], compiled_traces["compiled"]
     eager_sample, compiled_sample = (predict(t, device_memory_bytes=64 * MiB, verify=False).bytes_per_sample
                                      for t in (eager, compiled))
     assert eager_sample - compiled_sample > 4 * seq_len * vocab
@@ -306,11 +326,10 @@ def test_compile_traces_a_compiled_step_that_keeps_less_a_sample() -> None:
     assert "compile: off" in predict(eager, device_memory_bytes=64 * MiB, verify=False).describe()
 
 
-@pytest.mark.parametrize("extra", [[], ["enable_activation_checkpointing=True"]], ids=["plain", "checkpointing"])
-def test_a_compiled_step_is_traced_the_same_both_ways(extra: list[str]) -> None:
+@pytest.mark.parametrize("case", ["compiled", "checkpointing"], ids=["plain", "checkpointing"])
+def test_a_compiled_step_is_traced_the_same_both_ways(compiled_traces: dict[str, StepTrace], case: str) -> None:
     """Layer extrapolation over partitioned layers gives what tracing every layer gives."""
-    fast, full = (_trace(["compile=True", *extra], exact=exact, config="tiny_lora.yaml") for exact in (False, True))
-    _same_probes(fast, full)
+    _same_probes(compiled_traces[case], compiled_traces[f"{case}, full trace"])
 
 
 def test_compiled_nf4_dequantization_writes_the_bf16_weight_only() -> None:
