@@ -2,7 +2,8 @@
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md.
 
 Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` (``--objective dpo``: ``tune run
-adaptive_lora_dpo --config tiny_lora_dpo``, micro batches of pairs) under ``ulimit -v`` with no explicit budget: the
+adaptive_lora_dpo --config tiny_lora_dpo``, micro batches of pairs; ``--objective kd``: ``tune run
+adaptive_knowledge_distillation --config tiny_kd``, the teacher's weights resident and its forward in each step) under ``ulimit -v`` with no explicit budget: the
 largest micro batch its profile ran, against the fresh-process maximum (bisection over fresh ``python`` and ``tune
 run`` processes that each run 2 worst-case steps at one size, glibc tuned from the start).
 """
@@ -29,7 +30,8 @@ IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation
           "adaptive_batching.grow_past_memory=skip", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"]
 # objective: its recipe, its config and what makes the config profile
 OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
-              "dpo": ("adaptive_lora_dpo", "tiny_lora_dpo", ["use_maximum_batch_size=True"])}
+              "dpo": ("adaptive_lora_dpo", "tiny_lora_dpo", ["use_maximum_batch_size=True"]),
+              "kd": ("adaptive_knowledge_distillation", "tiny_kd", ["use_maximum_batch_size=True"])}
 
 
 def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> subprocess.CompletedProcess:
@@ -118,7 +120,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--optimizer-in-bwd", action="store_true",
                         help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
     parser.add_argument("--objective", choices=OBJECTIVES, default="finetune",
-                        help="finetune (tiny_full; the default) or dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs)")
+                        help="finetune (tiny_full; the default), dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs) or kd "
+                             "(adaptive_knowledge_distillation on tiny_kd, the teacher resident)")
     parser.add_argument("--fresh-trials", type=int, default=None,
                         help="at most this many fresh processes per search (a lower bound then; default: no limit)")
     parser.add_argument("--json", type=Path, default=None)
@@ -156,7 +159,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                                               for key, value in zip(("max", "trials"), maxima[launcher])},
               "runs": rows, "seconds": time.perf_counter() - started}
     tolerance = "default" if args.tolerance is None else args.tolerance
-    name = "whole-process-limit" + ("-dpo" if args.objective == "dpo" else "") + (
+    name = "whole-process-limit" + ("" if args.objective == "finetune" else f"-{args.objective}") + (
         "-in-bwd" if args.optimizer_in_bwd else "") + f"-tolerance-{tolerance}"
     with report(name if args.publish else None):
         print(f"{' '.join(OBJECTIVES[args.objective][:2])}: whole-process limit ulimit -v {limit_kib} KiB "

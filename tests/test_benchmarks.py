@@ -110,6 +110,20 @@ def test_recipe_vs_torchtune_dpo(tmp_path: Path) -> None:
     assert figures["cpu_ratio"] > 0 and len(figures["pair_cpu_ratios"]) == 1 and "and CPU time: " in out
 
 
+def test_recipe_vs_torchtune_kd(tmp_path: Path) -> None:
+    js = tmp_path / "kd.json"
+    out = script("recipe_vs_torchtune.py", "--objective", "kd", "--steps", "1", "--warmup", "1", "--repeats", "1",
+                 "--no-switch", "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+    figures = json.loads(js.read_text())
+    # stock divides its gradients by the tokens again: step 1, before any update, is float32-equal, step 2 close
+    loss = figures["same_computation"]["loss"]
+    assert loss["steps"] == 2 and loss["first_rel_diff"] < 1e-6 and loss["max_rel_diff"] < 1e-4
+    assert "| ours: adaptive_knowledge_distillation | 1 |" in out
+    assert "| stock: knowledge_distillation_single_device | 1 |" in out and "the same computation)" in out
+    assert {"teacher_model", "kd_loss", "kd_ratio"}.isdisjoint(figures["dropped_keys"])  # stock reads them
+    assert figures["cpu_ratio"] > 0
+
+
 def test_token_budget_vs_fixed(tmp_path: Path) -> None:
     out = script("token_budget_vs_fixed.py", "--samples", "40", "--repeats", "1", "--threads", "1", cwd=tmp_path)
     assert "| token budget, " in out
@@ -133,11 +147,13 @@ def test_clean_exits(tmp_path: Path) -> None:
     assert record["setting"] == "saves" and record["exit"] == 0 and record["unclean"] is None
 
 
-@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16", "32"]), ("dpo", 8, ["8"])])
+@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16", "32"]), ("dpo", 8, ["8"]),
+                                                      ("kd", 16, ["16"])])
 def test_profiler_whole_process_limit(tmp_path: Path, objective: str, start: int, trials: list[str]) -> None:
     js = tmp_path / "limit.json"
     # about 600 MiB above what a run takes before training (1.9 GiB here): room for a machine that takes more;
-    # a few fresh processes (16 and 32 samples, about 90 and 180 MiB of it; 8 pairs, about 130 MiB) instead of
+    # a few fresh processes (16 and 32 samples, about 90 and 180 MiB of it; 8 pairs, about 130 MiB; 16 samples
+    # with the tiny_kd teacher, about 120 MiB) instead of
     # the whole bisection
     script("profiler_whole_process_limit.py", "--objective", objective, "--limit-gib", "2.5", "--start", str(start),
            "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--json", str(js),
