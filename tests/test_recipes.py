@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -26,22 +27,38 @@ FIXED_BATCH = ("dataset.split=train[:8]", "batch_size=8", "max_steps_per_epoch=1
                "lr_scheduler=null", "clip_grad_norm=null")
 
 
-@pytest.mark.parametrize("method,lr,bar", [("full", "3e-3", 0.6), ("lora", "3e-2", 0.7)])
-def test_loss_falls_when_overfitting_a_fixed_batch(method: str, lr: str, bar: float, assets: Path,
-                                                   tmp_path: Path) -> None:
+OVERFIT_LR = {"full": "3e-3", "lora": "3e-2"}
+
+
+@pytest.fixture(scope="module")
+def overfit(assets: Path, runs: Path) -> Callable[[str], Path]:
+    """Per method, 25 epochs of one step on the fixed batch; run when a test first asks for it."""
+    done: dict[str, Path] = {}
+
+    def of(method: str) -> Path:
+        if method not in done:
+            done[method] = run(method, assets, runs / f"overfit-{method}", *FIXED_BATCH, "epochs=25",
+                               f"optimizer.lr={OVERFIT_LR[method]}")
+        return done[method]
+
+    return of
+
+
+@pytest.mark.parametrize("method,bar", [("full", 0.6), ("lora", 0.7)])
+def test_loss_falls_when_overfitting_a_fixed_batch(method: str, bar: float, overfit: Callable[[str], Path]) -> None:
     """LoRA (rank 8 on a width-64 model) has less capacity, so its bar is lower."""
-    out = run(method, assets, tmp_path / "run", *FIXED_BATCH, "epochs=25", f"optimizer.lr={lr}")
-    trace = losses(out / "logs")
+    trace = losses(overfit(method) / "logs")
     assert len(trace) == 25
     assert trace[-1] < bar * trace[0], trace
     assert sum(trace[-5:]) < sum(trace[5:10]) < sum(trace[:5]), trace
 
 
-def test_lora_trains_only_the_adapter(assets: Path, tmp_path: Path) -> None:
-    out = run("lora", assets, tmp_path / "run", *FIXED_BATCH, "epochs=3", "optimizer.lr=1e-2")
+def test_lora_trains_only_the_adapter(assets: Path, overfit: Callable[[str], Path]) -> None:
+    """Read from the LoRA overfitting run's last checkpoint."""
+    out = overfit("lora")
     base = load_file(assets / "model" / "model.safetensors")
-    merged = load_file(next((out / "epoch_2").glob("model-*.safetensors")))
-    adapter = torch.load(out / "epoch_2" / "adapter_model.pt", weights_only=True)
+    merged = load_file(next((out / "epoch_24").glob("model-*.safetensors")))
+    adapter = torch.load(out / "epoch_24" / "adapter_model.pt", weights_only=True)
     assert adapter and all("lora" in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_b" in k), "lora_b never trained"
     # Modules without an adapter are unchanged; adapted projections moved.
@@ -59,16 +76,32 @@ def test_lora_adapter_only_save(assets: Path, tmp_path: Path) -> None:
     assert not any(name.startswith("model-") for name in files)
 
 
+ACCUMULATING = ("batch_size=4", "epochs=1", "max_steps_per_epoch=4")
+
+
+@pytest.fixture(scope="module")
+def one_rank_accumulating(assets: Path, runs: Path) -> Callable[[str], Path]:
+    """Per method, 1 rank x micro batch 4 x accumulation 2, 4 steps; run when a test first asks for it."""
+    done: dict[str, Path] = {}
+
+    def of(method: str) -> Path:
+        if method not in done:
+            done[method] = run(method, assets, runs / f"one-{method}", *ACCUMULATING, "gradient_accumulation_steps=2")
+        return done[method]
+
+    return of
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_two_processes_match_one_process_with_accumulation(method: str, assets: Path, tmp_path: Path) -> None:
+def test_two_processes_match_one_process_with_accumulation(method: str, assets: Path, tmp_path: Path,
+                                                           one_rank_accumulating: Callable[[str], Path]) -> None:
     """2 ranks x micro batch 4 see the same global batches as 1 rank x micro 4 x accumulation 2."""
-    common = ("batch_size=4", "epochs=1", "max_steps_per_epoch=4")
     two = tmp_path / "two"
     result = check(tune_run(RECIPES[method][0], RECIPES[method][1],
-                            [f"assets_dir={assets}", f"output_dir={two}", *FIXED_BATCH_SIZE, *common],
+                            [f"assets_dir={assets}", f"output_dir={two}", *FIXED_BATCH_SIZE, *ACCUMULATING],
                             cwd=tmp_path, nproc=2))
-    one = run(method, assets, tmp_path / "one", *common, "gradient_accumulation_steps=2")
+    one = one_rank_accumulating(method)
     two_rows, one_rows = read_metrics(two / "logs"), read_metrics(one / "logs")
     assert [r["global_batch_size"] for r in two_rows] == [8.0] * 4
     assert [r["global_batch_size"] for r in one_rows] == [8.0] * 4
@@ -100,29 +133,33 @@ def test_packed_dataset_with_activation_checkpointing_and_tensorboard(assets: Pa
     assert list((out / "logs").rglob("events.out.tfevents.*"))
 
 
-def test_activation_checkpointing_does_not_change_the_losses(assets: Path, tmp_path: Path) -> None:
-    common = ("batch_size=4", "epochs=1", "max_steps_per_epoch=3")
-    plain = run("full", assets, tmp_path / "plain", *common)
-    ckpt = run("full", assets, tmp_path / "ckpt", *common, "enable_activation_checkpointing=True")
-    assert losses(ckpt / "logs") == pytest.approx(losses(plain / "logs"), rel=1e-5)
+# Packed data keeps shapes fixed, so the compiled layers and loss compile once.
+PACKED = ("dataset.packed=True", "tokenizer.max_seq_len=128", "batch_size=2", "epochs=1", "max_steps_per_epoch=2")
 
 
-def test_metrics_are_logged_with_their_names(assets: Path, tmp_path: Path) -> None:
-    out = run("full", assets, tmp_path / "run", "batch_size=2", "gradient_accumulation_steps=3",
-              "epochs=1", "max_steps_per_epoch=2")
-    rows = read_metrics(out / "logs")
-    assert len(rows) == 2
+@pytest.fixture(scope="module")
+def packed_eager(assets: Path, runs: Path) -> Path:
+    """The eager run on packed data that the activation-checkpointed and the compiled runs are compared with."""
+    return run("full", assets, runs / "packed-eager", *PACKED)
+
+
+def test_activation_checkpointing_does_not_change_the_losses(assets: Path, tmp_path: Path, packed_eager: Path) -> None:
+    ckpt = run("full", assets, tmp_path / "ckpt", *PACKED, "enable_activation_checkpointing=True")
+    assert losses(ckpt / "logs") == pytest.approx(losses(packed_eager / "logs"), rel=1e-5)
+
+
+def test_metrics_are_logged_with_their_names(one_rank_accumulating: Callable[[str], Path]) -> None:
+    """Read from the 1-rank run with accumulation: micro batch 4 x accumulation 2, 4 steps."""
+    rows = read_metrics(one_rank_accumulating("full") / "logs")
+    assert len(rows) == 4
     for row in rows:
         assert {"loss", "lr", "micro_batch_size", "gradient_accumulation_steps", "global_batch_size",
                 "tokens_per_second_per_gpu"} <= set(row)
-        assert (row["micro_batch_size"], row["gradient_accumulation_steps"], row["global_batch_size"]) == (2, 3, 6)
+        assert (row["micro_batch_size"], row["gradient_accumulation_steps"], row["global_batch_size"]) == (4, 2, 8)
         assert row["tokens_per_second_per_gpu"] > 0
 
 
-def test_compile_matches_eager(assets: Path, tmp_path: Path) -> None:
-    """Packed data keeps shapes fixed, so the compiled layers and loss compile once."""
-    common = ("dataset.packed=True", "tokenizer.max_seq_len=128", "batch_size=2", "epochs=1",
-              "max_steps_per_epoch=2")
-    eager = run("full", assets, tmp_path / "eager", *common)
-    compiled = run("full", assets, tmp_path / "compiled", *common, "compile=True")
-    assert losses(compiled / "logs") == pytest.approx(losses(eager / "logs"), rel=1e-4)
+def test_compile_matches_eager(assets: Path, tmp_path: Path, packed_eager: Path) -> None:
+    """torchtune's default backend (inductor); test_compile.py's run checks the recompiles, with aot_eager."""
+    compiled = run("full", assets, tmp_path / "compiled", *PACKED, "compile=True")
+    assert losses(compiled / "logs") == pytest.approx(losses(packed_eager / "logs"), rel=1e-4)
