@@ -214,8 +214,9 @@ def test_a_token_budget_counts_a_pairs_two_sequences_at_the_longer_ones_length()
 
 
 def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_and_the_optimizer() -> None:
-    """Two forwards of 2 x micro batch full-length sequences: the policy's (adapters on, saving for the backward)
-    and the reference's (adapters off, no autograd); then the backward and the optimizer step move the adapters."""
+    """Two forwards of 2 x micro batch full-length sequences: the reference's first (adapters off, no autograd, its
+    logits freed before the policy's activations are held), then the policy's (adapters on, saving for the
+    backward); then the backward and the optimizer step move the adapters."""
     from adaptive_batching.faults.guard import StepGuard
     from adaptive_batching.runtime.distributed import ParallelInfo
     from adaptive_batching.training.stepping import StepRunner
@@ -233,7 +234,7 @@ def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_a
                         where=lambda: (1, None, "."), objective=LoRADPO())
     measured = runner.trial_step(3, seq_len=8, accumulation=1, collate=PairCollate(pad_id=0), vocab_size=32,
                                  packed=False)
-    assert forwards == [((6, 8), False, True), ((6, 8), True, False)]
+    assert forwards == [((6, 8), True, False), ((6, 8), False, True)]
     assert measured.forward_backward_peak > 0  # what a trial measures: the e2e profiled run below fits it
     moved = [name for name, param in get_adapter_params(model).items() if not torch.equal(param, adapters[name])]
     assert any("lora_a" in name for name in moved) and any("lora_b" in name for name in moved)

@@ -124,8 +124,8 @@ def _checkpoint(cfg) -> dict[str, torch.Tensor]:  # type: ignore[no-untyped-def]
 
 
 def test_the_reference_forward_runs_without_autograd_on_the_reference_model() -> None:
-    """The policy's forward (with autograd) and the reference's (a separate model, none) on the same 2 x pairs
-    sequences; the loss is torchtune's DPOLoss on their log-probabilities, summed over the pairs."""
+    """The reference's forward first (a separate model, no autograd), then the policy's (with autograd), on the
+    same 2 x pairs sequences; the loss is torchtune's DPOLoss on their log-probabilities, summed over the pairs."""
     from torchtune import rlhf
     from torchtune.data import padded_collate_dpo
 
@@ -139,7 +139,7 @@ def test_the_reference_forward_runs_without_autograd_on_the_reference_model() ->
                 "rejected_labels": [4, 5]}, {"chosen_input_ids": [6], "chosen_labels": [6],
                                              "rejected_input_ids": [7, 8, 9, 10], "rejected_labels": [7, 8, 9, 10]}]
     loss, pairs = objective.micro_loss(policy, DPOLoss(beta=0.1), PairCollate(pad_id=0)(samples), torch.enable_grad())
-    assert seen == [("policy", (4, 4), True), ("reference", (4, 4), False)] and pairs == 2
+    assert seen == [("reference", (4, 4), False), ("policy", (4, 4), True)] and pairs == 2
     tokens, labels = padded_collate_dpo(samples)
     ours = rlhf.get_batch_log_probs(policy(tokens), labels)
     with torch.no_grad():

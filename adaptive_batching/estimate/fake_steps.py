@@ -372,7 +372,8 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
                               batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
-        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference)
+        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference,
+                                      timeline.reference_first())
         host[micro_batch] = offload.host_bytes(counts[micro_batch]) if offload is not None else 0
         stash[micro_batch] = offload.stash_bytes(counts[micro_batch]) if offload is not None else 0
 

@@ -16,10 +16,11 @@ forward and backward repeated N - 2 times. Memory moves by the same amount in ev
 the highest point of a run of repeats is at its first or its last one, and the peak at N layers
 is computed exactly, at no extra cost, for any N.
 
-A DPO or KD step has a second forward between the two: the reference's (the policy with its adapters off, a
-frozen copy, or KD's teacher, another architecture traced on three of its own layers), under ``no_grad``. Its layers are segments of their own ("reference forward i", after the
-policy's forwards), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory,
-and its transient peak is counted where it happens, on top of the policy's saved activations.
+A DPO or KD step has a second forward: the reference's (the policy with its adapters off, a frozen copy, or KD's
+teacher, another architecture traced on three of its own layers), under ``no_grad``, before the policy's forward
+(DPO) or between the policy's forward and backward (KD). Its layers are segments of their own ("reference forward
+i"), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory, and its transient
+peak is counted where it happens: before the policy's activations exist, or on top of them.
 """
 
 from __future__ import annotations
@@ -67,14 +68,16 @@ def _signature(layer: nn.Module) -> tuple:
     return modules, params
 
 
-def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tuple[int, int]] = None) -> list[int]:
+def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tuple[int, int]] = None,
+            reference_first: bool = False) -> list[int]:
     """How often each segment of a ``traced``-layer pass occurs in a ``total``-layer pass.
 
     Segments: before the layers, the forward of layers 0 .. traced-2, the top layer and head,
     the backward of layers traced-1 .. 1, then the bottom layer's backward and the rest. With ``forwards`` 2
     (DPO, KD), the reference's forward of its layers comes between the two (its top layer's segment holds its
-    head, the loss and the head's backward): ``reference`` is its (traced, total) layers when they differ from
-    the policy's (KD's teacher, another architecture), else the policy's.
+    head, the loss and the head's backward), or before the policy's forward with ``reference_first`` (DPO):
+    ``reference`` is its (traced, total) layers when they differ from the policy's (KD's teacher, another
+    architecture), else the policy's.
     """
     def middle(traced: int, total: int) -> list[int]:
         if traced < 1 or total < traced:
@@ -89,7 +92,7 @@ def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tupl
 
     policy = middle(traced, total)
     other = middle(*(reference or (traced, total))) if forwards == 2 else []
-    return [1, *policy, *other, *policy]
+    return [1, *other, *policy, *policy] if reference_first else [1, *policy, *other, *policy]
 
 
 def extrapolate_peak(segments: Sequence[PassStretch], counts: Sequence[int], kept_grads: float = 1.0) -> int:
@@ -194,17 +197,22 @@ class LayerTimeline(FrozenAwareMemTracker):
         return hook
 
     def forwards(self) -> int:
-        """The forwards the pass ran: 1, or 2 with a reference's (DPO)."""
+        """The forwards the pass ran: 1, or 2 with a reference's (DPO, KD)."""
         return 2 if any(s.label.startswith("reference") for s in self._segments) else 1
 
+    def reference_first(self) -> bool:
+        """Whether the reference's forward ran before the policy's (DPO), not after it (KD)."""
+        return len(self._segments) > 1 and self._segments[1].label.startswith("reference")
+
     def segments(self) -> list[PassStretch]:
-        """The segments, checked to be in layer order (bottom to top, the reference's bottom to top if it ran,
-        then back) and to have seen ops."""
+        """The segments, checked to be in layer order (bottom to top, the reference's bottom to top if it ran, before
+        or after the policy's, then back) and to have seen ops."""
         n = len(self._layers)
         depth = len(self._reference_layers[0]) if self._reference_layers else n
         reference = [f"reference forward {i}" for i in range(depth)] if self.forwards() == 2 else []
-        expected = (["before the layers"] + [f"forward {i}" for i in range(n)] + reference
-                    + [f"backward {i}" for i in reversed(range(n))])
+        forward = [f"forward {i}" for i in range(n)]
+        forwards = reference + forward if self.reference_first() else forward + reference
+        expected = ["before the layers"] + forwards + [f"backward {i}" for i in reversed(range(n))]
         labels = [s.label for s in self._segments]
         if labels != expected:
             raise RuntimeError(f"the pass did not run its layers in order (bottom to top, then back): {labels}; "

@@ -117,10 +117,10 @@ class LoRADPO:
                    activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = batch["tokens"].size(0)
         tokens, labels = _concatenated(batch.pop("tokens")), _concatenated(batch.pop("labels"))
+        reference = self._reference_log_probs(model, tokens, labels, activations)
         log_probs, logits = self._log_probs(model, tokens, labels, activations)
         logits_chosen, logits_rejected = logits[:pairs].detach().mean(), logits[pairs:].detach().mean()
         del logits
-        reference = self._reference_log_probs(model, tokens, labels, activations)
         chosen, rejected = log_probs[:pairs], log_probs[pairs:]
         losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected, reference[:pairs], reference[pairs:])
         counts = (labels != CROSS_ENTROPY_IGNORE_IDX).any(dim=-1).view(2, pairs).any(dim=0)
