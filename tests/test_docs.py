@@ -942,7 +942,7 @@ CHECKED_BY: dict[tuple[str, str], str] = {
     ("docs/growth.md", "The metric is logged at every optimizer step from the 10th measured step of the run on"):
         "tests/test_first_hour.py::test_the_noise_scale_appears_from_the_10th_step_with_2_or_more_micro_batches",
     ("docs/growth.md", "counted over all epochs and across a resume (the count is in the checkpoint)"):
-        "tests/test_noise_scale_recipe.py::test_the_noise_scale_is_logged_and_survives_a_kill_and_resume",
+        "tests/test_noise_scale_recipe.py::test_noise_scale_growth_decides_at_the_epoch_start_and_resumes_exactly",
     ("docs/logs-and-metrics.md", "| `grad_norm` | with `clip_grad_norm` |"):
         "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
     ("docs/logs-and-metrics.md", "| `max_tokens` | with token budgets, instead of `micro_batch_size`"):
