@@ -192,11 +192,14 @@ def test_adaptive_full_dpo_logs_the_hand_built_steps_loss_and_rewards_bit_for_bi
 @pytest.mark.multiprocess
 def test_two_ranks_profile_with_the_reference_sharded_and_train(assets: Path, runs: Path) -> None:
     """torchrun, 2 ranks (gloo on CPU): the reference is sharded as the policy (half its bytes on rank 0), the
-    profiler's trials run with it resident, the run trains at the micro batch of pairs it chose and exits cleanly."""
+    profiler's trials run with it resident, the run trains at the micro batch of pairs it chose and exits cleanly.
+    64 pairs of at most 128 tokens and a 32 MiB budget: a few pairs a micro batch, so that the trials and the two
+    steps are short."""
     out = runs / "two_ranks"
     result = check(tune_run("adaptive_full_dpo", "tiny_full_dpo", [
         f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=True",
-        "adaptive_batching.memory_budget=128MiB", "epochs=1", "max_steps_per_epoch=2"], cwd=runs, nproc=2))
+        "adaptive_batching.memory_budget=32MiB", "tokenizer.max_seq_len=128", "dataset.split=train[:64]",
+        "gradient_accumulation_steps=1", "epochs=1", "max_steps_per_epoch=2"], cwd=runs, nproc=2))
     line = re.search(r"Reference model \(ref_checkpointer\): a frozen copy of the model, ([\d.]+) MiB of weights, "
                      r"([\d.]+) MiB on this rank \(sharded over 2 ranks as the policy\)", result.stderr)
     assert line and 0.45 < float(line[2]) / float(line[1]) < 0.55, result.stderr[-3000:]
