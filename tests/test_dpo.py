@@ -243,7 +243,7 @@ def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_a
 @pytest.mark.e2e
 def test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits(assets: Path, runs: Path) -> None:
     """The profiler's trial steps are DPO steps on pairs as long as the data's longest (here cut at
-    tokenizer.max_seq_len); the run trains at the micro batch it chose (7 pairs in 128 MiB on CPU, when written)."""
+    tokenizer.max_seq_len); the run trains at the micro batch it chose (8 pairs in 128 MiB on CPU, when written)."""
     from recipe_runs import tune_run
 
     out = runs / "profiled"
