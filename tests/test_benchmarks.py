@@ -9,6 +9,7 @@ alone (``--methods ours``): the true maximum takes about 10 fresh processes and 
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 from pathlib import Path
@@ -147,14 +148,24 @@ def test_clean_exits(tmp_path: Path) -> None:
     assert record["setting"] == "saves" and record["exit"] == 0 and record["unclean"] is None
 
 
-@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16", "32"]), ("dpo", 8, ["8"]),
+def test_largest_fit_doubles_then_bisects_within_its_trials() -> None:
+    """The search of the fresh-process maximum (benchmarks/common.py), which the runs below try once each."""
+    spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "common.py")
+    common = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(common)
+    assert common.largest_fit(lambda size: size <= 37, 16) == (37, 38, ["16", "32", "64x", "48x", "40x", "36",
+                                                                       "38x", "37"])
+    assert common.largest_fit(lambda size: size <= 37, 16, trials=2) == (32, None, ["16", "32"])
+    assert common.largest_fit(lambda size: False, 8) == (0, 1, ["8x", "4x", "2x", "1x"])
+
+
+@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16"]), ("dpo", 8, ["8"]),
                                                       ("kd", 16, ["16"])])
 def test_profiler_whole_process_limit(tmp_path: Path, objective: str, start: int, trials: list[str]) -> None:
     js = tmp_path / "limit.json"
     # about 600 MiB above what a run takes before training (1.9 GiB here): room for a machine that takes more;
-    # a few fresh processes (16 and 32 samples, about 90 and 180 MiB of it; 8 pairs, about 130 MiB; 16 samples
-    # with the tiny_kd teacher, about 120 MiB) instead of
-    # the whole bisection
+    # one fresh process (16 samples, about 90 MiB of it; 8 pairs, about 130 MiB; 16 samples with the tiny_kd
+    # teacher, about 120 MiB) instead of the whole bisection (test_largest_fit_doubles_then_bisects_within_its_trials)
     script("profiler_whole_process_limit.py", "--objective", objective, "--limit-gib", "2.5", "--start", str(start),
            "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--json", str(js),
            cwd=tmp_path)
