@@ -336,7 +336,8 @@ def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_
                                                                                        tmp_path: Path) -> None:
     """``tune cp llama3_2/1B_qat_lora X.yaml`` pointed at the tiny model, tokenizer and data (every other key as
     torchtune ships it: bf16, batch 4 x 8, groupsize 256, which the tiny model's 64 inputs cannot hold), then
-    ``adaptive-batching profile --config X.yaml quantizer.groupsize=32``."""
+    ``adaptive-batching profile --config X.yaml quantizer.groupsize=32`` (64 samples and an 8 MiB budget: a few
+    samples a trial)."""
     copy = tmp_path / "X.yaml"
     copied = run_command("tune", ["cp", "llama3_2/1B_qat_lora", str(copy)], cwd=tmp_path)
     assert copied.returncode == 0, copied.stderr[-3000:]
@@ -349,8 +350,9 @@ def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_
     cfg.assets_dir, cfg.output_dir, cfg.device = str(assets), str(tmp_path / "out"), "cpu"
     OmegaConf.save(cfg, copy)
     result = run_command("cli", ["profile", "--config", str(copy), "quantizer.groupsize=32",
-                                 "adaptive_batching.memory_budget=64MiB", "tokenizer.max_seq_len=64",
-                                 f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path)
+                                 "adaptive_batching.memory_budget=8MiB", "tokenizer.max_seq_len=64",
+                                 "dataset.split=train[:64]", f"adaptive_batching.cache_dir={tmp_path / 'cache'}"],
+                         cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     output = result.stdout + result.stderr
     assert "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers" \
