@@ -320,12 +320,13 @@ def test_two_ranks_profile_a_stock_kd_copy_with_the_teacher_sharded_and_exit_cle
                                                                                      runs: Path) -> None:
     """torchrun, 2 ranks (gloo on CPU), a tiny copy of llama3_2/8B_to_1B_KD_lora_distributed: the teacher is
     sharded as the student (half its bytes on rank 0), the profiler's trials run with it resident, the run trains at
-    the micro batch it chose and both ranks finish."""
+    the micro batch it chose and both ranks finish. A 24 MiB budget: a few samples a micro batch (the trials and
+    the two steps short)."""
     out = runs / "two_ranks"
     copy = stock_kd_on_tiny("llama3_2/8B_to_1B_KD_lora_distributed", assets, out, runs / "kd_copy.yaml")
     result = check(run_command("tune", [
         "run", "--nproc_per_node", "2", "adaptive_knowledge_distillation", "--config", str(copy),
-        "use_maximum_batch_size=True", "adaptive_batching.memory_budget=96MiB", "tokenizer.max_seq_len=128",
+        "use_maximum_batch_size=True", "adaptive_batching.memory_budget=24MiB", "tokenizer.max_seq_len=128",
         "dataset.split=train[:64]", "optimizer.fused=False", "max_steps_per_epoch=2", "gradient_accumulation_steps=1",
         f"adaptive_batching.cache_dir={runs / 'two-cache'}"], cwd=runs))
     line = re.search(r"Teacher model \(teacher_model, weights from teacher_checkpointer\): frozen, ([\d.]+) MiB of "
