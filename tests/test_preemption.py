@@ -20,7 +20,7 @@ from recipe_runs import losses, unclean_exit
 from test_oom_recovery import faulty_run, ok
 
 from adaptive_batching.faults import checkpoints
-from adaptive_batching.faults.checkpoints import run_status
+from adaptive_batching.faults.checkpoints import STOPPED_FILE, run_status
 from adaptive_batching.faults.preemption import EXIT_CODE, Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
 
@@ -293,7 +293,12 @@ def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_
     assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
            "received" in second.stderr, second.stderr[-3000:]
     assert "SIGUSR1 received by the end of optimizer step" in second.stderr
+    # Both ranks stopped at one place (after a step, or at the epoch's end: the profile may pick 2 steps an epoch),
+    # each line saying so, and saved it.
+    places = re.findall(r"stopped: .*?; stopped (.*)", second.stderr)
+    assert len(places) == 2 and len(set(places)) == 1 and ": saved " in places[0], places
     assert run_status(out).startswith("resumable") and calls.read_text() == "requeue 42\nrequeue 42\n"
+    assert not (out / STOPPED_FILE).exists()  # the save removed the first job's stop record
     third = job()  # resumes after the stop's step, so the signal after step 1 never fires again
     assert unclean_exit(third) is None and run_status(out).startswith("finished"), third.stderr[-3000:]
     assert calls.read_text() == "requeue 42\nrequeue 42\n"
