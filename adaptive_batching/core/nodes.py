@@ -7,7 +7,6 @@ import traceback
 from typing import Any, Iterator, Mapping, Optional
 
 from omegaconf import DictConfig, OmegaConf
-from torchtune.config._errors import InstantiationError
 
 from adaptive_batching.core.packages import PIP, package_of
 from adaptive_batching.errors import ConfigError
@@ -54,6 +53,8 @@ def _is_config_error(error: BaseException) -> bool:
     package is missing (torchtune's loggers import theirs when built), a file that is not there, or arguments the
     component does not take (a TypeError raised at torchtune's call of the component, not inside it, which would
     be a bug with a traceback worth keeping)."""
+    from torchtune.config._errors import InstantiationError
+
     if isinstance(error, (InstantiationError, FileNotFoundError)) or package_of(error) is not None:
         return True
     frames = traceback.extract_tb(error.__traceback__)
