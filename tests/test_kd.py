@@ -133,7 +133,7 @@ def test_the_teacher_is_frozen_from_its_own_checkpoint_and_the_trials_count_its_
         model.register_forward_pre_hook(lambda module, args, kwargs, name=name: seen.append(
             (name, tuple(kwargs["tokens"].shape), torch.is_grad_enabled())), with_kwargs=True)
     measured = runner.trial_step(2, seq_len=16, accumulation=1, collate=parts.collate, vocab_size=1280, packed=False)
-    assert seen == [("student", (2, 16), True), ("teacher", (2, 16), False)]  # the worst case, both forwards
+    assert seen == [("teacher", (2, 16), False), ("student", (2, 16), True)]  # the worst case, both forwards
     student_bytes, teacher_bytes = memory.current_bytes(cpu, parts.model, parts.optimizer), \
         memory.current_bytes(cpu, teacher)  # as the trial's meters count: the same path on every machine
     assert teacher_bytes > 0 and measured.steady_bytes == student_bytes + teacher_bytes
@@ -167,8 +167,8 @@ def test_a_student_without_adapters_trains_every_weight_against_the_frozen_teach
 
 
 def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as_torchtune() -> None:
-    """The student's forward with autograd, the teacher's (a larger model, same vocabulary) without, on the same
-    tokens; the loss is (1 - kd_ratio) x CE + kd_ratio x forward KL on the shifted labels, x the tokens that count."""
+    """The teacher's forward (a larger model, same vocabulary) without autograd, then the student's with it, on the
+    same tokens; the loss is (1 - kd_ratio) x CE + kd_ratio x forward KL on the shifted labels, x the tokens that count."""
     torch.manual_seed(0)
     student = lora_llama3(lora_attn_modules=["q_proj", "v_proj"], vocab_size=32, num_layers=1, num_heads=2,
                           num_kv_heads=1, embed_dim=16, max_seq_len=16, intermediate_dim=32, lora_rank=4, lora_alpha=8)
@@ -186,7 +186,7 @@ def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as
     labels = tokens.clone()
     labels[1, 5:] = -100
     loss, counted = objective.micro_loss(student, ce, {"tokens": tokens, "labels": labels.clone()}, torch.enable_grad())
-    assert seen == [("student", True), ("teacher", False)] and counted == 7 + 4
+    assert seen == [("teacher", False), ("student", True)] and counted == 7 + 4
     shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
     logits, taught = student(tokens), teacher(tokens)
     expected = (0.75 * ce(logits, shifted) + 0.25 * kd(logits, taught, shifted)) * 11
