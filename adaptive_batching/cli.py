@@ -9,7 +9,7 @@ import json
 import shutil
 import sys
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from adaptive_batching.config.loading import (
     RECIPES,
@@ -20,12 +20,38 @@ from adaptive_batching.config.loading import (
     shipped_configs_dir,
 )
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
-from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 from adaptive_batching.runtime.files import write_atomically
 
 
 class UsageError(Exception):
     """A command's argument is wrong."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argument parser that may add its arguments only when it first parses or prints them (``add_arguments``):
+    the tiny-assets choices live in modules that import torch and torchtune, which the other commands need not."""
+
+    def __init__(self, *args: Any, add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._add_arguments = add_arguments
+
+    def _complete(self) -> None:
+        add, self._add_arguments = self._add_arguments, None
+        if add is not None:
+            add(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        self._complete()
+        return super().parse_known_args(args, namespace)
+
+    def format_usage(self) -> str:
+        self._complete()
+        return super().format_usage()
+
+    def format_help(self) -> str:
+        self._complete()
+        return super().format_help()
 
 
 def _recipe_file(name: str) -> Path:
@@ -182,15 +208,11 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     return 0
 
 
-def build_parser() -> argparse.ArgumentParser:
+def _tiny_assets_arguments(tiny: argparse.ArgumentParser) -> None:
     from adaptive_batching.assets.families import FAMILIES
     from adaptive_batching.assets.models import CHOICES
     from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR
 
-    parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-
-    tiny = sub.add_parser("tiny-assets", help="write the offline tiny model, tokenizer and dataset")
     tiny.add_argument("--output-dir", default=DEFAULT_TINY_DIR, help=f"default: {DEFAULT_TINY_DIR}")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-samples", type=int, default=3000)
@@ -199,6 +221,14 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{', '.join(FAMILIES)} (tiny models of those families, with their own tokenizers); or "
                            "llama3_2_1b (the real size, randomly initialised); written to OUTPUT_DIR/MODEL next to "
                            "the tiny data")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    tiny = sub.add_parser("tiny-assets", help="write the offline tiny model, tokenizer and dataset",
+                          add_arguments=_tiny_assets_arguments)
     tiny.set_defaults(func=cmd_tiny_assets)
 
     ls = sub.add_parser("ls", help="list the shipped recipes and configs")
@@ -257,8 +287,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     except OutOfMemoryStop as error:
         code = _fail(f"out of memory: {error}", 1)
     except Preempted as error:
+        from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+
         code = _fail(f"stopped: {error}", PREEMPTED_EXIT_CODE)
-    leave_cleanly()  # outside the handlers: no traceback holds the run's objects
+    if "adaptive_batching.runtime.distributed" in sys.modules:  # else no process group was made
+        leave_cleanly()  # outside the handlers: no traceback holds the run's objects
     return code
 
 

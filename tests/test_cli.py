@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
+import subprocess
+import sys
+import textwrap
 
 from pathlib import Path
 
@@ -133,6 +137,57 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     for file in files:
         assert f"{file.relative_to(out)}: {file.stat().st_size:,} bytes" in printed
     assert "p50=" in printed and "p95=" in printed
+
+
+# Run in a fresh interpreter: pytest's own process has torch imported already.
+_LIGHT_COMMANDS = textwrap.dedent("""
+    import contextlib, io, json, sys
+    from adaptive_batching.cli import main
+    from adaptive_batching.faults.checkpoints import mark_stopped
+
+    run, stopped, copy = sys.argv[1:]
+    mark_stopped(stopped, "SIGTERM")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        codes = [main(["status", run]), main(["status", stopped]), main(["ls"]), main(["cp", "tiny_full", copy])]
+    heavy = sorted(name for name in ("torch", "torchtune", "torchao") if name in sys.modules)
+    print(json.dumps({"codes": codes, "out": out.getvalue(), "heavy": heavy}))
+""")
+
+
+def test_status_ls_and_cp_do_not_import_torch_torchtune_or_torchao(tmp_path: Path) -> None:
+    """The commands that read files only start without torch, torchtune and torchao (5 s of CPU): a job script
+    calls ``status`` before each resubmission. A module-level import of any of them on that path fails this."""
+    run = tmp_path / "run"
+    epoch = run / "epoch_0"
+    epoch.mkdir(parents=True)
+    (epoch / "recipe_state.pt").write_bytes(b"x")
+    (epoch / "model-00001-of-00001.safetensors").write_bytes(b"yy")
+    (epoch / "checkpoint.json").write_text(json.dumps({
+        "complete": True, "global_step": 4, "epochs_run": 1, "total_epochs": 2,
+        "files": {"recipe_state.pt": 1, "model-00001-of-00001.safetensors": 2}}))
+    (tmp_path / "stopped").mkdir()
+    copy = tmp_path / "copy.yaml"
+    done = subprocess.run([sys.executable, "-c", _LIGHT_COMMANDS, str(run), str(tmp_path / "stopped"), str(copy)],
+                          capture_output=True, text=True, check=True)
+    result = json.loads(done.stdout.splitlines()[-1])
+    assert result["codes"] == [0, 0, 0, 0]
+    lines = result["out"].splitlines()
+    assert lines[0] == (f"resumable: {epoch} (optimizer step 4, 1 of 2 epochs done); "
+                        "continue with resume_from_checkpoint=True")
+    assert lines[1].startswith("stopped: SIGTERM, before the first checkpoint")
+    assert "tiny_full" in result["out"] and f"Copied tiny_full to {copy}" in result["out"]
+    assert copy.read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
+    assert result["heavy"] == []
+
+
+def test_tiny_assets_model_choices_are_checked(capsys: pytest.CaptureFixture[str]) -> None:
+    """The tiny-assets arguments are added when that command is parsed (their choices import torchtune)."""
+    with pytest.raises(SystemExit) as info:
+        main(["tiny-assets", "--model", "nope"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "argument --model: invalid choice: 'nope' (choose from 'tiny', 'llama3_2_1b', 'tiny_qlora'" in err
 
 
 def test_cp_copies_the_shipped_config_even_when_a_local_file_has_its_name(tmp_path: Path) -> None:

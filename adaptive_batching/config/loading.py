@@ -13,14 +13,12 @@ import os
 import sys
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
-
-from omegaconf import DictConfig
-from torchtune import config as tune_config
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
-from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
-from adaptive_batching.runtime.distributed import mesh_holders, release_destroyed_group
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune", "adaptive_lora_dpo", "adaptive_full_dpo",
            "adaptive_knowledge_distillation")
@@ -112,6 +110,9 @@ def given_argv() -> list[str]:
 def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     """Like ``torchtune.config.parse``, with ``--config`` resolved by :func:`resolve_config`
     and a config error, or an out-of-memory stop, reported in one line instead of a traceback."""
+    from torchtune import config as tune_config
+
+    from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 
     @functools.wraps(recipe_main)
     def checked(cfg: DictConfig) -> Any:
@@ -149,6 +150,8 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
 def leave_cleanly() -> None:
     """End the destroyed process group's worker threads before the interpreter finalises (see
     ``runtime.distributed.release_destroyed_group``); say so in one line if some are still running."""
+    from adaptive_batching.runtime.distributed import mesh_holders, release_destroyed_group
+
     left = release_destroyed_group()
     if left:
         print(f"warning: {len(left)} gloo worker thread(s) still running after the process group was destroyed "

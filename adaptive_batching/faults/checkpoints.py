@@ -18,13 +18,12 @@ import re
 import shutil
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Iterator, Optional
-
-from omegaconf import DictConfig, OmegaConf
-from torchtune import config, training
-from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME
+from typing import TYPE_CHECKING, Any, Iterator, Optional
 
 from adaptive_batching.runtime.files import write_atomically
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 log = logging.getLogger(__name__)
 
@@ -55,6 +54,8 @@ def save_checkpoint_atomically(checkpointer: Any, state: dict[str, Any], *, epoc
     largest. Nothing goes to ``output_dir/recipe_state``. Like torchtune, this pops the weights out
     of ``state``. Returns the final folder.
     """
+    from torchtune.training.checkpointing._utils import RECIPE_STATE_DIRNAME
+
     if not isinstance(record.get("global_step"), int):
         raise ValueError(f"record needs an int 'global_step' (the checkpoint a resume picks); got {record!r}")
     output_dir = Path(checkpointer._output_dir)
@@ -312,6 +313,8 @@ def resume_config(cfg_checkpointer: DictConfig, job_id: Optional[str] = None) ->
     fine-tune, ``checkpoint_files`` to ``output_dir``; all three are set relative to it here. A LoRA
     run (``adapter_model.pt`` in the folder) keeps its configured base weights.
     """
+    from omegaconf import OmegaConf
+
     output_dir = Path(cfg_checkpointer.output_dir)
     latest = latest_complete_checkpoint(output_dir, job_id)
     if latest is None:
@@ -334,6 +337,8 @@ def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool,
                     job_id: Optional[str] = None) -> tuple[Any, dict[str, Any]]:
     """Instantiate the checkpointer and load the weights, plus the recipe state on resume (from the
     latest checkpoint ``job_id`` wrote, when given)."""
+    from torchtune import config
+
     if resume:
         cfg_checkpointer = resume_config(cfg_checkpointer, job_id)
     checkpointer = config.instantiate(cfg_checkpointer, should_load_recipe_state=resume)
@@ -343,6 +348,8 @@ def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool,
 def recipe_state(*, seed: int, epochs_run: int, total_epochs: int, max_steps_per_epoch: Any,
                  optimizer_state: dict[str, Any], adaptive_state: dict[str, Any]) -> dict[str, Any]:
     """The non-weight entries of a checkpoint, under torchtune's own key names."""
+    from torchtune import training
+
     return {
         training.SEED_KEY: seed,
         training.EPOCHS_KEY: epochs_run,
