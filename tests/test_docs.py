@@ -649,7 +649,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
        for extra in ("--tolerance 0.01", "--optimizer-in-bwd")},
     "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, 1 fresh process"),
-    "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 2.5 --start 64 --repeats 3 --publish": (
+    "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, 1 fresh process"),
     "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 6 --steps 40 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd", "smallest size: 2 steps, 1 repeat"),
