@@ -18,7 +18,7 @@ is computed exactly, at no extra cost, for any N.
 
 A DPO or KD step has a second forward: the reference's (the policy with its adapters off, a frozen copy, or KD's
 teacher, another architecture traced on three of its own layers), under ``no_grad``, before the policy's forward
-(DPO) or between the policy's forward and backward (KD). Its layers are segments of their own ("reference forward
+(as DPO and KD run it) or between the policy's forward and backward. Its layers are segments of their own ("reference forward
 i"), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory, and its transient
 peak is counted where it happens: before the policy's activations exist, or on top of them.
 """
@@ -75,7 +75,7 @@ def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tupl
     Segments: before the layers, the forward of layers 0 .. traced-2, the top layer and head,
     the backward of layers traced-1 .. 1, then the bottom layer's backward and the rest. With ``forwards`` 2
     (DPO, KD), the reference's forward of its layers comes between the two (its top layer's segment holds its
-    head, the loss and the head's backward), or before the policy's forward with ``reference_first`` (DPO):
+    head, the loss and the head's backward), or before the policy's forward with ``reference_first`` (DPO, KD):
     ``reference`` is its (traced, total) layers when they differ from the policy's (KD's teacher, another
     architecture), else the policy's.
     """
@@ -201,7 +201,7 @@ class LayerTimeline(FrozenAwareMemTracker):
         return 2 if any(s.label.startswith("reference") for s in self._segments) else 1
 
     def reference_first(self) -> bool:
-        """Whether the reference's forward ran before the policy's (DPO), not after it (KD)."""
+        """Whether the reference's forward ran before the policy's (DPO and KD run it so), not after it."""
         return len(self._segments) > 1 and self._segments[1].label.startswith("reference")
 
     def segments(self) -> list[PassStretch]:

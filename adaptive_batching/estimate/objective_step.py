@@ -3,9 +3,9 @@
 Fine-tuning's step is the summed-token loss on fake tokens (``fake_steps`` has always traced it so). Another
 objective (a :class:`~adaptive_batching.core.objective.TrainingObjective`, handed in by the caller: the one the
 trainer composes, so the estimate traces the code that trains) runs its own ``micro_loss`` on its own worst-case
-micro batch, collated as training collates it; for DPO that is the policy's forward on the chosen and rejected
-sequences of each pair, the reference's forward without autograd, and the preference loss; for knowledge distillation
-the student's forward, the teacher's without autograd on the same micro batch, and both losses (cross-entropy and
+micro batch, collated as training collates it; for DPO that is the reference's forward without autograd, then the
+policy's on the chosen and rejected sequences of each pair, and the preference loss; for knowledge distillation the
+teacher's forward without autograd, then the student's on the same micro batch, and both losses (cross-entropy and
 KD) on the two sets of logits. What the objective holds besides the policy (full DPO's frozen reference, KD's
 teacher) it builds through ``build``, from fake frozen models of the config key it names.
 """
