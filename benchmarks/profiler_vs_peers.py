@@ -1,11 +1,9 @@
 #!/usr/bin/env python
 """Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
 
-Each method runs in a fresh child on the same set-up (``tiny_full``, AdamW, worst-case samples), which limits its own
-address space (``RLIMIT_AS``) to its size after set-up + ``--room`` GiB; the true maximum is bisected over fresh
-children running 2 plain steps at one size, under default glibc and, when ours' set-up pins glibc's malloc
-settings, under those too. Peers and the exhaustive search run the trainer's own forward/backward and gradient
-step; the libraries are called, not copied. What it measures and how to read it: docs/benchmarks.md.
+Each method runs in a fresh child (``tiny_full``, AdamW, worst-case samples) limited to its address space after
+set-up + ``--room`` GiB (``RLIMIT_AS``); the true maximum is bisected over fresh children of 2 plain steps, under
+default glibc and as ours' set-up pins it. docs/benchmarks.md says how to read it.
 """
 
 from __future__ import annotations
@@ -18,7 +16,7 @@ import signal
 import sys
 import time
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from common import fmt, largest_fit, log, run_logged, tiny_assets, work_dir, write_json
 from doc_tables import report
@@ -31,23 +29,17 @@ ACCELERATE_START = 1024  # Accelerate's starting_batch_size: the user's guess
 EXHAUSTIVE_START = 128  # the exhaustive search's first micro batch
 
 
-# --------------------------------------------------------------------------- arguments
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--room", type=float, default=1.5,
-                   help="GiB of address space each child may add above its own set-up (default 1.5)")
+    p.add_argument("--room", type=float, default=1.5, help="GiB each child may add above its set-up (default 1.5)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per worst-case sample (default 256)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
-    p.add_argument("--methods", default=",".join(METHODS),
-                   help="comma-separated subset of the methods to run (default: all; --publish needs all)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated subset (default all, as --publish)")
     p.add_argument("--workdir", type=Path, default=None, help="assets, runs and logs (default: a temporary folder)")
-    p.add_argument("--epoch-time-cap", type=float, default=150,
-                   help="stop ours' epoch check after this many seconds and report how far it got "
-                        "(default 150; 0 = always the full epoch)")
-    # Internal: one method in a child process.
-    p.add_argument("--child", choices=METHODS, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--epoch-time-cap", type=float, default=150, help="seconds of ours' epoch check (0: all)")
+    p.add_argument("--child", choices=METHODS, default=None, help=argparse.SUPPRESS)  # one method in a child
     p.add_argument("--micro-batch", type=int, default=None, help=argparse.SUPPRESS)
     p.add_argument("--pinned", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", type=Path, default=None, help=argparse.SUPPRESS)
@@ -63,13 +55,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-# --------------------------------------------------------------------------- child side
 def _vm_size_bytes() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmSize:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no VmSize in /proc/self/status")
+    return next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
 
 
 def limit_address_space(room_gib: float) -> dict[str, int]:
@@ -89,21 +76,12 @@ def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
     from adaptive_batching.training.trainer import Trainer
 
     work = args.workdir
-    overrides = [
-        f"assets_dir={work / 'assets'}",
-        f"output_dir={work / ('run_' + run_name)}",
-        f"tokenizer.max_seq_len={args.seq_len}",
-        "use_maximum_batch_size=True",
-        "adaptive_batching.memory_budget=null",
-        "adaptive_batching.memory_fraction=1.0",
-        "adaptive_batching.safety_margin=0.05",
-        "adaptive_batching.reprofile=True",
-        f"adaptive_batching.cache_dir={work / 'cache'}",
-        "clip_grad_norm=null",
-        "lr_scheduler=null",
-        "epochs=1",
-        "max_steps_per_epoch=null",
-    ]
+    overrides = [f"assets_dir={work / 'assets'}", f"output_dir={work / ('run_' + run_name)}",
+                 f"tokenizer.max_seq_len={args.seq_len}", "use_maximum_batch_size=True",
+                 "adaptive_batching.memory_budget=null", "adaptive_batching.memory_fraction=1.0",
+                 "adaptive_batching.safety_margin=0.05", "adaptive_batching.reprofile=True",
+                 f"adaptive_batching.cache_dir={work / 'cache'}", "clip_grad_norm=null", "lr_scheduler=null",
+                 "epochs=1", "max_steps_per_epoch=null"]
     cfg = load_config("tiny_full", overrides)
     trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
     trainer.setup()
@@ -125,8 +103,7 @@ def plain_step(trainer: Any, micro_batch: int) -> None:
 
 
 def _describe_error(error: BaseException) -> str:
-    text = " ".join(str(error).split())
-    return f"{type(error).__name__}: {text[:160]}"
+    return f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
 
 
 def _is_oom(error: BaseException) -> bool:
@@ -144,6 +121,8 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 
 
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
+    from adaptive_batching.batching.sampler import epoch_extent
+
     trainer = build_trainer(args, "ours")
     limits = limit_address_space(args.room)
     out: dict[str, Any] = {"limits": limits}
@@ -153,18 +132,14 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     except Exception as error:  # report whatever happened
         out.update(wall_s=time.perf_counter() - t0, error=_describe_error(error))
         return out
-    t1 = time.perf_counter()
     out.update(
-        wall_s=t1 - t0, found=result.max_micro_batch, chosen=result.micro_batch, trial_steps=result.trial_steps,
-        estimate=result.estimate, profiler_seconds=result.seconds, budget_bytes=result.budget_bytes,
-        budget_source=result.budget_source, bytes_per_sample=result.bytes_per_sample, fixed_bytes=result.fixed_bytes,
-        trials=[{"micro_batch": t["micro_batch"], "ok": t["ok"], "phase": t["phase"],
-                 "peak_bytes": t["peak_bytes"], "seconds": t["seconds"]} for t in result.trials],
-        vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
-    )
+        wall_s=time.perf_counter() - t0, found=result.max_micro_batch, chosen=result.micro_batch,
+        trial_steps=result.trial_steps, estimate=result.estimate, profiler_seconds=result.seconds,
+        budget_bytes=result.budget_bytes, budget_source=result.budget_source,
+        bytes_per_sample=result.bytes_per_sample, fixed_bytes=result.fixed_bytes,
+        trials=[{k: t[k] for k in ("micro_batch", "ok", "phase", "peak_bytes", "seconds")} for t in result.trials],
+        vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"])
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
-    from adaptive_batching.batching.sampler import epoch_extent
-
     schedule = trainer.make_plan(result)
     first = schedule.plan.entries[0].shape
     epoch: dict[str, Any] = {"micro_batch": first.micro_batch, "capped": False,
@@ -182,8 +157,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         epoch.update(ok=False, steps=trainer.global_step, error=_describe_error(error), oom=_is_oom(error))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
-    epoch["seconds"] = time.perf_counter() - t0
-    out["epoch"] = epoch
+    out["epoch"] = dict(epoch, seconds=time.perf_counter() - t0)
     return out
 
 
@@ -195,8 +169,7 @@ def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
             raise RuntimeError("pin_cpu_allocator() failed in the exhaustive child")
     trainer = build_trainer(args, f"exhaustive_{args.micro_batch}")
     limits = limit_address_space(args.room)
-    t0 = time.perf_counter()
-    steps_done = 0
+    t0, steps_done = time.perf_counter(), 0
     try:
         for _ in range(2):  # the first step creates the optimizer state
             plain_step(trainer, args.micro_batch)
@@ -208,6 +181,25 @@ def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
             "steps_done": steps_done, "wall_s": time.perf_counter() - t0}
 
 
+def observed(trials: list[dict[str, Any]], micro_batch: int, step: Callable[[], None], peer: str,
+             recognises: Callable[[BaseException], bool]) -> None:
+    """``step()`` recorded in ``trials``; a failure is noted with whether the peer calls it an OOM, then re-raised:
+    the peer decides what to do with it."""
+    trial = {"micro_batch": micro_batch, "ok": False}
+    trials.append(trial)
+    try:
+        step()
+    except Exception as error:
+        trial.update({"error": _describe_error(error), f"{peer}_recognises_oom": recognises(error)})
+        raise
+    trial["ok"] = True
+
+
+def oom_recognised(trials: list[dict[str, Any]], peer: str) -> Optional[bool]:
+    failures = [t for t in trials if not t["ok"]]
+    return all(t.get(f"{peer}_recognises_oom", False) for t in failures) if failures else None
+
+
 def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
     from accelerate.utils import find_executable_batch_size
     from accelerate.utils.memory import should_reduce_batch_size
@@ -217,27 +209,17 @@ def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
 
     @find_executable_batch_size(starting_batch_size=ACCELERATE_START)
     def search(batch_size: int) -> int:
-        call = {"micro_batch": batch_size, "ok": False}
-        calls.append(call)
-        try:
-            plain_step(trainer, batch_size)
-        except Exception as error:  # observe only: Accelerate decides what to do with it
-            call["error"] = _describe_error(error)
-            call["accelerate_recognises_oom"] = should_reduce_batch_size(error)
-            raise
-        call["ok"] = True
+        observed(calls, batch_size, lambda: plain_step(trainer, batch_size), "accelerate", should_reduce_batch_size)
         return batch_size
 
-    limits = limit_address_space(args.room)
-    out: dict[str, Any] = {"limits": limits, "start": ACCELERATE_START, "trials": calls}
+    out: dict[str, Any] = {"limits": limit_address_space(args.room), "start": ACCELERATE_START, "trials": calls}
     t0 = time.perf_counter()
     try:
         out["found"] = search()
     except Exception as error:
         out["error"] = _describe_error(error)
-    out.update(wall_s=time.perf_counter() - t0, trial_steps=len(calls))
-    failures = [c for c in calls if not c["ok"]]
-    out["oom_recognised"] = all(c.get("accelerate_recognises_oom", False) for c in failures) if failures else None
+    out.update(wall_s=time.perf_counter() - t0, trial_steps=len(calls),
+               oom_recognised=oom_recognised(calls, "accelerate"))
     return out
 
 
@@ -264,8 +246,7 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
             return len(trainer.parts.data.dataset)
 
         def __getitem__(self, index: int) -> dict[str, list[int]]:
-            generator = torch.Generator().manual_seed(index)
-            row = torch.randint(0, vocab, (seq_len,), generator=generator).tolist()
+            row = torch.randint(0, vocab, (seq_len,), generator=torch.Generator().manual_seed(index)).tolist()
             return {"tokens": row, "labels": list(row)}
 
     class TunedModule(pl.LightningModule):
@@ -284,64 +265,52 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
             return trainer.parts.optimizer
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
-            step = {"micro_batch": int(batch["tokens"].shape[0]), "ok": False}
-            self.trials.append(step)
             optimizer = self.optimizers()
-            try:
-                _, tokens = trainer.parts.runner.forward_backward(batch)
-                del batch
-                # What StepRunner.apply_gradients does on one rank without clipping, with the
-                # optimizer step going through Lightning so that it counts the step.
-                training.scale_grads(self.net, 1 / tokens.clamp(min=1))
-                optimizer.step()
-            except Exception as error:  # observe only: Lightning decides what to do with it
-                step["error"] = _describe_error(error)
-                step["lightning_recognises_oom"] = is_oom_error(error)
-                raise
-            finally:
-                optimizer.zero_grad(set_to_none=True)
-            step["ok"] = True
+
+            def step() -> None:
+                # StepRunner.apply_gradients on one rank without clipping, the optimizer step through Lightning
+                try:
+                    _, tokens = trainer.parts.runner.forward_backward(batch)
+                    training.scale_grads(self.net, 1 / tokens.clamp(min=1))
+                    optimizer.step()
+                finally:
+                    optimizer.zero_grad(set_to_none=True)
+
+            observed(self.trials, int(batch["tokens"].shape[0]), step, "lightning", is_oom_error)
 
     module = TunedModule()
-    pl_trainer = pl.Trainer(
-        accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
-        enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
-        default_root_dir=str(args.workdir / "run_lightning"),
-    )
+    pl_trainer = pl.Trainer(accelerator="cpu", devices=1, max_epochs=1, logger=False, enable_checkpointing=False,
+                            enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                            default_root_dir=str(args.workdir / "run_lightning"))
     tuner = Tuner(pl_trainer)
-    limits = limit_address_space(args.room)
-    out: dict[str, Any] = {"limits": limits}
+    out: dict[str, Any] = {"limits": limit_address_space(args.room)}
     t0 = time.perf_counter()
     try:
         out["returned"] = tuner.scale_batch_size(module, mode="binsearch")  # documented defaults otherwise
     except Exception as error:
         out["error"] = _describe_error(error)
     out["wall_s"] = time.perf_counter() - t0
-    # A trial is steps_per_trial steps at one size; the answer before the margin is the largest
-    # size whose steps all ran, below every size that failed.
+    # A trial is steps_per_trial steps at one size; the answer before the margin is the largest size whose steps all
+    # ran, below every size that failed.
     sizes: dict[int, bool] = {}
     for step in module.trials:
         sizes[step["micro_batch"]] = sizes.get(step["micro_batch"], True) and step["ok"]
     smallest_failure = min((b for b, ok in sizes.items() if not ok), default=None)
     out["found"] = max((b for b, ok in sizes.items() if ok and (smallest_failure is None or b < smallest_failure)),
                        default=0)
-    out["trial_steps"] = len(module.trials)
-    out["trials"] = module.trials
-    out["sizes"] = [{"micro_batch": b, "ok": ok} for b, ok in sizes.items()]
-    failures = [s for s in module.trials if not s["ok"]]
-    out["oom_recognised"] = all(s.get("lightning_recognises_oom", False) for s in failures) if failures else None
+    out.update(trial_steps=len(module.trials), trials=module.trials,
+               sizes=[{"micro_batch": b, "ok": ok} for b, ok in sizes.items()],
+               oom_recognised=oom_recognised(module.trials, "lightning"))
     return out
 
 
 def run_child(args: argparse.Namespace) -> int:
     handler = {"ours": child_ours, "lightning": child_lightning, "accelerate": child_accelerate,
                "exhaustive": child_exhaustive}[args.child]
-    result = handler(args)
-    args.result.write_text(json.dumps(result, indent=2, default=str))
+    args.result.write_text(json.dumps(handler(args), indent=2, default=str))
     return 0
 
 
-# --------------------------------------------------------------------------- parent side
 def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = None,
           pinned: bool = False) -> dict[str, Any]:
     """Run one method in a fresh child process; return its result (or how it died)."""
@@ -358,13 +327,10 @@ def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = No
     code = run_logged(command, log_path)
     elapsed = time.perf_counter() - started
     if code == 0 and result_path.exists():
-        result = json.loads(result_path.read_text())
-    else:
-        tail = log_path.read_text().strip().splitlines()[-3:]
-        why = "timed out" if code is None else f"exit code {code}"
-        result = {"crashed": f"child {why}: {' | '.join(tail)[-300:]}"}
-    result["child_seconds"] = elapsed
-    return result
+        return dict(json.loads(result_path.read_text()), child_seconds=elapsed)
+    why = "timed out" if code is None else f"exit code {code}"
+    tail = " | ".join(log_path.read_text().strip().splitlines()[-3:])[-300:]
+    return {"crashed": f"child {why}: {tail}", "child_seconds": elapsed}
 
 
 def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[str, Any]:
@@ -387,10 +353,10 @@ def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[st
         return outcome == "ok"
 
     lo, hi, _ = largest_fit(fits, EXHAUSTIVE_START)
-    search_seconds = time.perf_counter() - started
+    seconds = time.perf_counter() - started
     # Outcomes at the boundary are noisy (address-space layout): run both sides once more and report it.
     recheck = {"max_ok_again": fits(lo, recheck=True) if lo > 0 else None, "above_ok_again": fits(hi, recheck=True)}
-    return {"true_max": lo, "smallest_oom": hi, "pinned": pinned, "children": children, "seconds": search_seconds,
+    return {"true_max": lo, "smallest_oom": hi, "pinned": pinned, "children": children, "seconds": seconds,
             "recheck": recheck}
 
 
@@ -421,19 +387,16 @@ def build_rows(results: dict[str, Any], exhaustive: dict[str, dict[str, Any]]) -
     light_note = (f"returns {light.get('returned')} after its margin 0.05; 3 steps per size: "
                   f"{_trial_list(light.get('sizes', []))}")
     acc_note = f"start {ACCELERATE_START} (the user's guess), x0.9 per OOM: {_trial_list(acc.get('trials', []))}"
-    rows = [{"method": "ours (adaptive_batching profiler)", "note": ours_note, "regime": "pinned", **_cells(ours)},
-            {"method": "Lightning Tuner.scale_batch_size(binsearch)", "note": _peer_note(light, light_note, ""),
-             "regime": "default", **_cells(light)},
-            {"method": "Accelerate find_executable_batch_size", "note": _peer_note(acc, acc_note, " (would crash)"),
-             "regime": "default", **_cells(acc)}]
-    for row in rows:
-        row["true_max"] = exhaustive.get(row["regime"], {}).get("true_max")
-        row["percent"] = _pct(row["found"], row["true_max"])
+    rows = []
+    for method, note, regime, r in (
+            ("ours (adaptive_batching profiler)", ours_note, "pinned", ours),
+            ("Lightning Tuner.scale_batch_size(binsearch)", _peer_note(light, light_note, ""), "default", light),
+            ("Accelerate find_executable_batch_size", _peer_note(acc, acc_note, " (would crash)"), "default", acc)):
+        true_max = exhaustive.get(regime, {}).get("true_max")
+        rows.append({"method": method, "note": note, "regime": regime, "found": r.get("found"),
+                     "trial_steps": r.get("trial_steps"), "wall_s": r.get("wall_s"), "true_max": true_max,
+                     "percent": _pct(r.get("found"), true_max)})
     return rows
-
-
-def _cells(r: dict[str, Any]) -> dict[str, Any]:
-    return {"found": r.get("found"), "trial_steps": r.get("trial_steps"), "wall_s": r.get("wall_s")}
 
 
 REGIME_NAMES = {"default": "exhaustive: true maximum, default glibc (not compared)",
@@ -464,12 +427,10 @@ def markdown_table(rows: list[dict[str, Any]], exhaustive: dict[str, dict[str, A
 def verdict(rows: list[dict[str, Any]]) -> dict[str, Any]:
     ours, light, acc = rows
     peer_times = [r["wall_s"] for r in (light, acc) if r["wall_s"] is not None]
-    checks = {
-        f"found >= {BAR_PERCENT:g}% of true max": ours["percent"] is not None and ours["percent"] >= BAR_PERCENT,
-        f"trial steps <= {BAR_STEPS}": ours["trial_steps"] is not None and ours["trial_steps"] <= BAR_STEPS,
-        "faster than both peers": (ours["wall_s"] is not None and len(peer_times) == 2
-                                   and all(ours["wall_s"] < t for t in peer_times)),
-    }
+    checks = {f"found >= {BAR_PERCENT:g}% of true max": ours["percent"] is not None and ours["percent"] >= BAR_PERCENT,
+              f"trial steps <= {BAR_STEPS}": ours["trial_steps"] is not None and ours["trial_steps"] <= BAR_STEPS,
+              "faster than both peers": (ours["wall_s"] is not None and len(peer_times) == 2
+                                         and all(ours["wall_s"] < t for t in peer_times))}
     details = [f"{fmt(ours['percent'], '.1f')}% ({fmt(ours['found'])} of {ours['true_max']})",
                f"{fmt(ours['trial_steps'])} steps",
                f"{fmt(ours['wall_s'], '.1f')} s vs Lightning {fmt(light['wall_s'], '.1f')} s, "
@@ -494,7 +455,6 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     if args.child is not None:
         return run_child(args)
-
     command = shlex.join([sys.executable, *sys.argv])
     print(f"$ {command}", flush=True)
     with work_dir(args.workdir, "profiler_vs_peers_") as args.workdir:
@@ -506,27 +466,19 @@ def main(argv: Optional[list[str]] = None) -> int:
                 results[method] = {"crashed": "not run (--methods)"}
                 continue
             log(f"running {method} ...")
-            results[method] = spawn(args, method)
-            r = results[method]
+            r = results[method] = spawn(args, method)
             log(f"  {method}: found {r.get('found')} in {r.get('trial_steps')} trial steps, "
                 f"{fmt(r.get('wall_s'), '.1f')} s" + (f" [{r['crashed']}]" if "crashed" in r else ""))
         ours = results["ours"]
         exhaustive = ({r: exhaustive_search(args, pinned=(r == "pinned")) for r in ("default", "pinned")}
                       if "exhaustive" in args.methods else {})
-
         rows = build_rows(results, exhaustive)
-        bar = verdict(rows)
-        epoch = ours.get("epoch")
-
+        bar, epoch = verdict(rows), ours.get("epoch")
         with report("profiler-vs-peers" if args.publish else None):
-            print()
-            print(f"Set-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
+            print(f"\nSet-up: tiny Llama-3 (tiny_full), AdamW, fp32, CPU, worst-case samples of {args.seq_len} tokens "
                   f"(all in the loss); each method in a fresh child with RLIMIT_AS = its VmSize after set-up "
-                  f"+ {args.room:g} GiB. ✗ = that size did not fit (OOM; for ours also: over its budget).")
-            print()
-            print(markdown_table(rows, exhaustive))
-            print()
-            print(epoch_summary(epoch, args.epoch_time_cap))
+                  f"+ {args.room:g} GiB. ✗ = that size did not fit (OOM; for ours also: over its budget).\n")
+            print(f"{markdown_table(rows, exhaustive)}\n\n{epoch_summary(epoch, args.epoch_time_cap)}")
             if "found" in ours:
                 true_max = rows[0]["true_max"]
                 fit = ("" if ours.get("bytes_per_sample") is None else
@@ -539,17 +491,16 @@ def main(argv: Optional[list[str]] = None) -> int:
                     default_max = exhaustive["default"]["true_max"]
                     print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
                           f"{fmt(_pct(ours['found'], default_max), '.1f')}%")
-            print()
-            print(f"Bar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both peers): "
+            print(f"\nBar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both "
+                  f"peers): "
                   f"{'MET' if bar['met'] else 'NOT MET'}")
             for name, ok in bar["checks"].items():
                 print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
 
         if args.json is not None:
-            payload = {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
-                       "accelerate_start": ACCELERATE_START, "epoch_time_cap": args.epoch_time_cap,
-                       "rows": rows, "exhaustive": exhaustive, "epoch": epoch, "bar": bar, "raw": results}
-            write_json(args.json, payload)
+            write_json(args.json, {"command": command, "room_gib": args.room, "seq_len": args.seq_len,
+                                   "accelerate_start": ACCELERATE_START, "epoch_time_cap": args.epoch_time_cap,
+                                   "rows": rows, "exhaustive": exhaustive, "epoch": epoch, "bar": bar, "raw": results})
             print(f"\nJSON written to {args.json}")
     return 0
 
