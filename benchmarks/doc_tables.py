@@ -23,14 +23,11 @@ DOCS = ROOT / "docs"
 
 def machine() -> str:
     """The machine in a few words: cores and processor, and the GPU when one is used."""
-    cores = os.cpu_count() or 0
-    try:
-        import torch
+    import torch
 
-        if torch.cuda.is_available():
-            return f"{torch.cuda.get_device_name(0)}, {cores} CPU cores"
-    except ImportError:
-        pass
+    cores = os.cpu_count() or 0
+    if torch.cuda.is_available():
+        return f"{torch.cuda.get_device_name(0)}, {cores} CPU cores"
     return f"{cores} CPU cores ({platform.machine()}), no GPU"
 
 
@@ -48,15 +45,8 @@ def commit() -> str:
 def command_line() -> str:
     """The command that is running, as a user would type it from the repository's root."""
     script = Path(sys.argv[0]).resolve()
-    try:
-        shown = script.relative_to(ROOT)
-    except ValueError:
-        shown = script
+    shown = script.relative_to(ROOT) if script.is_relative_to(ROOT) else script
     return " ".join(["python", str(shown), *sys.argv[1:]])
-
-
-def stamp() -> str:
-    return (f"`{command_line()}`, {datetime.date.today().isoformat()}, commit {commit()}, {machine()}")
 
 
 def markdown_of(text: str) -> str:
@@ -79,7 +69,8 @@ def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
     pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: {re.escape(name)} -->)", re.S)
     if not pattern.search(text):
         raise SystemExit(f"{path} has no markers <!-- table: {name} --> ... <!-- /table: {name} -->")
-    block = f"Measured by {stamp()}:\n\n{body.rstrip()}\n"
+    stamp = f"`{command_line()}`, {datetime.date.today().isoformat()}, commit {commit()}, {machine()}"
+    block = f"Measured by {stamp}:\n\n{body.rstrip()}\n"
     path.write_text(pattern.sub(lambda m: m.group(1) + block + m.group(2), text, count=1), encoding="utf-8")
     return path
 

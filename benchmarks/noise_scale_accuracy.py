@@ -10,6 +10,7 @@ first-micro-batch one. ``tests/test_noise_scale.py`` asserts on the same functio
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import tempfile
@@ -52,11 +53,8 @@ def draw(gen: torch.Generator, shape: tuple[int, ...], d: int, sigma: float) -> 
 
 def run_single_process(seed: int, *, steps: int, accumulation: int, micro: int, decay: float,
                        first_only: bool) -> tuple[float, list]:
-    """Feed ``steps`` steps of ``accumulation`` micro batches; the truth and the values reported.
-
-    ``first_only``: the small batch is the first micro batch only (what FSDP2 leaves observable,
-    one draw per step); else the mean over all micro batches of their squared norms.
-    """
+    """Feed ``steps`` steps of ``accumulation`` micro batches; the truth and the values reported. The small batch is
+    the first micro batch (``first_only``: what FSDP2 leaves observable) or the mean of all micro batches' norms."""
     delta, gen = unit_delta(D, seed), torch.Generator().manual_seed(1000 + seed)
     estimator, values = NoiseScaleEstimator(decay=decay), []
     for _ in range(steps):
@@ -98,8 +96,6 @@ def per_rank_noise_scale(rank: int, world: int) -> list:
 
 
 def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
-    import json
-
     import torch.distributed as dist
 
     torch.set_num_threads(1)
@@ -111,8 +107,6 @@ def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
 
 
 def two_ranks() -> list:
-    import json
-
     import torch.multiprocessing as mp
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -147,16 +141,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     with report("noise-scale" if args.publish else None):
         print(f"Noisy linear regression (`d = {D}`, `σ = {SIGMA}`), whose simple noise scale is known "
               f"(`B_simple = ((d+1)|δ|² + dσ²)/|δ|²`, {every_truth:.0f} at these parameters). Largest error: over "
-              f"the steps after the estimator's warm-up (the first 100, or 500 for the first micro batch only).")
-        print()
-        print("| setup | decay | final estimate | largest error after warm-up |")
-        print("|---|---|---|---|")
+              f"the steps after the estimator's warm-up (the first 100, or 500 for the first micro batch only).\n")
+        print("| setup | decay | final estimate | largest error after warm-up |\n|---|---|---|---|")
         print(row("1 process, every micro batch as a small batch (b=32, B=256)", 0.95, every_truth, every, 100))
         print(row("1 process, the first micro batch only, as the trainer does (b=64, B=512)", 0.99, first_truth,
                   first, 500))
         print(row(f"{RANKS} gloo ranks, per rank per micro batch (b=32, B=512)", 0.95, ranks_truth, ranks, 100))
-        print()
-        print(f"Over {args.seeds} seeds the first-micro-batch estimate ended within {100 * sweep[0.99]:.1f}% of the "
+        print(f"\nOver {args.seeds} seeds the first-micro-batch estimate ended within {100 * sweep[0.99]:.1f}% of the "
               f"truth at decay 0.99 (the trainer's), and within {100 * sweep[0.95]:.1f}% at 0.95.")
     return 0
 

@@ -57,18 +57,16 @@ def fresh_run(command: list[str], work: Path, name: str) -> tuple[float, int, st
 def main(argv: Optional[list[str]] = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--test-runs", type=int, default=1, help="fresh clones that run the tests (default 1)")
-    p.add_argument("--skip-demo", action="store_true", help="run the tests only")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args(argv)
     if args.test_runs < 0:
         p.error("--test-runs must be >= 0")
     rows = []
     with tempfile.TemporaryDirectory(prefix="two_commands_") as tmp:
-        if not args.skip_demo:
-            seconds, code, log = fresh_run(["make", "demo"], Path(tmp), "demo")
-            outcome = demo_summary(log) if code == 0 else f"FAILED (exit {code}): {log.strip()[-300:]}"
-            rows.append(f"| `make demo` | {minutes(seconds)} | {outcome} |")
-            print(f"make demo: {minutes(seconds)}, exit {code}", file=sys.stderr)
+        seconds, code, log = fresh_run(["make", "demo"], Path(tmp), "demo")
+        outcome = demo_summary(log) if code == 0 else f"FAILED (exit {code}): {log.strip()[-300:]}"
+        rows.append(f"| `make demo` | {minutes(seconds)} | {outcome} |")
+        print(f"make demo: {minutes(seconds)}, exit {code}", file=sys.stderr)
         for run in range(args.test_runs):
             seconds, code, log = fresh_run(["bash", ".ci/run"], Path(tmp), f"test{run}")
             outcome = (f"{passed(log)} tests passed, 2 workers" if code == 0
@@ -76,12 +74,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             rows.append(f"| `make test` (`CI=true bash .ci/run`, run {run + 1}) | {minutes(seconds)} | {outcome} |")
             print(f"make test: {minutes(seconds)}, exit {code}", file=sys.stderr)
     with report("two-commands" if args.publish else None):
-        print(f"Each from its own fresh clone of commit {commit()}, install included, one after the other:")
-        print()
-        print("| command | time | what it did |")
-        print("| --- | --- | --- |")
-        for row in rows:
-            print(row)
+        print(f"Each from its own fresh clone of commit {commit()}, install included, one after the other:\n")
+        print("\n".join(["| command | time | what it did |", "| --- | --- | --- |", *rows]))
     return 0
 
 
