@@ -136,11 +136,13 @@ def cmd_cp(args: argparse.Namespace) -> int:
 def cmd_profile(args: argparse.Namespace) -> int:
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.profiling.report import write_json
+    from adaptive_batching.runtime.memory import freeze_long_lived_objects
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
+    freeze_long_lived_objects()
     with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
         trainer.setup()
         result = trainer.profile()  # logs its table (rank 0)
@@ -152,11 +154,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_plan(args: argparse.Namespace) -> int:
     """Set up, profile (or read the profile cache) and print the batch plan, without training a step."""
     from adaptive_batching.config.settings import validate_config
+    from adaptive_batching.runtime.memory import freeze_long_lived_objects
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.objectives import objective_for
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
+    freeze_long_lived_objects()
     with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
         trainer.setup()
         trainer.make_plan(trainer.profile())

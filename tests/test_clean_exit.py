@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from forked_ranks import run_forked_ranks
 
-from adaptive_batching.runtime import distributed
+from adaptive_batching.runtime import distributed, memory
 from adaptive_batching.runtime.distributed import ParallelInfo, backend_threads, release_destroyed_group, shutdown
 
 RANKS = 2
@@ -44,6 +44,9 @@ def _train_a_step() -> None:
 
 def _worker(rank: int, store: str, out_dir: str) -> None:
     torch.set_num_threads(1)
+    memory.freeze_long_lived_objects()  # as the entry points do, before the run makes its group and model
+    unfrozen: list[int] = []
+    distributed.gc.unfreeze = lambda: unfrozen.append(1)  # type: ignore[assignment]  # this forked rank only
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     _train_a_step()
     started = backend_threads()
@@ -51,7 +54,8 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     after_destroy = backend_threads()
     left = release_destroyed_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"started": started, "after_destroy": after_destroy, "left": left, "now": backend_threads()}))
+        {"started": started, "after_destroy": after_destroy, "left": left, "now": backend_threads(),
+         "unfrozen": unfrozen}))
 
 
 @pytest.mark.multiprocess
@@ -63,6 +67,7 @@ def test_release_ends_the_gloo_threads_that_destroy_process_group_leaves(tmp_pat
         # torch's caches still hold the destroyed group: without the release its threads meet finalisation
         assert "pt_gloo_runloop" in result["after_destroy"], "torch now ends the group itself: see the module docstring"
         assert result["left"] == [] and result["now"] == []
+        assert result["unfrozen"] == []  # one collection of the run's own objects ended them, not a full one
 
 
 def test_release_only_after_this_process_destroyed_a_group(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -171,6 +171,17 @@ def test_parse_applies_overrides_and_removals(monkeypatch: pytest.MonkeyPatch) -
     assert settings.profiler.reprofile is False
 
 
+def test_parse_freezes_the_imports_objects_before_the_recipe_builds_anything(monkeypatch: pytest.MonkeyPatch) -> None:
+    """So that a run's own objects stay collectable: one cheap collection at the end frees its process group
+    (tests/test_clean_exit.py), and the profiler's collections skip torch's and torchtune's objects."""
+    from adaptive_batching.runtime import memory
+
+    order: list[str] = []
+    monkeypatch.setattr(memory, "freeze_long_lived_objects", lambda: order.append("freeze"))
+    run_parse(monkeypatch, ["x", "--config", "tiny_full"], body=lambda cfg: order.append("recipe"))
+    assert order == ["freeze", "recipe"]
+
+
 def test_parse_component_removal_is_refused_by_torchtune(monkeypatch: pytest.MonkeyPatch) -> None:
     """torchtune 0.6.1 does not remove a node holding `_component_` with `~key`; it raises ValueError."""
     monkeypatch.setattr(sys, "argv", ["x", "--config", "tiny_full", "~lr_scheduler"])

@@ -113,10 +113,12 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
     from torchtune import config as tune_config
 
     from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
+    from adaptive_batching.runtime import memory
 
     @functools.wraps(recipe_main)
     def checked(cfg: DictConfig) -> Any:
         every_rank = True  # whether each rank prints the line: the same config error on every rank, once
+        memory.freeze_long_lived_objects()
         try:
             result, message, code = recipe_main(cfg), None, 0
         except ConfigError as err:

@@ -127,7 +127,6 @@ class Trainer:
                               length_source(cfg, self.settings.profiler.cache_dir),
                               profiles=self.settings.needs_profile)
         worst_case.check_fits(self.batching.worst, model.max_seq_len)
-        memory.freeze_long_lived_objects()
         self.preemption.before_training("during set-up (data, model, token counts)")
         self.hooks.after_setup(self)
         return self.built
