@@ -3,9 +3,10 @@
 
 Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` (``--objective dpo``: ``tune run
 adaptive_lora_dpo --config tiny_lora_dpo``, micro batches of pairs; ``--objective kd``: ``tune run
-adaptive_knowledge_distillation --config tiny_kd``, the teacher's weights resident and its forward in each step) under ``ulimit -v`` with no explicit budget: the
-largest micro batch its profile ran, against the fresh-process maximum (bisection over fresh ``python`` and ``tune
-run`` processes that each run 2 worst-case steps at one size, glibc tuned from the start).
+adaptive_knowledge_distillation --config tiny_kd``, the teacher's weights resident and its forward in each step) under
+``ulimit -v`` with no explicit budget: the largest micro batch its profile ran, against the fresh-process maximum
+(bisection over fresh ``python`` and ``tune run`` processes that each run 2 worst-case steps at one size, glibc tuned
+from the start).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"
 IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1",
           "adaptive_batching.grow_past_memory=skip", "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"]
+LAUNCHERS = ("python", "tune")
 # objective: its recipe, its config and what makes the config profile
 OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
               "dpo": ("adaptive_lora_dpo", "tiny_lora_dpo", ["use_maximum_batch_size=True"]),
@@ -41,9 +43,6 @@ def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> s
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"GLIBC_TUNABLES": TUNABLES} if tuned else {}))
     return subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
                           capture_output=True, text=True, timeout=600, **kwargs)
-
-
-LAUNCHERS = ("python", "tune")
 
 
 def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool,
@@ -77,14 +76,6 @@ def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool, objective: st
     for _ in range(2):
         trainer.trial_step(micro_batch)
     return 0
-
-
-def fresh_process_maximum(limit_kib: int, work: Path, assets: Path, args: argparse.Namespace,
-                          launcher: str) -> tuple[int, list[str]]:
-    """The largest micro batch that trains in a fresh process: double from ``--start``, then bisect."""
-    found, _, tried = largest_fit(lambda size: trains(limit_kib, work, assets, size, launcher, args.optimizer_in_bwd,
-                                                      args.objective), args.start, args.fresh_trials)
-    return found, tried
 
 
 def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Optional[float],
@@ -128,7 +119,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--publish", action="store_true",
                         help="write the table into docs/benchmarks.md (one table per --tolerance)")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
-    parser.add_argument("--assets", type=Path, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written anew)")
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--config", default=None, help=argparse.SUPPRESS)  # what ``tune run`` requires
     args = parser.parse_args(argv)
@@ -142,10 +133,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        assets = tiny_assets(None, work)
+        assets = tiny_assets(args.assets, work)
         runs = [profiled(limit_kib, work, assets, f"profiled-{i}", args.tolerance, args.optimizer_in_bwd,
                          args.objective) for i in range(args.repeats)]
-        maxima = {launcher: fresh_process_maximum(limit_kib, work, assets, args, launcher) for launcher in launchers}
+        # the fresh-process maximum: double from --start, then bisect; (largest, the sizes tried)
+        maxima = {launcher: largest_fit(lambda size: trains(limit_kib, work, assets, size, launcher,
+                                                            args.optimizer_in_bwd, args.objective),
+                                        args.start, args.fresh_trials)[::2] for launcher in launchers}
 
     def percent(found: Optional[int], launcher: str) -> Optional[float]:
         maximum = maxima[launcher][0] if launcher in maxima else None

@@ -27,7 +27,7 @@ from doc_tables import report
 
 BAR_RATIO = 0.99
 BATCH, SEQ_LEN, SEED = 8, 256, 0  # seed 0: the stock recipe's sampler always uses 0
-SWITCH_EPOCHS, SWITCH_STEPS = 3, 5  # the epoch-switch run: linear_ramp +4 at each epoch
+SWITCH_EPOCHS, SWITCH_STEPS = 3, 2  # the epoch-switch run: linear_ramp +4 at each epoch; 2 steps: the one after a switch in it
 # --objective: (ours, stock, config)
 OBJECTIVES = {"finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
               "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo"),
@@ -42,14 +42,10 @@ STOCK_REQUIRED = {"optimizer_in_bwd": False, "enable_activation_offloading": Fal
 SWITCH_LINE = re.compile(r"Epoch switch.*?took ([0-9]+(?:\.[0-9]+)?) ?ms")
 
 
-def _number(value: Any) -> Optional[float]:
-    return None if value is None else float(value)
-
-
 def figures(payload: Any, step: int) -> dict[str, Any]:
     """What a child records per step beside its time stamp."""
-    return {"loss": _number(payload.get("loss")), "lr": _number(payload.get("lr")),
-            "batch": _number(payload.get("micro_batch_size"))}
+    return {key: None if (value := payload.get(logged)) is None else float(value)
+            for key, logged in (("loss", "loss"), ("lr", "lr"), ("batch", "micro_batch_size"))}
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
@@ -68,6 +64,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None, help="configs, runs and logs (default: a temporary folder)")
+    p.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written to the workdir)")
     args = p.parse_args(argv)
     if min(args.steps, args.warmup, args.repeats, args.threads) < 1:
         p.error("--steps, --warmup, --repeats and --threads must be positive")
@@ -333,7 +330,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     args = parse_args(argv)
     print(f"$ {shlex.join([sys.executable, *sys.argv])}", flush=True)
     with work_dir(args.workdir, "recipe_vs_torchtune_") as args.workdir:
-        args.assets = tiny_assets(None, args.workdir)
+        args.assets = tiny_assets(args.assets, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
         figures_ = {"settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
                                  "batch_size": BATCH, "seq_len": SEQ_LEN, "seed": SEED, "threads": args.threads,

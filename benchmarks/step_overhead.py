@@ -115,6 +115,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=6, help="untimed steps first (more than guard_steps, 4)")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written anew)")
     p.add_argument("--settings", default=",".join(SETTINGS), help=f"comma-separated of {', '.join(SETTINGS)}")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
@@ -126,7 +127,7 @@ def main() -> None:
     stop_share: dict[str, list[float]] = {name: [] for name in chosen}
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        args.assets = tiny_assets(None, work)
+        args.assets = tiny_assets(args.assets, work)
         for repeat in range(args.repeats):
             for setting in chosen:
                 speed, count, share = run(args, work, f"{setting}-{repeat}", setting)

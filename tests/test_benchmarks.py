@@ -70,11 +70,11 @@ TOGETHER = len(os.sched_getaffinity(0)) >= 2  # --together pins each recipe to i
 
 
 @pytest.fixture(scope="module")
-def recipe_vs_torchtune(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, str]:
+def recipe_vs_torchtune(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> tuple[dict, str]:
     """One run of each recipe (side by side where 2 cores allow), then ours' epoch-switch run."""
     work = tmp_path_factory.mktemp("recipe_vs_torchtune")
     js = work / "speed.json"
-    out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1",
+    out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--assets", str(assets),
                  *(["--together"] if TOGETHER else []), "--json", str(js), "--workdir", str(work / "work"), cwd=work)
     return json.loads(js.read_text()), out
 
@@ -99,10 +99,11 @@ def test_recipe_vs_torchtune_together(recipe_vs_torchtune: tuple[dict, str]) -> 
     assert "measured windows of each pair overlap" in out and "the pairs' medians" in out
 
 
-def test_recipe_vs_torchtune_dpo(tmp_path: Path) -> None:
+def test_recipe_vs_torchtune_dpo(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "dpo.json"
     out = script("recipe_vs_torchtune.py", "--objective", "dpo", "--steps", "1", "--warmup", "1", "--repeats", "1",
-                 "--no-switch", "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+                 "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
+                 cwd=tmp_path)
     figures = json.loads(js.read_text())
     # the adapters drawn from one generator in both: stock's losses bit for bit
     assert figures["same_computation"]["loss"] == {"steps": 2, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
@@ -112,10 +113,11 @@ def test_recipe_vs_torchtune_dpo(tmp_path: Path) -> None:
     assert figures["cpu_ratio"] > 0 and len(figures["pair_cpu_ratios"]) == 1 and "and CPU time: " in out
 
 
-def test_recipe_vs_torchtune_kd(tmp_path: Path) -> None:
+def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "kd.json"
     out = script("recipe_vs_torchtune.py", "--objective", "kd", "--steps", "1", "--warmup", "1", "--repeats", "1",
-                 "--no-switch", "--json", str(js), "--workdir", str(tmp_path / "work"), cwd=tmp_path)
+                 "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
+                 cwd=tmp_path)
     figures = json.loads(js.read_text())
     # stock divides its gradients by the tokens again: step 1, before any update, is float32-equal, step 2 close
     loss = figures["same_computation"]["loss"]
@@ -132,10 +134,10 @@ def test_token_budget_vs_fixed(tmp_path: Path) -> None:
 
 
 @pytest.mark.multiprocess
-def test_step_overhead(tmp_path: Path) -> None:
+def test_step_overhead(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "overhead.json"
-    script("step_overhead.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--settings", "none,stop",
-           "--json", str(js), cwd=tmp_path)
+    script("step_overhead.py", "--steps", "1", "--warmup", "1", "--repeats", "1", "--settings", "none,stop",
+           "--assets", str(assets), "--json", str(js), cwd=tmp_path)
     figures = json.loads(js.read_text())
     assert set(figures["speeds"]) == {"none", "stop"}
     assert figures["collectives"]["stop"][0] == figures["collectives"]["none"][0] + 1  # the stop agreement's one
@@ -160,20 +162,22 @@ def test_largest_fit_doubles_then_bisects_within_its_trials() -> None:
     assert common.largest_fit(lambda size: False, 8) == (0, 1, ["8x", "4x", "2x", "1x"])
 
 
-@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16"]), ("dpo", 8, ["8"]),
-                                                      ("kd", 16, ["16"])])
-def test_profiler_whole_process_limit(tmp_path: Path, objective: str, start: int, trials: list[str]) -> None:
+@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16"]), ("dpo", 8, []), ("kd", 16, [])])
+def test_profiler_whole_process_limit(tmp_path: Path, assets: Path, objective: str, start: int,
+                                      trials: list[str]) -> None:
     js = tmp_path / "limit.json"
-    # about 600 MiB above what a run takes before training (1.9 GiB here): room for a machine that takes more;
-    # one fresh process (16 samples, about 90 MiB of it; 8 pairs, about 130 MiB; 16 samples with the tiny_kd
-    # teacher, about 120 MiB) instead of the whole bisection (test_largest_fit_doubles_then_bisects_within_its_trials)
+    # about 600 MiB above what a run takes before training (1.9 GiB here): room for a machine that takes more.
+    # finetune: one fresh process of 16 samples (about 90 MiB) instead of the whole bisection
+    # (test_largest_fit_doubles_then_bisects_within_its_trials). DPO and KD: none, the profiled run alone; its
+    # trials are the fresh process's trial steps (Trainer.trial_step), and it must run 8 pairs (about 130 MiB) and
+    # 16 samples with the tiny_kd teacher (about 120 MiB) as that process would
     script("profiler_whole_process_limit.py", "--objective", objective, "--limit-gib", "2.5", "--start", str(start),
-           "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--json", str(js),
-           cwd=tmp_path)
+           "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--assets", str(assets),
+           "--json", str(js), cwd=tmp_path)
     result = json.loads(js.read_text())
     (run,) = result["runs"]
-    assert result["objective"] == objective and run["returncode"] == 0 and run["max_micro_batch"] >= 1
-    assert result["fresh_python_trials"] == trials and result["fresh_python_max"] == int(trials[-1])
+    assert result["objective"] == objective and run["returncode"] == 0 and run["max_micro_batch"] >= start
+    assert result["fresh_python_trials"] == trials and result["fresh_python_max"] == int((trials or ["0"])[-1])
 
 
 def test_profiler_vs_peers(tmp_path: Path) -> None:

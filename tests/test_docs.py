@@ -648,9 +648,11 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, the python launcher")
        for extra in ("--tolerance 0.01", "--optimizer-in-bwd")},
     "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 --publish": (
-        "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, 1 fresh process"),
+        "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)"),
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 --publish": (
-        "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, 1 fresh process"),
+        "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)"),
     "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 6 --steps 40 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --repeats 12 --steps 100 --publish": (
@@ -664,7 +666,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)"),
     "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
-        "tests/test_benchmarks.py::test_step_overhead", "smallest size: 2 steps, settings none and stop"),
+        "tests/test_benchmarks.py::test_step_overhead", "smallest size: 1 timed step, settings none and stop"),
     "python benchmarks/token_budget_vs_fixed.py --repeats 3 --threads 1 --publish": (
         "tests/test_benchmarks.py::test_token_budget_vs_fixed", "smallest size: 40 samples, 1 repeat"),
     "python benchmarks/two_commands.py --test-runs 2 --publish": (
