@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Do two-rank runs exit clean, every time? Counts the runs that exit non-zero or print an abort.
 
-N runs of ``tune run --nproc_per_node 2`` on the tiny model (gloo on CPU, FSDP2), cycling through :data:`SETTINGS`,
-with the default stop signals; ``--publish`` writes the table into docs/fault-tolerance.md. ``--mechanism`` shows
-the abort's cause in two processes and no recipe: a gloo group that outlives ``destroy_process_group()`` ends a
-worker thread during interpreter finalisation ("terminate called"), unless ``release_destroyed_group()`` ran.
+N runs of ``tune run --nproc_per_node 2`` on the tiny model (gloo, FSDP2), cycling through :data:`SETTINGS`.
+``--mechanism`` shows the abort's cause without a recipe: a gloo group that outlives ``destroy_process_group()``
+ends a worker thread during interpreter finalisation ("terminate called"), unless ``release_destroyed_group()`` ran.
 """
 
 from __future__ import annotations
@@ -20,8 +19,6 @@ from pathlib import Path
 
 from common import tiny_assets, unclean_exit
 from doc_tables import publish
-
-HERE = Path(__file__).resolve()
 
 SHORT = ("epochs=1", "max_steps_per_epoch=4")
 SETTINGS = {
@@ -113,9 +110,7 @@ def mechanism() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         script = Path(tmp) / "mechanism.py"
         script.write_text(MECHANISM)
-        for release in ("0", "1"):
-            # rank 1 joins only once rank 0 is in its last atexit handler, so without the release the
-            # completion reaches rank 0's gloo worker while the interpreter finalises
+        for release in ("0", "1"):  # without the release, rank 1's late join reaches rank 0 as it finalises
             env = dict(os.environ, RELEASE=release, READY=str(Path(tmp) / f"ready{release}"), OMP_NUM_THREADS="1")
             result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                      "--nproc_per_node", "2", str(script)], capture_output=True, text=True, env=env,

@@ -1,9 +1,8 @@
 """What the benchmark scripts share: tiny assets, a work folder, a recipe run in this process with a time stamp per
 logged step, a child process with its log or a readable failure, the largest size that fits, an unclean exit.
 
-A script imports it as a sibling (``from common import ...``): Python puts the script's own folder first on
-``sys.path``, so ``python benchmarks/x.py`` finds it from anywhere. Tables go into the docs through
-:mod:`doc_tables`.
+Scripts import it as a sibling (``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``); tables go
+into the docs through :mod:`doc_tables`.
 """
 
 from __future__ import annotations
@@ -11,17 +10,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import multiprocessing
 import os
-import shutil
+import platform
 import subprocess
 import sys
 import tempfile
 import time
+from datetime import date
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Sequence
 
-# What a process prints when it aborts at exit, or when the process group outlived the run (see
-# ``runtime.distributed.release_destroyed_group``): never acceptable after a run, whatever its exit code.
+# Printed on an abort at exit, or when the process group outlived the run (``release_destroyed_group``): never fine.
 UNCLEAN_EXIT = ("terminate called", "gloo worker thread(s) still running", "Fatal Python error")
 
 
@@ -40,12 +40,9 @@ def work_dir(given: Optional[Path], prefix: str) -> Iterator[Path]:
     if given is not None:
         Path(given).mkdir(parents=True, exist_ok=True)
         yield Path(given).resolve()
-        return
-    folder = Path(tempfile.mkdtemp(prefix=prefix))
-    try:
-        yield folder
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
+    else:
+        with tempfile.TemporaryDirectory(prefix=prefix, ignore_cleanup_errors=True) as folder:
+            yield Path(folder)
 
 
 def threads_env(threads: int, **extra: str) -> dict[str, str]:
@@ -90,8 +87,8 @@ def largest_fit(fits: Callable[[int], bool], start: int, trials: Optional[int] =
 
 
 def run_checked(command: Sequence[str], what: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``command`` run to its end with its output captured; a failure ends the benchmark with ``what failed:`` and
-    the last 3000 characters of its stderr, the part that names the error."""
+    """``command`` run with its output captured; a failure ends the benchmark with ``what failed:`` and the last
+    3000 characters of its stderr."""
     result = subprocess.run(list(command), capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
         sys.exit(f"{what} failed:\n{result.stderr[-3000:]}")
@@ -109,9 +106,9 @@ def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
 @contextlib.contextmanager
 def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None
                 ) -> Iterator[list[dict[str, Any]]]:
-    """Within the block, every metric line a recipe logs (torchtune's ``DiskLogger.log_dict``, once per optimizer
-    step in ours and in stock's) appends ``{"step", "t", "cpu"}`` (``time.perf_counter()`` and this process's CPU
-    time, ``time.process_time()``, at the call), plus what ``on_step(payload, step)`` returns, to the list it yields."""
+    """Within the block, each metric line a recipe logs (``DiskLogger.log_dict``, once per optimizer step) appends
+    ``{"step", "t", "cpu"}`` (``perf_counter`` and ``process_time`` at the call) and ``on_step(payload, step)``'s
+    items to the list it yields."""
     from torchtune.training.metric_logging import DiskLogger
 
     stamps: list[dict[str, Any]] = []
@@ -132,11 +129,10 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
 def tune_child(stamps_path: str, tune_args: list[str],
                on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None,
                same_adapters: bool = False) -> int:
-    """``tune TUNE_ARGS`` in this process (a ``--tune-child`` of a script), with ``BENCH_THREADS`` torch threads
-    when the parent set it; writes to ``stamps_path`` the :func:`step_stamps` of its steps, the torch threads, and
-    when training started and ended. ``same_adapters``: every LoRA A matrix drawn from a generator of its own, as
-    tests/dpo_parity_run.py does, so that stock's recipe (adapters initialised between the base weights' random
-    initialisations) and ours (on the meta device) start from the same adapters."""
+    """``tune TUNE_ARGS`` in this process (a script's ``--tune-child``) with ``BENCH_THREADS`` torch threads if set;
+    writes to ``stamps_path`` its steps' :func:`step_stamps`, the torch threads, and when training started and ended.
+    ``same_adapters``: every LoRA A matrix from one generator of its own, so that stock's recipe and ours (on the meta
+    device) start from the same adapters."""
     import torch
     import torchtune.modules.peft.lora as lora
     from torchtune._cli.tune import main as tune_main
@@ -184,25 +180,20 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
 
 
-def token_lengths(config: str, overrides: list[str]) -> list[int]:
-    """Every sample's token count as the recipe's data pipeline gives it (truncated to max_seq_len)."""
+def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
+    """Padding waste of one epoch of the samples as the recipe's data pipeline gives them, cut by both samplers the
+    runs use: fixed micro batches of ``micro_batch`` samples (shuffled), and ``max_tokens`` padded tokens per micro
+    batch (similar lengths together)."""
     from torchtune import config as tune_config
 
     from adaptive_batching.batching.data import build_dataset
+    from adaptive_batching.batching.sampler import StepBatchSampler
+    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
     from adaptive_batching.config.loading import load_config
 
     cfg = load_config(config, overrides)
     dataset, _ = build_dataset(cfg.dataset, tune_config.instantiate(cfg.tokenizer))
-    return [len(dataset[i]["tokens"]) for i in range(len(dataset))]
-
-
-def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
-    """Padding waste of one epoch cut by both samplers the runs use: fixed micro batches of ``micro_batch``
-    samples (shuffled), and ``max_tokens`` padded tokens per micro batch (similar lengths together)."""
-    from adaptive_batching.batching.sampler import StepBatchSampler
-    from adaptive_batching.batching.token_sampler import TokenBudgetBatchSampler, padding_waste
-
-    lengths = token_lengths(config, overrides)
+    lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
     fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,
                                   shuffle=True, seed=0))
     result: dict[str, Any] = {"samples": len(lengths), "real_tokens": sum(lengths), "max_length": max(lengths),
@@ -215,11 +206,17 @@ def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Opt
     return result
 
 
+def machine_line(command: str) -> str:
+    """The command, today's date and this machine, as a docs page written by a script names them."""
+    import torch
+
+    return (f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
+            f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {torch.__version__}).")
+
+
 def in_fork(function: Callable[..., dict[str, Any]], args: tuple, timeout: float) -> dict[str, Any]:
     """``function(*args)`` in a forked child, so that one that fails or hangs cannot stop the others: its dict, or
     ``{"reason": ...}`` in one line when it raised or gave no answer in ``timeout`` seconds."""
-    import multiprocessing
-
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
 

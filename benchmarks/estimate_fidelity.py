@@ -1,25 +1,21 @@
 #!/usr/bin/env python
 """``estimate`` against peak memory that torchtune published for its stock configs on GPUs.
 
-Each row is one published measurement (:data:`ROWS`): a stock config with the settings its source states; the
-peak is predicted from that config's fake-step trace at that micro batch (``estimate.peak_at``), nothing fitted to
-a published figure. The table replaces the section "Fidelity against published GPU measurements" of
-``docs/estimates.md``, which says what is modelled and what is left out.
+Each row (:data:`ROWS`) is a published measurement of a stock config with the settings its source states, predicted
+from that config's fake-step trace at that micro batch (``estimate.peak_at``). The table replaces the section
+"Fidelity against published GPU measurements" of ``docs/estimates.md``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import multiprocessing
-import platform
 import time
 from dataclasses import dataclass, field
-from datetime import date
 from pathlib import Path
 from typing import Any
 
-from common import in_fork
+from common import in_fork, machine_line
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -40,8 +36,14 @@ PLAIN_3B = {"optimizer._component_": "torch.optim.AdamW", "optimizer_in_bwd": "F
 COMPILE = {"compile": "True"}
 CHUNKED = {"loss._component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
 CHECKPOINTING = {"enable_activation_checkpointing": "True"}
-IN_BWD = {"optimizer_in_bwd": "True"}
 OFFLOADING = {"enable_activation_offloading": "True"}
+# The 'Optimization flags' table: each technique added to the ones above it, with its published peak (GiB).
+STACK = [("packed (AdamW, plain cross-entropy, no compile, no checkpointing)", PLAIN_3B, 60.0),
+         ("compile", COMPILE, 51.0), ("chunked cross-entropy", CHUNKED, 42.9),
+         ("activation checkpointing", CHECKPOINTING, 24.9), ("optimizer_in_bwd", {"optimizer_in_bwd": "True"}, 23.1),
+         ("activation offloading", OFFLOADING, 21.8),
+         ("8-bit AdamW (bitsandbytes' AdamW8bit, the name the table gives)",
+          {"optimizer._component_": "bitsandbytes.optim.AdamW8bit"}, 17.6)]
 
 
 def overrides(*layers: dict[str, str]) -> list[str]:
@@ -69,20 +71,8 @@ class Published:
 
 
 ROWS = [
-    Published(FLAGS, "3B full, + packed (AdamW, plain cross-entropy, no compile, no checkpointing)", FULL_3B,
-              overrides(PLAIN_3B), 2, 4096, 1, 60.0),
-    Published(FLAGS, "3B full, + compile", FULL_3B, overrides(PLAIN_3B, COMPILE), 2, 4096, 1, 51.0),
-    Published(FLAGS, "3B full, + chunked cross-entropy", FULL_3B, overrides(PLAIN_3B, COMPILE, CHUNKED),
-              2, 4096, 1, 42.9),
-    Published(FLAGS, "3B full, + activation checkpointing", FULL_3B,
-              overrides(PLAIN_3B, COMPILE, CHUNKED, CHECKPOINTING), 2, 4096, 1, 24.9),
-    Published(FLAGS, "3B full, + optimizer_in_bwd", FULL_3B,
-              overrides(PLAIN_3B, COMPILE, CHUNKED, CHECKPOINTING, IN_BWD), 2, 4096, 1, 23.1),
-    Published(FLAGS, "3B full, + activation offloading", FULL_3B,
-              overrides(PLAIN_3B, COMPILE, CHUNKED, CHECKPOINTING, IN_BWD, OFFLOADING), 2, 4096, 1, 21.8),
-    Published(FLAGS, "3B full, + 8-bit AdamW (bitsandbytes' AdamW8bit, the name the table gives)", FULL_3B,
-              overrides(PLAIN_3B, COMPILE, CHUNKED, CHECKPOINTING, IN_BWD, OFFLOADING,
-                        {"optimizer._component_": "bitsandbytes.optim.AdamW8bit"}), 2, 4096, 1, 17.6),
+    *(Published(FLAGS, f"3B full, + {added}", FULL_3B, overrides(*(layer for _, layer, _ in STACK[:n])), 2, 4096, 1,
+                gib) for n, (added, _, gib) in enumerate(STACK, 1)),
     Published(FLAGS, "3B LoRA (compile, chunked CE, checkpointing, offloading, AdamW)",
               "llama3_2/3B_lora_single_device", overrides(COMPILE, CHUNKED, CHECKPOINTING, OFFLOADING),
               2, 4096, 1, 8.5),
@@ -190,8 +180,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
         "",
         NOT_USED,
         "",
-        f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
-        f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {__import__('torch').__version__}).",
+        machine_line(command),
         "",
         f"{len(within)} of {len(done)} predictions within 15% of the published figure"
         + (f"; {len(results) - len(done)} not predicted." if len(done) < len(results) else "."),

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace (docs/benchmarks.md).
 
-Every model at ``--seq-len`` tokens per sample, bf16, AdamW, activation checkpointing, for 80 GiB x 0.9, once with
-each method, each in a fresh process; each compared with the full trace of the same model at every micro batch
-both measured (the largest relative difference of a step's peak). Markdown and JSON go to ``--out-dir``.
+Each model at ``--seq-len`` tokens, bf16, AdamW, activation checkpointing, 80 GiB x 0.9, with each method in a fresh
+process, compared with the full trace at every micro batch both measured (the largest relative difference of a
+step's peak). Markdown and JSON go to ``--out-dir``.
 """
 
 from __future__ import annotations
@@ -17,6 +17,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from common import run_checked
 from doc_tables import publish
@@ -35,11 +37,6 @@ GIB = 2**30
 DEVICE_MEMORY = "80GiB"
 
 
-def _config(name: str) -> str:
-    local = CONFIGS / f"{name}.yaml"
-    return str(local) if local.is_file() else name
-
-
 def child(model: str, method: str, seq_len: int, out: str) -> None:
     """One estimate in this process; its result, times and probes go to ``out`` as JSON."""
     from adaptive_batching.config.loading import load_config
@@ -49,7 +46,8 @@ def child(model: str, method: str, seq_len: int, out: str) -> None:
 
     config, extra = MODELS[model]
     overrides = [o.format(seq_len=seq_len) for o in (*COMMON, *extra)]
-    cfg = load_config(_config(config), overrides)
+    local = CONFIGS / f"{config}.yaml"
+    cfg = load_config(str(local) if local.is_file() else config, overrides)
     wall, cpu = time.perf_counter(), time.process_time()
     trace = trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=METHODS[method])
     steps = dict(trace.probes)  # and every step the verification measures at one rank
@@ -64,27 +62,20 @@ def child(model: str, method: str, seq_len: int, out: str) -> None:
 
         trace = dataclasses.replace(trace, measure=recorded)
     estimate = predict(trace, device_memory_bytes=parse_bytes(DEVICE_MEMORY))
-    result = {
-        "estimate": estimate.to_dict(),
-        "estimate_wall_s": time.perf_counter() - wall,
-        "estimate_cpu_s": time.process_time() - cpu,
-        "probes": sorted(trace.probes),
-        "steps": {str(b): vars(m) for b, m in sorted(steps.items())},
-        "overrides": overrides,
-    }
-    Path(out).write_text(json.dumps(result, indent=2))
+    Path(out).write_text(json.dumps({
+        "estimate": estimate.to_dict(), "estimate_wall_s": time.perf_counter() - wall,
+        "estimate_cpu_s": time.process_time() - cpu, "probes": sorted(trace.probes),
+        "steps": {str(b): vars(m) for b, m in sorted(steps.items())}, "overrides": overrides}, indent=2))
 
 
 def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     out = args.out_dir / f"estimate_speed_{model}_{method}.json"
-    cmd = [sys.executable, str(HERE), "--child", model, method, str(args.seq_len), str(out)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
     started = time.perf_counter()
-    run_checked(cmd, f"{model} {method}", env=env)
+    run_checked([sys.executable, str(HERE), "--child", model, method, str(args.seq_len), str(out)],
+                f"{model} {method}", env=dict(os.environ, OMP_NUM_THREADS="1"))
     result = json.loads(out.read_text())
     out.unlink()
-    result.update(model=model, method=method, process_wall_s=time.perf_counter() - started)
-    return result
+    return dict(result, model=model, method=method, process_wall_s=time.perf_counter() - started)
 
 
 def _step_peak(row: dict[str, Any], micro_batch: int) -> int:
@@ -112,18 +103,13 @@ def compare(rows: list[dict[str, Any]]) -> None:
 
 
 def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
-    lines = [
-        f"{args.seq_len}-token samples, bf16, AdamW, activation checkpointing, {DEVICE_MEMORY} x 0.9, "
-        f"1 rank; {os.cpu_count()} CPU cores, torch {_torch_version()}",
-        "",
-        "| model | layers traced | method | fit predicts | verified micro batch | step peak there | fake steps "
-        "| vs full trace (micro batches) | estimate wall s | estimate CPU s | process wall s |",
-        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |",
-    ]
+    lines = [f"{args.seq_len}-token samples, bf16, AdamW, activation checkpointing, {DEVICE_MEMORY} x 0.9, "
+             f"1 rank; {os.cpu_count()} CPU cores, torch {torch.__version__}", "",
+             "| model | layers traced | method | fit predicts | verified micro batch | step peak there | fake steps "
+             "| vs full trace (micro batches) | estimate wall s | estimate CPU s | process wall s |",
+             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- | ---: | ---: | ---: |"]
     for r in rows:
-        e = r["estimate"]
-        peak = r.get("step_peak_at_answer_bytes")
-        vs = r.get("max_peak_vs_full")
+        e, peak, vs = r["estimate"], r.get("step_peak_at_answer_bytes"), r.get("max_peak_vs_full")
         compared = ", ".join(str(b) for b in r.get("compared_micro_batches", []))
         lines.append(
             f"| {r['model']} | {e['traced_layers']} of {e['num_layers']} | {e['method']} | {e['fit_micro_batch']} "
@@ -132,12 +118,6 @@ def markdown(rows: list[dict[str, Any]], args: argparse.Namespace) -> str:
             f"| {r['estimate_wall_s']:.1f} | {r['estimate_cpu_s']:.1f} | {r['process_wall_s']:.1f} |"
         )
     return "\n".join(lines) + "\n"
-
-
-def _torch_version() -> str:
-    import torch
-
-    return torch.__version__
 
 
 def main() -> None:
@@ -160,8 +140,7 @@ def main() -> None:
     rows = []
     for model in models:
         for method in methods:
-            rows.append(run(model, method, args))
-            r = rows[-1]
+            rows.append(r := run(model, method, args))
             print(f"{model} {method}: micro batch {r['estimate']['max_micro_batch']} "
                   f"(fit {r['estimate']['fit_micro_batch']}), "
                   f"{r['estimate_wall_s']:.1f} s wall, {r['estimate_cpu_s']:.1f} s CPU", flush=True)
@@ -170,7 +149,7 @@ def main() -> None:
     print("\n" + table)
     (args.out_dir / "estimate_speed.md").write_text(table)
     meta = {"command": " ".join([Path(sys.executable).name, *sys.argv]), "platform": platform.platform(),
-            "cpu_count": os.cpu_count(), "torch": _torch_version(), "device_memory": DEVICE_MEMORY,
+            "cpu_count": os.cpu_count(), "torch": torch.__version__, "device_memory": DEVICE_MEMORY,
             "seq_len": args.seq_len}
     (args.out_dir / "estimate_speed.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     print(f"written: {args.out_dir / 'estimate_speed.md'}, {args.out_dir / 'estimate_speed.json'}")

@@ -14,15 +14,12 @@ from __future__ import annotations
 import argparse
 import difflib
 import json
-import multiprocessing
-import platform
 import re
 import time
-from datetime import date
 from pathlib import Path
 from typing import Any
 
-from common import in_fork
+from common import in_fork, machine_line
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -56,11 +53,9 @@ def savers(cfg: Any) -> list[str]:
     for key, name in (("optimizer_in_bwd", "optimizer_in_bwd"),
                       ("enable_activation_checkpointing", "activation checkpointing"),
                       ("enable_activation_offloading", "activation offloading"),
-                      ("fsdp_cpu_offload", "fsdp_cpu_offload")):
+                      ("fsdp_cpu_offload", "fsdp_cpu_offload"), ("compile", "compile")):
         if cfg.get(key, False):
             named.append(name)
-    if cfg.get("compile", False):
-        named.append("compile")
     return named
 
 
@@ -70,8 +65,6 @@ VISION_REASON = ("multimodal: needs torchvision, and none for torch 2.13.0+cpu l
 
 def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
     """``name``'s row, or its one-line reason (run in a child)."""
-    from torch import nn
-
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.core.nodes import one_line
     from adaptive_batching.estimate.prediction import predict, trace_steps
@@ -98,7 +91,7 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
             row["host_gib_per_sample"] = round(estimates["24GiB/1"].host_bytes_per_sample / GIB, 3)
         row["seconds"] = round(time.perf_counter() - start, 1)
         row["layers"] = trace.num_layers
-        row.update(parameters(cfg, method, nn))
+        row.update(parameters(cfg, method))
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
         reason = one_line(error).split(" Are you sure")[0][:200]
         row["reason"] = VISION_REASON if "torchvision" in reason else reason
@@ -112,7 +105,7 @@ def model_of(cfg: Any) -> str:
     return name if teacher is None else f"{name}, teacher {str(teacher._component_).rsplit('.', 1)[-1]}"
 
 
-def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
+def parameters(cfg: Any, method: Any) -> dict[str, int]:
     """Total and trainable parameters of the model as the recipe configures it (built on the meta device)."""
     import torch
     from torchtune import config
@@ -120,9 +113,8 @@ def parameters(cfg: Any, method: Any, nn: Any) -> dict[str, int]:
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     method.configure(model)
-    total = sum(p.numel() for p in model.parameters())
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    return {"parameters": int(total), "trainable": int(trainable)}
+    return {"parameters": int(sum(p.numel() for p in model.parameters())),
+            "trainable": int(sum(p.numel() for p in model.parameters() if p.requires_grad))}
 
 
 def run(names: dict[str, Path], seq_len: int, timeout: float) -> list[dict[str, Any]]:
@@ -225,8 +217,7 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
         "build of torch (`RuntimeError: operator torchvision::nms does not exist`, checked with",
         "`pip install --no-deps torchvision==0.28.0`); `estimate` also traces text decoders only.",
         "",
-        f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
-        f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {__import__('torch').__version__}).",
+        machine_line(command),
         "",
         f"{len(done)} of {len(rows)} configs estimated"
         + (f"; the slowest took {slowest['seconds']} s ({slowest['config']})." if slowest else "."),

@@ -1,10 +1,9 @@
 #!/usr/bin/env python
 """Batch-growth strategies compared by real training runs on CPU, at equal samples (docs/benchmarks.md).
 
-Six runs of ``tune run adaptive_full_finetune --config tiny_full``, one after the other, see the same samples in
-the same order; only their cut into optimizer steps differs (:func:`run_overrides`). Per run: steps, samples and
-seconds to the target loss, the final loss, the noise scale; ``growth_runs.json``, ``.md`` and ``.png`` under
-``--out``.
+Six runs of ``tune run adaptive_full_finetune --config tiny_full`` see the same samples in the same order, cut into
+optimizer steps differently (:func:`run_overrides`): steps, samples and seconds to the target loss, the final loss,
+the noise scale; ``growth_runs.json``, ``.md`` and ``.png`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -18,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from common import run_logged, threads_env, tiny_assets, tune_child, work_dir
+from common import fmt, run_logged, threads_env, tiny_assets, tune_child, work_dir
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
@@ -29,7 +28,6 @@ BUDGET, TARGET_AT = "512MiB", 0.8  # the memory budget (never reached); the targ
 RAMP_EVERY, NOISE_EVERY, SEESAW_EVERY = 32, 16, 8  # optimizer steps per growth period
 
 
-# --------------------------------------------------------------------------- the runs
 def common_overrides(args: argparse.Namespace, work: Path) -> list[str]:
     """What every run shares: data, epochs, sequence length, seed, LR rule, memory budget, profile cache."""
     return [f"assets_dir={args.assets}", f"dataset.split=train[:{args.samples}]", f"epochs={args.epochs}",
@@ -66,15 +64,14 @@ def run_overrides(args: argparse.Namespace) -> dict[str, list[str]]:
 
 
 def numbers(payload: Any, step: int) -> dict[str, float]:
-    """Every number of a metric line."""
     return {k: float(v) for k, v in payload.items() if isinstance(v, (int, float)) or hasattr(v, "item")}
 
 
 def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str]) -> dict[str, Any]:
     tag = name.replace(" ", "_").replace("-", "")
-    out = work / tag
     stamps = work / f"{tag}.json"
-    tune_args = ["run", RECIPE, "--config", CONFIG, *common_overrides(args, work), *overrides, f"output_dir={out}"]
+    tune_args = ["run", RECIPE, "--config", CONFIG, *common_overrides(args, work), *overrides,
+                 f"output_dir={work / tag}"]
     started = time.perf_counter()
     code = run_logged([sys.executable, str(HERE), "--tune-child", str(stamps), *tune_args], work / f"{tag}.log",
                       timeout=3600, cwd=work, env=threads_env(1))
@@ -101,7 +98,6 @@ def split_log_lines(text: str) -> list[str]:
     return [line for line in lines if line]
 
 
-# --------------------------------------------------------------------------- analysis (pure; tests/test_growth_runs.py)
 def cumulative(values: Iterable[float]) -> list[float]:
     total, out = 0.0, []
     for v in values:
@@ -111,12 +107,8 @@ def cumulative(values: Iterable[float]) -> list[float]:
 
 
 def smooth_by_samples(losses: Sequence[float], batches: Sequence[float], window: float) -> list[Optional[float]]:
-    """At each step, the sample-weighted mean loss of the steps in the last ``window`` samples.
-
-    A step's loss is the mean over its own samples' tokens; it enters with the weight of its samples,
-    the oldest step in the window only with the part of it inside the window. None until the steps so
-    far hold ``window`` samples.
-    """
+    """At each step, the mean loss of the last ``window`` samples: each step's loss weighted by its samples (the
+    oldest step's by its part inside the window); None until the steps so far hold ``window`` samples."""
     if window <= 0:
         raise ValueError(f"window must be > 0, got {window}")
     if len(losses) != len(batches):
@@ -151,12 +143,16 @@ def first_at_or_below(values: Sequence[Optional[float]], target: float) -> Optio
     return None
 
 
+def curves(rows: list[dict[str, Any]], window: float) -> tuple[list[float], list[float], list[Optional[float]]]:
+    """A run's global batches, cumulative samples and smoothed loss, step by step."""
+    batches = [r["global_batch_size"] for r in rows]
+    return batches, cumulative(batches), smooth_by_samples([r["loss"] for r in rows], batches, window)
+
+
 def summarise(run: dict[str, Any], targets: dict[str, float], window: float) -> dict[str, Any]:
     """Steps, samples and seconds to each target; final smoothed loss; totals; noise-scale trace."""
     rows = run["rows"]
-    batches = [r["global_batch_size"] for r in rows]
-    samples = cumulative(batches)
-    smooth = smooth_by_samples([r["loss"] for r in rows], batches, window)
+    batches, samples, smooth = curves(rows, window)
     start = run["train_start"]
     out: dict[str, Any] = {"steps": len(rows), "samples": samples[-1] if samples else 0,
                            "train_seconds": (run["train_end"] or rows[-1]["t"]) - start,
@@ -173,10 +169,6 @@ def summarise(run: dict[str, Any], targets: dict[str, float], window: float) -> 
     return out
 
 
-def fmt(value: Optional[float], spec: str, none: str = "never") -> str:
-    return none if value is None else format(value, spec)
-
-
 def markdown_table(summaries: dict[str, dict[str, Any]], targets: dict[str, float]) -> str:
     (main_label, main), *rest = targets.items()
     head = (f"| run | global batch | steps | train time (s) | steps to {main:.3f} | samples to {main:.3f} | "
@@ -191,16 +183,14 @@ def markdown_table(summaries: dict[str, dict[str, Any]], targets: dict[str, floa
         ns = s["noise_scale"]
         noise = "not measured" if not ns["measured_steps"] else \
             f"{ns['first']:.1f} -> {ns['last']:.1f}, max {ns['max']:.1f} ({ns['measured_steps']} steps)"
-        cells = [name, span, str(s["steps"]), f"{s['train_seconds']:.1f}",
-                 fmt(hit and hit["steps"], "d"), fmt(hit and hit["samples"], ".0f"),
-                 fmt(hit and hit["seconds"], ".1f")]
-        cells += [fmt(s["to_target"][label] and s["to_target"][label]["steps"], "d") for label, _ in rest]
+        cells = [name, span, str(s["steps"]), f"{s['train_seconds']:.1f}", fmt(hit and hit["steps"], "d", "never"),
+                 fmt(hit and hit["samples"], ".0f", "never"), fmt(hit and hit["seconds"], ".1f", "never")]
+        cells += [fmt(s["to_target"][label] and s["to_target"][label]["steps"], "d", "never") for label, _ in rest]
         cells += [fmt(s["final_loss"], ".3f", "n/a"), noise]
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-# --------------------------------------------------------------------------- figure
 def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, path: Path) -> None:
     import matplotlib
 
@@ -208,11 +198,11 @@ def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, p
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(4, 1, figsize=(9, 13), sharex=True)
+    low = math.inf
     for run in runs:
         rows = run["rows"]
-        batches = [r["global_batch_size"] for r in rows]
-        samples = cumulative(batches)
-        smooth = smooth_by_samples([r["loss"] for r in rows], batches, window)
+        batches, samples, smooth = curves(rows, window)
+        low = min(low, min(v for v in smooth if v is not None))
         line, = axes[0].plot([s for s, v in zip(samples, smooth) if v is not None],
                              [v for v in smooth if v is not None], label=run["name"], lw=1.4)
         axes[1].step(samples, batches, where="pre", color=line.get_color(), lw=1.4)
@@ -226,9 +216,6 @@ def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, p
         axes[0].axhline(target, color="grey", lw=0.8, ls="--")
         axes[0].annotate(f"target ({label})", (0, target), fontsize=7, color="grey", va="bottom")
     axes[0].set_ylabel(f"training loss\n(mean over the last {window:.0f} samples)")
-    low = min(min(v for v in smooth_by_samples([r["loss"] for r in run["rows"]],
-                                               [r["global_batch_size"] for r in run["rows"]], window) if v is not None)
-              for run in runs)
     axes[0].set_ylim(low - 0.1, low + 2.5)  # the late part, where the runs differ; the early fall is cut off
     axes[0].legend(fontsize=8)
     axes[1].set_ylabel("global batch (samples)")
@@ -245,7 +232,6 @@ def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, p
     plt.close(fig)
 
 
-# --------------------------------------------------------------------------- main
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--samples", type=int, default=1024, help="samples per epoch: the first N of the data set")
@@ -302,10 +288,7 @@ def main(argv: Optional[list[str]] = None) -> None:
 def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[str, Any]],
            work: Optional[Path], setup: Optional[dict[str, Any]] = None) -> None:
     """Targets, summaries, the table, the figure and the JSON, from the runs (the first is fixed small)."""
-    base = runs[0]
-    base_batches = [r["global_batch_size"] for r in base["rows"]]
-    base_samples = cumulative(base_batches)
-    base_smooth = smooth_by_samples([r["loss"] for r in base["rows"]], base_batches, args.window)
+    _, base_samples, base_smooth = curves(runs[0]["rows"], args.window)
     targets = {f"fixed small at {int(round(100 * f))}%": value_at_samples(base_samples, base_smooth, f * base_samples[-1])
                for f in (TARGET_AT, 0.5)}
     summaries = {run["name"]: summarise(run, targets, args.window) for run in runs}

@@ -1,9 +1,9 @@
 #!/usr/bin/env python
 """Token-budget batching against fixed-size batches: padding waste and real tokens per second (docs/benchmarks.md).
 
-One profile under the same memory budget gives micro batch ``m`` at the longest length: fixed micro batches of ``m``
-samples, shuffled, against ``max_tokens=auto`` with ``picking_order=seqlen``. Waste from the two samplers over the
-real lengths; tokens/s from each run's training loop (fresh children, alternating, the median reported).
+Under one memory budget, fixed micro batches of the profiled size (shuffled) against ``max_tokens=auto`` with
+``picking_order=seqlen``: waste from the two samplers over the real lengths, tokens/s from each run's training loop
+(fresh children, alternating, the median reported).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from doc_tables import publish
 
 HERE = Path(__file__).resolve()
 BUDGET = "512MiB"  # adaptive_batching.memory_budget of both
+MODES = {"fixed": [], "token budget": ["adaptive_batching.max_tokens=auto", "adaptive_batching.picking_order=seqlen"]}
 
 
 def child(result_path: str, module: str, argv: list[str]) -> None:
@@ -58,15 +59,12 @@ def common(args: argparse.Namespace, work: Path) -> list[str]:
             "seed=0", "lr_scheduler=null"]
 
 
-MODES = {"fixed": [], "token budget": ["adaptive_batching.max_tokens=auto", "adaptive_batching.picking_order=seqlen"]}
-
-
 def run(args: argparse.Namespace, work: Path, tag: str, mode: str) -> dict[str, Any]:
     result = work / f"{tag}.json"
     cmd = [sys.executable, str(HERE), "--child", str(result), "adaptive_full_finetune", "--config", "tiny_full",
            *common(args, work), f"output_dir={work / tag}", *MODES[mode]]
-    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1")
-    done = run_checked(cmd, tag, env=env, cwd=work, timeout=3600)
+    done = run_checked(cmd, tag, env=dict(os.environ, OMP_NUM_THREADS=str(args.threads), PYTHONUNBUFFERED="1"),
+                       cwd=work, timeout=3600)
     return {**json.loads(result.read_text()), "output": done.stdout + done.stderr}
 
 
