@@ -246,13 +246,21 @@ def documented_slurm_script() -> str:
 
 def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Callable[[], subprocess.CompletedProcess]:
     """The SLURM script of docs/preemption.md as written there, at 2 ranks on CPU with a stub scontrol (its calls in
-    ``tmp_path/scontrol_calls``) and tests/faulty_run.py's ``fault`` (the script's pid in SCRIPT_PID); output folder
-    ``tmp_path/run``. Returns a function that runs the job once, as SLURM starts it and requeues it."""
+    ``tmp_path/scontrol_calls``), torchrun's workers forked from tune, and tests/faulty_run.py's ``fault`` (the
+    script's pid in SCRIPT_PID); output folder ``tmp_path/run``. Returns a function that runs the job once, as SLURM
+    starts it and requeues it."""
     out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(f'#!/bin/sh\necho "$@" >> {calls}\n')
     (bin_dir / "scontrol").chmod(0o755)
+    # tune itself, its torchrun workers forked from it with everything imported (tests/forkserver.py) instead of
+    # two fresh interpreters per job: the script, its signals and torchrun's agent are unchanged. Real workers'
+    # start and exit: tests/test_two_nodes.py.
+    (bin_dir / "tune").write_text(f"#!{sys.executable}\nimport sys\nfrom forkserver import fork_torchrun_workers, "
+                                  "preload\npreload()\nfork_torchrun_workers()\nfrom torchtune._cli.tune import "
+                                  "main\nsys.argv[0] = 'tune'\nsys.exit(main())\n")
+    (bin_dir / "tune").chmod(0o755)
     run = ["faulty_run", f"'{json.dumps(fault)}'", f"{tmp_path}/rec-", "adaptive_full_finetune", "--config",
            "tiny_full", f"assets_dir={assets}", "output_dir=$OUT", *SAVE_EVERY_2, "batch_size=2",
            "use_maximum_batch_size=False", "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2",
@@ -292,7 +300,7 @@ def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_
     second = job()
     assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
            "received" in second.stderr, second.stderr[-3000:]
-    assert "SIGUSR1 received by the end of optimizer step" in second.stderr
+    assert "SIGUSR1 received by the end of optimizer step" in second.stderr and unclean_exit(second) is None
     # Both ranks stopped at one place (after a step, or at the epoch's end: the profile may pick 2 steps an epoch),
     # each line saying so, and saved it.
     places = re.findall(r"stopped: .*?; stopped (.*)", second.stderr)
