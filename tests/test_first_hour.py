@@ -21,7 +21,9 @@ from adaptive_batching.assets.models import write_model_assets
 pytestmark = pytest.mark.e2e
 
 SMALL = ("adaptive_batching.memory_budget=96MiB",)  # the demo's 512 MiB makes every step 5x dearer
-ONE_STEP = ("epochs=1", "max_steps_per_epoch=1", "adaptive_batching.memory_budget=64MiB")
+# One step; the profile's search stops at the 16 samples of 64 tokens.
+ONE_STEP = ("epochs=1", "max_steps_per_epoch=1", "adaptive_batching.memory_budget=64MiB", "dataset.split=train[:16]",
+            "tokenizer.max_seq_len=64")
 WARNING = re.compile(r"warn", re.IGNORECASE)
 
 
