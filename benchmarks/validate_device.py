@@ -1,10 +1,15 @@
 #!/usr/bin/env python
 """Validate the profiler on this device in one command: a JSON of every check and a Markdown table.
 
-The checks, the phases and the commands: docs/validation.md. On a GPU the model is Llama 3.2 1B (random weights,
-written locally), on CPU the tiny model; every training sample of checks 1-3 and 5 is longer than the sequence
-length, so each micro batch has the profiler's worst-case shape. Results accumulate in one JSON per device
-(``benchmarks/results/validation-<device>.json``); each phase replaces only its own entries.
+The checks and phases: docs/validation.md. Llama 3.2 1B (random weights) on a GPU, the tiny model on CPU; every
+training sample of checks 1-3 and 5 is longer than the sequence length (the profiler's worst-case shape). Each phase
+replaces its own entries in one JSON per device (``benchmarks/results/validation-<device>.json``).
+
+Every run, and every helper that makes a tensor (device, assets, data sets, padding), is a child process: a fresh
+interpreter (``spawn``: on CUDA a context never crosses a fork) or a fork of the parent with the imports done
+(``fork``: about 5 s saved per run on CPU). Through the trainer's hooks it measures each step in
+``memory.PeakMeter`` (peak, reservation, allocator retries), tokens, seconds and out-of-memory errors, and skips the
+checkpoints and the profile's plot. ``cap_bytes`` on CUDA caps the caching allocator at the budget.
 """
 
 from __future__ import annotations
@@ -13,10 +18,13 @@ import argparse
 import json
 import math
 import os
+import platform
 import re
 import shutil
+import signal
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any, Optional
 
@@ -24,12 +32,11 @@ GIB = 2**30
 HERE = Path(__file__).resolve()
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA must not initialise it here
 
-from validate_runs import device_info, launch, preload  # noqa: E402
+from common import fmt, padding, run_logged  # noqa: E402
 
 PHASES = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
 SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True)),
             "qlora": (("qlora", False),)}
-ALL_SETTINGS = tuple(f"{m}/ac_{'on' if ac else 'off'}" for pairs in SETTINGS.values() for m, ac in pairs)
 WARMUP = 1  # first steps left out of tokens/s
 STOCK_BATCH = 4  # torchtune's llama3_2/1B_full and 1B_lora configs: batch_size 4 (x 1 here)
 CONFIGS = {"tiny": {"full": "tiny_full", "lora": "tiny_lora", "qlora": "tiny_qlora"},
@@ -45,8 +52,227 @@ DEFAULTS = {  # per device type: model, seq len, budgets, steps, long and token-
 }
 
 
+def _instrument(record: dict[str, Any]) -> None:
+    """Measure each step and time each epoch through the trainer's hooks, in this process; skip the checkpoints (an 8B
+    model's take minutes) and the profile's plot (a Python process with matplotlib per profile)."""
+    from adaptive_batching.profiling import report as profile_report
+    from adaptive_batching.profiling import run as profiling_run
+    from adaptive_batching.runtime import memory
+    from adaptive_batching.training import hooks
+
+    class Measured(hooks.TrainerHooks):
+        meter: Any = None
+        samples = 0
+        epoch_start = 0.0
+
+        def after_setup(self, trainer: Any) -> None:
+            trainer.parts.checkpoints.save = lambda *args, **kwargs: None
+
+        def before_epoch(self, trainer: Any, epoch: int) -> None:
+            self.epoch_start = time.perf_counter()
+
+        def after_epoch(self, trainer: Any, epoch: int) -> None:
+            record["epoch_seconds"].append(time.perf_counter() - self.epoch_start)
+
+        def before_step(self, trainer: Any, micro_batches: list) -> None:
+            self.samples = sum(len(b["tokens"]) for b in micro_batches)
+            self.meter = memory.PeakMeter(trainer.device, trainer.parts.model, trainer.parts.optimizer).__enter__()
+
+        def after_step(self, trainer: Any, stats: Any) -> None:
+            meter, self.meter = self.meter, None
+            meter.__exit__(None, None, None)
+            if stats is None:  # out of memory, recovered in place by the library
+                record["oom_errors"] += 1
+                return
+            record["steps"].append({"samples": self.samples, "tokens": stats.tokens, "seconds": stats.seconds,
+                                    "peak_bytes": meter.peak_bytes, "reserved_peak_bytes": meter.reserved_peak_bytes,
+                                    "alloc_retries": meter.alloc_retries})
+
+    hooks.install(Measured())
+    profiling_run.write_report = lambda result, directory: {
+        "json": profile_report.write_json(result, Path(directory) / "profile.json"), "png": "(not drawn)"}
+
+
+def run_in_child(spec: dict[str, Any]) -> int:
+    """Run ``spec`` in this process and write its record to ``spec['result']``; returns the exit code."""
+    record: dict[str, Any] = {"steps": [], "oom_errors": 0, "epoch_seconds": [], "error": None}
+    code = 1
+    try:
+        import torch
+
+        if spec.get("threads"):
+            torch.set_num_threads(int(spec["threads"]))  # a forked child's pool follows its parent's, not the env
+        if spec.get("pin_cpu_allocator"):  # as the recipe does when it profiles on CPU: the same allocator rules
+            from adaptive_batching.runtime import memory
+
+            memory.pin_cpu_allocator()
+        if spec.get("cap_bytes") and torch.cuda.is_available():
+            total = torch.cuda.get_device_properties(0).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, int(spec["cap_bytes"]) / total), 0)
+        if spec["kind"] == "function":  # a helper below, away from the parent's memory
+            record["value"] = HELPERS[spec["function"]](*spec.get("args", []))
+            code = 0
+        else:
+            _instrument(record)
+            code = _entry_point(spec["kind"], spec["argv"])
+    except BaseException as error:  # noqa: BLE001 - recorded, then reported as the exit code
+        from adaptive_batching.faults.oom import is_out_of_memory
+
+        if isinstance(error, Exception) and is_out_of_memory(error):
+            record["oom_errors"] += 1
+        record["error"] = "".join(traceback.format_exception_only(type(error), error)).strip()[-2000:]
+        traceback.print_exc()
+        code = 1
+    finally:
+        record["exit_code"] = code
+        Path(spec["result"]).write_text(json.dumps(record))
+    return code
+
+
+def _entry_point(kind: str, argv: list[str]) -> int:
+    """``tune ARGV`` or ``adaptive-batching ARGV`` in this process; a SystemExit becomes the exit code."""
+    try:
+        if kind == "tune":
+            from torchtune._cli.tune import main as tune_main
+
+            sys.argv = ["tune", *argv]
+            tune_main()
+            return 0
+        from adaptive_batching.cli import main as cli_main
+
+        sys.argv = ["adaptive-batching", *argv]
+        return int(cli_main(argv) or 0)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return stop.code or 0
+        print(stop.code, file=sys.stderr)
+        return 1
+
+
+def preload() -> None:
+    """Import what every run needs once, before forking (no tensor is created), then ``gc.freeze()`` those objects:
+    a full collection then skips millions of them (0.5 s each here, and the library collects around every trial
+    step), and a forked child's collector stops copying the parent's pages."""
+    import gc
+
+    import torchtune._cli.tune  # noqa: F401
+    import torchtune.datasets  # noqa: F401
+    import torchtune.models.llama3  # noqa: F401
+    import torchtune.training  # noqa: F401
+
+    import adaptive_batching.cli  # noqa: F401
+    import adaptive_batching.estimate.prediction  # noqa: F401
+    import adaptive_batching.training.trainer  # noqa: F401
+
+    gc.collect()
+    gc.freeze()
+
+
+def launch(spec: dict[str, Any], *, log: Path, launcher: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
+    """Run ``spec`` in a child (``fork`` or ``spawn``), killed past ``timeout`` seconds; its record with
+    ``wall_seconds`` and ``log``."""
+    spec = dict(spec, result=str(log.with_suffix(".json")))
+    Path(spec["result"]).unlink(missing_ok=True)
+    started = time.perf_counter()
+    if launcher == "spawn":
+        spec_path = log.with_suffix(".spec.json")
+        spec_path.write_text(json.dumps(spec))
+        timed_out = run_logged([sys.executable, str(HERE), "--child", str(spec_path)], log, timeout, env=env,
+                               cwd=log.parent) is None
+    else:
+        with open(log, "w") as out:
+            timed_out = _fork_and_wait(spec, out, env, timeout, log.parent)
+    record = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else \
+        {"steps": [], "oom_errors": 0, "epoch_seconds": [], "exit_code": None, "error": "no result written"}
+    if timed_out:
+        record.update(exit_code=None, error=f"timed out after {timeout:.0f} s")
+    record["wall_seconds"] = time.perf_counter() - started
+    record["log"] = str(log)
+    return record
+
+
+def _fork_and_wait(spec: dict[str, Any], out: Any, env: dict[str, str], timeout: float, cwd: Path) -> bool:
+    """Fork; the child runs the spec with its output in ``out``; True if it was killed for the timeout."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:  # child
+        code = 1
+        try:
+            os.setsid()
+            os.chdir(cwd)
+            os.environ.clear()
+            os.environ.update(env)
+            os.dup2(out.fileno(), 1)
+            os.dup2(out.fileno(), 2)
+            code = run_in_child(spec)
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code & 0xFF)
+    deadline = time.monotonic() + timeout
+    while not os.waitpid(pid, os.WNOHANG)[0]:
+        if time.monotonic() > deadline:
+            os.killpg(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def device_info(kind: str) -> dict[str, Any]:
+    """The device of ``kind`` (cuda or cpu): name, memory and versions, for the results file."""
+    import torch
+
+    info: dict[str, Any] = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
+    if kind == "cuda":
+        props = torch.cuda.get_device_properties(0)
+        info.update(type="cuda", name=props.name, memory_bytes=int(props.total_memory), cuda=torch.version.cuda)
+    else:
+        info.update(type="cpu", name=platform.processor() or platform.machine(),
+                    memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    return info
+
+
+def write_assets(root: str, model: str) -> dict[str, Any]:
+    """The tiny assets, or ``model``'s random-initialised checkpoint next to them (as the CLI writes them)."""
+    if model == "tiny":
+        from adaptive_batching.assets.tiny import write_tiny_assets
+
+        paths = write_tiny_assets(root)
+        return {"root": str(paths.root), "model_dir": str(paths.model_dir)}
+    from adaptive_batching.assets.models import write_model_assets
+
+    paths = write_model_assets(root, model)
+    size = (paths.model_dir / "model.safetensors").stat().st_size
+    return {"root": str(paths.tiny.root), "model_dir": str(paths.model_dir), "checkpoint_bytes": size}
+
+
+def write_long_dataset(source: str, target: str, seq_len: int, num_samples: int) -> dict[str, Any]:
+    """Alpaca records each longer than ``seq_len`` tokens (outputs of the tiny data set joined to ``seq_len`` words,
+    a word at least one token): a micro batch of them has the profiler's worst-case shape."""
+    records = json.loads(Path(source).read_text())
+    out, index = [], 0
+    for _ in range(num_samples):
+        words: list[str] = []
+        instruction = records[index % len(records)]["instruction"]
+        while len(words) < seq_len:
+            words.extend(records[index % len(records)]["output"].split())
+            index += 1
+        out.append({"instruction": instruction, "input": "", "output": " ".join(words)})
+    Path(target).parent.mkdir(parents=True, exist_ok=True)
+    Path(target).write_text(json.dumps(out))
+    return {"path": target, "samples": num_samples, "min_words": min(len(r["output"].split()) for r in out)}
+
+
+HELPERS = {"write_assets": write_assets, "write_long_dataset": write_long_dataset, "padding": padding}
+
+
 def setting_key(method: str, ac: bool, compiled: bool = False) -> str:
     return f"{method}/ac_{'on' if ac else 'off'}" + ("/compile" if compiled else "")
+
+
+ALL_SETTINGS = tuple(setting_key(m, ac) for pairs in SETTINGS.values() for m, ac in pairs)
 
 
 class Validation:
@@ -61,11 +287,10 @@ class Validation:
         self.results.setdefault("settings", {})
         self.results["device"] = device
         self.env = dict(os.environ, PYTHONUNBUFFERED="1", TOKENIZERS_PARALLELISM="false")
-        if args.threads:  # every child: OpenMP/MKL pools and torch.set_num_threads (validate_runs)
+        if args.threads:  # every child: OpenMP/MKL pools and torch.set_num_threads (run_in_child)
             self.env.update(OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
         self.count = 0
 
-    # ------------------------------------------------------------------ plumbing
     def save(self) -> None:
         self.args.json.parent.mkdir(parents=True, exist_ok=True)
         self.args.json.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
@@ -74,8 +299,8 @@ class Validation:
         self.count += 1
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        spec = dict(spec, threads=self.args.threads)
-        record = launch(spec, log=log, launcher=self.args.launcher, env=self.env, timeout=600)
+        record = launch(dict(spec, threads=self.args.threads), log=log, launcher=self.args.launcher, env=self.env,
+                        timeout=600)
         status = "ok" if record["exit_code"] == 0 else f"FAILED ({record.get('error') or record['exit_code']})"
         print(f"  {tag}: {status}, {record['wall_seconds']:.1f} s", flush=True)
         return record
@@ -91,8 +316,7 @@ class Validation:
         """The config overrides every run of a setting shares."""
         a = self.args
         if a.model == "tiny":
-            base = [f"assets_dir={self.assets}", "device=cpu" if self.device["type"] == "cpu" else "device=cuda",
-                    f"tokenizer.max_seq_len={a.seq_len}"]
+            base = [f"assets_dir={self.assets}", f"device={self.device['type']}", f"tokenizer.max_seq_len={a.seq_len}"]
         else:
             from adaptive_batching.assets.models import ModelAssetPaths, recipe_overrides
 
@@ -109,20 +333,18 @@ class Validation:
                 f"output_dir={out}", f"adaptive_batching.cache_dir={out / 'cache'}", *budget]
 
     def recipe(self, tag: str, method: str, ac: bool, extra: list[str], *, long_data: bool = True,
-               cap: Optional[int] = None, pin: bool = False, compiled: bool = False) -> tuple[dict[str, Any], Path]:
+               cap: Optional[int] = None, compiled: bool = False) -> tuple[dict[str, Any], Path]:
+        """A recipe run; on CPU with the allocator rules the profiler pins, so that runs differ only in the batch."""
         out = self.work / "runs" / tag
         shutil.rmtree(out, ignore_errors=True)
         argv = ["run", RECIPES[method], "--config", CONFIGS[self.args.model][method],
                 *self.overrides(method, ac, out, long_data=long_data, compiled=compiled), *extra]
-        spec = {"kind": "tune", "argv": argv, "no_save": True, "cap_bytes": cap,
-                "pin_cpu_allocator": pin and self.device["type"] == "cpu"}
+        spec = {"kind": "tune", "argv": argv, "cap_bytes": cap, "pin_cpu_allocator": self.device["type"] == "cpu"}
         return self.launch(tag, spec), out
 
-    # ------------------------------------------------------------------ phases
     def phase_assets(self) -> None:
         a = self.args
-        marker = (self.assets / a.model / "model.safetensors") if a.model != "tiny" else (
-            self.assets / "model" / "model.safetensors")
+        marker = self.assets / (a.model if a.model != "tiny" else "model") / "model.safetensors"
         if a.assets is None or not marker.exists():
             self.results["assets"] = self.function("assets", "write_assets", str(self.assets), a.model)
         if a.model == "tiny" and not (self.assets / "tiny_qlora" / "model.safetensors").exists():
@@ -136,12 +358,11 @@ class Validation:
         tag = key.replace("/", "-")
         entry: dict[str, Any] = {"method": method, "activation_checkpointing": ac, "compile": compiled}
         extra = ["use_maximum_batch_size=True", f"max_steps_per_epoch={self.args.steps}"]
-        record, out = self.recipe(f"{tag}-profile", method, ac, [*extra, f"compile={compiled}"], pin=True,
-                                  compiled=compiled)
+        record, out = self.recipe(f"{tag}-profile", method, ac, [*extra, f"compile={compiled}"], compiled=compiled)
         profile_path = out / "profile" / "profile.json"
+        self.results["settings"][key] = entry
         if not profile_path.exists():
             entry["error"] = f"no profile report ({record.get('error')}; log {record['log']})"
-            self.results["settings"][key] = entry
             return
         profile = json.loads(profile_path.read_text())
         budget = int(profile["budget_bytes"])
@@ -154,20 +375,17 @@ class Validation:
         if not compiled:
             entry["true_max"] = self.bisect(tag, method, ac, profile["max_micro_batch"], budget)
             stock, _ = self.recipe(f"{tag}-stock", method, ac, [
-                "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"],
-                pin=True)  # on CPU the allocator rules of the profiled run, so only the batch differs
+                "use_maximum_batch_size=False", f"batch_size={STOCK_BATCH}", f"max_steps_per_epoch={self.args.steps}"])
             entry["stock"] = dict(summarise_steps(stock, self.args.steps, budget, WARMUP), batch=STOCK_BATCH)
-        self.results["settings"][key] = entry
 
     def fits(self, tag: str, method: str, ac: bool, n: int, budget: int) -> dict[str, Any]:
         """One fresh process of 2 steps at micro batch ``n``: did it fit the budget?"""
         record, _ = self.recipe(f"{tag}-trial-{n}", method, ac, [
             "use_maximum_batch_size=False", f"batch_size={n}", "max_steps_per_epoch=2",
-            "adaptive_batching.oom_recovery=False"], cap=budget if self.device["type"] == "cuda" else None, pin=True)
+            "adaptive_batching.oom_recovery=False"], cap=budget if self.device["type"] == "cuda" else None)
         steps = record["steps"]
-        later = steps[1:]
-        peak = max((s["peak_bytes"] for s in later), default=None)
-        reserved = max((s["reserved_peak_bytes"] or 0 for s in later), default=0)
+        peak = max((s["peak_bytes"] for s in steps[1:]), default=None)
+        reserved = max((s["reserved_peak_bytes"] or 0 for s in steps[1:]), default=0)
         retries = sum(s["alloc_retries"] for s in steps)
         ok = (record["exit_code"] == 0 and record["oom_errors"] == 0 and len(steps) == 2 and retries == 0
               and peak is not None and peak <= budget and reserved <= budget)
@@ -189,12 +407,8 @@ class Validation:
 
         step = max(1, math.ceil(self.args.tolerance * n))
         while len(trials) < self.args.max_trials and not gap_ok():
-            trial = self.fits(tag, method, ac, n, budget)
-            trials.append(trial)
-            if trial["fits"]:
-                lo = n
-            else:
-                hi = n
+            trials.append(self.fits(tag, method, ac, n, budget))
+            lo, hi = (n, hi) if trials[-1]["fits"] else (lo, n)
             if hi is None:  # gallop up
                 if n >= limit:
                     break
@@ -214,18 +428,18 @@ class Validation:
         for key, entry in sorted(self.results["settings"].items()):
             if entry.get("compile") or "profile" not in entry:
                 continue
-            method, ac = entry["method"], entry["activation_checkpointing"]
-            out = self.work / "runs" / f"{key.replace('/', '-')}-estimate"
+            method, ac, tag = entry["method"], entry["activation_checkpointing"], f"{key.replace('/', '-')}-estimate"
+            out = self.work / "runs" / tag
             out.mkdir(parents=True, exist_ok=True)
-            budget = entry["profile"]["budget_bytes"]
-            argv = ["estimate", "--config", CONFIGS[self.args.model][method], "--device-memory", str(budget),
-                    "--fraction", "1.0", "--json", str(out / "estimate.json"), *self.overrides(method, ac, out)]
-            record = self.launch(f"{key.replace('/', '-')}-estimate", {"kind": "cli", "argv": argv})
+            argv = ["estimate", "--config", CONFIGS[self.args.model][method], "--device-memory",
+                    str(entry["profile"]["budget_bytes"]), "--fraction", "1.0", "--json", str(out / "estimate.json"),
+                    *self.overrides(method, ac, out)]
+            record = self.launch(tag, {"kind": "cli", "argv": argv})
             if record["exit_code"] == 0 and (out / "estimate.json").exists():
                 est = json.loads((out / "estimate.json").read_text())
-                entry["estimate"] = {"max_micro_batch": est["max_micro_batch"], "budget_bytes": est["budget_bytes"],
-                                     "fit_micro_batch": est["fit_micro_batch"], "method": est["method"],
-                                     "seconds": est["seconds"], "wall_seconds": round(record["wall_seconds"], 2)}
+                entry["estimate"] = {k: est[k] for k in ("max_micro_batch", "budget_bytes", "fit_micro_batch",
+                                                         "method", "seconds")}
+                entry["estimate"]["wall_seconds"] = round(record["wall_seconds"], 2)
             else:
                 entry["estimate"] = {"error": f"{record.get('error')} (log {record['log']})"}
 
@@ -244,17 +458,17 @@ class Validation:
         runs: dict[str, Any] = {}
         for mode, extra in modes.items():
             tag = "tokens-" + mode.replace(" ", "-")
-            record, out = self.recipe(tag, "full", False, [*shared, *extra], long_data=False, pin=True)
+            record, out = self.recipe(tag, "full", False, [*shared, *extra], long_data=False)
             text = Path(record["log"]).read_text(errors="replace")
-            seconds = sum(record["epoch_seconds"])
-            runs[mode] = {"exit_code": record["exit_code"], "steps": len(record["steps"]), "epoch_seconds": seconds,
-                          "tokens": sum(s["tokens"] for s in record["steps"]), "oom_errors": record["oom_errors"]}
-            runs[mode]["tokens_per_second"] = runs[mode]["tokens"] / seconds if seconds > 0 else None
+            seconds, tokens = sum(record["epoch_seconds"]), sum(s["tokens"] for s in record["steps"])
             chosen = re.search(r"chosen micro batch (\d+);", text)
             budget = re.search(r"Token budget: (\d+) padded tokens", text)
-            runs[mode]["micro_batch"] = int(chosen.group(1)) if chosen else None
-            runs[mode]["profile_from_cache"] = "Profiler: using the cached profile" in text
-            runs[mode]["max_tokens"] = int(budget.group(1)) if budget else None
+            runs[mode] = {"exit_code": record["exit_code"], "steps": len(record["steps"]), "epoch_seconds": seconds,
+                          "tokens": tokens, "oom_errors": record["oom_errors"],
+                          "tokens_per_second": tokens / seconds if seconds > 0 else None,
+                          "micro_batch": int(chosen.group(1)) if chosen else None,
+                          "profile_from_cache": "Profiler: using the cached profile" in text,
+                          "max_tokens": int(budget.group(1)) if budget else None}
         cfg_overrides = self.overrides("full", False, self.work / "runs" / "tokens-padding", long_data=False)
         micro, max_tokens = runs["fixed"]["micro_batch"], runs["token budget"]["max_tokens"]
         waste = self.function("tokens-padding", "padding", CONFIGS[a.model]["full"],
@@ -268,18 +482,14 @@ class Validation:
     def phase(self, name: str) -> None:
         print(f"phase {name}", flush=True)
         started = time.perf_counter()
-        if name == "assets":
-            self.phase_assets()
-        elif name in SETTINGS:
+        if name in SETTINGS:
             for method, ac in SETTINGS[name]:
                 if setting_key(method, ac) in self.args.settings:
                     self.phase_setting(method, ac)
-        elif name == "estimate":
-            self.phase_estimate()
-        elif name == "tokens":
-            self.phase_tokens()
         elif name == "compile":
             self.phase_setting("full", False, compiled=True)
+        else:
+            getattr(self, f"phase_{name}")()
         self.results.setdefault("phases", {})[name] = {"seconds": round(time.perf_counter() - started, 1),
                                                        "finished": time.strftime("%Y-%m-%d %H:%M:%S")}
         self.save()
@@ -301,13 +511,8 @@ def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup:
             "wall_seconds": round(record["wall_seconds"], 2)}
 
 
-# --------------------------------------------------------------------------- the table
 def _gib(value: Optional[float]) -> str:
     return "-" if value is None else f"{value / GIB:.3f}"
-
-
-def _num(value: Optional[float], spec: str = ".0f") -> str:
-    return "-" if value is None else format(value, spec)
 
 
 def _true_max(entry: dict[str, Any]) -> str:
@@ -340,12 +545,10 @@ def _steps(steps: Optional[dict[str, Any]]) -> str:
 
 def _estimate(entry: dict[str, Any]) -> str:
     est, profile = entry.get("estimate"), entry.get("profile")
-    if not est:
-        return "-"
-    if "error" in est:
-        return "error"
+    if not est or "error" in est:
+        return "error" if est else "-"
     ratio = est["max_micro_batch"] / profile["max_micro_batch"] if profile and profile["max_micro_batch"] else None
-    return f"{est['max_micro_batch']} (x{_num(ratio, '.2f')})"
+    return f"{est['max_micro_batch']} (x{fmt(ratio, '.2f')})"
 
 
 def render(results: dict[str, Any]) -> str:
@@ -370,7 +573,7 @@ def render(results: dict[str, Any]) -> str:
         lines.append(
             f"| {key} | {_gib(profile['budget_bytes'])} | {profile['micro_batch']} / {profile['max_micro_batch']} "
             f"({profile['trial_steps']}, {profile['seconds']:.1f}) | {_true_max(entry)} | {_holds(entry)} "
-            f"| {_steps(entry.get('steps'))} | {_estimate(entry)} | {_num(chosen)} | {_num(stock)} "
+            f"| {_steps(entry.get('steps'))} | {_estimate(entry)} | {fmt(chosen, '.0f')} | {fmt(stock, '.0f')} "
             f"| {'-' if not chosen or not stock else f'x{chosen / stock:.2f}'} |")
     tokens = results.get("token_budget")
     if tokens:
@@ -383,11 +586,10 @@ def render(results: dict[str, Any]) -> str:
             waste = run.get("waste")
             lines.append(f"| {mode} | {size} | {run.get('micro_batches', '-')} "
                          f"| {'-' if waste is None else f'{100 * waste:.1f}%'} | {run['steps']} "
-                         f"| {_num(run['tokens_per_second'])} |")
+                         f"| {fmt(run['tokens_per_second'], '.0f')} |")
     phases = results.get("phases", {})
     if phases:
-        order = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
-        names = sorted(phases, key=lambda k: (order.index(k) if k in order else len(order), k))
+        names = sorted(phases, key=lambda k: (PHASES.index(k) if k in PHASES else len(PHASES), k))
         lines += ["", "Phases (s): " + ", ".join(f"{k} {phases[k]['seconds']:.0f}" for k in names)]
     return "\n".join(lines) + "\n"
 
@@ -411,11 +613,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=Path("/tmp/adaptive-batching/validate"))
     p.add_argument("--assets", type=Path, help="existing assets folder (default: written to WORKDIR/assets)")
     args = p.parse_args(argv)
-    phases = PHASES if args.phase == "all" else tuple(x for x in args.phase.split(",") if x)
-    unknown = [x for x in phases if x not in PHASES]
-    if unknown or not phases:
+    args.phases = PHASES if args.phase == "all" else tuple(x for x in args.phase.split(",") if x)
+    unknown = [x for x in args.phases if x not in PHASES]
+    if unknown or not args.phases:
         p.error(f"--phase: unknown {unknown or args.phase!r}; use all or some of {', '.join(PHASES)}")
-    args.phases = phases
     args.settings = tuple(x for x in args.settings.split(",") if x)
     wrong = [x for x in args.settings if x not in ALL_SETTINGS]
     if wrong or not args.settings:
@@ -432,6 +633,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:  # a spawned run (see launch)
+        preload()  # the imports the run makes anyway, frozen, as in a forked child
+        return run_in_child(json.loads(Path(argv[1]).read_text()))
     args = parse_args(argv)
     import torch
 
