@@ -17,7 +17,7 @@ pytestmark = pytest.mark.e2e
 GROWTH = ("batch_increase_function._component_=adaptive_batching.growth.noise_scale",
           "~batch_increase_function.factor", "batch_increase_function.fraction=50.0", "epochs=3",
           "batch_size=4", "gradient_accumulation_steps=2", "dataset.split=train[:80]", "max_steps_per_epoch=null",
-          "save_every_n_steps=3")
+          "save_every_n_steps=3", "tokenizer.max_seq_len=96")  # shorter samples (still all distinct): cheaper steps
 
 
 def test_noise_scale_growth_decides_at_the_epoch_start_and_resumes_exactly(assets: Path, tmp_path: Path) -> None:
