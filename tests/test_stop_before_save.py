@@ -5,7 +5,6 @@ agree, and the run goes on, from the beginning when nothing was saved. Also: ``p
 from __future__ import annotations
 
 import json
-import re
 import signal
 import subprocess
 from pathlib import Path
@@ -149,7 +148,10 @@ def test_resuming_a_run_stopped_while_profiling_starts_it_over_once(stopped: dic
 
 
 # ---------------------------------------------------------------- two ranks
-# The documented SLURM script with a stop while profiling: test_preemption.py's SLURM test.
+# The documented SLURM script with a stop while profiling, then one after optimizer step 1 (both ranks stop after one
+# step, save it before their first scheduled save, status says resumable, the stop record is gone; the resume trains
+# to the end, each step logged once): test_preemption.py's SLURM test. One rank alone signalled, the other stopping
+# for "a stop signal on another rank" at the same step: test_chaos.py's kill_in_save+worker_sigusr1.
 
 
 @pytest.mark.e2e
@@ -165,23 +167,6 @@ def test_two_ranks_stop_together_at_the_set_ups_end_when_one_is_signalled_in_the
     assert f"a stop signal on another rank; {where}: {NO_CHECKPOINT}" in result.stderr
     assert run_status(runs / "ranks") == (f"stopped: a stop signal on another rank; {where}, before the first "
                                           "checkpoint; resume_from_checkpoint=True starts it from the beginning")
-
-
-@pytest.mark.e2e
-@pytest.mark.multiprocess
-def test_two_ranks_stopped_in_the_first_step_save_it(assets: Path, runs: Path) -> None:
-    """SIGUSR1 to rank 0 after optimizer step 1, before any checkpoint: both ranks stop after the step they agree on
-    (that one or the next) and save it (torchrun exits non-zero for its workers' 75), status says resumable. The
-    resume of two ranks stopped before their first scheduled save, trained to the end with each step logged once:
-    test_preemption's SLURM test (its second and third job)."""
-    first = faulty_run(runs, "ranks_step", {"signal": "SIGUSR1", "signal_at": 1, "rank": 0}, assets, *FEW_STEPS,
-                       nproc=2)
-    assert first.returncode != 0 and unclean_exit(first) is None, first.stderr[-3000:]
-    stops = re.findall(r"stopped after optimizer step (\d+)", first.stderr)  # the signal's step or the next
-    assert len(stops) == 2 and len(set(stops)) == 1 and stops[0] in ("1", "2")  # both ranks, at one step
-    assert f"saved the checkpoint of optimizer step {stops[0]} in" in first.stderr
-    assert run_status(runs / "ranks_step").startswith("resumable:")
-    assert not (runs / "ranks_step" / STOPPED_FILE).exists()
 
 
 # ---------------------------------------------------------------- profile and plan: no log file
