@@ -6,7 +6,7 @@ Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens
 per sequence of a pair), as the config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a
 forked child (``common.in_fork``); one that cannot be estimated gets a one-line reason. ``--only`` writes its rows
 to ``--json`` alone; with ``--merge`` they take the place of those configs' rows in the page's table and in
-``--json``'s file, everything else kept.
+``--json``'s file, everything else kept. The page's text above its command line is the page's own (:func:`page_head`).
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from common import in_fork, machine_line
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
+PAGE = ROOT / "docs" / "estimates.md"
 DEVICES_GIB = (24, 40, 80)
 RANKS = (1, 8)
 GIB = 2**30
@@ -151,72 +152,21 @@ def cell(r: dict[str, Any], key: str) -> str:
     return f"{mb}" if out is None or out == mb else f"{mb} / {out}"
 
 
+def page_head(seq_len: int) -> str:
+    """docs/estimates.md's text above its command line, at ``seq_len`` tokens: what the table shows and how
+    ``estimate`` models each memory saver and objective. It is written in the page, and kept when the table is."""
+    head = PAGE.read_text().split("\nCommand: `", 1)
+    if len(head) != 2:
+        raise SystemExit(f"{PAGE} has no line 'Command: `...' under its text: nothing to keep above the table")
+    return re.sub(r"\b\d+-token samples", f"{seq_len}-token samples", head[0], count=1)
+
+
 def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
     columns = [f"{gib} GiB x{ranks}" for gib in DEVICES_GIB for ranks in RANKS]
     done = [r for r in rows if "micro_batch" in r]
     slowest = max(done, key=lambda r: r["seconds"]) if done else None
     lines = [
-        "# `estimate` on torchtune's stock configs",
-        "",
-        "The predicted largest micro batch of every full, LoRA, QLoRA, DPO, KD and QAT config of torchtune 0.6.1, at",
-        f"{seq_len}-token samples (a DPO sample is a pair of them), for one GPU of 24, 40 or 80 GiB and for 8 of",
-        "them (FSDP shards weights, gradients and optimizer state; activations are per rank), with 0.9 of the memory",
-        "as the budget. The configs run as written (dtype, optimizer, memory savers); `0` means that not even one",
-        "sample fits. Fake tensors: no weights are needed and no memory is allocated; allocator overheads are not",
-        "seen. `seconds`: the trace and the six predictions, after the imports.",
-        "",
-        "The `memory savers` column names what each config turns on, and `estimate` models each of them:",
-        "",
-        "- `optimizer_in_bwd`: one optimizer per parameter, stepped in its post-accumulate-grad hook, which frees the",
-        "  gradient; the full set of gradients never exists and no optimizer step follows the backward.",
-        "- bitsandbytes optimizers (`PagedAdamW8bit`, `PagedAdamW`, ...): their state counted at its real size",
-        "  (8-bit: two `uint8` moments and a `float32` absmax per 256 values; 32-bit below 4096 values) by a",
-        "  stand-in; bitsandbytes is not imported, so the figures are the same with and without it. Paged state",
-        "  lives in CUDA unified memory: it is counted as device memory (it stays on the GPU unless the driver",
-        "  evicts it). Where that changes the answer, the cell shows both: `counted / evicted to host`; where the",
-        "  device cannot hold it beside one sample, the answer is what the GPU does, the driver evicting it: `2 paged`",
-        "  (so a smaller GPU's `40 paged` can exceed a larger one's `15 / 102`, whose answer keeps the state resident).",
-        "- activation checkpointing: each decoder layer recomputed in the backward.",
-        "- activation offloading: torchtune's `OffloadActivations` replayed: the saved tensors go to host memory",
-        "  (the column gives how much a sample takes there), the output projection's stay; the forward stash is",
-        "  added as a bound.",
-        "- `fsdp_cpu_offload` (8 ranks): weights, gradients and optimizer state in host memory.",
-        "- `compile`: each decoder layer keeps for the backward what AOTAutograd's min-cut partition keeps, as",
-        "  inductor's compiled layer does; the cross-entropy keeps no float32 copy of the logits; NF4 weights are",
-        "  dequantized in one fused op.",
-        "",
-        "DPO configs (`LoRA DPO`, `full DPO`) are traced on the step that `adaptive_lora_dpo` and",
-        "`adaptive_full_dpo` train with (their objective's own code, on fake tensors): a sample is a pair, chosen",
-        "and rejected each padded to the pair's longer sequence. The reference's forward (LoRA: the same model with its",
-        "adapters off; full: a frozen copy) runs first, without autograd: it saves nothing for the backward, and its",
-        "transient peak (a layer's working memory, its logits and log-probabilities) is gone before the policy's forward",
-        "and backward run on twice the sequences of the micro batch. Full DPO's reference weights count with the",
-        "policy's, sharded as they are at 8 ranks.",
-        "",
-        "KD configs (`LoRA KD`; the model column names the student, then the teacher) are traced on the step that",
-        "`adaptive_knowledge_distillation` trains with (its objective's own code, on fake tensors): the student's",
-        "forward and backward on the micro batch, and the teacher's forward on the same micro batch without autograd,",
-        "which saves nothing for the backward; both models' logits (chunked as the losses are) live until the",
-        "cross-entropy and KD losses are done. The teacher, another architecture, is traced on three of its own layers",
-        "and extended to its own depth. Its weights count with the student's, sharded as they are at 8 ranks (the",
-        "recipe shards the teacher over the ranks as the student); FSDP's in-flight layers are those of the larger model.",
-        "",
-        "QAT configs (`full QAT`, `LoRA QAT`) are traced with the model prepared by their `quantizer` as",
-        "`adaptive_full_finetune` and `adaptive_lora_finetune` prepare it (torchao's fake-quantized linear layers; for",
-        "LoRA, the frozen base weight and its input fake-quantized), fake quantization on, as in the steps after",
-        "`fake_quant_after_n_steps`. torchao's fake quantizers are plain torch ops, so they run on fake tensors and what",
-        "they keep for the backward is counted as traced. Each fake-quantized linear keeps its fake-quantized weight, a",
-        "new copy of the whole weight in the run's dtype (the matmul needs it for the input's gradient; a plain linear",
-        "keeps the weight itself), so the model's linear weights are held once more by the end of the forward, LoRA",
-        "too, and unsharded at 8 ranks (made from the gathered weight); full QAT also keeps a float32 copy of each",
-        "weight for its gradient. Each fake-quantized input keeps a float32 copy and its fake-quantized copy. Checked",
-        "against real CPU steps of the tiny models to 5% (tests/test_estimate_kd_qat.py).",
-        "",
-        "The Llama 3.2 Vision configs are not estimated: their builders import torchvision, and the only",
-        "torchvision for torch 2.13.0 in the package registry (0.28.0, a CUDA build) does not load against the CPU",
-        "build of torch (`RuntimeError: operator torchvision::nms does not exist`, checked with",
-        "`pip install --no-deps torchvision==0.28.0`); `estimate` also traces text decoders only.",
-        "",
+        page_head(seq_len),
         machine_line(command),
         "",
         f"{len(done)} of {len(rows)} configs estimated"
