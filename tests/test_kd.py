@@ -198,9 +198,11 @@ def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as
 
 # ---------------------------------------------------------------- parity, preemption and an exact resume
 STEPS, STOP_AT = 4, 2
-# 8 samples x accumulation 2 a step, the data in order, every metric written in full.
-PARITY = ("dataset.split=train[:64]", "epochs=1", f"max_steps_per_epoch={STEPS}", "batch_size=8",
-          "gradient_accumulation_steps=2", "shuffle=False", "metric_logger._component_=dpo_parity_run.ExactDiskLogger")
+# 8 samples (of at most 96 tokens, all still distinct) x accumulation 2 a step, the data in order, every metric
+# written in full.
+PARITY = ("dataset.split=train[:64]", "tokenizer.max_seq_len=96", "epochs=1", f"max_steps_per_epoch={STEPS}",
+          "batch_size=8", "gradient_accumulation_steps=2", "shuffle=False",
+          "metric_logger._component_=dpo_parity_run.ExactDiskLogger")
 LOSSES = ("loss", "class_loss", "kd_loss")
 
 
@@ -267,9 +269,9 @@ def test_ours_logs_stocks_losses_within_the_stated_tolerance(parity: dict) -> No
 
 # ---------------------------------------------------------------- growth and an out-of-memory error
 BASE_LR, REFERENCE_BATCH = 1e-3, 2
-GROWING = ("dataset.split=train[:48]", "batch_size=2", "gradient_accumulation_steps=1",
-           "lr_scheduler=null", f"optimizer.lr={BASE_LR}", "epochs=1", "max_steps_per_epoch=null",
-           "use_maximum_batch_size=False", "adaptive_batching.growth_interval=2 steps",
+GROWING = ("dataset.split=train[:48]", "tokenizer.max_seq_len=96", "batch_size=2",
+           "gradient_accumulation_steps=1", "lr_scheduler=null", f"optimizer.lr={BASE_LR}", "epochs=1",
+           "max_steps_per_epoch=null", "use_maximum_batch_size=False", "adaptive_batching.growth_interval=2 steps",
            "batch_increase_function._component_=adaptive_batching.growth.geometric", "batch_increase_function.factor=2")
 OOM_AT_5 = {"phase": "forward", "from_step": 5, "to_step": 5, "above": 4}  # step 5 runs at micro batch 8
 
