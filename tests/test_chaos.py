@@ -1,8 +1,10 @@
-"""``benchmarks/chaos.py`` at its smallest: one two-rank run per fault kind, 12 optimizer steps with a save every
-3, each resumed until done, checked as the benchmark checks its 20 runs of 60 steps: every step logged exactly
-once, every loss bit for bit the uninterrupted run's, every checkpoint loadable after each piece. The same runs
-carry the two-rank checks of the stop lines (the ranks agree on one step), of a torchrun restart after a kill
-(every sample once per epoch), and, against the same uninterrupted run, a killed agent's workers stopping.
+"""``benchmarks/chaos.py`` at its smallest: two-rank runs of 12 optimizer steps with a save every 3, each resumed
+until done, checked as the benchmark checks its 20 runs of 60 steps: every step logged exactly once, every loss bit
+for bit the uninterrupted run's, every checkpoint loadable after each piece. Each fault kind is run once, the five
+in three runs: an OOM then a kill; a kill inside a save, then SIGUSR1 in the restarted attempt; SIGTERM to the
+agent in the resume of a run whose agent was killed. The same runs carry the two-rank checks of the stop lines (the
+ranks agree on one step), of a torchrun restart after a kill (every sample once per epoch), and, against the same
+uninterrupted run, a killed agent's workers stopping.
 
 The runs fork from the suite's warm server (torchrun and its agent as they are, the workers forked instead of
 started); ``python benchmarks/chaos.py`` runs the same code with fresh interpreters.
@@ -18,10 +20,12 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
 import pytest
-from recipe_runs import run_command
+from recipe_runs import run_command, unclean_exit
 from test_oom_recovery import ok
 
 from adaptive_batching.faults import checkpoints
@@ -79,39 +83,64 @@ def samples_once_per_epoch(runs: Path, name: str, resumed_from: int) -> None:
         assert sorted(counts) == list(range(PLAN.samples)) and set(counts.values()) == {1}, epoch
 
 
-# Each kind once, at a step inside the second epoch or across its boundary; the rank that gets it varies.
+@dataclass
+class Faults(chaos.Fault):
+    """Two faults in one run, on one rank: this one (its kind decides torchrun's restarts), then ``then``; a
+    torchrun restart runs without the first (tests/faulty_run.py), so ``then`` must come later or in the restart."""
+
+    then: Optional[chaos.Fault] = None
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        return (self.kind,) + ((self.then.kind,) if self.then else ())
+
+    def spec(self) -> dict:
+        # kill_in_save kills rank 0 whatever the rank (only rank 0 saves); every other kind names this run's rank
+        assert self.then is None or self.then.rank == self.rank or self.kind == "kill_in_save", "one rank per run"
+        return {**super().spec(), **(self.then.spec() if self.then else {})}
+
+
+# Each kind once, at a step inside the second epoch or across its boundary; the rank that gets it varies (agent_sigterm:
+# in test_a_killed_agent_leaves_no_worker_and_the_run_resumes, the resume of its killed agent's run).
+# kill9+oom: rank 0's optimizer step 6 runs out of memory (retried in place, outside the guard window; rank 0 says
+# so), then rank 0 is killed after step 8 (before logging it: step 7 is the one logged twice); torchrun restarts both
+# ranks from the save of step 6, which holds the retried step.
+# kill_in_save+worker_sigusr1: rank 0 is killed inside the second save (of step 6); torchrun restarts both ranks
+# from the save of step 3, and in that attempt rank 1 gets SIGUSR1 after step 8: the ranks save and exit 75.
 @pytest.mark.parametrize("fault", [
-    chaos.Fault("kill9", 7, 1, PLAN.save_every),
-    chaos.Fault("agent_sigterm", 8, 0, PLAN.save_every),
-    chaos.Fault("worker_sigusr1", 6, 1, PLAN.save_every),
-    chaos.Fault("oom", 9, 0, PLAN.save_every),
-    chaos.Fault("kill_in_save", 7, 0, PLAN.save_every),  # the third save, of step 9
-], ids=lambda fault: fault.kind)
+    Faults("kill9", 8, 0, PLAN.save_every, then=chaos.Fault("oom", 6, 0, PLAN.save_every)),
+    Faults("kill_in_save", 3, 0, PLAN.save_every, then=chaos.Fault("worker_sigusr1", 8, 1, PLAN.save_every)),
+], ids=lambda fault: "+".join(fault.kinds))
 def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses(
-        fault, reference: dict[int, str], assets: Path, runs: Path) -> None:
-    outcome = chaos.chaos_run(fault, runs / fault.kind, assets, PLAN, reference, runner=forked)
+        fault: Faults, reference: dict[int, str], assets: Path, runs: Path) -> None:
+    name = "+".join(fault.kinds)
+    outcome = chaos.chaos_run(fault, runs / name, assets, PLAN, reference, runner=forked)
     assert outcome.problems == []
-    first = PIECES[fault.kind][0]
-    if fault.kind in ("agent_sigterm", "worker_sigusr1"):
+    first = PIECES[name][0]
+    if "worker_sigusr1" in fault.kinds:
         # the workers save and exit 75, the agent then exits 1 (docs/preemption.md); the resumed piece ends the run
         assert outcome.pieces == [1, 0]
         stops, lags = stops_of_ranks(first)
         assert first.stderr.count("stopped after optimizer step") == 2  # both ranks stopped, saying why
-    else:
-        assert outcome.pieces == [0]  # restarted by torchrun, or the OOM retried in place
-    if fault.kind == "agent_sigterm":
-        # The agent forwards the signal to both workers, a few steps later here; a worker it reaches after the ranks
-        # agreed stops for "a stop signal on another rank", at the same step.
-        assert len(stops) == 1 and min(stops) >= fault.step and 1 <= len(lags) <= 2 and all(0 <= lag <= 1 for lag in lags)
-    if fault.kind == "worker_sigusr1":  # rank 0 stops with rank 1, at the signal's step or the next
-        assert len(stops) == 1 and stops <= {fault.step, fault.step + 1} and len(lags) == 1 and lags[0] <= 1
+        # rank 0 stops with rank 1, at the signal's step or the next
+        step = fault.then.step
+        assert len(stops) == 1 and stops <= {step, step + 1} and len(lags) == 1 and lags[0] <= 1
         assert "a stop signal on another rank; stopped after optimizer step" in first.stderr
-    if fault.kind == "kill9":
+    else:
+        assert outcome.pieces == [0]  # restarted by torchrun, the OOM retried in place before
+    if "oom" in fault.kinds:
+        assert "Out of memory in the optimizer step of optimizer step 6: memory released, the optimizer step " \
+               "retried with the same gradients" in first.stdout + first.stderr
+    if "kill9" in fault.kinds:
         assert outcome.redone >= 1  # the steps after the last save trained again, with the same losses
-        # rank 1 killed after step 7: torchrun restarts both ranks, which resume from the save of step 6 by themselves
+        # rank 0 killed after step 8: torchrun restarts both ranks, which resume from the save of step 6 by themselves
         resumed = int(re.search(r"Resuming at .* \(optimizer step (\d+)\)", first.stderr).group(1))
         assert resumed == 6 and "Rank 0: finished at optimizer step 12" in first.stderr
-        samples_once_per_epoch(runs, fault.kind, resumed)
+        samples_once_per_epoch(runs, name, resumed)
+    if "kill_in_save" in fault.kinds:
+        # the save of step 6 was killed before it was marked complete: the restart deletes it and resumes from step 3
+        assert re.search(r"Deleting \S+/\.incomplete-epoch_\d+-\d+, a save that a kill interrupted", first.stderr)
+        assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", first.stderr)
 
 
 def running(stat: str) -> bool:
@@ -128,7 +157,9 @@ def running(stat: str) -> bool:
 def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(reference: dict[int, str], assets: Path,
                                                              runs: Path) -> None:
     """SIGKILL to the torchrun agent after step 5: its workers get the parent-death signal, save where they are and
-    exit instead of training on as orphans; the resumed run trains every step once, as the uninterrupted one."""
+    exit instead of training on as orphans. The resume is the benchmark's agent_sigterm run: SIGTERM to its agent two
+    steps in, forwarded to both workers, which stop at one step, save and exit 75 (the agent 1). The next resume
+    finishes: every step trained once, as the uninterrupted run, and every checkpoint loads after each piece."""
     out = runs / "orphans"
     agent = chaos.launch(out, assets, PLAN, {"signal": "SIGKILL", "signal_at": 5, "to": "parent", "rank": 0},
                          runner=forked)
@@ -140,9 +171,20 @@ def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(reference: dict[int
         time.sleep(0.05)
     assert not any(map(running, workers)), "workers outlived their killed agent"
     latest = checkpoints.latest_complete_checkpoint(out)
-    assert latest is not None and 5 <= json.loads((latest / checkpoints.MARKER).read_text())["global_step"] < PLAN.steps, \
-        "the workers did not stop and save after the agent died"
+    assert latest is not None, "the workers did not stop and save after the agent died"
+    saved = json.loads((latest / checkpoints.MARKER).read_text())["global_step"]
+    assert 5 <= saved < PLAN.steps - 3 and chaos.checkpoints_load(out) is None, saved
+    sigterm = chaos.Fault("agent_sigterm", saved + 2, 0, PLAN.save_every)
+    stopped = chaos.launch(out, assets, PLAN, sigterm.spec(), "resume_from_checkpoint=True", runner=forked)
+    assert stopped.returncode == 1 and unclean_exit(stopped) is None, stopped.stderr[-3000:]
+    # The agent forwards the signal to both workers, a few steps later here; a worker it reaches after the ranks
+    # agreed stops for "a stop signal on another rank", at the same step.
+    stops, lags = stops_of_ranks(stopped)
+    assert stopped.stderr.count("stopped after optimizer step") == 2  # both ranks stopped, saying why
+    assert len(stops) == 1 and min(stops) >= sigterm.step and 1 <= len(lags) <= 2 and all(0 <= lag <= 1 for lag in lags)
+    assert chaos.checkpoints_load(out) is None
     ok(chaos.launch(out, assets, PLAN, {}, "resume_from_checkpoint=True", runner=forked))
+    assert chaos.checkpoints_load(out) is None
     logged = [entry for entries in chaos.logged(out / "logs") for entry in entries]
     assert sorted(step for step, _ in logged) == list(range(1, PLAN.steps + 1))  # every step once, none redone
     assert dict(logged) == reference  # the losses, bit for bit as logged
