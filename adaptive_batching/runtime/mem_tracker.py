@@ -8,14 +8,19 @@ so this tracker simply marks them as already hooked; everything it counts is unc
 ``MemTracker`` also refuses a second forward of the root module in one tracked span (it takes it for the next
 iteration); a DPO step runs the model twice, the policy and then the reference (the same model with its adapters
 off), so this tracker starts the root's statistics again instead. The memory it counts is unaffected.
+
+After every op ``MemTracker`` also updates the peak of each module it has seen, a cost per op that grows with the
+number of modules (most of a full trace's time on fake tensors); nothing here reads those, so this tracker keeps
+the per-device peak alone (``get_tracker_snapshot("peak")``), updated as ``MemTracker`` updates it.
 """
 
 from __future__ import annotations
 
+from copy import deepcopy
 from typing import Any
 
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
 
 class _NoHook:
@@ -40,3 +45,9 @@ class FrozenAwareMemTracker(MemTracker):
         if root and module in self.memory_tracking and not self._mod_tracker.is_bw:
             del self.memory_tracking[module]  # a second forward of the model in the same step (DPO's reference)
         super()._pre_fw_hook(module, inputs)
+
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for device, snapshot in self._curr_mem_snap.items():
+            if self._peak_mem.get(device, 0) < snapshot[_TOTAL_KEY]:
+                self._peak_mem[device] = snapshot[_TOTAL_KEY]
+                self._peak_mem_snap[device] = deepcopy(snapshot)
