@@ -20,8 +20,11 @@ pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 SHORT = ("epochs=1", "max_steps_per_epoch=1")
-# A small budget keeps every trial and step small (micro batch ~20 instead of ~90 at the config's 512MiB).
-BUDGET = "adaptive_batching.memory_budget=128MiB"
+# Samples cut to 64 tokens and a small budget keep every trial and step small (a micro batch of about 20 samples
+# of 64 tokens, where the config's 256 tokens and 512MiB make it about 90 samples of 256).
+SEQ = "tokenizer.max_seq_len=64"
+BUDGET_MIB = 24
+BUDGET = f"adaptive_batching.memory_budget={BUDGET_MIB}MiB"
 TOLERANCE = KNOBS["search_tolerance"].default  # the search stops within it of the largest that ran
 
 
@@ -38,7 +41,7 @@ SAME_LR = ("lr_scaling=none", "lr_scheduler=null")
 def profiled_run(assets: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, str, dict]:
     """One profiled run shared by the report, no-trace and cache tests: 3 steps at the profiled micro batch."""
     out = tmp_path_factory.mktemp("profiled") / "run"
-    output, report = profiled(assets, out, BUDGET, "epochs=1", "max_steps_per_epoch=3", *SAME_LR)
+    output, report = profiled(assets, out, SEQ, BUDGET, "epochs=1", "max_steps_per_epoch=3", *SAME_LR)
     return out, output, report
 
 
@@ -53,10 +56,11 @@ def test_profile_reports_and_trains_at_the_chosen_micro_batch(profiled_run: tupl
     error = abs(report["estimate"] / report["max_micro_batch"] - 1)
     assert len(verify) <= 2 + 2 * math.ceil(math.log2(max(1.0, error / TOLERANCE)))
     assert not report["from_cache"]
-    # The largest micro batch that ran fits the 128MiB budget; one just above it did not.
+    # The largest micro batch that ran fits the budget; one just above it did not.
     ok = [t for t in report["trials"] if t["ok"]]
     assert max(t["micro_batch"] for t in ok) == report["max_micro_batch"]
-    assert report["budget_bytes"] == 128 * 2**20 and all(t["peak_bytes"] <= 128 * 2**20 for t in ok)
+    budget = BUDGET_MIB * 2**20
+    assert report["budget_bytes"] == budget and all(t["peak_bytes"] <= budget for t in ok)
     assert any(not t["ok"] and t["micro_batch"] <= report["max_micro_batch"] * (1 + TOLERANCE) + 1
                for t in report["trials"])
     assert "phase   micro batch  peak GiB  fits  seconds" in output
@@ -71,17 +75,17 @@ def test_cache_hit_reprofile_stale_and_corrupt(profiled_run: tuple[Path, str, di
     out = tmp_path / "run"
     out.mkdir()
     shutil.copytree(first_out / "profile_cache", out / "profile_cache")
-    output, hit = profiled(assets, out, BUDGET, *SHORT, "adaptive_batching.safety_margin=0.2")
+    output, hit = profiled(assets, out, SEQ, BUDGET, *SHORT, "adaptive_batching.safety_margin=0.2")
     assert hit["from_cache"] and "using the cached profile" in output
     assert hit["max_micro_batch"] == first["max_micro_batch"]
     assert hit["micro_batch"] == int(first["max_micro_batch"] * 0.8)  # the margin is applied anew
-    _, again = profiled(assets, out, BUDGET, *SHORT, "adaptive_batching.reprofile=True")
+    _, again = profiled(assets, out, SEQ, BUDGET, *SHORT, "adaptive_batching.reprofile=True")
     assert not again["from_cache"]
-    _, stale = profiled(assets, out, BUDGET, *SHORT, "tokenizer.max_seq_len=128")  # another fingerprint
-    assert not stale["from_cache"] and stale["seq_len"] == 128
+    _, stale = profiled(assets, out, BUDGET, *SHORT, "tokenizer.max_seq_len=32")  # another fingerprint
+    assert not stale["from_cache"] and stale["seq_len"] == 32
     for cached in (out / "profile_cache").glob("*.json"):
         cached.write_text("{not json")
-    output, corrupt = profiled(assets, out, BUDGET, *SHORT)
+    output, corrupt = profiled(assets, out, SEQ, BUDGET, *SHORT)
     assert not corrupt["from_cache"] and "corrupt" in output.lower()
 
 
@@ -90,7 +94,7 @@ def test_profiling_leaves_no_trace(profiled_run: tuple[Path, str, dict], assets:
     out, _, report = profiled_run
     plain = tmp_path / "plain"
     check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *SAME_LR,
+                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *SAME_LR, SEQ,
                     f"batch_size={report['micro_batch']}", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path))
     assert losses(out / "logs") == losses(plain / "logs")
 
@@ -137,7 +141,8 @@ def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start
     At 2 ranks, both train at the micro batch of the one profile, whose budget is the minimum over the ranks."""
     launcher = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
     command = [TUNE, "run", *launcher, "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
-               f"output_dir={tmp_path / 'run'}", *SHORT, "adaptive_batching.memory_budget=96MiB"]
+               f"output_dir={tmp_path / 'run'}", *SHORT, "adaptive_batching.memory_budget=96MiB",
+               "dataset.split=train[:16]", SEQ]  # the profile's search stops at the 16 samples: short trials
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", RESTARTED_ENV)}
     result = subprocess.run(["bash", "-c", f"ulimit -v {16 * 2**20} && exec {shlex.join(command)}"], cwd=tmp_path,
                             env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, capture_output=True,
