@@ -94,8 +94,8 @@ def faulty(tmp: Path, name: str, fault: str, assets: Path, *overrides: str):
 
 IN_BWD_TINY = ("optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1",
                "adaptive_batching.grow_past_memory=skip", "use_maximum_batch_size=False",
-               "batch_increase_function=null", "batch_size=4", "dataset.split=train[:24]", "epochs=1",
-               "max_steps_per_epoch=null", "save_every_n_steps=1", "shuffle=False")
+               "batch_increase_function=null", "batch_size=4", "dataset.split=train[:24]", "tokenizer.max_seq_len=96",
+               "epochs=1", "max_steps_per_epoch=null", "save_every_n_steps=1", "shuffle=False")
 
 
 def test_an_oom_after_the_backward_stepped_part_of_the_model_stops_and_a_stop_signal_saves(
