@@ -4,9 +4,11 @@ stock config of torchtune's other recipes (DPO, KD, QAT, ...) refused in one lin
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -43,6 +45,10 @@ OTHER_TRAINING = {"qat_distributed", "qat_lora_finetune_distributed", "knowledge
                   "dev/lora_finetune_distributed_multi_dataset", "quantize"}
 VISION = {name for name in STOCK if name.startswith("llama3_2_vision/")}
 SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora", "llama3_1_8b_qlora")
+# A shipped config that is torchtune's but for keys no trace reads (the batching's, logging's, where output goes):
+# its steps are the stock config's, traced once for both tests that estimate it.
+SAME_STEPS = {"llama3_1_8b_qlora": ("llama3_1/8B_qlora_single_device", {
+    "adaptive_batching", "use_maximum_batch_size", "output_dir", "profiler", "enable_activation_offloading"})}
 
 
 def test_the_registry_has_torchtunes_121_full_lora_and_qlora_configs() -> None:
@@ -218,18 +224,32 @@ def test_the_shipped_real_model_configs_profile_and_say_how_their_batch_adapts(n
     assert why in text
 
 
+@functools.lru_cache(maxsize=None)
+def _trace_2048(name: str) -> Any:
+    """The config's fine-tuning steps traced on fake tensors at 2048-token samples, once a module: predictions for
+    several devices share one trace (``StepTrace``)."""
+    from adaptive_batching.estimate.prediction import trace_steps
+    from adaptive_batching.training.methods import method_for
+
+    cfg = load_config(name)
+    return trace_steps(cfg, method_for(cfg), seq_len=2048, seq_len_source="--seq-len")
+
+
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", SHIPPED_REAL)
 def test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib(name: str) -> None:
     """On fake tensors (no weights, no memory), at 2048-token samples: what the 80 GiB GPU the configs are
     written for holds, by the fit of the traced steps (the fake steps that verify a fit, half the time here, are
     tested in test_estimate.py)."""
-    from adaptive_batching.estimate.prediction import predict, trace_steps
-    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.estimate.prediction import predict
 
-    cfg = load_config(name)
-    trace = trace_steps(cfg, method_for(cfg), seq_len=2048, seq_len_source="--seq-len")
-    estimate = predict(trace, device_memory_bytes=80 * 2**30, verify=False)
+    traced = name
+    if name in SAME_STEPS:  # its steps are the stock config's: the keys that differ are none a trace reads
+        traced, differ = SAME_STEPS[name]
+        ours, stock = (OmegaConf.to_container(load_config(n)) for n in (name, traced))
+        assert {key for key in {*ours, *stock} if ours.get(key) != stock.get(key)} == differ
+        assert not stock["enable_activation_offloading"] and "enable_activation_offloading" not in ours
+    estimate = predict(_trace_2048(traced), device_memory_bytes=80 * 2**30, verify=False)
     assert estimate.max_micro_batch >= 1 and estimate.budget_bytes == int(80 * 2**30 * 0.9)
 
 
@@ -240,11 +260,11 @@ def test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes()
     from torchao.dtypes.nf4tensor import NF4Tensor
     from torchtune import config as tune_config
 
-    from adaptive_batching.estimate.prediction import predict, trace_steps
+    from adaptive_batching.estimate.prediction import predict
     from adaptive_batching.training.methods import method_for
 
     cfg = load_config("llama3_1/8B_qlora_single_device")
-    estimate = predict(trace_steps(cfg, method_for(cfg), seq_len=2048), device_memory_bytes=24 * 2**30, verify=False)
+    estimate = predict(_trace_2048("llama3_1/8B_qlora_single_device"), device_memory_bytes=24 * 2**30, verify=False)
     assert estimate.max_micro_batch >= 1
     with torch.device("meta"):
         model = tune_config.instantiate(cfg.model)
