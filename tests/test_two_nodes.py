@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import losses, run_command, unclean_exit
+from recipe_runs import losses, unclean_exit
 from test_preemption import logged_steps
 
 HERE = Path(__file__).parent
@@ -29,19 +29,14 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def recipe_args(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str) -> list[str]:
-    """faulty_run.py's arguments for a run in ``tmp/name``; every run shares one profile cache."""
-    return [str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), "adaptive_full_finetune",
-            "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}", *RUN,
-            f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}", *overrides]
-
-
 def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents, each a node of one process, meeting at a c10d rendezvous on this machine."""
     port = free_port()
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
            "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", name,
-           *recipe_args(tmp, name, fault, assets, *overrides)]
+           str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), "adaptive_full_finetune",
+           "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}", *RUN,
+           f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}", *overrides]  # one profile for all runs
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
     agents = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
               for _ in range(2)]
@@ -59,14 +54,10 @@ def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str) 
 
 @pytest.fixture(scope="module")
 def nodes(assets: Path, runs: Path) -> dict[str, list[subprocess.CompletedProcess]]:
-    """Two nodes stopped by a SIGTERM to one node's agent (the first run: it profiles over both nodes) and run again
-    to the end; then the reference, the same run uninterrupted on one node of two ranks (the same world size, ranks
-    and cached profile, so the same steps and losses), forked by the suite's server: 8 fresh interpreters, not 12."""
+    whole = two_nodes(runs, "whole", {}, assets)
     stopped = two_nodes(runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets)
     resumed = two_nodes(runs, "stopped", {}, assets, "resume_from_checkpoint=True")
-    whole = run_command("module", ["torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                                   *recipe_args(runs, "whole", {}, assets)], cwd=runs)
-    return {"whole": [whole], "stopped": stopped, "resumed": resumed}
+    return {"whole": whole, "stopped": stopped, "resumed": resumed}
 
 
 def output(results: list[subprocess.CompletedProcess]) -> str:
@@ -76,11 +67,12 @@ def output(results: list[subprocess.CompletedProcess]) -> str:
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_two_nodes_profile_agree_on_the_micro_batch_and_train(nodes: dict) -> None:
-    assert "chosen micro batch" in output(nodes["stopped"])  # the profile ran, every trial agreed over both nodes
-    resumed = nodes["resumed"]
-    assert [r.returncode for r in resumed] == [0, 0], output(resumed)[-4000:]
-    assert all(unclean_exit(r) is None for r in resumed)
-    finished = re.findall(r"Rank (\d): finished at optimizer step (\d+), micro batch (\d+)", output(resumed))
+    whole = nodes["whole"]
+    assert [r.returncode for r in whole] == [0, 0], output(whole)[-4000:]
+    assert all(unclean_exit(r) is None for r in whole)
+    text = output(whole)
+    assert "chosen micro batch" in text  # the profile ran, every trial agreed over both nodes
+    finished = re.findall(r"Rank (\d): finished at optimizer step (\d+), micro batch (\d+)", text)
     assert sorted(rank for rank, _, _ in finished) == ["0", "1"]
     assert len({(step, micro) for _, step, micro in finished}) == 1  # both nodes ran the same micro batch
 
@@ -99,9 +91,8 @@ def test_sigterm_to_one_nodes_agent_stops_both_nodes_at_one_step_with_a_save(nod
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_the_rerun_of_both_nodes_resumes_and_trains_every_step_once(nodes: dict, runs: Path) -> None:
-    resumed, whole = nodes["resumed"], nodes["whole"]
+    resumed = nodes["resumed"]
     assert [r.returncode for r in resumed] == [0, 0], output(resumed)[-4000:]
-    assert [r.returncode for r in whole] == [0] and unclean_exit(whole[0]) is None, output(whole)[-4000:]
     assert "Resuming at" in output(resumed)
     assert logged_steps(runs / "stopped" / "logs") == logged_steps(runs / "whole" / "logs")
     assert losses(runs / "stopped" / "logs") == losses(runs / "whole" / "logs")
