@@ -31,6 +31,11 @@ def config_file(tmp_path: Path, method: str, updates: dict[str, Any]) -> Path:
     return path
 
 
+# The runs that share the module's profile: a budget that holds the largest micro batch they train (16) with room,
+# where the config's 512MiB has the profile's trials reach about 90 samples.
+SHARED_BUDGET = {"adaptive_batching.memory_budget": "160MiB"}
+
+
 def growth(component: str, **kwargs: Any) -> dict[str, Any]:
     return {"batch_increase_function": {"_component_": f"adaptive_batching.growth.{component}", **kwargs}}
 
@@ -47,7 +52,7 @@ def test_growth_plan_switch_lines_and_scaled_lr(assets: Path, profile_cache: Pat
     """Batch 4 growing by 4 each epoch, linear LR rule, cosine schedule over consumed samples."""
     config = config_file(tmp_path, "full", {
         **growth("linear_ramp", increment=4), "use_maximum_batch_size": False, "batch_size": 4, "epochs": 3,
-        "max_steps_per_epoch": 4, "lr_scaling": "linear", "lr_scheduler.num_warmup_steps": 3,
+        "max_steps_per_epoch": 4, "lr_scaling": "linear", "lr_scheduler.num_warmup_steps": 3, **SHARED_BUDGET,
     })
     output = run("full", config, assets, tmp_path / "run", profile_cache)
     rows = read_metrics(tmp_path / "run" / "logs")
@@ -108,7 +113,7 @@ def test_mid_epoch_resume_reproduces_the_uninterrupted_run(method: str, assets: 
     config = config_file(tmp_path, method, {
         **growth("step_increase", at_epochs=[1, 2], increment=[2, 3]), "use_maximum_batch_size": False,
         "batch_size": 3, "gradient_accumulation_steps": 2, "epochs": 3, "max_steps_per_epoch": 4,
-        "save_every_n_steps": 3, "lr_scaling": "sqrt", "lr_scheduler.num_warmup_steps": 2,
+        "save_every_n_steps": 3, "lr_scaling": "sqrt", "lr_scheduler.num_warmup_steps": 2, **SHARED_BUDGET,
     })
     whole = tmp_path / "whole"
     run(method, config, assets, whole, profile_cache)
@@ -151,7 +156,7 @@ def test_keep_global_batch_trains_like_the_configs_batch(assets: Path, profile_c
     """The profiled micro batch with the accumulation that keeps batch_size x accumulation: same steps, same LR,
     same losses as the config's 4 x 4 (only the summation order differs)."""
     common = {"batch_size": 4, "gradient_accumulation_steps": 4, "epochs": 1, "max_steps_per_epoch": 3,
-              "batch_increase_function": None}
+              "batch_increase_function": None, **SHARED_BUDGET}
     kept = tmp_path / "kept"
     output = run("full", config_file(tmp_path, "full", {**common, "adaptive_batching.keep_global_batch": True}),
                  assets, kept, profile_cache)
