@@ -18,9 +18,10 @@ from adaptive_batching.profiling.profiler import preserved_training_state
 
 NAMES = list(FAMILIES)
 TEXT = "Describe a quiet river in the morning, then list three colours."
-# One full batch of the same 16 samples per step, a constant LR: the loss must fall on it.
-FIXED_BATCH = ("dataset.split=train[:16]", "shuffle=False", "lr_scheduler=null", "optimizer.lr=1e-2",
-               "batch_increase_function=null", "adaptive_batching.keep_global_batch=True", "max_steps_per_epoch=null")
+# One full batch of the same 16 samples of at most 64 tokens per step, a constant LR: the loss must fall on it.
+FIXED_BATCH = ("dataset.split=train[:16]", "tokenizer.max_seq_len=64", "shuffle=False", "lr_scheduler=null",
+               "optimizer.lr=1e-2", "batch_increase_function=null", "adaptive_batching.keep_global_batch=True",
+               "max_steps_per_epoch=null")
 
 
 @pytest.fixture(scope="module")
