@@ -38,7 +38,7 @@ def fork_torchrun_workers() -> None:
 
     The worker then runs the script or module torchrun would have run, with the same argv and environment; it
     leaves by ``os._exit`` like every child of this server, so the interpreter's finalisation is not exercised
-    here (``benchmarks/clean_exits.py``, the SLURM and two-node tests start real interpreters)."""
+    here (``benchmarks/clean_exits.py`` and the two-node test start real interpreters)."""
     import torch.distributed.run as torchrun
 
     original = torchrun.config_from_args

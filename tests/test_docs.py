@@ -694,9 +694,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are tested"),
     # docs/fault-tolerance.md
     "python benchmarks/chaos.py --runs 20 --publish": ("tests/test_chaos.py::reference",
-                                                      "smallest size: one two-rank run per fault kind"),
+                                                      "smallest size: each fault kind once, in three two-rank runs"),
     "python benchmarks/chaos.py --runs 20 --publish --json /tmp/chaos20.json": (
-        "tests/test_chaos.py::reference", "smallest size: one two-rank run per fault kind"),
+        "tests/test_chaos.py::reference", "smallest size: each fault kind once, in three two-rank runs"),
     "python benchmarks/clean_exits.py --runs 100 --publish": ("tests/test_benchmarks.py::test_clean_exits",
                                                              "smallest size: 1 run, one setting"),
     "python benchmarks/clean_exits.py --mechanism": ("tests/test_benchmarks.py::test_clean_exits",
