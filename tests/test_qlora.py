@@ -113,16 +113,21 @@ def qlora_run(assets: Path, out: Path, *overrides: str, nproc: int | None = None
     return result.stdout + result.stderr
 
 
+# Two steps an epoch of the config's global batch 16 over the first 32 samples, cut to 64 tokens: the profile's
+# search stops at the 32 samples (or sooner, at the budget), so its trials stay small.
+ONE_PROCESS = ("dataset.split=train[:32]", "tokenizer.max_seq_len=64")
+
+
 @pytest.fixture(scope="module")
 def one_process(qlora_assets: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """Profile and 2 steps, saved; resumed for 2 more; and the same 4 steps without a stop, at the micro batch
     of the first run's profile (read from a copy of its cache: the profile is not measured twice)."""
     root = tmp_path_factory.mktemp("qlora")
-    first = qlora_run(qlora_assets, root / "run", "epochs=1")
-    resumed = qlora_run(qlora_assets, root / "run", "epochs=2", "resume_from_checkpoint=True")
+    first = qlora_run(qlora_assets, root / "run", "epochs=1", *ONE_PROCESS)
+    resumed = qlora_run(qlora_assets, root / "run", "epochs=2", "resume_from_checkpoint=True", *ONE_PROCESS)
     (root / "whole").mkdir()
     shutil.copytree(root / "run" / "profile_cache", root / "whole" / "profile_cache")
-    whole = qlora_run(qlora_assets, root / "whole", "epochs=2")
+    whole = qlora_run(qlora_assets, root / "whole", "epochs=2", *ONE_PROCESS)
     return {"root": root, "first": first, "resumed": resumed, "whole": whole}
 
 
