@@ -169,7 +169,7 @@ def release_destroyed_group() -> list[str]:
     if not _DESTROYED_HERE:
         return []
     _clear_torch_distributed_caches()
-    gc.collect()  # the run's objects were made after the entry point froze the imports' (memory.freeze_long_lived_objects)
+    gc.collect()  # the run's own objects: the entry point froze the imports' (memory.freeze_long_lived_objects)
     if backend_threads():  # a run that froze its own objects too (an in-process caller): collect everything
         gc.unfreeze()
         gc.collect()

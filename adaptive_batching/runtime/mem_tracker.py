@@ -6,8 +6,8 @@ model (frozen base weights) raised before the first op. Frozen parameters never 
 so this tracker simply marks them as already hooked; everything it counts is unchanged.
 
 ``MemTracker`` also refuses a second forward of the root module in one tracked span (it takes it for the next
-iteration); a DPO step runs the model twice, the policy and then the reference (the same model with its adapters
-off), so this tracker starts the root's statistics again instead. The memory it counts is unaffected.
+iteration); a DPO step runs the model twice, the reference (the same model with its adapters off) and then the
+policy, so this tracker starts the root's statistics again instead. The memory it counts is unaffected.
 
 After every op ``MemTracker`` also updates the peak of each module it has seen, a cost per op that grows with the
 number of modules (most of a full trace's time on fake tensors); nothing here reads those, so this tracker keeps
