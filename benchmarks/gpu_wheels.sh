@@ -32,11 +32,12 @@ VENV_PY=${VENV_PY:-$ROOT/.venv/bin/python}
 mkdir -p "$OUT"
 
 # name==version of every imported distribution but torch's own (one a line).
-REQS=$("$VENV_PY" - <<'EOF' 2>/dev/null
+REQS=$("$VENV_PY" - <<'EOF'
+import warnings; warnings.simplefilter("ignore")
 import importlib, importlib.metadata as md, sys
 for module in ("torchtune._cli.tune", "torchtune._cli.run", "torchtune._cli.download", "torchtune.datasets",
                "torchtune.models.llama3", "torchtune.models.llama3_2", "torchtune.training", "torchtune.modules.loss",
-               "adaptive_batching.cli", "adaptive_batching.trainer", "adaptive_batching.estimate",
+               "adaptive_batching.cli", "adaptive_batching.training.trainer", "adaptive_batching.estimate.prediction",
                "adaptive_batching.assets.models", "adaptive_full_finetune", "adaptive_lora_finetune",
                "safetensors.torch"):
     importlib.import_module(module)

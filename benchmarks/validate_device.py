@@ -328,7 +328,8 @@ class Validation:
         budget = [f"adaptive_batching.memory_budget={chosen}"] if chosen else []
         return [*base, *METHOD_OVERRIDES.get((a.model, method), []), "dtype=bf16",
                 f"enable_activation_checkpointing={ac}", "epochs=1", "adaptive_batching.keep_global_batch=False",
-                "gradient_accumulation_steps=1", "batch_increase_function=null", "lr_scaling=null",
+                "gradient_accumulation_steps=1", "batch_increase_function=null",
+                "adaptive_batching.growth_interval=epoch", "lr_scaling=null",
                 "lr_scheduler=null", "seed=0", "compile=False", "log_every_n_steps=1", "save_every_n_steps=null",
                 f"output_dir={out}", f"adaptive_batching.cache_dir={out / 'cache'}", *budget]
 

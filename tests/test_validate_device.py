@@ -103,3 +103,25 @@ def test_bad_options_are_named(runs: Path) -> None:
                          (["--threads", "-1"], "--threads")):
         result = run_command("script", [str(SCRIPT), *argv], cwd=runs)
         assert result.returncode == 2 and option in result.stderr, result.stderr
+
+
+@pytest.mark.parametrize("model", ["tiny", "llama3_2_1b"])
+def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Path) -> None:
+    """Each setting's config with the script's overrides passes validation before a model loads. The GPU run
+    (llama3_2_1b) is only seen on a GPU: its LoRA config's ``growth_interval`` once stopped both LoRA rows there."""
+    import sys
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    import validate_device
+
+    from adaptive_batching.config.loading import load_config
+    from adaptive_batching.config.settings import validate_config
+
+    args = validate_device.parse_args(["--workdir", str(tmp_path), "--model", model])
+    for name, value in validate_device.DEFAULTS["cpu" if model == "tiny" else "cuda"].items():
+        setattr(args, name, getattr(args, name, None) or value)
+    args.json = tmp_path / "v.json"
+    validation = validate_device.Validation(args, {"type": "cpu"})
+    for method, ac in [pair for pairs in validate_device.SETTINGS.values() for pair in pairs]:
+        overrides = validation.overrides(method, ac, tmp_path / "out")
+        validate_config(load_config(validate_device.CONFIGS[model][method], overrides))
