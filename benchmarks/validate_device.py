@@ -363,7 +363,8 @@ class Validation:
         profile_path = out / "profile" / "profile.json"
         self.results["settings"][key] = entry
         if not profile_path.exists():
-            entry["error"] = f"no profile report ({record.get('error')}; log {record['log']})"
+            why = record.get("error") or _last_line(Path(record["log"])) or f"exit code {record['exit_code']}"
+            entry["error"] = f"no profile report ({why}; log {record['log']})"
             return
         profile = json.loads(profile_path.read_text())
         budget = int(profile["budget_bytes"])
@@ -510,6 +511,12 @@ def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup:
             "budget_bytes": budget, "micro_batch": steps[0]["samples"] if steps else None,
             "tokens_per_second": sum(s["tokens"] for s in timed) / seconds if seconds > 0 else None,
             "wall_seconds": round(record["wall_seconds"], 2)}
+
+
+def _last_line(log: Path) -> str:
+    """A failed run's last line of output (a config error is one line, no traceback)."""
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return lines[-1][-300:] if lines else ""
 
 
 def _gib(value: Optional[float]) -> str:

@@ -748,6 +748,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
                                            "not run: it downloads wheels for a GPU machine"),
     "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site": (
         "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", "not run: a GPU machine's set-up"),
+    "DEADLINE=515 OUT=/tmp/out benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 --long-samples 1024 "
+    "--token-samples 600": ("tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
+                            "its order and deadline; the phases it calls run in tests/test_validate_device.py::validation"),
     "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True": (
         "tests/test_validate_device.py::validation", "a setting for the GPU runs, not a run"),
     "adaptive-batching tiny-assets --model llama3_2_1b": (

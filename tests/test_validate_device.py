@@ -125,3 +125,23 @@ def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Pa
     for method, ac in [pair for pairs in validate_device.SETTINGS.values() for pair in pairs]:
         overrides = validation.overrides(method, ac, tmp_path / "out")
         validate_config(load_config(validate_device.CONFIGS[model][method], overrides))
+
+
+def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path) -> None:
+    """``benchmarks/gpu_check.sh`` (the GPU command of docs/validation.md) past its deadline: every phase is skipped
+    and named, the environment is recorded, no table is made of nothing; the phases themselves are the fixture's."""
+    import os
+    import subprocess
+    import sys
+
+    out = tmp_path / "out"
+    env = dict(os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"))
+    result = subprocess.run(["bash", str(SCRIPT.parent / "gpu_check.sh"), "--steps", "2"], cwd=SCRIPT.parents[1],
+                            env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIP")]
+    assert [line.split(": ", 1)[1] for line in skipped] == [
+        "--phase assets", "--phase full --settings full/ac_off", "--phase lora --settings lora/ac_off",
+        "--phase qlora --settings qlora/ac_off", "--phase estimate", "--phase full --settings full/ac_on",
+        "--phase tokens", "--phase lora --settings lora/ac_on", "--phase compile"]
+    assert "torch" in (out / "env.txt").read_text() and not (out / "validation.json").exists()
