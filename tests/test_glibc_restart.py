@@ -59,3 +59,47 @@ def test_the_users_other_tunables_are_kept_and_a_setting_of_theirs_wins() -> Non
     tunables = dict(item.split("=") for item in env["GLIBC_TUNABLES"].split(":"))
     assert tunables == {"glibc.malloc.mmap_threshold": PINNED_TUNABLES["glibc.malloc.mmap_threshold"],
                         "glibc.malloc.arena_max": "2", "glibc.malloc.tcache_count": "0"}
+
+
+KEPT = """
+import ctypes, sys, torch
+from adaptive_batching.runtime import memory
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                     "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "reuse":
+    assert memory.reuse_freed_memory()
+tensor = torch.ones(5 * 2**20)  # 20 MiB, touched
+del tensor
+print(libc.mallinfo2().fordblks)
+"""
+
+
+def test_a_run_that_does_not_profile_keeps_freed_tensors_memory_for_its_next_step() -> None:
+    """With glibc's defaults a fresh process maps a 20 MiB tensor and unmaps it when freed (the next step faults its
+    pages in again); after ``reuse_freed_memory`` it comes from the heap and stays there, free, for the next step."""
+    import subprocess
+    import sys
+
+    free = {mode: int(subprocess.run([sys.executable, "-c", KEPT, mode], capture_output=True, text=True,
+                                     check=True).stdout) for mode in ("default", "reuse")}
+    assert free["default"] < 2**20 and free["reuse"] >= 20 * 2**20, free
+
+
+@pytest.mark.parametrize("env, pinned, limit, reuses", [
+    ({}, False, None, True),
+    ({}, True, None, False),  # pinned for a profile or an out-of-memory recovery: the address space follows tensors
+    ({}, False, 2**34, False),  # under ulimit -v memory kept would count against the micro batch that fits
+    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False, None, False),  # the user's own setting
+    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, False, None, True),  # not malloc's
+])
+def test_freed_memory_is_kept_only_where_nothing_else_decides(env: dict[str, str], pinned: bool,
+                                                              limit: int | None, reuses: bool,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from adaptive_batching.runtime import memory
+
+    monkeypatch.setattr(memory, "_pinned", pinned)
+    monkeypatch.setattr(memory, "address_space_limit", lambda: limit)
+    assert memory.reuses_freed_memory(env) is reuses

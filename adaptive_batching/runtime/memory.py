@@ -209,9 +209,13 @@ def current_bytes(device: torch.device, *tracked: Any) -> int:
     return meter.start_bytes
 
 
-M_MMAP_THRESHOLD = -3  # glibc mallopt parameters
+M_TRIM_THRESHOLD = -1  # glibc mallopt parameters
+M_MMAP_THRESHOLD = -3
 M_ARENA_MAX = -8
 MMAP_THRESHOLD_BYTES = 128 * 1024
+REUSE_MMAP_THRESHOLD_BYTES = 32 * 2**20  # the ceiling of glibc's own moving threshold on 64-bit
+REUSE_TRIM_THRESHOLD_BYTES = 2**30
+_pinned = False
 # The same two settings as glibc's environment tunables, read once when a process starts.
 PINNED_TUNABLES = {"glibc.malloc.mmap_threshold": str(MMAP_THRESHOLD_BYTES), "glibc.malloc.arena_max": "1"}
 RESTARTED_ENV = "ADAPTIVE_BATCHING_RESTARTED_FOR_GLIBC"
@@ -230,7 +234,37 @@ def pin_cpu_allocator(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        return bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
+        pinned = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
+    except (OSError, AttributeError):
+        return False
+    global _pinned
+    _pinned = _pinned or pinned
+    return pinned
+
+
+def reuses_freed_memory(env: Mapping[str, str]) -> bool:
+    """Whether a CPU run that does not profile should keep freed memory for its next step (see
+    :func:`reuse_freed_memory`): not when glibc was pinned, nor when the user tuned glibc's malloc, nor under an
+    address-space limit, where memory kept could count against the micro batch that fits."""
+    tuned = any(key.startswith("glibc.malloc.") for key in _tunables(env.get("GLIBC_TUNABLES", "")))
+    return not (_pinned or tuned or address_space_limit() is not None)
+
+
+def reuse_freed_memory() -> bool:
+    """Keep freed memory in the heap for the next step instead of giving it back to the system; True if set.
+
+    With glibc's defaults a training step's large tensors are mapped and unmapped, and the heap's top is trimmed
+    after the step, so the next step faults the same pages in again (thousands of page faults a step on the tiny
+    model). Fixing the mmap threshold at glibc's own ceiling and trimming only past 1 GiB of free heap keeps
+    them: the speed of a process whose heap top happens to stay in use (stock DPO keeps its last reference
+    logits alive), on purpose.
+    """
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6")
+        return (bool(libc.mallopt(M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD_BYTES))
+                and bool(libc.mallopt(M_TRIM_THRESHOLD, REUSE_TRIM_THRESHOLD_BYTES)))
     except (OSError, AttributeError):
         return False
 
