@@ -256,8 +256,7 @@ def reuse_freed_memory() -> bool:
     With glibc's defaults a training step's large tensors are mapped and unmapped, and the heap's top is trimmed
     after the step, so the next step faults the same pages in again (thousands of page faults a step on the tiny
     model). Fixing the mmap threshold at glibc's own ceiling and trimming only past 1 GiB of free heap keeps
-    them: the speed of a process whose heap top happens to stay in use (stock DPO keeps its last reference
-    logits alive), on purpose.
+    them. Stock DPO gets the same by accident: its last reference logits stay alive and hold the heap's top.
     """
     try:
         import ctypes

@@ -10,7 +10,6 @@ order: ``setup``, ``profile``, ``make_plan`` and ``train``. Harnesses see inside
 from __future__ import annotations
 
 import os
-
 import time
 from contextlib import contextmanager
 from pathlib import Path
