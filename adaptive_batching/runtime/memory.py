@@ -324,6 +324,15 @@ def restart_with_glibc_pinned(argv: Sequence[str]) -> None:
         logs.info(f"Profiler: could not start again ({error}); pinning glibc at set-up instead")
 
 
+def set_cpu_allocator(profiles: bool) -> None:
+    """Before a CPU run's set-up: glibc pinned for a run that profiles (:func:`pin_glibc_for_profile`), else freed
+    memory kept for the next step where nothing else decides (:func:`reuses_freed_memory`)."""
+    if profiles:
+        pin_glibc_for_profile()
+    elif reuses_freed_memory(os.environ):
+        reuse_freed_memory()
+
+
 def pin_glibc_for_profile() -> None:
     """Pin glibc (see :func:`pin_cpu_allocator`) before a CPU run's set-up, so the heap set-up leaves behind
     is already under the rule the profile runs by; say whether it was pinned from the process start."""

@@ -9,7 +9,6 @@ order: ``setup``, ``profile``, ``make_plan`` and ``train``. Harnesses see inside
 
 from __future__ import annotations
 
-import os
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -109,10 +108,8 @@ class Trainer:
         """Load the checkpoint and build every part: data, model, optimizer, loss, collate, step runner, checkpoints."""
         cfg = self.cfg
         self.hooks.before_setup(self)
-        if self.device.type == "cpu" and self.settings.needs_profile:
-            memory.pin_glibc_for_profile()
-        elif self.device.type == "cpu" and memory.reuses_freed_memory(os.environ):
-            memory.reuse_freed_memory()
+        if self.device.type == "cpu":
+            memory.set_cpu_allocator(profiles=self.settings.needs_profile)
         with building("metric_logger"):  # built when training starts (``profile`` and ``plan`` log nothing)
             config._utils._get_component_from_path(cfg.metric_logger._component_)
         self.built, checkpoint = build_parts(
