@@ -129,12 +129,12 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             result, message, code, every_rank = None, f"profile error: {err}", 1, False
         except Preempted as err:
             result, message, code = None, f"stopped: {err}", PREEMPTED_EXIT_CODE
-        # Outside the handlers, so no traceback keeps the run's objects alive.
-        leave_cleanly()
+        # Said before the teardown: the first rank to exit makes torchrun end the others.
+        if message is not None and (every_rank or os.environ.get("RANK", "0") == "0"):
+            print(message, file=sys.stderr, flush=True)
+        leave_cleanly()  # outside the handlers, so no traceback keeps the run's objects alive
         if message is None:
             return result
-        if every_rank or os.environ.get("RANK", "0") == "0":
-            print(message, file=sys.stderr, flush=True)
         sys.exit(code)
 
     @functools.wraps(recipe_main)
