@@ -230,16 +230,21 @@ def pin_cpu_allocator(threshold_bytes: int = MMAP_THRESHOLD_BYTES) -> bool:
     fits later. A fixed threshold returns freed blocks at once and one arena serves all threads,
     so the profiler's answer holds for the rest of the run.
     """
+    pinned = _mallopt((M_MMAP_THRESHOLD, threshold_bytes), (M_ARENA_MAX, 1))
+    global _pinned
+    _pinned = _pinned or pinned
+    return pinned
+
+
+def _mallopt(*settings: tuple[int, int]) -> bool:
+    """glibc's ``mallopt`` for each (parameter, value) in order; True if every one was taken (Linux glibc)."""
     try:
         import ctypes
 
         libc = ctypes.CDLL("libc.so.6")
-        pinned = bool(libc.mallopt(M_MMAP_THRESHOLD, threshold_bytes)) and bool(libc.mallopt(M_ARENA_MAX, 1))
+        return all(bool(libc.mallopt(parameter, value)) for parameter, value in settings)
     except (OSError, AttributeError):
         return False
-    global _pinned
-    _pinned = _pinned or pinned
-    return pinned
 
 
 def reuses_freed_memory(env: Mapping[str, str]) -> bool:
@@ -258,14 +263,7 @@ def reuse_freed_memory() -> bool:
     model). Fixing the mmap threshold at glibc's own ceiling and trimming only past 1 GiB of free heap keeps
     them. Stock DPO gets the same by accident: its last reference logits stay alive and hold the heap's top.
     """
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6")
-        return (bool(libc.mallopt(M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD_BYTES))
-                and bool(libc.mallopt(M_TRIM_THRESHOLD, REUSE_TRIM_THRESHOLD_BYTES)))
-    except (OSError, AttributeError):
-        return False
+    return _mallopt((M_MMAP_THRESHOLD, REUSE_MMAP_THRESHOLD_BYTES), (M_TRIM_THRESHOLD, REUSE_TRIM_THRESHOLD_BYTES))
 
 
 def _tunables(text: str) -> dict[str, str]:
