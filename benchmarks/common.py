@@ -165,6 +165,24 @@ def tune_child(stamps_path: str, tune_args: list[str],
     return 0
 
 
+def tune_in_child(script: Path, tune_args: list[str], stamps: Path, log_path: Path, threads: int = 1,
+                  timeout: float = 900, **kwargs: Any) -> dict[str, Any]:
+    """``tune TUNE_ARGS`` in a fresh ``script --tune-child`` (:func:`tune_child`), its output in ``log_path``: its exit
+    code (None: timed out), seconds, log and output, the child's record, and an ``error`` line if it failed."""
+    stamps.parent.mkdir(parents=True, exist_ok=True)
+    stamps.unlink(missing_ok=True)
+    started = time.perf_counter()
+    code = run_logged([sys.executable, str(script), "--tune-child", str(stamps), *tune_args], log_path, timeout,
+                      env=threads_env(threads), **kwargs)
+    output = log_path.read_text(errors="replace")
+    result = {"exit_code": code, "child_seconds": time.perf_counter() - started, "log": str(log_path),
+              "output": output, **(json.loads(stamps.read_text()) if stamps.exists() else {"stamps": []})}
+    if code != 0:
+        tail = " | ".join(output.strip().splitlines()[-4:])[-400:]
+        result["error"] = f"{'timed out' if code is None else f'exit code {code}'}: {tail}"
+    return result
+
+
 def log(message: str) -> None:
     """Progress, on stderr: stdout is the report."""
     print(message, file=sys.stderr, flush=True)

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from common import fmt, run_logged, threads_env, tiny_assets, tune_child, work_dir
+from common import fmt, tiny_assets, tune_child, tune_in_child, work_dir
 from doc_tables import publish
 
 HERE = Path(__file__).resolve()
@@ -69,20 +69,15 @@ def numbers(payload: Any, step: int) -> dict[str, float]:
 
 def run_one(args: argparse.Namespace, work: Path, name: str, overrides: list[str]) -> dict[str, Any]:
     tag = name.replace(" ", "_").replace("-", "")
-    stamps = work / f"{tag}.json"
     tune_args = ["run", RECIPE, "--config", CONFIG, *common_overrides(args, work), *overrides,
                  f"output_dir={work / tag}"]
-    started = time.perf_counter()
-    code = run_logged([sys.executable, str(HERE), "--tune-child", str(stamps), *tune_args], work / f"{tag}.log",
-                      timeout=3600, cwd=work, env=threads_env(1))
-    seconds = time.perf_counter() - started
-    text = (work / f"{tag}.log").read_text(errors="replace")
-    if code != 0:
-        sys.exit(f"{name} failed (exit {code}); log {work / f'{tag}.log'}:\n{text[-4000:]}")
-    record = json.loads(stamps.read_text())
-    growth_lines = [line for line in split_log_lines(text) if line.startswith(("Growth period", "Epoch switch"))]
-    return {"name": name, "command": "tune " + shlex.join(tune_args), "child_seconds": seconds,
-            "train_start": record["train_start"], "train_end": record["train_end"], "rows": record["stamps"],
+    run = tune_in_child(HERE, tune_args, work / f"{tag}.json", work / f"{tag}.log", timeout=3600, cwd=work)
+    if run["exit_code"] != 0:
+        sys.exit(f"{name} failed (exit {run['exit_code']}); log {run['log']}:\n{run['output'][-4000:]}")
+    growth_lines = [line for line in split_log_lines(run["output"])
+                    if line.startswith(("Growth period", "Epoch switch"))]
+    return {"name": name, "command": "tune " + shlex.join(tune_args), "child_seconds": run["child_seconds"],
+            "train_start": run["train_start"], "train_end": run["train_end"], "rows": run["stamps"],
             "growth_log": growth_lines}
 
 

@@ -2,29 +2,27 @@
 """Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation) against torchtune's stock single-device one: optimizer
 steps per second, per-step losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md.
 
-Both run as ``tune run RECIPE --config FILE`` in fresh children; stock's config is ours' resolved one cut to the
-keys stock's recipe reads (:func:`stock_keys`). A child stamps each logged step (``common.tune_child``); steps per
-second = ``--steps`` / (the last step's stamp - the ``--warmup``-th one's). The exit code is 1 only when a run failed.
+Both run as ``tune run`` in fresh children that stamp each logged step (``common.tune_child``); stock's config is
+ours' resolved one cut to the keys stock's recipe reads. The exit code is 1 only when a run failed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shlex
 import shutil
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from common import fmt, log, run_logged, threads_env, tiny_assets, tune_child, work_dir, write_json
+from common import fmt, log, tiny_assets, tune_child, tune_in_child, work_dir, write_json
 from doc_tables import report
 
+HERE = Path(__file__).resolve()
 BAR_RATIO = 0.99
 BATCH, SEQ_LEN, SEED = 8, 256, 0  # seed 0: the stock recipe's sampler always uses 0
 SWITCH_EPOCHS, SWITCH_STEPS = 3, 2  # the epoch-switch run: linear_ramp +4 at each epoch; 2 steps: the one after a switch in it
@@ -54,9 +52,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run first and not measured (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each recipe, alternating (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of every child (default 1)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="finetune",
-                   help="finetune (tiny_full, full fine-tuning; the default), dpo (tiny_lora_dpo, LoRA DPO) or kd "
-                        "(tiny_kd, LoRA knowledge distillation)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="finetune", help="finetune (the default), dpo or kd")
     p.add_argument("--no-switch", action="store_true", help="skip the epoch-switch run")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--together", action="store_true",
@@ -121,25 +117,13 @@ def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, A
     stamps and output."""
     from omegaconf import OmegaConf
 
-    config_path, stamps_path = args.workdir / "configs" / f"{tag}.yaml", args.workdir / "stamps" / f"{tag}.json"
-    for path in (config_path, stamps_path):
-        path.parent.mkdir(parents=True, exist_ok=True)
+    config_path = args.workdir / "configs" / f"{tag}.yaml"
+    config_path.parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(cfg), config_path)
-    stamps_path.unlink(missing_ok=True)
-    log_path = args.workdir / "logs" / f"{tag}.log"
-    command = [sys.executable, os.path.abspath(__file__), "--tune-child", str(stamps_path),
-               "run", recipe, "--config", str(config_path)]
-    started = time.perf_counter()
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    code = run_logged(command, log_path, env=threads_env(args.threads), cwd=args.workdir, preexec_fn=pin)
-    result: dict[str, Any] = {"tag": tag, "recipe": recipe, "exit_code": code,
-                              "child_seconds": time.perf_counter() - started, "log": str(log_path),
-                              "output": log_path.read_text(errors="replace")}
-    result.update(json.loads(stamps_path.read_text()) if stamps_path.exists() else {"stamps": []})
-    if code != 0:
-        tail = " | ".join(result["output"].strip().splitlines()[-4:])[-400:]
-        result["error"] = f"{'timed out' if code is None else f'exit code {code}'}: {tail}"
-    return result
+    result = tune_in_child(HERE, ["run", recipe, "--config", str(config_path)], args.workdir / "stamps" / f"{tag}.json",
+                           args.workdir / "logs" / f"{tag}.log", threads=args.threads, cwd=args.workdir, preexec_fn=pin)
+    return {"tag": tag, "recipe": recipe, **result}
 
 
 RATES = ("steps_per_second", "median_step_rate", "cpu_step_rate")
