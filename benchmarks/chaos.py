@@ -2,9 +2,8 @@
 """Chaos: two-rank runs, each hit by one random fault at a random step, resumed until done; every optimizer step
 must train exactly once, with the uninterrupted run's losses bit for bit, and every checkpoint must load.
 
-The faults (:class:`Fault`: kill9, agent_sigterm, worker_sigusr1, oom, kill_in_save), the run and what passes:
-docs/fault-tolerance.md. A run that stops is resumed with ``resume_from_checkpoint=True`` and no fault, up to 4
-pieces; steps a piece logged after the checkpoint the next piece resumed from count as redone.
+The faults (:class:`Fault`), the run and what passes: docs/fault-tolerance.md. A stopped run is resumed without a
+fault, up to 4 pieces; steps logged after the checkpoint the next piece resumed from count as redone.
 """
 
 from __future__ import annotations
@@ -65,15 +64,12 @@ class Fault:
     save_every: int = 5
 
     def spec(self) -> dict:
-        if self.kind == "kill9":
-            return {"kill_after": self.step, "rank": self.rank}
-        if self.kind == "agent_sigterm":
-            return {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0}
-        if self.kind == "worker_sigusr1":
-            return {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank}
-        if self.kind == "oom":
-            return {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank}
-        return {"kill_in_save": self.step // self.save_every + 1, "rank": 0}
+        """The fault as tests/faulty_run.py reads it."""
+        return {"kill9": {"kill_after": self.step, "rank": self.rank},
+                "agent_sigterm": {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0},
+                "worker_sigusr1": {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank},
+                "oom": {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank},
+                "kill_in_save": {"kill_in_save": self.step // self.save_every + 1, "rank": 0}}[self.kind]
 
     def describe(self) -> str:
         if self.kind == "kill_in_save":
@@ -143,11 +139,9 @@ def chaos_run(fault: Fault, out: Path, assets: Path, plan: Plan, reference: dict
     for _ in range(4):
         result = launch(out, assets, plan, spec, *extra, restarts=restarts, runner=runner)
         outcome.pieces.append(result.returncode)
-        if unclean_exit(result):
-            outcome.problems.append(f"piece {len(outcome.pieces)}: {unclean_exit(result)}")
-        why = checkpoints_load(out)
-        if why:
-            outcome.problems.append(f"piece {len(outcome.pieces)}: {why}")
+        for why in (unclean_exit(result), checkpoints_load(out)):
+            if why:
+                outcome.problems.append(f"piece {len(outcome.pieces)}: {why}")
         if result.returncode == 0:
             break
         spec, extra, restarts = {}, ("resume_from_checkpoint=True",), 0

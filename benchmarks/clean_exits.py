@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Do two-rank runs exit clean, every time? Counts the runs that exit non-zero or print an abort.
 
-N runs of ``tune run --nproc_per_node 2`` on the tiny model (gloo, FSDP2), cycling through :data:`SETTINGS`.
-``--mechanism`` shows the abort's cause without a recipe: a gloo group that outlives ``destroy_process_group()``
-ends a worker thread during interpreter finalisation ("terminate called"), unless ``release_destroyed_group()`` ran.
+N two-rank ``tune run``s on the tiny model, cycling through :data:`SETTINGS`. ``--mechanism`` shows the abort's
+cause: a gloo group that outlives ``destroy_process_group()`` unless ``release_destroyed_group()`` ran.
 """
 
 from __future__ import annotations

@@ -1,8 +1,7 @@
 """What the benchmark scripts share: tiny assets, a work folder, a recipe run in this process with a time stamp per
 logged step, a child process with its log or a readable failure, the largest size that fits, an unclean exit.
 
-Scripts import it as a sibling (``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``); tables go
-into the docs through :mod:`doc_tables`.
+Scripts import it as a sibling (``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``).
 """
 
 from __future__ import annotations

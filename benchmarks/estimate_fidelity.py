@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """``estimate`` against peak memory that torchtune published for its stock configs on GPUs.
 
-Each row (:data:`ROWS`) is a published measurement of a stock config with the settings its source states, predicted
-from that config's fake-step trace at that micro batch (``estimate.peak_at``). The table replaces the section
-"Fidelity against published GPU measurements" of ``docs/estimates.md``.
+Each row (:data:`ROWS`) is predicted from that config's fake-step trace at the published micro batch; the table
+replaces the section "Fidelity against published GPU measurements" of ``docs/estimates.md``.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace (docs/benchmarks.md).
 
-Each model at ``--seq-len`` tokens, bf16, AdamW, activation checkpointing, 80 GiB x 0.9, with each method in a fresh
-process, compared with the full trace at every micro batch both measured (the largest relative difference of a
-step's peak). Markdown and JSON go to ``--out-dir``.
+Each model and method in a fresh process, compared with the full trace at every micro batch both measured (the
+largest relative difference of a step's peak); Markdown and JSON go to ``--out-dir``.
 """
 
 from __future__ import annotations

@@ -2,11 +2,8 @@
 """``adaptive-batching estimate`` on every full, LoRA, QLoRA, DPO, KD and QAT config torchtune 0.6.1 ships:
 docs/estimates.md.
 
-Each config is estimated once, offline, on fake tensors, at ``--seq-len`` tokens per worst-case sample (for DPO,
-per sequence of a pair), as the config is; one trace serves 24, 40 and 80 GiB at 1 and 8 ranks. Each runs in a
-forked child (``common.in_fork``); one that cannot be estimated gets a one-line reason. ``--only`` writes its rows
-to ``--json`` alone; with ``--merge`` they take the place of those configs' rows in the page's table and in
-``--json``'s file, everything else kept. The page's text above its command line is the page's own (:func:`page_head`).
+Each config is traced once, in a forked child, at ``--seq-len`` tokens per worst-case sample; one trace serves every
+device size and rank count. ``--only`` writes its rows to ``--json``; ``--merge`` also puts them in the page.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Batch-growth strategies compared by real training runs on CPU, at equal samples (docs/benchmarks.md).
 
-Six runs of ``tune run adaptive_full_finetune --config tiny_full`` see the same samples in the same order, cut into
-optimizer steps differently (:func:`run_overrides`): steps, samples and seconds to the target loss, the final loss,
-the noise scale; ``growth_runs.json``, ``.md`` and ``.png`` under ``--out``.
+Six runs of ``tiny_full`` see the same samples in the same order, cut into optimizer steps differently
+(:func:`run_overrides`); ``growth_runs.json``, ``.md`` and ``.png`` go under ``--out``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,8 @@
 #!/usr/bin/env python
 """The gradient noise scale estimator against linear regression, whose noise scale is known exactly.
 
-Noisy linear regression ``y = x . w* + eps``: at ``w`` the per-sample gradient is ``x (x . delta - eps)``, so
-``B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`` in closed form. Real minibatch gradients feed the
-estimator (``growth.gradient_noise``) as the trainer does, in three set-ups, then ``--seeds`` seeds of the
-first-micro-batch one. ``tests/test_noise_scale.py`` asserts on the same functions.
+Noisy linear regression ``y = x . w* + eps`` has ``B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`` at
+``w - w* = delta``; real minibatch gradients feed ``growth.gradient_noise`` as the trainer does.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
 
-Each method runs in a fresh child (``tiny_full``, AdamW, worst-case samples) limited to its address space after
-set-up + ``--room`` GiB (``RLIMIT_AS``); the true maximum is bisected over fresh children of 2 plain steps, under
-default glibc and as ours' set-up pins it. docs/benchmarks.md says how to read it.
+Each method runs in a fresh child limited to its address space after set-up + ``--room`` GiB (``RLIMIT_AS``); the
+true maximum is bisected over fresh children. docs/benchmarks.md says how to read it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,8 @@
 #!/usr/bin/env python
 """The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md.
 
-Each run is a fresh ``tune run adaptive_full_finetune --config tiny_full`` (``--objective dpo``: ``tune run
-adaptive_lora_dpo --config tiny_lora_dpo``, micro batches of pairs; ``--objective kd``: ``tune run
-adaptive_knowledge_distillation --config tiny_kd``, the teacher's weights resident and its forward in each step) under
-``ulimit -v`` with no explicit budget: the largest micro batch its profile ran, against the fresh-process maximum
-(bisection over fresh ``python`` and ``tune run`` processes that each run 2 worst-case steps at one size, glibc tuned
-from the start).
+Each profiled run is a fresh ``tune run`` of ``--objective``'s recipe under ``ulimit -v`` with no explicit budget,
+against the maximum bisected over fresh processes of 2 worst-case steps at one size (glibc tuned from the start).
 """
 
 from __future__ import annotations

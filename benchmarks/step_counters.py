@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """What OOM recovery's look at the optimizer's step counters costs before each optimizer step.
 
-``faults.guard.optimizer_step_counts`` on an AdamW that has stepped once, at each count of parameter tensors (22:
-the tiny Llama; about 300: an 8B Llama), beside reading each counter by value as before and ``float(step)``
-alone; best of ``--repeats`` timings of ``--number`` calls, microseconds per call.
+``faults.guard.optimizer_step_counts`` on a stepped AdamW beside reading each counter by value (as before) and
+``float(step)`` alone: best of ``--repeats`` timings of ``--number`` calls, microseconds per call.
 """
 
 from __future__ import annotations

@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """What the fault handling costs when nothing goes wrong: steps per second and collectives per step.
 
-``tiny_full`` at a fixed micro batch under ``torchrun`` (FSDP on CPU with gloo), the :data:`SETTINGS` alternating.
-Rank 0 stamps each metric line and counts the ``torch.distributed`` collectives and the time inside the stop
-agreement (``Preemption.begin_step``, ``end_step``) between them. The page: docs/benchmarks.md.
+``tiny_full`` under ``torchrun`` (FSDP with gloo), the :data:`SETTINGS` alternating; rank 0 stamps each metric line
+with the collectives and the time in the stop agreement since the last. The page: docs/benchmarks.md.
 """
 
 from __future__ import annotations

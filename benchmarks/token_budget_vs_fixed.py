@@ -1,9 +1,8 @@
 #!/usr/bin/env python
 """Token-budget batching against fixed-size batches: padding waste and real tokens per second (docs/benchmarks.md).
 
-Under one memory budget, fixed micro batches of the profiled size (shuffled) against ``max_tokens=auto`` with
-``picking_order=seqlen``: waste from the two samplers over the real lengths, tokens/s from each run's training loop
-(fresh children, alternating, the median reported).
+Under one memory budget, fixed micro batches of the profiled size against ``max_tokens=auto`` with
+``picking_order=seqlen``, in fresh children, alternating, the median reported.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 #!/usr/bin/env python
 """Validate the profiler on this device in one command: a JSON of every check and a Markdown table.
 
-The checks and phases: docs/validation.md. Llama 3.2 1B (random weights) on a GPU, the tiny model on CPU; every
-training sample of checks 1-3 and 5 is longer than the sequence length (the profiler's worst-case shape). Each phase
-replaces its own entries in one JSON per device (``benchmarks/results/validation-<device>.json``).
-
-Every run, and every helper that makes a tensor (device, assets, data sets, padding), is a child process: a fresh
-interpreter (``spawn``: on CUDA a context never crosses a fork) or a fork of the parent with the imports done
-(``fork``: about 5 s saved per run on CPU). Through the trainer's hooks it measures each step in
-``memory.PeakMeter`` (peak, reservation, allocator retries), tokens, seconds and out-of-memory errors, and skips the
-checkpoints and the profile's plot. ``cap_bytes`` on CUDA caps the caching allocator at the budget.
+The checks and phases: docs/validation.md. Each run is a child: a fresh interpreter on CUDA (``spawn``: a CUDA
+context never crosses a fork), else a fork of the parent with the imports done; each phase replaces its own
+entries in ``benchmarks/results/validation-<device>.json``.
 """
 
 from __future__ import annotations
