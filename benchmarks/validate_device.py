@@ -162,29 +162,6 @@ def preload() -> None:
     gc.freeze()
 
 
-def launch(spec: dict[str, Any], *, log: Path, launcher: str, env: dict[str, str], timeout: float) -> dict[str, Any]:
-    """Run ``spec`` in a child (``fork`` or ``spawn``), killed past ``timeout`` seconds; its record with
-    ``wall_seconds`` and ``log``."""
-    spec = dict(spec, result=str(log.with_suffix(".json")))
-    Path(spec["result"]).unlink(missing_ok=True)
-    started = time.perf_counter()
-    if launcher == "spawn":
-        spec_path = log.with_suffix(".spec.json")
-        spec_path.write_text(json.dumps(spec))
-        timed_out = run_logged([sys.executable, str(HERE), "--child", str(spec_path)], log, timeout, env=env,
-                               cwd=log.parent) is None
-    else:
-        with open(log, "w") as out:
-            timed_out = _fork_and_wait(spec, out, env, timeout, log.parent)
-    record = json.loads(Path(spec["result"]).read_text()) if Path(spec["result"]).exists() else \
-        {"steps": [], "oom_errors": 0, "epoch_seconds": [], "exit_code": None, "error": "no result written"}
-    if timed_out:
-        record.update(exit_code=None, error=f"timed out after {timeout:.0f} s")
-    record["wall_seconds"] = time.perf_counter() - started
-    record["log"] = str(log)
-    return record
-
-
 def _fork_and_wait(spec: dict[str, Any], out: Any, env: dict[str, str], timeout: float, cwd: Path) -> bool:
     """Fork; the child runs the spec with its output in ``out``; True if it was killed for the timeout."""
     sys.stdout.flush()
@@ -289,12 +266,28 @@ class Validation:
         self.args.json.parent.mkdir(parents=True, exist_ok=True)
         self.args.json.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
 
-    def launch(self, tag: str, spec: dict[str, Any]) -> dict[str, Any]:
+    def launch(self, tag: str, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        """Run ``spec`` in a child (``fork`` or ``spawn``), killed past ``timeout`` seconds; its record with
+        ``wall_seconds`` and ``log``."""
         self.count += 1
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        record = launch(dict(spec, threads=self.args.threads), log=log, launcher=self.args.launcher, env=self.env,
-                        timeout=600)
+        result = log.with_suffix(".json")
+        spec = dict(spec, threads=self.args.threads, result=str(result))
+        result.unlink(missing_ok=True)
+        started = time.perf_counter()
+        if self.args.launcher == "spawn":
+            log.with_suffix(".spec.json").write_text(json.dumps(spec))
+            timed_out = run_logged([sys.executable, str(HERE), "--child", str(log.with_suffix(".spec.json"))], log,
+                                   timeout, env=self.env, cwd=log.parent) is None
+        else:
+            with open(log, "w") as out:
+                timed_out = _fork_and_wait(spec, out, self.env, timeout, log.parent)
+        record = json.loads(result.read_text()) if result.exists() else \
+            {"steps": [], "oom_errors": 0, "epoch_seconds": [], "exit_code": None, "error": "no result written"}
+        if timed_out:
+            record.update(exit_code=None, error=f"timed out after {timeout:.0f} s")
+        record.update(wall_seconds=time.perf_counter() - started, log=str(log))
         status = "ok" if record["exit_code"] == 0 else f"FAILED ({record.get('error') or record['exit_code']})"
         print(f"  {tag}: {status}, {record['wall_seconds']:.1f} s", flush=True)
         return record
