@@ -13,6 +13,7 @@ import math
 import shlex
 import sys
 import time
+from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
@@ -93,11 +94,8 @@ def split_log_lines(text: str) -> list[str]:
 
 
 def cumulative(values: Iterable[float]) -> list[float]:
-    total, out = 0.0, []
-    for v in values:
-        total += v
-        out.append(total)
-    return out
+    """The running totals of ``values``, as floats."""
+    return list(accumulate(values, initial=0.0))[1:]
 
 
 def smooth_by_samples(losses: Sequence[float], batches: Sequence[float], window: float) -> list[Optional[float]]:
@@ -123,18 +121,12 @@ def smooth_by_samples(losses: Sequence[float], batches: Sequence[float], window:
 
 def value_at_samples(samples: Sequence[float], values: Sequence[Optional[float]], at: float) -> Optional[float]:
     """The value at the first step whose cumulative samples reach ``at`` (None past the end)."""
-    for s, v in zip(samples, values):
-        if s >= at - 1e-9:
-            return v
-    return None
+    return next((v for s, v in zip(samples, values) if s >= at - 1e-9), None)
 
 
 def first_at_or_below(values: Sequence[Optional[float]], target: float) -> Optional[int]:
     """The 0-based index of the first value at or below ``target`` (None values skipped), or None."""
-    for i, v in enumerate(values):
-        if v is not None and v <= target:
-            return i
-    return None
+    return next((i for i, v in enumerate(values) if v is not None and v <= target), None)
 
 
 def curves(rows: list[dict[str, Any]], window: float) -> tuple[list[float], list[float], list[Optional[float]]]:

@@ -121,18 +121,17 @@ def main() -> None:
     chosen = args.settings.split(",")
     if "none" not in chosen or not set(chosen) <= set(SETTINGS):
         p.error(f"--settings: some of {', '.join(SETTINGS)}, with none (the baseline)")
-    speeds: dict[str, list[float]] = {name: [] for name in chosen}
-    collectives: dict[str, list[float]] = {name: [] for name in chosen}
-    stop_share: dict[str, list[float]] = {name: [] for name in chosen}
+    figures: dict[str, dict[str, list[float]]] = {key: {name: [] for name in chosen}
+                                                  for key in ("speeds", "collectives", "stop_share")}
+    speeds, collectives, stop_share = figures.values()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         args.assets = tiny_assets(args.assets, work)
         for repeat in range(args.repeats):
             for setting in chosen:
                 speed, count, share = run(args, work, f"{setting}-{repeat}", setting)
-                speeds[setting].append(speed)
-                collectives[setting].append(count)
-                stop_share[setting].append(share)
+                for figure, value in zip(figures.values(), (speed, count, share)):
+                    figure[setting].append(value)
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
                       f"{share:.4%} of the time in the stop agreement", flush=True)
     off = statistics.median(speeds["none"])
@@ -150,8 +149,7 @@ def main() -> None:
     if args.publish:
         print(f"written to {publish('benchmarks.md', 'step-overhead', table)}")
     if args.json:
-        args.json.write_text(json.dumps({"speeds": speeds, "collectives": collectives, "stop_share": stop_share},
-                                        indent=2))
+        args.json.write_text(json.dumps(figures, indent=2))
 
 
 if __name__ == "__main__":
