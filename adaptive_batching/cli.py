@@ -290,10 +290,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         code = _fail(f"profile error: {error}", 1)
     except OutOfMemoryStop as error:
         code = _fail(f"out of memory: {error}", 1)
-    except Preempted as error:
+    except Preempted:  # each rank has said where it stopped (Preemption.stop)
         from adaptive_batching.faults.preemption import EXIT_CODE as PREEMPTED_EXIT_CODE
 
-        code = _fail(f"stopped: {error}", PREEMPTED_EXIT_CODE)
+        code = PREEMPTED_EXIT_CODE
     if "adaptive_batching.runtime.distributed" in sys.modules:  # else no process group was made
         leave_cleanly()  # outside the handlers: no traceback holds the run's objects
     return code

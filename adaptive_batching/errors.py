@@ -31,4 +31,5 @@ class ConfigNotFound(FileNotFoundError):
 
 
 class Preempted(Exception):
-    """The run stopped on a scheduler's signal after saving where it was (exit code 75)."""
+    """The run stopped on a scheduler's signal after saving where it was (exit code 75). Every rank raises it at
+    the same place, having said its ``stopped: ...`` line."""

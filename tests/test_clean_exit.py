@@ -50,7 +50,7 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=RANKS)
     _train_a_step()
     started = backend_threads()
-    shutdown(ParallelInfo(RANKS, rank, rank), finished=True)
+    shutdown(ParallelInfo(RANKS, rank, rank), together=True)
     after_destroy = backend_threads()
     left = release_destroyed_group()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(

@@ -176,11 +176,15 @@ class Preemption:
             self.stop(f"{where}, before any step trained", nothing)
 
     def stop(self, where: str, saved: str) -> NoReturn:
-        """End the run after a stop signal: ``where`` it stopped and what was ``saved``."""
+        """End the run after a stop signal: ``where`` it stopped and what was ``saved``. Every rank says its line
+        here, before the ranks leave the process group together: the first rank to exit makes torchrun end the
+        others, so a line said after the teardown could be lost."""
         if self.output_dir is not None and self.parallel.is_rank_zero:
             self._record(f"{self.signal_name}; stopped {where}")
-        raise Preempted(f"{self.signal_name}; stopped {where}: {saved}. Continue with "
-                        f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
+        message = (f"{self.signal_name}; stopped {where}: {saved}. Continue with "
+                   f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
+        print(f"stopped: {message}", file=sys.stderr, flush=True)
+        raise Preempted(message)
 
 
 def run_pending_handlers() -> None:

@@ -101,13 +101,14 @@ def barrier(parallel: ParallelInfo) -> None:
 _DESTROYED_HERE = False  # this process left a process group through shutdown(): release_destroyed_group() applies
 
 
-def shutdown(parallel: ParallelInfo, *, finished: bool = False) -> None:
-    """Leave the process group. After a run every rank finished, a barrier first, so that no rank tears its
-    group down while another is still sending (never after an error: the other ranks may not come).
+def shutdown(parallel: ParallelInfo, *, together: bool = False) -> None:
+    """Leave the process group. When every rank leaves at one place (a finished run, an agreed stop), a barrier
+    first, so that no rank tears its group down while another is still sending (never after an error: the other
+    ranks may not come).
     :func:`release_destroyed_group` then ends the group's worker threads, once nothing of the run is left."""
     global _DESTROYED_HERE
     if parallel.is_distributed and dist.is_initialized():
-        if finished:
+        if together:
             dist.barrier()
         dist.destroy_process_group()
         _DESTROYED_HERE = True

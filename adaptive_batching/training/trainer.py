@@ -30,7 +30,7 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.steps import StepMemory
-from adaptive_batching.errors import StepNotRetried, UnguardedOutOfMemory
+from adaptive_batching.errors import Preempted, StepNotRetried, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
@@ -334,16 +334,17 @@ class Trainer:
     def __enter__(self) -> "Trainer":
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close(finished=exc[0] is None)
+    def __exit__(self, kind: Optional[type], *exc: object) -> None:
+        self.close(together=kind is None or issubclass(kind, Preempted))
 
-    def close(self, finished: bool = False) -> None:
+    def close(self, together: bool = False) -> None:
         """Drop the last loss (its autograd nodes hold FSDP's groups), close the metric logger and leave the process
-        group (unless a rank broke it); runs after any error."""
+        group (unless a rank broke it); runs after any error. ``together``: every rank leaves here (a finished run,
+        an agreed stop), so none tears the group down while another still uses it or has a line to say."""
         if self.built is not None:
             self.built.runner.last_loss = None
         self.preemption.uninstall()
         if self.metric_logger is not None:
             self.metric_logger.close()
         if not self.oom.process_group_broken:
-            shutdown(self.parallel, finished=finished)
+            shutdown(self.parallel, together=together)
