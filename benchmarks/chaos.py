@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from common import tiny_assets, unclean_exit
-from doc_tables import publish
+from doc_tables import report
 
 HERE = Path(__file__).resolve()
 FAULTY_RUN = HERE.parent.parent / "tests" / "faulty_run.py"  # the recipe with a fault injected, run as a script
@@ -206,12 +206,11 @@ def main() -> None:
         at = "-" if row["kind"] == "kill_in_save" else row["step"]
         lines.append(f"| {row['run']} | {row['fault']} | {at} | {', '.join(map(str, row['pieces']))} | "
                      f"{row['redone']} | {row['verdict']} |")
-    table = "\n".join(lines)
-    print(f"\n{len(rows) - failed} of {len(rows)} runs passed\n\n{table}")
+    print(f"\n{len(rows) - failed} of {len(rows)} runs passed")
+    with report("chaos" if args.publish else None, "fault-tolerance.md"):
+        print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
-    if args.publish:
-        print(f"written to {publish('fault-tolerance.md', 'chaos', table)}")
     if failed:
         sys.exit(1)
 

@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 
 from common import tiny_assets, unclean_exit
-from doc_tables import publish
+from doc_tables import report
 
 SHORT = ("epochs=1", "max_steps_per_epoch=4")
 SETTINGS = {
@@ -70,12 +70,11 @@ def runs(args: argparse.Namespace) -> None:
     unclean = sum(r["exit"] != 0 or bool(r["unclean"]) for r in records)
     lines.append(f"| **all** | **{len(records)}** | **{sum(r['exit'] != 0 for r in records)}** | "
                  f"**{sum(bool(r['unclean']) for r in records)}** | |")
-    table = "\n".join(lines)
-    print(f"\n{unclean} of {len(records)} two-rank runs exited unclean\n\n{table}")
+    print(f"\n{unclean} of {len(records)} two-rank runs exited unclean")
+    with report("clean-exits" if args.publish else None, "fault-tolerance.md"):
+        print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(records, indent=2))
-    if args.publish:
-        print(f"written to {publish('fault-tolerance.md', 'clean-exits', table)}")
     if unclean:
         sys.exit(1)
 

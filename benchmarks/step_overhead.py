@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from common import run_checked, step_stamps, tiny_assets
-from doc_tables import publish
+from doc_tables import report
 
 HERE = Path(__file__).resolve()
 NPROC, BATCH = 2, 8  # ranks, micro batch per rank
@@ -144,10 +144,8 @@ def main() -> None:
         runs = ", ".join(f"{s:.2f}" for s in speeds[setting])
         lines.append(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | "
                      f"{statistics.median(collectives[setting]):g} | {statistics.median(stop_share[setting]):.3%} |")
-    table = "\n".join(lines)
-    print(f"\n{table}")
-    if args.publish:
-        print(f"written to {publish('benchmarks.md', 'step-overhead', table)}")
+    with report("step-overhead" if args.publish else None):
+        print("\n".join(lines))
     if args.json:
         args.json.write_text(json.dumps(figures, indent=2))
 

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from common import padding, run_checked, tiny_assets
-from doc_tables import publish
+from doc_tables import report
 
 HERE = Path(__file__).resolve()
 BUDGET = "512MiB"  # adaptive_batching.memory_budget of both
@@ -104,10 +104,8 @@ def main() -> None:
     verdict = "PASS" if ratio_waste <= 1 / 3 and ratio_speed > 1 else "FAIL"
     lines += ["", f"The token budget wastes {ratio_waste:.3f} times the padding of fixed batches (bar <= 0.333) and "
                   f"trains {ratio_speed:.2f} times the real tokens per second (bar > 1): {verdict}."]
-    report = "\n".join(lines)
-    print(f"\n{report}")
-    if args.publish:
-        print(f"written to {publish('benchmarks.md', 'token-budget-vs-fixed', report)}")
+    with report("token-budget-vs-fixed" if args.publish else None):
+        print("\n".join(lines))
 
 
 if __name__ == "__main__":
