@@ -254,26 +254,24 @@ def main() -> None:
                        f"{', '.join(unknown)}\n")
     if args.only:
         names = {n: p for n, p in names.items() if n in args.only}
-    results, page = Path(args.json), ROOT / "docs" / "estimates.md"
+    results, page = Path(args.json), Path(args.markdown or ROOT / "docs" / "estimates.md")
     old = json.loads(results.read_text()) if args.merge and results.exists() else {"seq_len": args.seq_len, "rows": []}
     if old["seq_len"] != args.seq_len:
         parser.exit(2, f"error: --merge: {results} holds rows at --seq-len {old['seq_len']}, not {args.seq_len}\n")
     rows = run(names, args.seq_len, args.timeout)
-    command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
+    merged = merged_rows(old["rows"], rows) if args.merge else rows
+    results.write_text(json.dumps({"seq_len": args.seq_len, "rows": merged}, indent=1) + "\n")
     if args.merge:
-        results.write_text(json.dumps({"seq_len": args.seq_len, "rows": merged_rows(old["rows"], rows)}, indent=1)
-                           + "\n")
         page.write_text(merged_page(page.read_text(), rows, args.seq_len))
         print(f"merged into {results} and {page}")
-        return
-    Path(args.json).write_text(json.dumps({"seq_len": args.seq_len, "rows": rows}, indent=1) + "\n")
-    if not args.only:
-        args.markdown = args.markdown or str(ROOT / "docs" / "estimates.md")
-        page = Path(args.markdown)
+    elif args.only:
+        print(f"wrote {args.json}")
+    else:
         kept = page.read_text().split("\n" + FIDELITY, 1) if page.exists() else [""]
         tail = "\n" + FIDELITY + kept[1] if len(kept) == 2 else ""  # estimate_fidelity.py's section stays
+        command = f"python benchmarks/estimate_stock_configs.py --seq-len {args.seq_len}"
         page.write_text(markdown(rows, args.seq_len, command) + tail)
-    print(f"wrote {args.json}" + ("" if args.only else f" and {args.markdown}"))
+        print(f"wrote {args.json} and {args.markdown or page}")
 
 
 if __name__ == "__main__":

@@ -105,12 +105,6 @@ def _describe_error(error: BaseException) -> str:
     return f"{type(error).__name__}: {' '.join(str(error).split())[:160]}"
 
 
-def _is_oom(error: BaseException) -> bool:
-    from adaptive_batching.faults.oom import is_out_of_memory
-
-    return is_out_of_memory(error)
-
-
 class EpochTimeCap(Exception):
     """The epoch check ran out of --epoch-time-cap (not a failure: no OOM happened until then)."""
 
@@ -121,6 +115,7 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     from adaptive_batching.batching.sampler import epoch_extent
+    from adaptive_batching.faults.oom import is_out_of_memory
 
     trainer = build_trainer(args, "ours")
     limits = limit_address_space(args.room)
@@ -153,7 +148,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     except EpochTimeCap:
         epoch.update(ok=True, capped=True, steps=trainer.global_step)
     except Exception as error:
-        epoch.update(ok=False, steps=trainer.global_step, error=_describe_error(error), oom=_is_oom(error))
+        epoch.update(ok=False, steps=trainer.global_step, error=_describe_error(error), oom=is_out_of_memory(error))
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     out["epoch"] = dict(epoch, seconds=time.perf_counter() - t0)
@@ -161,6 +156,8 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
+    from adaptive_batching.faults.oom import is_out_of_memory
+
     if args.pinned:  # the allocator settings ours applies at the start of set-up, same place
         from adaptive_batching.runtime import memory
 
@@ -175,7 +172,7 @@ def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
             steps_done += 1
         outcome, error = "ok", None
     except Exception as err:
-        outcome, error = ("OOM" if _is_oom(err) else "error"), _describe_error(err)
+        outcome, error = ("OOM" if is_out_of_memory(err) else "error"), _describe_error(err)
     return {"limits": limits, "micro_batch": args.micro_batch, "outcome": outcome, "error": error,
             "steps_done": steps_done, "wall_s": time.perf_counter() - t0}
 
