@@ -14,6 +14,7 @@ Replies on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": R}`
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import sys
@@ -30,6 +31,11 @@ def preload() -> None:
 
     import adaptive_batching.cli  # noqa: F401
     import adaptive_batching.training.trainer  # noqa: F401
+
+    # What a run's first collection (runtime.memory.freeze_long_lived_objects) would walk, done once here: each
+    # child then collects only its own objects (~0.3 s less per run and per forked rank).
+    gc.collect()
+    gc.freeze()
 
 
 def fork_torchrun_workers() -> None:
