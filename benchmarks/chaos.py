@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
-from common import tiny_assets, unclean_exit
-from doc_tables import report
+from common import report, tiny_assets, unclean_exit
 
 HERE = Path(__file__).resolve()
 FAULTY_RUN = HERE.parent.parent / "tests" / "faulty_run.py"  # the recipe with a fault injected, run as a script

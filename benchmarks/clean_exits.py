@@ -16,8 +16,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import tiny_assets, unclean_exit
-from doc_tables import report
+from common import report, tiny_assets, unclean_exit
 
 SHORT = ("epochs=1", "max_steps_per_epoch=4")
 SETTINGS = {

@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from common import run_checked
-from doc_tables import publish
+from common import publish, run_checked
 
 HERE = Path(__file__).resolve()
 CONFIGS = HERE.parents[1] / "configs"

@@ -17,8 +17,7 @@ from itertools import accumulate
 from pathlib import Path
 from typing import Any, Iterable, Optional, Sequence
 
-from common import fmt, tiny_assets, tune_child, tune_in_child, work_dir
-from doc_tables import publish
+from common import fmt, publish, tiny_assets, tune_child, tune_in_child, work_dir
 
 HERE = Path(__file__).resolve()
 RESULTS = HERE.parent / "results"

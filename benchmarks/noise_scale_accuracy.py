@@ -17,7 +17,7 @@ from typing import Optional
 
 import torch
 
-from doc_tables import report
+from common import report
 
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
 

@@ -17,8 +17,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from common import fmt, largest_fit, log, run_logged, tiny_assets, work_dir, write_json
-from doc_tables import report
+from common import fmt, largest_fit, log, report, run_logged, tiny_assets, work_dir, write_json
 
 GIB = 2**30
 BAR_PERCENT = 97.0

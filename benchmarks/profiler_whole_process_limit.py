@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
-from common import fmt, largest_fit, tiny_assets
-from doc_tables import report
+from common import fmt, largest_fit, report, tiny_assets
 
 TUNE = str(Path(sys.executable).with_name("tune"))
 TUNABLES = "glibc.malloc.mmap_threshold=131072:glibc.malloc.arena_max=1"

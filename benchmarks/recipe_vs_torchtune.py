@@ -19,8 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Optional
 
-from common import fmt, log, tiny_assets, tune_child, tune_in_child, work_dir, write_json
-from doc_tables import report
+from common import fmt, log, report, tiny_assets, tune_child, tune_in_child, work_dir, write_json
 
 HERE = Path(__file__).resolve()
 BAR_RATIO = 0.99

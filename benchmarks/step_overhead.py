@@ -18,8 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import run_checked, step_stamps, tiny_assets
-from doc_tables import report
+from common import report, run_checked, step_stamps, tiny_assets
 
 HERE = Path(__file__).resolve()
 NPROC, BATCH = 2, 8  # ranks, micro batch per rank

@@ -19,8 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import padding, run_checked, tiny_assets
-from doc_tables import report
+from common import padding, report, run_checked, tiny_assets
 
 HERE = Path(__file__).resolve()
 BUDGET = "512MiB"  # adaptive_batching.memory_budget of both

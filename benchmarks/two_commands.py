@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from doc_tables import ROOT, commit, report
+from common import ROOT, commit, report
 
 
 def minutes(seconds: float) -> str:

@@ -1,11 +1,11 @@
-"""benchmarks/doc_tables.py: a benchmark's printed report, written between its markers on a docs page."""
+"""benchmarks/common.py's report: a benchmark's printed report, written between its markers on a docs page."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import pytest
-from doc_tables import report  # the benchmarks folder is on sys.path (conftest.py)
+from common import report  # the benchmarks folder is on sys.path (conftest.py)
 
 PAGE = "# Page\n\nabove\n\n<!-- table: speed -->\nold figures\n<!-- /table: speed -->\n\nbelow\n"
 
