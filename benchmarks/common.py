@@ -25,6 +25,7 @@ from typing import Any, Callable, Iterator, Optional, Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
+GIB = 2**30
 # Printed on an abort at exit, or when the process group outlived the run (``release_destroyed_group``): never fine.
 UNCLEAN_EXIT = ("terminate called", "gloo worker thread(s) still running", "Fatal Python error")
 

@@ -11,14 +11,10 @@ import argparse
 import json
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
-from common import in_fork, machine_line
+from common import GIB, ROOT, in_fork, machine_line
 
-HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
-GIB = 2**30
 SECTION = "## Fidelity against published GPU measurements"
 README = "https://github.com/pytorch/torchtune/blob/v0.6.1/README.md"
 FLAGS = "flags"

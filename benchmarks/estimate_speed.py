@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from common import publish, run_checked
+from common import GIB, publish, run_checked
 
 HERE = Path(__file__).resolve()
 CONFIGS = HERE.parents[1] / "configs"
@@ -31,7 +31,6 @@ MODELS = {  # name: (config, model-specific overrides)
 COMMON = ["tokenizer.max_seq_len={seq_len}", "dtype=bf16", "enable_activation_checkpointing=True",
           "optimizer._component_=torch.optim.AdamW"]
 METHODS = {"fast": False, "full": True}  # method: exact
-GIB = 2**30
 DEVICE_MEMORY = "80GiB"
 
 

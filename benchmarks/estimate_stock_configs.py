@@ -16,14 +16,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import in_fork, machine_line
+from common import GIB, ROOT, in_fork, machine_line
 
-HERE = Path(__file__).resolve()
-ROOT = HERE.parents[1]
 PAGE = ROOT / "docs" / "estimates.md"
 DEVICES_GIB = (24, 40, 80)
 RANKS = (1, 8)
-GIB = 2**30
 FIDELITY = "## Fidelity against published GPU measurements"  # the section estimate_fidelity.py writes
 DPO_RECIPES = ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")
 KD_RECIPES = ("knowledge_distillation_single_device", "knowledge_distillation_distributed")

@@ -17,9 +17,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from common import fmt, largest_fit, log, report, run_logged, tiny_assets, work_dir, write_json
+from common import GIB, fmt, largest_fit, log, report, run_logged, tiny_assets, work_dir, write_json
 
-GIB = 2**30
 BAR_PERCENT = 97.0
 BAR_STEPS = 6
 METHODS = ("ours", "lightning", "accelerate", "exhaustive")

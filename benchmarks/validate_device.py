@@ -22,11 +22,10 @@ import traceback
 from pathlib import Path
 from typing import Any, Optional
 
-GIB = 2**30
 HERE = Path(__file__).resolve()
 os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA must not initialise it here
 
-from common import fmt, padding, run_logged  # noqa: E402
+from common import GIB, fmt, padding, run_logged  # noqa: E402
 
 PHASES = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile")
 SETTINGS = {"full": (("full", False), ("full", True)), "lora": (("lora", False), ("lora", True)),
