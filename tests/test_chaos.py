@@ -31,7 +31,6 @@ from test_oom_recovery import ok
 from adaptive_batching.faults import checkpoints
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "chaos.py"
-sys.path.insert(0, str(_PATH.parent))  # its siblings (common, doc_tables), as running the script puts them there
 _SPEC = importlib.util.spec_from_file_location("chaos", _PATH)
 chaos = importlib.util.module_from_spec(_SPEC)
 sys.modules["chaos"] = chaos  # dataclasses look their module up there
