@@ -653,13 +653,13 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit",
         "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)"),
-    "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 6 --steps 40 --no-switch --publish": (
+    "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 20 --steps 40 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --repeats 12 --steps 100 --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --compile --warmup 20 --repeats 10 --steps 150 --no-switch --together "
     "--publish": ("tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat"),
-    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --publish": (
+    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 20 --steps 25 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
