@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib.util
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,7 +16,6 @@ from torchtune.training.lr_schedulers import get_cosine_schedule_with_warmup
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
 
 _PATH = Path(__file__).resolve().parent.parent / "benchmarks" / "growth_runs.py"
-sys.path.insert(0, str(_PATH.parent))  # its sibling common.py, as running the script puts it there
 _SPEC = importlib.util.spec_from_file_location("growth_runs", _PATH)
 growth_runs = importlib.util.module_from_spec(_SPEC)
 _SPEC.loader.exec_module(growth_runs)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,8 +21,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-from noise_scale_accuracy import (  # noqa: E402
+from noise_scale_accuracy import (  # benchmarks/ is on sys.path (conftest.py)
     D, MICRO, RANKS, SIGMA, STEPS, draw, per_rank_noise_scale, relative_errors, run_single_process,
     true_noise_scale, unit_delta)
 

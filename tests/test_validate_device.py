@@ -109,10 +109,7 @@ def test_bad_options_are_named(runs: Path) -> None:
 def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Path) -> None:
     """Each setting's config with the script's overrides passes validation before a model loads. The GPU run
     (llama3_2_1b) is only seen on a GPU: its LoRA config's ``growth_interval`` once stopped both LoRA rows there."""
-    import sys
-
-    sys.path.insert(0, str(SCRIPT.parent))
-    import validate_device
+    import validate_device  # benchmarks/ is on sys.path (conftest.py)
 
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config

@@ -128,12 +128,12 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         except ProfileError as err:  # raised after the ranks agreed: the same on every rank
             result, message, code, every_rank = None, f"profile error: {err}", 1, False
         except Preempted:  # each rank has said where it stopped (Preemption.stop)
-            result, message, code = None, "", PREEMPTED_EXIT_CODE
+            result, message, code = None, None, PREEMPTED_EXIT_CODE
         # Said before the teardown: the first rank to exit makes torchrun end the others.
-        if message and (every_rank or os.environ.get("RANK", "0") == "0"):
+        if message is not None and (every_rank or os.environ.get("RANK", "0") == "0"):
             print(message, file=sys.stderr, flush=True)
         leave_cleanly()  # outside the handlers, so no traceback keeps the run's objects alive
-        if message is None:
+        if code == 0:
             return result
         sys.exit(code)
 
