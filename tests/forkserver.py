@@ -93,6 +93,12 @@ def run_entry_point(kind: str, argv: list[str]) -> int:
             from adaptive_batching.cli import main as cli_main
             sys.argv = ["adaptive-batching", *argv]
             return int(cli_main() or 0)
+        elif kind == "module" and argv[0] == "torch.distributed.run":
+            # Its main() as imported, not a fresh copy run as __main__: that copy would not see the patch above
+            # and would start each worker as a new interpreter.
+            import torch.distributed.run as torchrun
+            sys.argv = [torchrun.__file__, *argv[1:]]
+            torchrun.main()
         elif kind == "module":
             sys.argv = ["-m", *argv[1:]]
             runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
