@@ -20,6 +20,7 @@ from recipe_runs import losses, unclean_exit
 from test_oom_recovery import faulty_run, ok
 
 from adaptive_batching.faults import checkpoints
+from adaptive_batching.errors import Preempted
 from adaptive_batching.faults.checkpoints import STOPPED_FILE, run_status
 from adaptive_batching.faults.preemption import EXIT_CODE, Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
@@ -57,6 +58,28 @@ def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
     finally:
         stop.uninstall()
     assert signal.getsignal(signal.SIGUSR1) is previous
+
+
+def test_each_rank_says_its_stop_line_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under ``python -u`` (torchrun's workers) ``print`` writes the text and the newline apart, so two ranks' lines
+    ran into one (the SLURM test saw one ``stopped:`` line of two); one write keeps each line whole."""
+    writes: list[str] = []
+
+    class Stderr:
+        def write(self, text: str) -> int:
+            writes.append(text)
+            return len(text)
+
+        def flush(self) -> None:
+            pass
+
+    monkeypatch.setattr(sys, "stderr", Stderr())
+    stop = Preemption(["SIGUSR1"], ParallelInfo(), None)
+    stop.received, stop.seen_at = signal.SIGUSR1, 2
+    with pytest.raises(Preempted):
+        stop.stop("after optimizer step 2", "saved step 2")
+    assert writes == ["stopped: SIGUSR1 received by the end of optimizer step 2; stopped after optimizer step 2: saved "
+                      "step 2. Continue with resume_from_checkpoint=True (a torchrun restart resumes by itself)\n"]
 
 
 def forked(target: Callable[[], None], cwd: Path, env: dict[str, str] | None = None) -> int:
@@ -304,7 +327,7 @@ def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_
     # Both ranks stopped at one place (after a step, or at the epoch's end: the profile may pick 2 steps an epoch),
     # each line saying so, and saved it.
     places = re.findall(r"stopped: .*?; stopped (.*)", second.stderr)
-    assert len(places) == 2 and len(set(places)) == 1 and ": saved " in places[0], places
+    assert len(places) == 2 and len(set(places)) == 1 and ": saved " in places[0], second.stderr[-4000:]
     assert run_status(out).startswith("resumable") and calls.read_text() == "requeue 42\nrequeue 42\n"
     assert not (out / STOPPED_FILE).exists()  # the save removed the first job's stop record
     third = job()  # resumes after the stop's step, so the signal after step 1 never fires again

@@ -131,7 +131,9 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
             result, message, code = None, None, PREEMPTED_EXIT_CODE
         # Said before the teardown: the first rank to exit makes torchrun end the others.
         if message is not None and (every_rank or os.environ.get("RANK", "0") == "0"):
-            print(message, file=sys.stderr, flush=True)
+            from adaptive_batching.core.logs import say_line  # torchtune is loaded by now
+
+            say_line(message)
         leave_cleanly()  # outside the handlers, so no traceback keeps the run's objects alive
         if code == 0:
             return result

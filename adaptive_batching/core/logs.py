@@ -7,6 +7,7 @@ repeat its lines), through torchtune's own logger, so the lines read like torcht
 from __future__ import annotations
 
 import logging
+import sys
 
 from torchtune import utils
 
@@ -22,3 +23,10 @@ def info(message: str) -> None:
 def warning(message: str) -> None:
     """Log ``message`` as a warning on rank zero only."""
     utils.log_rank_zero(log, message, level=logging.WARNING)
+
+
+def say_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one write: under ``python -u`` (how torchrun starts each rank)
+    ``print`` writes the text and the newline apart, and two ranks' lines could run into one."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()

@@ -35,6 +35,7 @@ from typing import Any, NoReturn, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from adaptive_batching.core import logs
 from adaptive_batching.errors import Preempted
 from adaptive_batching.faults.checkpoints import STOPPED_FILE, mark_stopped
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier, launched_by_torchrun
@@ -183,7 +184,7 @@ class Preemption:
             self._record(f"{self.signal_name}; stopped {where}")
         message = (f"{self.signal_name}; stopped {where}: {saved}. Continue with "
                    f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
-        print(f"stopped: {message}", file=sys.stderr, flush=True)
+        logs.say_line(f"stopped: {message}")
         raise Preempted(message)
 
 
