@@ -128,11 +128,6 @@ def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
     assert figures["cpu_ratio"] > 0
 
 
-def test_token_budget_vs_fixed(tmp_path: Path) -> None:
-    out = script("token_budget_vs_fixed.py", "--samples", "40", "--repeats", "1", "--threads", "1", cwd=tmp_path)
-    assert "| token budget, " in out
-
-
 @pytest.mark.multiprocess
 def test_step_overhead(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "overhead.json"
@@ -192,15 +187,3 @@ def test_profiler_vs_peers(tmp_path: Path) -> None:
 def test_noise_scale_accuracy(tmp_path: Path) -> None:
     out = script("noise_scale_accuracy.py", "--seeds", "1", cwd=tmp_path)
     assert "2 gloo ranks" in out and "Over 1 seeds" in out
-
-
-def test_compile_marks(tmp_path: Path) -> None:
-    # aot_eager (torchtune reads TORCH_COMPILE_BACKEND): the marks and guards are Dynamo's, the same on any backend
-    result = check(run_command("script", [str(BENCHMARKS / "compile_marks.py"), "--calls", "6"], cwd=tmp_path,
-                               env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager")))
-    assert "| stock |" in result.stdout and "| ours |" in result.stdout
-
-
-def test_step_counters(tmp_path: Path) -> None:
-    out = script("step_counters.py", "--tensors", "3", "--repeats", "1", "--number", "2", cwd=tmp_path)
-    assert "| 3 |" in out

@@ -32,18 +32,3 @@ def test_without_a_name_the_report_is_only_printed(tmp_path: Path, capsys: pytes
         print("| a |")
     assert capsys.readouterr().out == "\n| a |\n"
     assert (tmp_path / "page.md").read_text() == PAGE
-
-
-def test_two_commands_reads_what_the_demo_did_and_the_tests_passed_from_their_logs() -> None:
-    from two_commands import demo_summary, passed
-
-    log = ("fit: ...; chosen micro batch 88; 6 trial steps in 1.5 s; samples of 256 tokens\n"
-           "Epoch 1/3: micro batch 88 x accumulation 1 x 1 rank(s) = global batch 88, LR 0.000e+00\n"
-           "Epoch switch 1 -> 2: micro batch 88 -> 88, accumulation 1 -> 2, global batch 88 -> 176, LR 2e-3\n"
-           "Epoch switch 2 -> 3: micro batch 88 -> 88, accumulation 2 -> 4, global batch 176 -> 352, LR 3e-3\n"
-           "Rank 0: finished at optimizer step 15, micro batch 88, last loss 5.01\n")
-    assert demo_summary(log) == ("profile: 6 trial steps in 1.5 s, micro batch 88; "
-                                 "15 optimizer steps at global batch 88, 176, 352")
-    assert demo_summary("nothing") == "its log did not say"
-    assert passed("1 failed, 12 passed in 3s\n==== 1834 passed, 2 skipped in 580.1s ====") == 1834
-    assert passed("no tests ran") is None

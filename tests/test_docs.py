@@ -629,7 +629,6 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_families.py::family_assets", "write_family_assets, which the option calls, for each family"),
     # docs/benchmarks.md
     "adaptive-batching tiny-assets --output-dir /tmp/gb/assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}"),
-    "python benchmarks/compile_marks.py": ("tests/test_benchmarks.py::test_compile_marks", "smallest size: 6 calls"),
     "python benchmarks/estimate_speed.py --out-dir benchmarks/results --publish": (
         "tests/test_benchmarks.py::test_estimate_speed", PUBLISH),
     "python benchmarks/estimate_stock_configs.py --seq-len 2048": (
@@ -664,14 +663,13 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
         "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)"),
-    "python benchmarks/step_counters.py": ("tests/test_benchmarks.py::test_step_counters", "smallest size: 3 tensors"),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
         "tests/test_benchmarks.py::test_step_overhead", "smallest size: 1 timed step, settings none and stop"),
-    "python benchmarks/token_budget_vs_fixed.py --repeats 3 --threads 1 --publish": (
-        "tests/test_benchmarks.py::test_token_budget_vs_fixed", "smallest size: 40 samples, 1 repeat"),
-    "python benchmarks/two_commands.py --test-runs 2 --publish": (
-        "tests/test_doc_tables.py::test_two_commands_reads_what_the_demo_did_and_the_tests_passed_from_their_logs",
-        "not run: it runs make demo and the whole suite twice; what it reads from their logs is tested"),
+    "git clone <this repository's URL> /tmp/clone && cd /tmp/clone && time make demo": (
+        "tests/test_first_hour.py::demo", "its last step, the demo run; not in a fresh clone (the suite runs in one)"),
+    "git clone <this repository's URL> /tmp/clone && cd /tmp/clone && time CI=true bash .ci/run": (
+        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+        "the suite itself; not in a fresh clone (the suite runs in one)"),
     # docs/contributing.md
     "make clean": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", "the target exists"),
     "make test-fast": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists",
