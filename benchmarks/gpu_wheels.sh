@@ -6,26 +6,14 @@
 #   python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site
 #   python3 benchmarks/validate_device.py --phase assets        # then the other phases, see --help
 #
-# Which distributions: every one a recipe run, the validation and `adaptive-batching estimate` import,
-# found by importing those modules in this project's virtualenv (.venv, `make install`) and mapping the
-# imported top-level modules to their distributions, at the versions installed there. torch and what
-# torch itself requires (filelock, typing-extensions, sympy, networkx, jinja2, fsspec, ...) are left out:
-# the GPU machine has them. Everything is downloaded with --no-deps for CPython $PYTHON_VERSION on
-# manylinux x86_64 (binary wheels only); this project's own wheel is built with `pip wheel --no-deps .`.
-# matplotlib is left out on purpose (only the profiler's PNG needs it; without it the PNG is skipped
-# with a warning). OUT_DIR is ignored by git (.gitignore: /.whl/ and *.whl).
-#
-# SKIP: distributions the GPU machine already has, left out. Default "numpy pandas pyarrow": torchtune
-# imports HF `datasets` when it is imported (torchtune.datasets, torchtune.data), and `datasets` imports
-# pandas and pyarrow (>= 24.0 for datasets 5.2) at its own import, so all three are needed; but they are
-# 81 of the set's 101 MB, and the lent GPU image lists all three among its packages. SKIP="" brings them
-# too (about 100 MB, over a 64 MiB transfer limit: carry pyarrow's wheel in a call of its own that
-# installs it into the same --target, then the rest).
+# Which: every distribution a recipe run, the validation and `adaptive-batching estimate` import in .venv, at the
+# versions there, less torch and its own requirements (the GPU machine has them) and matplotlib (only the PNG
+# needs it); binary wheels for CPython $PYTHON_VERSION on manylinux x86_64, this project's by `pip wheel`.
+# SKIP (default "numpy pandas pyarrow", which `datasets` imports: 81 of 101 MB, and the GPU image has them):
+# left out; SKIP="" brings them (over a 64 MiB transfer: carry pyarrow's wheel in a call of its own).
 set -euo pipefail
 SKIP=${SKIP-numpy pandas pyarrow}
-
-OUT=${1:-.whl}
-PYVER=${2:-3.12}
+OUT=${1:-.whl}; PYVER=${2:-3.12}
 ROOT=$(cd "$(dirname "$0")/.." && pwd)
 VENV_PY=${VENV_PY:-$ROOT/.venv/bin/python}
 [ -x "$VENV_PY" ] || { echo "error: $VENV_PY not found: run 'make install' first (or set VENV_PY)" >&2; exit 2; }
@@ -65,8 +53,6 @@ for req in $REQS; do
 done
 "$VENV_PY" -m pip wheel -q --no-deps -w "$OUT" "$ROOT"
 
-echo "wheels in $OUT:"
-ls -1sh "$OUT"/*.whl
-du -ch "$OUT"/*.whl | tail -1
+echo "wheels in $OUT:"; ls -1sh "$OUT"/*.whl; du -ch "$OUT"/*.whl | tail -1
 [ -z "$SKIP" ] || echo "left out (SKIP, the GPU machine must have them): $SKIP; check there with" \
   "python3 -c 'import numpy, pandas, pyarrow; print(pyarrow.__version__)' (datasets needs pyarrow >= 24)"
