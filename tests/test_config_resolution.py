@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 from config_edits import setting, typed
+from recipe_runs import run_command
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.config.loading import (
@@ -292,25 +293,10 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path]]:
 
 @pytest.fixture(scope="module")
 def e2e_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """Start the recipe runs concurrently (each spends ~7 s importing) and collect them."""
+    """The recipe runs, each a ``tune run`` from the test fork server (recipe_runs.run_command)."""
     root = tmp_path_factory.mktemp("e2e")
     assert not str(root.resolve()).startswith(str(REPO))
-    procs = {
-        name: (subprocess.Popen(cmd, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True), cmd, cwd)
-        for name, (cmd, cwd) in _cases(root).items()
-    }
-    results = {}
-    try:
-        for name, (proc, cmd, cwd) in procs.items():
-            out, err = proc.communicate(timeout=180)
-            results[name] = (subprocess.CompletedProcess(cmd, proc.returncode, out, err), cwd)
-    finally:
-        for proc, _, _ in procs.values():
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-    return results
+    return {name: (run_command("tune", cmd[1:], cwd=cwd, timeout=180), cwd) for name, (cmd, cwd) in _cases(root).items()}
 
 
 @pytest.mark.parametrize(
