@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
-# The GPU validation as one command that fits a short device lease: the phases of validate_device.py in order of
-# worth, each stopped at what is left of DEADLINE seconds and skipped below its minimum, the JSON kept after each.
-#
-#   DEADLINE=515 OUT=/tmp/out benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 \
-#       --long-samples 1024 --token-samples 600        # any validate_device.py options
-#
-# With .whl/ (benchmarks/gpu_wheels.sh) in the repository root, the wheels are installed into /tmp/site first.
-# Writes OUT/env.txt, run.log, validation.json and .md, table.md and logs.tgz (every run's log, every profile).
+# The GPU validation in a short device lease: validate_device.py's phases by worth, each cut at what is left of
+# DEADLINE s and skipped below its minimum. Options go to validate_device.py; .whl/ (gpu_wheels.sh) is installed
+# first. Writes OUT/env.txt, run.log, validation.json and .md, table.md and logs.tgz (every log and profile).
 T0=$(date +%s); DEADLINE=${DEADLINE:-515}; OUT=${OUT:-/tmp/gpu_check}; PY=${PY:-python3}; W=${WORKDIR:-/tmp/val}
 mkdir -p "$OUT"; export PYTHONUNBUFFERED=1
 if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then

@@ -1,9 +1,7 @@
 #!/usr/bin/env python
 """Validate the profiler on this device in one command: a JSON of every check and a Markdown table.
 
-The checks and phases: docs/validation.md. Each run is a child: a fresh interpreter on CUDA (``spawn``: a CUDA
-context never crosses a fork), else a fork of the parent with the imports done; each phase replaces its own
-entries in ``benchmarks/results/validation-<device>.json``.
+Checks and phases: docs/validation.md. Each run is a child: spawned on CUDA (a CUDA context never forks), else forked.
 """
 
 from __future__ import annotations
@@ -46,8 +44,7 @@ DEFAULTS = {  # per device type: model, seq len, budgets, steps, long and token-
 
 
 def _instrument(record: dict[str, Any]) -> None:
-    """Measure each step and time each epoch through the trainer's hooks, in this process; skip the checkpoints (an 8B
-    model's take minutes) and the profile's plot (a Python process with matplotlib per profile)."""
+    """Measure each step and time each epoch through the trainer's hooks; skip checkpoints and the profile's plot."""
     from adaptive_batching.profiling import report as profile_report
     from adaptive_batching.profiling import run as profiling_run
     from adaptive_batching.runtime import memory
@@ -143,9 +140,7 @@ def _entry_point(kind: str, argv: list[str]) -> int:
 
 
 def preload() -> None:
-    """Import what every run needs once, before forking (no tensor is created), then ``gc.freeze()`` those objects:
-    a full collection then skips millions of them (0.5 s each here, and the library collects around every trial
-    step), and a forked child's collector stops copying the parent's pages."""
+    """Import what every run needs before forking, then ``gc.freeze()`` them: collections skip them (0.5 s each)."""
     import gc
 
     import torchtune._cli.tune  # noqa: F401
@@ -195,23 +190,21 @@ def device_info(kind: str) -> dict[str, Any]:
     import torch
 
     info: dict[str, Any] = {"torch": torch.__version__, "cpu_count": os.cpu_count(), "platform": platform.platform()}
-    if kind == "cuda":
-        props = torch.cuda.get_device_properties(0)
-        info.update(type="cuda", name=props.name, memory_bytes=int(props.total_memory), cuda=torch.version.cuda)
-    else:
-        info.update(type="cpu", name=platform.processor() or platform.machine(),
+    if kind != "cuda":
+        return dict(info, type="cpu", name=platform.processor() or platform.machine(),
                     memory_bytes=os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-    return info
+    props = torch.cuda.get_device_properties(0)
+    return dict(info, type="cuda", name=props.name, memory_bytes=int(props.total_memory), cuda=torch.version.cuda)
 
 
 def write_assets(root: str, model: str) -> dict[str, Any]:
     """The tiny assets, or ``model``'s random-initialised checkpoint next to them (as the CLI writes them)."""
-    if model == "tiny":
-        from adaptive_batching.assets.tiny import write_tiny_assets
+    from adaptive_batching.assets.models import write_model_assets
+    from adaptive_batching.assets.tiny import write_tiny_assets
 
+    if model == "tiny":
         paths = write_tiny_assets(root)
         return {"root": str(paths.root), "model_dir": str(paths.model_dir)}
-    from adaptive_batching.assets.models import write_model_assets
 
     paths = write_model_assets(root, model)
     size = (paths.model_dir / "model.safetensors").stat().st_size
@@ -219,8 +212,7 @@ def write_assets(root: str, model: str) -> dict[str, Any]:
 
 
 def write_long_dataset(source: str, target: str, seq_len: int, num_samples: int) -> dict[str, Any]:
-    """Alpaca records each longer than ``seq_len`` tokens (outputs of the tiny data set joined to ``seq_len`` words,
-    a word at least one token): a micro batch of them has the profiler's worst-case shape."""
+    """Alpaca records of at least ``seq_len`` words (so tokens): micro batches of the profiler's worst-case shape."""
     records = json.loads(Path(source).read_text())
     out, index = [], 0
     for _ in range(num_samples):
@@ -266,8 +258,7 @@ class Validation:
         self.args.json.write_text(json.dumps(self.results, indent=2, sort_keys=True, default=str) + "\n")
 
     def launch(self, tag: str, spec: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
-        """Run ``spec`` in a child (``fork`` or ``spawn``), killed past ``timeout`` seconds; its record with
-        ``wall_seconds`` and ``log``."""
+        """Run ``spec`` in a child, killed past ``timeout`` seconds; its record with ``wall_seconds`` and ``log``."""
         self.count += 1
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
@@ -292,8 +283,7 @@ class Validation:
         return record
 
     def function(self, tag: str, name: str, *args: Any) -> Any:
-        record = self.launch(tag, {"kind": "function", "function": name, "args": list(args)})
-        if record["exit_code"] != 0:
+        if (record := self.launch(tag, {"kind": "function", "function": name, "args": list(args)}))["exit_code"] != 0:
             raise SystemExit(f"{tag} failed: {record['error']} (log {record['log']})")
         return record["value"]
 
@@ -382,8 +372,7 @@ class Validation:
                 "seconds": round(record["wall_seconds"], 2)}
 
     def bisect(self, tag: str, method: str, ac: bool, start: int, budget: int) -> dict[str, Any]:
-        """Gallop up (or halve down) from ``start`` to a bracket [fits, fails), then bisect it until the
-        gap is within ``--tolerance`` of the lower end or ``--max-trials`` processes have run."""
+        """Gallop up (or halve down) to a bracket [fits, fails), then bisect to ``--tolerance`` or ``--max-trials``."""
         limit = max(1, self.args.long_samples // 2)  # 2 steps of n samples from the long data set
         trials: list[dict[str, Any]] = []
         lo: Optional[int] = None
@@ -484,8 +473,7 @@ class Validation:
 
 
 def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup: int) -> dict[str, Any]:
-    """What a run's training steps did: count, out-of-memory errors, allocator retries, peaks, tokens/s
-    (the steps after the first ``warmup``, from the library's own step timer)."""
+    """What a run's steps did: count, OOMs, allocator retries, peaks, tokens/s after the first ``warmup``."""
     steps = record["steps"]
     timed = steps[warmup:] if len(steps) > warmup else steps
     seconds = sum(s["seconds"] for s in timed)
@@ -501,8 +489,7 @@ def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup:
 
 def _last_line(log: Path) -> str:
     """A failed run's last line of output (a config error is one line, no traceback)."""
-    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
-    return lines[-1][-300:] if lines else ""
+    return ([""] + (log.read_text(errors="replace").strip().splitlines() if log.exists() else []))[-1][-300:]
 
 
 def _gib(value: Optional[float]) -> str:
@@ -618,8 +605,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if args.threads is not None and args.threads < 0:
         p.error(f"--threads must be >= 0, got {args.threads}")
     for name in ("seq_len", "steps", "long_samples", "token_samples", "max_trials"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
+        if (value := getattr(args, name)) is not None and value < 1:
             p.error(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if not 0 <= args.tolerance < 1:
         p.error(f"--tolerance must be in [0, 1), got {args.tolerance}")
