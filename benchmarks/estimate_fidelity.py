@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""``estimate`` against peak memory that torchtune published for its stock configs on GPUs.
-
-Each row (:data:`ROWS`) is predicted from that config's fake-step trace at the published micro batch; the table
-replaces the section "Fidelity against published GPU measurements" of ``docs/estimates.md``.
-"""
+"""``estimate`` against peak memory that torchtune published for its stock configs on GPUs (docs/estimates.md)."""
 
 from __future__ import annotations
 
@@ -17,13 +13,12 @@ from common import GIB, ROOT, in_fork, machine_line
 
 SECTION = "## Fidelity against published GPU measurements"
 README = "https://github.com/pytorch/torchtune/blob/v0.6.1/README.md"
-FLAGS = "flags"
-SPEED = "speed"
+FLAGS, SPEED = "flags", "speed"
 SOURCES = {
     FLAGS: f"torchtune 0.6.1's README ({README}), table 'Optimization flags': Llama 3.2 3B on one A100, batch 2, "
-           f"packed to 4096 tokens, bf16, each technique added to the ones above it ('Peak Memory Active')",
-    SPEED: f"the same README, table 'Memory and training speed': batch 2 without gradient accumulation, packed to "
-           f"2048 tokens, compile on ('Peak Memory per GPU')",
+           "packed to 4096 tokens, bf16, each technique added to the ones above it ('Peak Memory Active')",
+    SPEED: "the same README, table 'Memory and training speed': batch 2 without gradient accumulation, packed to "
+           "2048 tokens, compile on ('Peak Memory per GPU')",
 }
 FULL_3B = "llama3_2/3B_full_single_device"
 PLAIN_3B = {"optimizer._component_": "torch.optim.AdamW", "optimizer_in_bwd": "False",
@@ -43,10 +38,7 @@ STACK = [("packed (AdamW, plain cross-entropy, no compile, no checkpointing)", P
 
 def overrides(*layers: dict[str, str]) -> list[str]:
     """``key=value`` overrides, each key once, later layers winning (the techniques stack up)."""
-    merged: dict[str, str] = {}
-    for layer in layers:
-        merged.update(layer)
-    return [f"{key}={value}" for key, value in merged.items()]
+    return [f"{key}={value}" for key, value in dict(kv for layer in layers for kv in layer.items()).items()]
 
 
 @dataclass(frozen=True)
@@ -106,14 +98,13 @@ def predict_one(row: Published) -> dict[str, Any]:
     start = time.perf_counter()
     trace = trace_steps(cfg, method_for(cfg), seq_len=row.seq_len, seq_len_source="published")
     paged = trace.paged_bytes > 0
-    peak = peak_at(trace, row.micro_batch, row.ranks, paged_out=paged)
-    result = {"predicted_gib": round(peak / GIB, 2), "paged_left_out_gib": round(trace.paged_bytes / row.ranks / GIB, 2),
+    peak = peak_at(trace, row.micro_batch, row.ranks, paged_out=paged) / GIB
+    result = {"predicted_gib": round(peak, 2), "paged_left_out_gib": round(trace.paged_bytes / row.ranks / GIB, 2),
               "compile": bool(cfg.get("compile", False)),
               "checkpointing": bool(cfg.get("enable_activation_checkpointing", False)),
               "nf4": "qlora" in str(cfg.model.get("_component_", ""))}
     if row.also_micro_batch:
-        also = peak_at(trace, row.also_micro_batch, row.ranks, paged_out=paged)
-        result["also_predicted_gib"] = round(also / GIB, 2)
+        result["also_predicted_gib"] = round(peak_at(trace, row.also_micro_batch, row.ranks, paged_out=paged) / GIB, 2)
     result["seconds"] = round(time.perf_counter() - start, 1)
     return result
 
@@ -122,10 +113,8 @@ def run(rows: list[Published], timeout: float) -> list[dict[str, Any]]:
     results = []
     for i, row in enumerate(rows, 1):
         got = in_fork(predict_one, (row,), timeout)
-        result = {**row.__dict__, **got}
-        if "predicted_gib" in got:
-            result["ratio"] = round(got["predicted_gib"] / row.measured_gib, 2)
-        results.append(result)
+        ratio = {"ratio": round(got["predicted_gib"] / row.measured_gib, 2)} if "predicted_gib" in got else {}
+        results.append({**row.__dict__, **got, **ratio})
         print(f"[{i}/{len(rows)}] {row.setting}: measured {row.measured_gib:.1f} GiB, "
               f"predicted {got.get('predicted_gib', got.get('reason'))}", flush=True)
     return results
@@ -141,7 +130,7 @@ def why(r: dict[str, Any]) -> str:
                        + (" (the layer being recomputed)" if r.get("checkpointing") else ""))
     if r.get("paged_left_out_gib"):
         reasons.append(f"{r['paged_left_out_gib']} GiB of paged optimizer state left out (torch's statistics do not "
-                       f"see it)")
+                       "see it)")
     if r.get("ranks", 1) > 1:
         reasons.append("FSDP's gathered units counted as the two largest, throughout the step")
     if r.get("note"):
@@ -197,8 +186,7 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
 
 def replace_section(page: str, section: str) -> str:
     """``page`` with its fidelity section (to the end of the page) replaced by ``section``, or ``section`` added."""
-    head = page.split("\n" + SECTION, 1)[0].rstrip("\n")
-    return head + "\n\n" + section
+    return page.split("\n" + SECTION, 1)[0].rstrip("\n") + "\n\n" + section
 
 
 def main() -> None:
