@@ -1,9 +1,4 @@
-"""What the benchmark scripts share: tiny assets, a work folder, a recipe run in this process with a time stamp per
-logged step, a child process with its log or a readable failure, the largest size that fits, an unclean exit, and
-the report a script writes into the docs between a page's markers (:func:`report`).
-
-Scripts import it as a sibling (``python benchmarks/x.py`` puts ``benchmarks/`` first on ``sys.path``).
-"""
+"""What the benchmark scripts share (imported as a sibling: ``python benchmarks/x.py`` puts benchmarks/ on sys.path)."""
 
 from __future__ import annotations
 
@@ -50,28 +45,18 @@ def work_dir(given: Optional[Path], prefix: str) -> Iterator[Path]:
             yield Path(folder)
 
 
-def threads_env(threads: int, **extra: str) -> dict[str, str]:
-    """This environment with ``threads`` intra-op threads for a child (``BENCH_THREADS``: :func:`tune_in_process`)."""
-    n = str(threads)
-    return dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, PYTHONUNBUFFERED="1",
-                TOKENIZERS_PARALLELISM="false", **extra)
-
-
 def run_logged(command: Sequence[str], log_path: Path, timeout: float = 900, **kwargs: Any) -> Optional[int]:
     """``command`` with its stdout and stderr in ``log_path``; its exit code, None when killed after ``timeout``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as out:
-        try:
-            return subprocess.run(list(command), stdout=out, stderr=subprocess.STDOUT, timeout=timeout,
-                                  **kwargs).returncode
-        except subprocess.TimeoutExpired:
-            return None
+    with open(log_path, "w") as out, contextlib.suppress(subprocess.TimeoutExpired):
+        return subprocess.run(list(command), stdout=out, stderr=subprocess.STDOUT, timeout=timeout, **kwargs).returncode
+    return None
 
 
 def largest_fit(fits: Callable[[int], bool], start: int, trials: Optional[int] = None
                 ) -> tuple[int, Optional[int], list[str]]:
-    """The largest size ``fits`` accepts: doubling from ``start``, then bisection, at most ``trials`` sizes. Returns
-    it (0 when none fitted), the smallest that failed, and every size tried in order (``x``: failed)."""
+    """The largest size ``fits`` accepts (0: none) by doubling then bisection, at most ``trials`` sizes; the smallest
+    that failed, and every size tried in order (``x``: failed)."""
     tried: list[str] = []
 
     def attempt(size: int) -> bool:
@@ -92,8 +77,7 @@ def largest_fit(fits: Callable[[int], bool], start: int, trials: Optional[int] =
 
 
 def run_checked(command: Sequence[str], what: str, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``command`` run with its output captured; a failure ends the benchmark with ``what failed:`` and the last
-    3000 characters of its stderr."""
+    """``command`` with its output captured; a failure ends the benchmark with ``what failed:`` and its stderr's end."""
     result = subprocess.run(list(command), capture_output=True, text=True, **kwargs)
     if result.returncode != 0:
         sys.exit(f"{what} failed:\n{result.stderr[-3000:]}")
@@ -102,18 +86,15 @@ def run_checked(command: Sequence[str], what: str, **kwargs: Any) -> subprocess.
 
 def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
     """The first line of ``result``'s output that shows an unclean exit, or None."""
-    for line in (result.stdout + result.stderr).splitlines():
-        if any(mark in line for mark in UNCLEAN_EXIT):
-            return line
-    return None
+    return next((line for line in (result.stdout + result.stderr).splitlines() if any(m in line for m in UNCLEAN_EXIT)),
+                None)
 
 
 @contextlib.contextmanager
 def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None
                 ) -> Iterator[list[dict[str, Any]]]:
-    """Within the block, each metric line a recipe logs (``DiskLogger.log_dict``, once per optimizer step) appends
-    ``{"step", "t", "cpu"}`` (``perf_counter`` and ``process_time`` at the call) and ``on_step(payload, step)``'s
-    items to the list it yields."""
+    """Within the block, each metric line a recipe logs (once per optimizer step) appends ``{"step", "t", "cpu"}``
+    (``perf_counter``, ``process_time``) and ``on_step(payload, step)``'s items to the list it yields."""
     from torchtune.training.metric_logging import DiskLogger
 
     stamps: list[dict[str, Any]] = []
@@ -134,10 +115,8 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
 def tune_child(stamps_path: str, tune_args: list[str],
                on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None,
                same_adapters: bool = False) -> int:
-    """``tune TUNE_ARGS`` in this process (a script's ``--tune-child``) with ``BENCH_THREADS`` torch threads if set;
-    writes to ``stamps_path`` its steps' :func:`step_stamps`, the torch threads, and when training started and ended.
-    ``same_adapters``: every LoRA A matrix from one generator of its own, so that stock's recipe and ours (on the meta
-    device) start from the same adapters."""
+    """``tune TUNE_ARGS`` in this process (``--tune-child``); writes its :func:`step_stamps`, threads and training
+    start and end to ``stamps_path``. ``same_adapters``: LoRA A matrices from one seeded generator (stock's = ours)."""
     import torch
     import torchtune.modules.peft.lora as lora
     from torchtune._cli.tune import main as tune_main
@@ -172,13 +151,16 @@ def tune_child(stamps_path: str, tune_args: list[str],
 
 def tune_in_child(script: Path, tune_args: list[str], stamps: Path, log_path: Path, threads: int = 1,
                   timeout: float = 900, **kwargs: Any) -> dict[str, Any]:
-    """``tune TUNE_ARGS`` in a fresh ``script --tune-child`` (:func:`tune_child`), its output in ``log_path``: its exit
-    code (None: timed out), seconds, log and output, the child's record, and an ``error`` line if it failed."""
+    """``tune TUNE_ARGS`` in a fresh ``script --tune-child``: exit code (None: timed out), seconds, log, output, the
+    child's record, and an ``error`` line if it failed."""
     stamps.parent.mkdir(parents=True, exist_ok=True)
     stamps.unlink(missing_ok=True)
     started = time.perf_counter()
+    n = str(threads)  # intra-op threads: OpenMP/MKL pools, and torch's (BENCH_THREADS: tune_child)
+    env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, PYTHONUNBUFFERED="1",
+               TOKENIZERS_PARALLELISM="false")
     code = run_logged([sys.executable, str(script), "--tune-child", str(stamps), *tune_args], log_path, timeout,
-                      env=threads_env(threads), **kwargs)
+                      env=env, **kwargs)
     output = log_path.read_text(errors="replace")
     result = {"exit_code": code, "child_seconds": time.perf_counter() - started, "log": str(log_path),
               "output": output, **(json.loads(stamps.read_text()) if stamps.exists() else {"stamps": []})}
@@ -204,9 +186,7 @@ def write_json(path: Path, data: Any) -> None:
 
 
 def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
-    """Padding waste of one epoch of the samples as the recipe's data pipeline gives them, cut by both samplers the
-    runs use: fixed micro batches of ``micro_batch`` samples (shuffled), and ``max_tokens`` padded tokens per micro
-    batch (similar lengths together)."""
+    """Padding waste of one epoch of the recipe's samples, in fixed micro batches and in ``max_tokens`` ones."""
     from torchtune import config as tune_config
 
     from adaptive_batching.batching.data import build_dataset
@@ -238,8 +218,7 @@ def machine_line(command: str) -> str:
 
 
 def in_fork(function: Callable[..., dict[str, Any]], args: tuple, timeout: float) -> dict[str, Any]:
-    """``function(*args)`` in a forked child, so that one that fails or hangs cannot stop the others: its dict, or
-    ``{"reason": ...}`` in one line when it raised or gave no answer in ``timeout`` seconds."""
+    """``function(*args)``'s dict from a forked child, or ``{"reason": ...}`` when it raised or hung ``timeout`` s."""
     context = multiprocessing.get_context("fork")
     receive, send = context.Pipe(duplex=False)
 
@@ -273,12 +252,12 @@ def machine() -> str:
 
 
 def commit() -> str:
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(ROOT), *args], capture_output=True, text=True, timeout=10)
+
     try:
-        out = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                             timeout=10)
-        dirty = subprocess.run(["git", "-C", str(ROOT), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+changes" if dirty else "") if out.returncode == 0 else "unknown"
+        out, dirty = git("rev-parse", "--short", "HEAD"), git("status", "--porcelain", "--untracked-files=no").stdout
+        return out.stdout.strip() + ("+changes" if dirty.strip() else "") if out.returncode == 0 else "unknown"
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
 
@@ -291,8 +270,7 @@ def command_line() -> str:
 
 
 def markdown_of(text: str) -> str:
-    """A benchmark's printed report as markdown: its tables kept whole, every other line a paragraph of its own
-    (a line right under a table would otherwise be read as one of its rows)."""
+    """A printed report as markdown: tables kept whole, every other line a paragraph of its own."""
     blocks: list[str] = []
     for line in text.strip().splitlines():
         if line.startswith("|") and blocks and blocks[-1].startswith("|"):
@@ -303,8 +281,7 @@ def markdown_of(text: str) -> str:
 
 
 def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
-    """Put ``body`` (markdown) with a line naming the command, date, commit and machine between the markers of
-    ``name`` on ``docs/page``. The markers must exist: a table is placed by hand once, then only rewritten."""
+    """Put ``body`` with a line naming command, date, commit and machine between ``name``'s markers on ``docs/page``."""
     path = docs / page
     text = path.read_text(encoding="utf-8")
     pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: {re.escape(name)} -->)", re.S)
@@ -318,8 +295,7 @@ def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
 
 @contextlib.contextmanager
 def report(name: Optional[str], page: str = "benchmarks.md", *, docs: Path = DOCS) -> Iterator[None]:
-    """What the block prints is the benchmark's report: printed once it is complete, and with a ``name`` (the
-    benchmark's ``--publish``) also written as markdown between that table's markers on ``docs/page``."""
+    """What the block prints is the report: printed when complete, and with a ``name`` also published on ``page``."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):
         yield
