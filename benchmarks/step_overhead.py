@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""What the fault handling costs when nothing goes wrong: steps per second and collectives per step.
-
-``tiny_full`` under ``torchrun`` (FSDP with gloo), the :data:`SETTINGS` alternating; rank 0 stamps each metric line
-with the collectives and the time in the stop agreement since the last. The page: docs/benchmarks.md.
-"""
+"""The fault handling's cost when nothing goes wrong: steps/s and collectives per step (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -22,15 +18,12 @@ from common import report, run_checked, step_stamps, tiny_assets
 
 HERE = Path(__file__).resolve()
 NPROC, BATCH = 2, 8  # ranks, micro batch per rank
-
-
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
                "reduce_scatter", "barrier", "all_to_all_single")
 
 
 def child(stamps_path: str, module: str, argv: list[str]) -> None:
-    """One rank of a run: the recipe in this process, rank 0 recording when each step is logged and how
-    many collectives ran since the previous step."""
+    """One rank of a run in this process; rank 0 stamps each logged step with the collectives and stop time since."""
     import torch.distributed as dist
 
     calls = [0]
@@ -86,8 +79,7 @@ SETTINGS = {"none": ["adaptive_batching.oom_recovery=False", NO_STOP],
 
 
 def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float, float]:
-    """Steps per second, the median collectives per timed step, and the share of the timed steps' time
-    spent in the ranks' stop agreement (rank 0's ``Preemption.begin_step`` and ``end_step``) of one run."""
+    """One run's steps/s, median collectives per timed step, and share of the time in the stop agreement."""
     stamps = work / f"{tag}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
            str(HERE), "--child", str(stamps), "adaptive_full_finetune", "--config", "tiny_full",
@@ -95,13 +87,12 @@ def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[f
            "batch_increase_function=null", f"batch_size={BATCH}", "gradient_accumulation_steps=1",
            "epochs=1", f"max_steps_per_epoch={args.warmup + args.steps}", "dataset.split=train",
            "log_every_n_steps=1", *SETTINGS[setting]]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    run_checked(cmd, tag, env=env, cwd=work, timeout=1800)
+    run_checked(cmd, tag, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), cwd=work, timeout=1800)
     record = json.loads(stamps.read_text())
-    times, counts = record["stamps"], record["collectives"]
-    timed = slice(args.warmup, args.warmup + args.steps)
+    times, timed = record["stamps"], slice(args.warmup, args.warmup + args.steps)
     elapsed = times[args.warmup + args.steps - 1] - times[args.warmup - 1]
-    return args.steps / elapsed, statistics.median(counts[timed]), sum(record["stop_seconds"][timed]) / elapsed
+    stop = sum(record["stop_seconds"][timed]) / elapsed
+    return args.steps / elapsed, statistics.median(record["collectives"][timed]), stop
 
 
 def main() -> None:
@@ -133,16 +124,14 @@ def main() -> None:
                     figure[setting].append(value)
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
                       f"{share:.4%} of the time in the stop agreement", flush=True)
-    off = statistics.median(speeds["none"])
+    off, median = statistics.median(speeds["none"]), statistics.median
     lines = [f"{NPROC} ranks, micro batch {BATCH}, {args.steps} timed steps after {args.warmup}, "
              f"median of {args.repeats} alternating repeats:", "",
              "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",
              "|---|---|---|---|---|---|"]
-    for setting in chosen:
-        median = statistics.median(speeds[setting])
-        runs = ", ".join(f"{s:.2f}" for s in speeds[setting])
-        lines.append(f"| {setting} | {median:.2f} | {median / off:.3f} | {runs} | "
-                     f"{statistics.median(collectives[setting]):g} | {statistics.median(stop_share[setting]):.3%} |")
+    lines += [f"| {s} | {median(speeds[s]):.2f} | {median(speeds[s]) / off:.3f} | "
+              f"{', '.join(f'{v:.2f}' for v in speeds[s])} | {median(collectives[s]):g} | {median(stop_share[s]):.3%} |"
+              for s in chosen]
     with report("step-overhead" if args.publish else None):
         print("\n".join(lines))
     if args.json:
