@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace (docs/benchmarks.md).
-
-Each model and method in a fresh process, compared with the full trace at every micro batch both measured (the
-largest relative difference of a step's peak); Markdown and JSON go to ``--out-dir``.
-"""
+"""How long ``adaptive-batching estimate`` takes, layer extrapolation against the full trace (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -23,11 +19,8 @@ from common import GIB, publish, run_checked
 
 HERE = Path(__file__).resolve()
 CONFIGS = HERE.parents[1] / "configs"
-MODELS = {  # name: (config, model-specific overrides)
-    "tiny": ("tiny_full", ["model.max_seq_len={seq_len}"]),
-    "llama3_2_1b": ("llama3_2_1b", []),
-    "llama3_8b": ("llama3_8b", []),
-}
+MODELS = {"tiny": ("tiny_full", ["model.max_seq_len={seq_len}"]),  # name: (config, model-specific overrides)
+          "llama3_2_1b": ("llama3_2_1b", []), "llama3_8b": ("llama3_8b", [])}
 COMMON = ["tokenizer.max_seq_len={seq_len}", "dtype=bf16", "enable_activation_checkpointing=True",
           "optimizer._component_=torch.optim.AdamW"]
 METHODS = {"fast": False, "full": True}  # method: exact
@@ -70,15 +63,13 @@ def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     run_checked([sys.executable, str(HERE), "--child", model, method, str(args.seq_len), str(out)],
                 f"{model} {method}", env=dict(os.environ, OMP_NUM_THREADS="1"))
-    result = json.loads(out.read_text())
-    out.unlink()
+    result, _ = json.loads(out.read_text()), out.unlink()
     return dict(result, model=model, method=method, process_wall_s=time.perf_counter() - started)
 
 
 def _step_peak(row: dict[str, Any], micro_batch: int) -> int:
     """A measured step's forward/backward peak once the optimizer state exists (as the fit sees it)."""
-    step = row["steps"][str(micro_batch)]
-    return step["steady_bytes"] + step["activation_bytes"]
+    return row["steps"][str(micro_batch)]["steady_bytes"] + row["steps"][str(micro_batch)]["activation_bytes"]
 
 
 def compare(rows: list[dict[str, Any]]) -> None:
@@ -128,19 +119,17 @@ def main() -> None:
     p.add_argument("--out-dir", type=Path, default=Path("."))
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     args = p.parse_args()
-    models = [m for m in args.models.split(",") if m]
-    methods = [m for m in args.methods.split(",") if m]
+    models, methods = ([m for m in arg.split(",") if m] for arg in (args.models, args.methods))
     unknown = [m for m in models if m not in MODELS] + [m for m in methods if m not in METHODS]
     if unknown:
         p.error(f"unknown --models/--methods entries {unknown}; models: {list(MODELS)}, methods: {list(METHODS)}")
     args.out_dir.mkdir(parents=True, exist_ok=True)
-    rows = []
-    for model in models:
-        for method in methods:
-            rows.append(r := run(model, method, args))
-            print(f"{model} {method}: micro batch {r['estimate']['max_micro_batch']} "
-                  f"(fit {r['estimate']['fit_micro_batch']}), "
-                  f"{r['estimate_wall_s']:.1f} s wall, {r['estimate_cpu_s']:.1f} s CPU", flush=True)
+    rows: list[dict[str, Any]] = []
+    for model, method in ((a, b) for a in models for b in methods):
+        rows.append(r := run(model, method, args))
+        print(f"{model} {method}: micro batch {r['estimate']['max_micro_batch']} "
+              f"(fit {r['estimate']['fit_micro_batch']}), "
+              f"{r['estimate_wall_s']:.1f} s wall, {r['estimate_cpu_s']:.1f} s CPU", flush=True)
     compare(rows)
     table = markdown(rows, args)
     print("\n" + table)
