@@ -1,10 +1,6 @@
 #!/usr/bin/env python
 """``adaptive-batching estimate`` on every full, LoRA, QLoRA, DPO, KD and QAT config torchtune 0.6.1 ships:
-docs/estimates.md.
-
-Each config is traced once, in a forked child, at ``--seq-len`` tokens per worst-case sample; one trace serves every
-device size and rank count. ``--only`` writes its rows to ``--json``; ``--merge`` also puts them in the page.
-"""
+docs/estimates.md."""
 
 from __future__ import annotations
 
@@ -42,16 +38,11 @@ def method_of(cfg: Any) -> str:
 def savers(cfg: Any) -> list[str]:
     """The memory savers the config turns on, as the table names them."""
     optimizer = str(cfg.optimizer.get("_component_", ""))
-    named = []
-    if optimizer.startswith("bitsandbytes."):
-        named.append(optimizer.rsplit(".", 1)[-1])
-    for key, name in (("optimizer_in_bwd", "optimizer_in_bwd"),
-                      ("enable_activation_checkpointing", "activation checkpointing"),
-                      ("enable_activation_offloading", "activation offloading"),
-                      ("fsdp_cpu_offload", "fsdp_cpu_offload"), ("compile", "compile")):
-        if cfg.get(key, False):
-            named.append(name)
-    return named
+    named = [optimizer.rsplit(".", 1)[-1]] if optimizer.startswith("bitsandbytes.") else []
+    return named + [name for key, name in (
+        ("optimizer_in_bwd", "optimizer_in_bwd"), ("enable_activation_checkpointing", "activation checkpointing"),
+        ("enable_activation_offloading", "activation offloading"), ("fsdp_cpu_offload", "fsdp_cpu_offload"),
+        ("compile", "compile")) if cfg.get(key, False)]
 
 
 VISION_REASON = ("multimodal: needs torchvision, and none for torch 2.13.0+cpu loads here (see above); "
@@ -84,8 +75,7 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
             row["paged_state_evicted"] = sorted(key for key, e in estimates.items() if e.paged_state_evicted)
         if trace.savers.activation_offloading:
             row["host_gib_per_sample"] = round(estimates["24GiB/1"].host_bytes_per_sample / GIB, 3)
-        row["seconds"] = round(time.perf_counter() - start, 1)
-        row["layers"] = trace.num_layers
+        row.update(seconds=round(time.perf_counter() - start, 1), layers=trace.num_layers)
         row.update(parameters(cfg, method))
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
         reason = one_line(error).split(" Are you sure")[0][:200]
@@ -137,8 +127,7 @@ def saver_cell(r: dict[str, Any]) -> str:
 
 
 def cell(r: dict[str, Any], key: str) -> str:
-    """The micro batch; where paged optimizer state changes it, also the answer with that state evicted (``3 / 5``),
-    and where the device cannot hold that state beside one sample, the evicted answer alone (``2 paged``)."""
+    """The micro batch; ``3 / 5``: also the one with paged state evicted; ``2 paged``: only evicted fits."""
     mb = r["micro_batch"][key]
     out = r.get("micro_batch_paged_out", {}).get(key)
     if key in r.get("paged_state_evicted", ()):
@@ -147,8 +136,7 @@ def cell(r: dict[str, Any], key: str) -> str:
 
 
 def page_head(seq_len: int) -> str:
-    """docs/estimates.md's text above its command line, at ``seq_len`` tokens: what the table shows and how
-    ``estimate`` models each memory saver and objective. It is written in the page, and kept when the table is."""
+    """docs/estimates.md's text above its command line (written in the page, kept), at ``seq_len`` tokens."""
     head = PAGE.read_text().split("\nCommand: `", 1)
     if len(head) != 2:
         raise SystemExit(f"{PAGE} has no line 'Command: `...' under its text: nothing to keep above the table")
@@ -185,8 +173,7 @@ ESTIMATED = re.compile(r"^\d+ of \d+ configs estimated", re.MULTILINE)
 
 
 def merged_page(page: str, rows: list[dict[str, Any]], seq_len: int) -> str:
-    """``page`` with the table rows of ``rows`` in place of those of the same configs (a new config's row where
-    its name sorts), every other line kept, and its count of configs estimated counted again."""
+    """``page`` with ``rows`` in place of the same configs' rows (new ones where they sort), the count redone."""
     new = {line.split("`", 2)[1]: line for line in markdown(rows, seq_len, "").splitlines()
            if line.startswith("| `")}
     head, tail = (page.split("\n" + FIDELITY, 1) + [""])[:2]
@@ -210,12 +197,8 @@ def merged_rows(old: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[d
 
 def unknown_names(only: list[str], names: list[str]) -> list[str]:
     """The ``--only`` names that are not stock configs, each with the nearest stock name where one is close."""
-    found = []
-    for name in only:
-        if name not in names:
-            near = difflib.get_close_matches(name, names, n=1)
-            found.append(f"{name!r}" + (f" (did you mean {near[0]!r}?)" if near else ""))
-    return found
+    return [f"{name!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(name, names, n=1)) else "")
+            for name in only if name not in names]
 
 
 def main() -> None:
