@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Batch-growth strategies compared by real training runs on CPU, at equal samples (docs/benchmarks.md).
-
-Six runs of ``tiny_full`` see the same samples in the same order, cut into optimizer steps differently
-(:func:`run_overrides`); ``growth_runs.json``, ``.md`` and ``.png`` go under ``--out``.
-"""
+"""Batch-growth strategies compared by real training runs on CPU, at equal samples (docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -85,9 +81,7 @@ def split_log_lines(text: str) -> list[str]:
     lines: list[str] = []
     for chunk in text.replace("\r", "\n").split("\n"):
         for marker in ("Growth period", "Epoch switch"):
-            at = chunk.find(marker)
-            if at > 0:
-                chunk = chunk[at:]
+            chunk = chunk[chunk.find(marker):] if chunk.find(marker) > 0 else chunk
         lines.append(chunk.strip())
     return [line for line in lines if line]
 
@@ -98,8 +92,7 @@ def cumulative(values: Iterable[float]) -> list[float]:
 
 
 def smooth_by_samples(losses: Sequence[float], batches: Sequence[float], window: float) -> list[Optional[float]]:
-    """At each step, the mean loss of the last ``window`` samples: each step's loss weighted by its samples (the
-    oldest step's by its part inside the window); None until the steps so far hold ``window`` samples."""
+    """At each step, the sample-weighted mean loss of the last ``window`` samples; None until there are as many."""
     if window <= 0:
         raise ValueError(f"window must be > 0, got {window}")
     if len(losses) != len(batches):
@@ -137,8 +130,7 @@ def curves(rows: list[dict[str, Any]], window: float) -> tuple[list[float], list
 def summarise(run: dict[str, Any], targets: dict[str, float], window: float) -> dict[str, Any]:
     """Steps, samples and seconds to each target; final smoothed loss; totals; noise-scale trace."""
     rows = run["rows"]
-    batches, samples, smooth = curves(rows, window)
-    start = run["train_start"]
+    (batches, samples, smooth), start = curves(rows, window), run["train_start"]
     out: dict[str, Any] = {"steps": len(rows), "samples": samples[-1] if samples else 0,
                            "train_seconds": (run["train_end"] or rows[-1]["t"]) - start,
                            "final_loss": smooth[-1], "to_target": {}}
@@ -162,10 +154,8 @@ def markdown_table(summaries: dict[str, dict[str, Any]], targets: dict[str, floa
     lines = [head + extra + " final loss | noise scale (first -> last, max) |",
              "| --- | --- | ---: | ---: | ---: | ---: | ---: |" + " ---: |" * len(rest) + " ---: | --- |"]
     for name, s in summaries.items():
-        hit = s["to_target"][main_label]
-        batches = s["global_batches"]
+        hit, batches, ns = s["to_target"][main_label], s["global_batches"], s["noise_scale"]
         span = f"{batches[0]}" if len(batches) == 1 else f"{batches[0]} -> {max(batches)}"
-        ns = s["noise_scale"]
         noise = "not measured" if not ns["measured_steps"] else \
             f"{ns['first']:.1f} -> {ns['last']:.1f}, max {ns['max']:.1f} ({ns['measured_steps']} steps)"
         cells = [name, span, str(s["steps"]), f"{s['train_seconds']:.1f}", fmt(hit and hit["steps"], "d", "never"),
@@ -185,8 +175,7 @@ def plot(runs: list[dict[str, Any]], targets: dict[str, float], window: float, p
     fig, axes = plt.subplots(4, 1, figsize=(9, 13), sharex=True)
     low = math.inf
     for run in runs:
-        rows = run["rows"]
-        batches, samples, smooth = curves(rows, window)
+        rows, (batches, samples, smooth) = run["rows"], curves(run["rows"], window)
         low = min(low, min(v for v in smooth if v is not None))
         line, = axes[0].plot([s for s, v in zip(samples, smooth) if v is not None],
                              [v for v in smooth if v is not None], label=run["name"], lw=1.4)
@@ -261,13 +250,11 @@ def main(argv: Optional[list[str]] = None) -> None:
         for name, overrides in run_overrides(args).items():
             if args.only and name not in args.only and name != "fixed small":
                 continue
-            run = run_one(args, work, name, overrides)
-            runs.append(run)
+            runs.append(run := run_one(args, work, name, overrides))
             rows = run["rows"]
             print(f"{name}: {len(rows)} steps, {sum(r['global_batch_size'] for r in rows):.0f} samples, "
                   f"last loss {rows[-1]['loss']:.4f}, {run['child_seconds']:.1f} s", flush=True)
-        wall = time.perf_counter() - started
-        report(args, command, wall, runs, work)
+        report(args, command, time.perf_counter() - started, runs, work)
 
 
 def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[str, Any]],
