@@ -1,10 +1,6 @@
 #!/usr/bin/env python
 """Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation) against torchtune's stock single-device one: optimizer
-steps per second, per-step losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md.
-
-Both run as ``tune run`` in fresh children that stamp each logged step (``common.tune_child``); stock's config is
-ours' resolved one cut to the keys stock's recipe reads. The exit code is 1 only when a run failed.
-"""
+steps per second, per-step losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -71,7 +67,6 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     return args
 
 
-# --------------------------------------------------------------------------- configs
 def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
     """``args.config`` as our recipe reads it, with this benchmark's settings, fully resolved."""
     from omegaconf import OmegaConf
@@ -111,11 +106,9 @@ def stock_config(ours: dict[str, Any], recipe: str) -> tuple[dict[str, Any], lis
     return out, sorted(set(ours) - keys)
 
 
-# --------------------------------------------------------------------------- running
 def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any],
                cpu: Optional[int] = None) -> dict[str, Any]:
-    """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` when given); its per-step log
-    stamps and output."""
+    """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` if given): stamps and output."""
     from omegaconf import OmegaConf
 
     config_path = args.workdir / "configs" / f"{tag}.yaml"
@@ -131,9 +124,8 @@ RATES = ("steps_per_second", "median_step_rate", "cpu_step_rate")
 
 
 def step_rates(stamps: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, Optional[float]]:
-    """From the log-call stamps, the ``steps`` after the first ``warmup``: per second, 1 / their median interval
-    (less sensitive to bursts from other processes), and per second of the child's CPU time (which other
-    processes' load touches least); None when too few steps were logged."""
+    """The ``steps`` after the first ``warmup``: per second, 1 / their median interval (less sensitive to bursts),
+    and per second of the child's CPU time (least touched by load); None when too few steps were logged."""
     if len(stamps) < warmup + steps:
         return dict.fromkeys(RATES)
     times, cpu = ([s[key] for s in stamps[warmup - 1: warmup + steps]] for key in ("t", "cpu"))
@@ -189,8 +181,7 @@ def pair_ratios(runs: dict[str, list[dict[str, Any]]], key: str = "steps_per_sec
 
 
 def window_overlaps(runs: dict[str, list[dict[str, Any]]], warmup: int, steps: int) -> list[float]:
-    """For each repeat, the share of the shorter measured window (from the ``warmup``-th step's log line to the
-    last measured one) that the other run's window covers: 1.0 when the two ran side by side throughout."""
+    """For each repeat, the share of the shorter measured window the other run's covers (1.0: side by side)."""
     shares = []
     for ours, stock in zip(runs["ours"], runs["stock"]):
         if len(ours["stamps"]) < warmup + steps or len(stock["stamps"]) < warmup + steps:
@@ -204,8 +195,7 @@ def window_overlaps(runs: dict[str, list[dict[str, Any]]], warmup: int, steps: i
 
 def loss_check(runs: dict[str, list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
     """Same batches, same LR schedule? The first runs' per-step losses and LRs, ours vs stock."""
-    stock = next((r for r in runs["stock"] if r["stamps"]), None)
-    ours = next((r for r in runs["ours"] if r["stamps"]), None)
+    stock, ours = (next((r for r in runs[name] if r["stamps"]), None) for name in ("stock", "ours"))
     if stock is None or ours is None:
         return None
     out: dict[str, Any] = {}
@@ -223,11 +213,10 @@ def loss_check(runs: dict[str, list[dict[str, Any]]]) -> Optional[dict[str, Any]
 
 def switch_run(args: argparse.Namespace) -> dict[str, Any]:
     """Ours with per-epoch batch growth; the recipe's own 'Epoch switch ... took X ms' lines."""
-    tag = "ours_switch"
+    tag, function = "ours_switch", {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}
     output_dir = args.workdir / "runs" / tag
-    cfg = ours_config(args, output_dir, epochs=SWITCH_EPOCHS, steps_per_epoch=SWITCH_STEPS)
-    function = {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}
-    cfg["batch_increase_function"] = function
+    cfg = dict(ours_config(args, output_dir, epochs=SWITCH_EPOCHS, steps_per_epoch=SWITCH_STEPS),
+               batch_increase_function=function)
     log(f"epoch-switch run: ours, {SWITCH_EPOCHS} epochs x {SWITCH_STEPS} steps, batch_increase_function = {function}")
     result = run_recipe(args, tag, args.ours, cfg)
     shutil.rmtree(output_dir, ignore_errors=True)
@@ -250,7 +239,6 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
-# --------------------------------------------------------------------------- report
 def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
     """Each recipe's medians over its runs of each of :data:`RATES`, and ours / stock of each."""
     rows = [{"recipe": f"{name}: {recipe}", "steps_measured": args.steps,
@@ -275,8 +263,7 @@ def print_table(summary: dict[str, Any], drift: Optional[str]) -> None:
     for row in summary["rows"]:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")
-    ratio = summary["ratio"]
-    verdict = "PASS" if summary["passed"] else "FAIL"
+    ratio, verdict = summary["ratio"], "PASS" if summary["passed"] else "FAIL"
     print(f"ours / stock = {fmt(ratio, '.3f')}x by steps/s, {fmt(summary.get('median_step_ratio'), '.3f')}x by median "
           f"step time (bar: both >= {BAR_RATIO:g}x): {verdict}; {fmt(summary['cpu_ratio'], '.3f')}x by CPU time")
     check = summary["same_computation"]
