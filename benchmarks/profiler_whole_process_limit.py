@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md.
-
-Each profiled run is a fresh ``tune run`` of ``--objective``'s recipe under ``ulimit -v`` with no explicit budget,
-against the maximum bisected over fresh processes of 2 worst-case steps at one size (glibc tuned from the start).
-"""
+"""The CPU profiler under a whole-process memory limit, as a user sets it (``ulimit -v``): docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
 
 
 def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``cmd`` in a fresh shell whose whole process is limited to ``limit_kib`` of address space, 1 thread;
-    ``tuned``: glibc tuned from the process's start (else not: a profiled run tunes it itself)."""
+    """``cmd`` under ``ulimit -v limit_kib``, 1 thread; ``tuned``: glibc tuned from the start (a profiled run tunes)."""
     env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"GLIBC_TUNABLES": TUNABLES} if tuned else {}))
     return subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
@@ -42,9 +37,7 @@ def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> s
 
 def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool,
            objective: str) -> bool:
-    """Two worst-case training steps (every sample full length, the profiler's own trial step) at
-    ``micro_batch`` in a fresh process under the limit, glibc tuned from its start. The process is
-    ``python this_file.py`` or, as a user's run, ``tune run`` (its CLI's imports and objects included)."""
+    """Two worst-case steps at ``micro_batch`` in a fresh ``python`` or ``tune run`` process under the limit."""
     child_args = ["--child", str(micro_batch), "--assets", str(assets), "--out", str(work / f"fixed-{micro_batch}"),
                   "--objective", objective, *(["--optimizer-in-bwd"] if in_bwd else [])]
     if launcher == "tune":  # ``tune run`` runs a module from the working directory, and wants a --config
