@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""The gradient noise scale estimator against linear regression, whose noise scale is known exactly.
-
-Noisy linear regression ``y = x . w* + eps`` has ``B_simple = ((d + 1) |delta|^2 + d sigma^2) / |delta|^2`` at
-``w - w* = delta``; real minibatch gradients feed ``growth.gradient_noise`` as the trainer does.
-"""
+"""The gradient noise scale estimator against linear regression, whose noise scale is known exactly."""
 
 from __future__ import annotations
 
