@@ -47,16 +47,15 @@ def draw(gen: torch.Generator, shape: tuple[int, ...], d: int, sigma: float) -> 
 
 def run_single_process(seed: int, *, steps: int, accumulation: int, micro: int, decay: float,
                        first_only: bool) -> tuple[float, list]:
-    """Feed ``steps`` steps of ``accumulation`` micro batches; the truth and the values reported. The small batch is
-    the first micro batch (``first_only``: what FSDP2 leaves observable) or the mean of all micro batches' norms."""
+    """``steps`` steps of ``accumulation`` micro batches: the truth and the estimates. The small batch: the first
+    micro batch (``first_only``: what FSDP2 leaves observable) or the mean of all micro batches' norms."""
     delta, gen = unit_delta(D, seed), torch.Generator().manual_seed(1000 + seed)
     estimator, values = NoiseScaleEstimator(decay=decay), []
     for _ in range(steps):
         x, y = draw(gen, (accumulation, micro), D, SIGMA)
         grads = _micro_batch_grads(delta, x, y)  # one mean gradient per micro batch
-        sq = grads.pow(2).sum(-1)
+        sq, big = grads.pow(2).sum(-1), float(grads.mean(0).pow(2).sum())
         small = float(sq[0]) if first_only else float(sq.mean())
-        big = float(grads.mean(0).pow(2).sum())
         values.append(estimator.update(small, micro, big, micro * accumulation))
     return true_noise_scale(D, SIGMA, delta), values
 
@@ -69,9 +68,7 @@ def per_rank_noise_scale(rank: int, world: int) -> list:
     """Per-rank small batches (each rank's micro batches, one scalar all-reduce), big all-reduced."""
     import torch.distributed as dist
 
-    delta = unit_delta(D, seed=7)
-    w = torch.nn.Parameter(delta.clone())
-    gen = torch.Generator().manual_seed(2000 + rank)
+    w, gen = torch.nn.Parameter(unit_delta(D, seed=7)), torch.Generator().manual_seed(2000 + rank)
     estimator, values = NoiseScaleEstimator(decay=0.95), []
     for _ in range(STEPS):
         total, small = torch.zeros(D), torch.zeros(())
@@ -116,8 +113,7 @@ def final_error(seed: int, decay: float) -> float:
 
 def row(setup: str, decay: float, truth: float, values: list, warm_up: int) -> str:
     errors = relative_errors(truth, values[warm_up:])
-    return (f"| {setup} | {decay:g} | {values[-1]:.1f} ({100 * errors[-1]:.1f}% off) | "
-            f"{100 * max(errors):.1f}% |")
+    return f"| {setup} | {decay:g} | {values[-1]:.1f} ({100 * errors[-1]:.1f}% off) | {100 * max(errors):.1f}% |"
 
 
 def main(argv: Optional[list[str]] = None) -> int:
