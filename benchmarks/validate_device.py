@@ -241,8 +241,7 @@ class Validation:
     """The checks of one device, run in child processes, accumulated in one JSON file."""
 
     def __init__(self, args: argparse.Namespace, device: dict[str, Any]) -> None:
-        self.args, self.device = args, device
-        self.work = args.workdir
+        self.args, self.device, self.work = args, device, args.workdir
         self.assets = args.assets or self.work / "assets"
         self.long_data = self.work / "data" / f"long_{args.seq_len}.json"
         self.results: dict[str, Any] = json.loads(args.json.read_text()) if args.json.exists() else {}
@@ -262,9 +261,8 @@ class Validation:
         self.count += 1
         log = self.work / "logs" / f"{self.count:03d}-{tag}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
-        result = log.with_suffix(".json")
+        (result := log.with_suffix(".json")).unlink(missing_ok=True)
         spec = dict(spec, threads=self.args.threads, result=str(result))
-        result.unlink(missing_ok=True)
         started = time.perf_counter()
         if self.args.launcher == "spawn":
             log.with_suffix(".spec.json").write_text(json.dumps(spec))
@@ -361,10 +359,9 @@ class Validation:
         record, _ = self.recipe(f"{tag}-trial-{n}", method, ac, [
             "use_maximum_batch_size=False", f"batch_size={n}", "max_steps_per_epoch=2",
             "adaptive_batching.oom_recovery=False"], cap=budget if self.device["type"] == "cuda" else None)
-        steps = record["steps"]
+        steps, retries = record["steps"], sum(s["alloc_retries"] for s in record["steps"])
         peak = max((s["peak_bytes"] for s in steps[1:]), default=None)
         reserved = max((s["reserved_peak_bytes"] or 0 for s in steps[1:]), default=0)
-        retries = sum(s["alloc_retries"] for s in steps)
         ok = (record["exit_code"] == 0 and record["oom_errors"] == 0 and len(steps) == 2 and retries == 0
               and peak is not None and peak <= budget and reserved <= budget)
         return {"micro_batch": n, "fits": ok, "peak_bytes": peak, "reserved_peak_bytes": reserved or None,
