@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit.
-
-Each method runs in a fresh child limited to its address space after set-up + ``--room`` GiB (``RLIMIT_AS``); the
-true maximum is bisected over fresh children. docs/benchmarks.md says how to read it.
-"""
+"""Our start-up profiler against Lightning's and Accelerate's batch-size finders, on a real memory limit."""
 
 from __future__ import annotations
 
@@ -19,8 +15,7 @@ from typing import Any, Callable, Optional
 
 from common import GIB, fmt, largest_fit, log, report, run_logged, tiny_assets, work_dir, write_json
 
-BAR_PERCENT = 97.0
-BAR_STEPS = 6
+BAR_PERCENT, BAR_STEPS = 97.0, 6
 METHODS = ("ours", "lightning", "accelerate", "exhaustive")
 ACCELERATE_START = 1024  # Accelerate's starting_batch_size: the user's guess
 EXHAUSTIVE_START = 128  # the exhaustive search's first micro batch
@@ -177,8 +172,7 @@ def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
 
 def observed(trials: list[dict[str, Any]], micro_batch: int, step: Callable[[], None], peer: str,
              recognises: Callable[[BaseException], bool]) -> None:
-    """``step()`` recorded in ``trials``; a failure is noted with whether the peer calls it an OOM, then re-raised:
-    the peer decides what to do with it."""
+    """``step()`` recorded in ``trials``; a failure noted with whether the peer calls it an OOM, and re-raised."""
     trial = {"micro_batch": micro_batch, "ok": False}
     trials.append(trial)
     try:
@@ -309,16 +303,14 @@ def spawn(args: argparse.Namespace, method: str, micro_batch: Optional[int] = No
           pinned: bool = False) -> dict[str, Any]:
     """Run one method in a fresh child process; return its result (or how it died)."""
     tag = method + ("_pinned" if pinned else "") + ("" if micro_batch is None else f"_{micro_batch}")
-    log_path = args.workdir / "logs" / f"{tag}.log"
-    result_path = args.workdir / "results" / f"{tag}.json"
+    log_path, result_path = args.workdir / "logs" / f"{tag}.log", args.workdir / "results" / f"{tag}.json"
     result_path.parent.mkdir(parents=True, exist_ok=True)
     result_path.unlink(missing_ok=True)
     command = [sys.executable, os.path.abspath(__file__), "--child", method, "--workdir", str(args.workdir),
                "--room", str(args.room), "--seq-len", str(args.seq_len), "--epoch-time-cap", str(args.epoch_time_cap),
                "--result", str(result_path), *(["--micro-batch", str(micro_batch)] if micro_batch else []),
                *(["--pinned"] if pinned else [])]
-    started = time.perf_counter()
-    code = run_logged(command, log_path)
+    started, code = time.perf_counter(), run_logged(command, log_path)
     elapsed = time.perf_counter() - started
     if code == 0 and result_path.exists():
         return dict(json.loads(result_path.read_text()), child_seconds=elapsed)
@@ -335,8 +327,7 @@ def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[st
 
     def fits(b: int, recheck: bool = False) -> bool:
         r = spawn(args, "exhaustive", b, pinned)
-        outcome = r.get("outcome", "crashed")
-        error = r.get("error") or r.get("crashed")
+        outcome, error = r.get("outcome", "crashed"), r.get("error") or r.get("crashed")
         children.append({"micro_batch": b, "outcome": outcome, "seconds": r["child_seconds"], "error": error,
                          "steps_done": r.get("steps_done"), "recheck": recheck})
         where = f" in step {r['steps_done'] + 1}" if outcome == "OOM" else ""
@@ -346,8 +337,7 @@ def exhaustive_search(args: argparse.Namespace, pinned: bool = False) -> dict[st
             raise RuntimeError(f"exhaustive child at micro batch {b} failed: {error}")
         return outcome == "ok"
 
-    lo, hi, _ = largest_fit(fits, EXHAUSTIVE_START)
-    seconds = time.perf_counter() - started
+    (lo, hi, _), seconds = largest_fit(fits, EXHAUSTIVE_START), time.perf_counter() - started
     # Outcomes at the boundary are noisy (address-space layout): run both sides once more and report it.
     recheck = {"max_ok_again": fits(lo, recheck=True) if lo > 0 else None, "above_ok_again": fits(hi, recheck=True)}
     return {"true_max": lo, "smallest_oom": hi, "pinned": pinned, "children": children, "seconds": seconds,
@@ -408,9 +398,8 @@ def markdown_table(rows: list[dict[str, Any]], exhaustive: dict[str, dict[str, A
         lines.append(f"| {r['method']} | {fmt(r['found'])} | {fmt(r['true_max'])} | {fmt(r['percent'], '.1f')} | "
                      f"{fmt(r['trial_steps'])} | {fmt(r['wall_s'], '.1f')} | {r['note']} |")
     for regime, ex in exhaustive.items():
-        search = [c for c in ex["children"] if not c["recheck"]]
+        search, again = [c for c in ex["children"] if not c["recheck"]], ex["recheck"]
         sizes = _trial_list([{"micro_batch": c["micro_batch"], "ok": c["outcome"] == "ok"} for c in search])
-        again = ex["recheck"]
         recheck = (f"re-check: {ex['true_max']} {_ok_word(again['max_ok_again'])}, "
                    f"{ex['smallest_oom']} {_ok_word(again['above_ok_again'])}")
         lines.append(f"| {REGIME_NAMES[regime]} | {ex['true_max']} | {ex['true_max']} | 100.0 | "
@@ -486,8 +475,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                     print(f"ours against the default-glibc true maximum {default_max} (what the peers ran under): "
                           f"{fmt(_pct(ours['found'], default_max), '.1f')}%")
             print(f"\nBar (ours >= {BAR_PERCENT:g}% of the true max, <= {BAR_STEPS} trial steps, faster than both "
-                  f"peers): "
-                  f"{'MET' if bar['met'] else 'NOT MET'}")
+                  f"peers): {'MET' if bar['met'] else 'NOT MET'}")
             for name, ok in bar["checks"].items():
                 print(f"  {'ok  ' if ok else 'MISS'} {name}: {bar['detail'][name]}")
 
