@@ -1,9 +1,5 @@
 #!/usr/bin/env python
-"""Do two-rank runs exit clean, every time? Counts the runs that exit non-zero or print an abort.
-
-N two-rank ``tune run``s on the tiny model, cycling through :data:`SETTINGS`. ``--mechanism`` shows the abort's
-cause: a gloo group that outlives ``destroy_process_group()`` unless ``release_destroyed_group()`` ran.
-"""
+"""Do two-rank runs exit clean, every time? Counts the runs that exit non-zero or print an abort."""
 
 from __future__ import annotations
 
@@ -54,8 +50,7 @@ def runs(args: argparse.Namespace) -> None:
         assets = tiny_assets(None, work)
         for index in range(args.runs):
             setting = chosen[index % len(chosen)]
-            record = one_run(setting, assets, work / f"run{index}")
-            records.append(record)
+            records.append(record := one_run(setting, assets, work / f"run{index}"))
             bad = record["exit"] != 0 or record["unclean"]
             print(f"run {index + 1}/{args.runs} {setting}: exit {record['exit']}, {record['seconds']} s"
                   f"{'  UNCLEAN: ' + str(record['unclean']) if bad else ''}", flush=True)
