@@ -21,15 +21,9 @@ phase() {  # minimum seconds, then validate_device.py options
   pkill -9 -f "validate_device.py --child" 2>/dev/null
   [ -d "$W/logs" ] && (cd "$W" && tar czf "$OUT/logs.tgz" logs $(ls runs/*/profile/profile.json 2>/dev/null))
 }
-phase 60 --phase assets
-phase 120 --phase full --settings full/ac_off
-phase 100 --phase lora --settings lora/ac_off
-phase 100 --phase qlora --settings qlora/ac_off
-phase 60 --phase estimate
-phase 100 --phase full --settings full/ac_on
-phase 60 --phase tokens
-phase 100 --phase lora --settings lora/ac_on
-phase 150 --phase compile
+for p in "60 --phase assets" "120 --phase full --settings full/ac_off" "100 --phase lora --settings lora/ac_off" \
+  "100 --phase qlora --settings qlora/ac_off" "60 --phase estimate" "100 --phase full --settings full/ac_on" \
+  "60 --phase tokens" "100 --phase lora --settings lora/ac_on" "150 --phase compile"; do phase $p; done  # by worth
 if [ -f "$OUT/validation.json" ]; then "${V[@]}" --table > "$OUT/table.md" 2>&1; cat "$OUT/table.md"; fi
 grep -E "^(===|SKIP|  [a-z])" "$OUT/run.log"
 echo "total $(( $(date +%s) - T0 )) s"
