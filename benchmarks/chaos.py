@@ -1,10 +1,6 @@
 #!/usr/bin/env python
-"""Chaos: two-rank runs, each hit by one random fault at a random step, resumed until done; every optimizer step
-must train exactly once, with the uninterrupted run's losses bit for bit, and every checkpoint must load.
-
-The faults (:class:`Fault`), the run and what passes: docs/fault-tolerance.md. A stopped run is resumed without a
-fault, up to 4 pieces; steps logged after the checkpoint the next piece resumed from count as redone.
-"""
+"""Chaos: two-rank runs, each hit by one random fault and resumed until done, must train every step once with
+the uninterrupted run's losses bit for bit, and every checkpoint must load (docs/fault-tolerance.md)."""
 
 from __future__ import annotations
 
@@ -98,8 +94,7 @@ def launch(out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restar
 
 def reference_losses(out: Path, assets: Path, plan: Plan, runner: Runner = run_process) -> dict[int, str]:
     """The uninterrupted run's loss (as logged) of each step."""
-    whole = launch(out, assets, plan, {}, runner=runner)
-    if whole.returncode != 0:
+    if (whole := launch(out, assets, plan, {}, runner=runner)).returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{whole.stderr[-3000:]}")
     (entries,) = logged(out / "logs")
     return dict(entries)
@@ -121,9 +116,8 @@ def checkpoints_load(out: Path) -> Optional[str]:
     if checkpoints.latest_complete_checkpoint(out) is None:
         return "no complete checkpoint"
     for folder in sorted(out.glob("epoch_*")):
-        record, reason = checkpoints._inspect(folder)
-        if record is None:
-            return f"{folder.name}: {reason}"
+        if (inspected := checkpoints._inspect(folder))[0] is None:
+            return f"{folder.name}: {inspected[1]}"
         torch.load(folder / checkpoints.RECIPE_STATE_FILE, weights_only=False)
         for weights in folder.glob("*.safetensors"):
             load_file(weights)
