@@ -111,8 +111,7 @@ def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, A
     """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` if given): stamps and output."""
     from omegaconf import OmegaConf
 
-    config_path = args.workdir / "configs" / f"{tag}.yaml"
-    config_path.parent.mkdir(parents=True, exist_ok=True)
+    (config_path := args.workdir / "configs" / f"{tag}.yaml").parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(cfg), config_path)
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     result = tune_in_child(HERE, ["run", recipe, "--config", str(config_path)], args.workdir / "stamps" / f"{tag}.json",
@@ -142,8 +141,7 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
     def one(i: int, name: str) -> dict[str, Any]:
         nonlocal dropped
         tag = f"{name}_{i + 1}"
-        output_dir = args.workdir / "runs" / tag
-        ours = ours_config(args, output_dir, epochs=1, steps_per_epoch=total)
+        ours = ours_config(args, output_dir := args.workdir / "runs" / tag, epochs=1, steps_per_epoch=total)
         if name == "ours":
             recipe, cfg = args.ours, ours
         else:
@@ -233,8 +231,7 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
            "median_ms": statistics.median(took) if took else None,
            "batches": sorted({s["batch"] for s in result["stamps"] if s.get("batch") is not None}),
            "log": result["log"]}
-    if "error" in result:
-        out["error"] = result["error"]
+    out.update({"error": result["error"]} if "error" in result else {})
     log(f"  epoch switch: {len(took)} line(s) with a time" + (f" [{out['error']}]" if "error" in out else ""))
     return out
 
