@@ -92,20 +92,13 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--limit-gib", type=float, default=3.5, help="ulimit -v for the whole process (GiB)")
     parser.add_argument("--repeats", type=int, default=2, help="profiled runs (default 2)")
     parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
-    parser.add_argument("--tolerance", type=float, default=None,
-                        help="adaptive_batching.search_tolerance for the profiled runs (default: the recipe's)")
-    parser.add_argument("--launchers", default=",".join(LAUNCHERS),
-                        help="the fresh processes whose maximum is searched: python, tune or both (default both)")
-    parser.add_argument("--optimizer-in-bwd", action="store_true",
-                        help="optimizer_in_bwd with bitsandbytes' PagedAdamW8bit, as torchtune's single-device configs")
-    parser.add_argument("--objective", choices=OBJECTIVES, default="finetune",
-                        help="finetune (tiny_full; the default), dpo (adaptive_lora_dpo on tiny_lora_dpo, pairs) or kd "
-                             "(adaptive_knowledge_distillation on tiny_kd, the teacher resident)")
-    parser.add_argument("--fresh-trials", type=int, default=None,
-                        help="at most this many fresh processes per search (a lower bound then; default: no limit)")
+    parser.add_argument("--tolerance", type=float, help="adaptive_batching.search_tolerance (default: the recipe's)")
+    parser.add_argument("--launchers", default=",".join(LAUNCHERS), help="python, tune or both")
+    parser.add_argument("--optimizer-in-bwd", action="store_true", help="optimizer_in_bwd with PagedAdamW8bit")
+    parser.add_argument("--objective", choices=OBJECTIVES, default="finetune", help="finetune (tiny_full), dpo or kd")
+    parser.add_argument("--fresh-trials", type=int, help="at most this many fresh processes per search (a lower bound)")
     parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--publish", action="store_true",
-                        help="write the table into docs/benchmarks.md (one table per --tolerance)")
+    parser.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     parser.add_argument("--child", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written anew)")
     parser.add_argument("--out", type=Path, default=None, help=argparse.SUPPRESS)
