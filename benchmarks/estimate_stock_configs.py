@@ -174,8 +174,7 @@ ESTIMATED = re.compile(r"^\d+ of \d+ configs estimated", re.MULTILINE)
 
 def merged_page(page: str, rows: list[dict[str, Any]], seq_len: int) -> str:
     """``page`` with ``rows`` in place of the same configs' rows (new ones where they sort), the count redone."""
-    new = {line.split("`", 2)[1]: line for line in markdown(rows, seq_len, "").splitlines()
-           if line.startswith("| `")}
+    new = {line.split("`", 2)[1]: line for line in markdown(rows, seq_len, "").splitlines() if line.startswith("| `")}
     head, tail = (page.split("\n" + FIDELITY, 1) + [""])[:2]
     lines = head.split("\n")
     table = [i for i, line in enumerate(lines) if line.startswith("| `")]
@@ -204,17 +203,11 @@ def unknown_names(only: list[str], names: list[str]) -> list[str]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seq-len", type=int, default=2048)
-    parser.add_argument("--only", nargs="+", default=[], metavar="NAME",
-                        help="estimate only these stock configs (torchtune's names, as `tune ls` lists them); their "
-                             "rows go to --json only")
+    parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="only these stock configs (to --json)")
     parser.add_argument("--timeout", type=float, default=300)
-    parser.add_argument("--markdown", default=None,
-                        help="the page the table of every config is written to (default docs/estimates.md); not "
-                             "with --only, whose rows are part of that table")
+    parser.add_argument("--markdown", help="the page of every config's table (default docs/estimates.md; not --only)")
     parser.add_argument("--json", default=str(ROOT / "benchmarks" / "results" / "estimate_stock_configs.json"))
-    parser.add_argument("--merge", action="store_true",
-                        help="with --only: the rows take the place of those configs' rows in docs/estimates.md's "
-                             "table and in --json's file (new configs where their names sort); the rest is kept")
+    parser.add_argument("--merge", action="store_true", help="with --only: replace those rows in the page and --json")
     args = parser.parse_args()
     if args.only and args.markdown is not None:
         parser.exit(2, "error: --markdown writes the table of every config; with --only the rows go to --json "
