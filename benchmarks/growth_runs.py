@@ -216,8 +216,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--assets", type=Path, default=None, help="tiny assets (written under --work if absent)")
     p.add_argument("--work", type=Path, default=None, help="keep run outputs here (default: a temporary folder)")
     p.add_argument("--out", type=Path, default=RESULTS)
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="no runs: re-analyse and re-plot the runs of an earlier growth_runs.json")
+    p.add_argument("--from-json", type=Path, help="no runs: re-analyse and re-plot an earlier growth_runs.json")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
     return p.parse_args(argv)
 
