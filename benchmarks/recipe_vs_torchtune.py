@@ -47,13 +47,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run first and not measured (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each recipe, alternating (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of every child (default 1)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="finetune",
-                   help="finetune (tiny_full, full fine-tuning; the default), dpo (tiny_lora_dpo, LoRA DPO) or kd "
-                        "(tiny_kd, LoRA knowledge distillation)")
+    p.add_argument("--objective", choices=OBJECTIVES, default="finetune", help="finetune (tiny_full), dpo or kd")
     p.add_argument("--no-switch", action="store_true", help="skip the epoch-switch run")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
-    p.add_argument("--together", action="store_true",
-                   help="each repeat's two runs at the same time, each pinned to its own core (swapped every repeat)")
+    p.add_argument("--together", action="store_true", help="each repeat's two runs at once, each on its own core")
     p.add_argument("--json", type=Path, default=None, help="also write the figures as JSON to this path")
     p.add_argument("--publish", action="store_true", help="write the report into docs/benchmarks.md")
     p.add_argument("--workdir", type=Path, default=None, help="configs, runs and logs (default: a temporary folder)")
