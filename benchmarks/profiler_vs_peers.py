@@ -22,8 +22,7 @@ EXHAUSTIVE_START = 128  # the exhaustive search's first micro batch
 
 
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--room", type=float, default=1.5, help="GiB each child may add above its set-up (default 1.5)")
     p.add_argument("--seq-len", type=int, default=256, help="tokens per worst-case sample (default 256)")
     p.add_argument("--json", type=Path, default=None, help="also write the results as JSON to this path")
@@ -111,8 +110,7 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     from adaptive_batching.faults.oom import is_out_of_memory
 
     trainer = build_trainer(args, "ours")
-    limits = limit_address_space(args.room)
-    out: dict[str, Any] = {"limits": limits}
+    out: dict[str, Any] = {"limits": (limits := limit_address_space(args.room))}
     t0 = time.perf_counter()
     try:
         result = trainer.profile()
