@@ -21,10 +21,10 @@ demo: install
 	$(BIN)/adaptive-batching tiny-assets
 	cd /tmp && $(BIN)/tune run adaptive_full_finetune --config tiny_full
 
-# Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once; the slowest
-# files start first (tests/conftest.py); the 15 slowest tests are listed at the end.
+# Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once; the 15
+# slowest tests are listed at the end.
 test: install
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
 
 # Everything but the end-to-end and multi-process tests, for quick checks while developing.
 test-fast: install
