@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 from config_edits import setting, typed
-from recipe_runs import run_command
 from omegaconf import DictConfig, OmegaConf
+from recipe_runs import tune_run
 
 from adaptive_batching.config.loading import (
     parse,
@@ -23,7 +23,6 @@ from adaptive_batching.config.loading import (
 from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
 
 REPO = Path(__file__).resolve().parents[1]
-TUNE = Path(sys.executable).parent / "tune"
 SHIPPED = ("tiny_full", "tiny_lora")
 
 
@@ -268,8 +267,9 @@ def test_unknown_config_exits_before_recipe(tmp_path: Path, monkeypatch: pytest.
 # --------------------------------------------------------------------------- #
 
 
-def _cases(root: Path) -> dict[str, tuple[list[str], Path]]:
-    """name -> (command, cwd). Each run has an adaptive key error and a checkpoint dir that does not exist."""
+def _cases(root: Path) -> dict[str, tuple[str, str, list[str], Path]]:
+    """name -> (recipe, config, overrides, cwd). Each run has an adaptive key error and a checkpoint dir that does not
+    exist."""
     full = root / "full"
     full_yaml = root / "full_yaml"
     custom = root / "custom"
@@ -282,21 +282,21 @@ def _cases(root: Path) -> dict[str, tuple[list[str], Path]]:
     )
     common = ["checkpointer.checkpoint_dir=/nonexistent/ckpt"]
     return {
-        "tiny_full": ([str(TUNE), "run", "adaptive_full_finetune", "--config", "tiny_full",
-                       "adaptive_batching.bogus=1", f"output_dir={full / 'out'}", *common], full),
-        "tiny_full.yaml": ([str(TUNE), "run", "adaptive_full_finetune", "--config", "tiny_full.yaml",
-                            "adaptive_batching.bogus=1", f"output_dir={full_yaml / 'out'}", *common], full_yaml),
-        "custom": ([str(TUNE), "run", "adaptive_lora_finetune", "--config", "./my_run.yaml",
-                    f"output_dir={custom / 'out'}", *common], custom),
+        "tiny_full": ("adaptive_full_finetune", "tiny_full",
+                      ["adaptive_batching.bogus=1", f"output_dir={full / 'out'}", *common], full),
+        "tiny_full.yaml": ("adaptive_full_finetune", "tiny_full.yaml",
+                           ["adaptive_batching.bogus=1", f"output_dir={full_yaml / 'out'}", *common], full_yaml),
+        "custom": ("adaptive_lora_finetune", "./my_run.yaml", [f"output_dir={custom / 'out'}", *common], custom),
     }
 
 
 @pytest.fixture(scope="module")
 def e2e_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subprocess.CompletedProcess, Path]]:
-    """The recipe runs, each a ``tune run`` from the test fork server (recipe_runs.run_command)."""
+    """The recipe runs, each a ``tune run`` (recipe_runs.tune_run: forked from the test fork server)."""
     root = tmp_path_factory.mktemp("e2e")
     assert not str(root.resolve()).startswith(str(REPO))
-    return {name: (run_command("tune", cmd[1:], cwd=cwd, timeout=180), cwd) for name, (cmd, cwd) in _cases(root).items()}
+    return {name: (tune_run(recipe, config, overrides, cwd=cwd, timeout=180), cwd)
+            for name, (recipe, config, overrides, cwd) in _cases(root).items()}
 
 
 @pytest.mark.parametrize(
