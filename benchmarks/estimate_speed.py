@@ -63,7 +63,8 @@ def run(model: str, method: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     run_checked([sys.executable, str(HERE), "--child", model, method, str(args.seq_len), str(out)],
                 f"{model} {method}", env=dict(os.environ, OMP_NUM_THREADS="1"))
-    result, _ = json.loads(out.read_text()), out.unlink()
+    result = json.loads(out.read_text())
+    out.unlink()
     return dict(result, model=model, method=method, process_wall_s=time.perf_counter() - started)
 
 

@@ -228,7 +228,8 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
            "median_ms": statistics.median(took) if took else None,
            "batches": sorted({s["batch"] for s in result["stamps"] if s.get("batch") is not None}),
            "log": result["log"]}
-    out.update({"error": result["error"]} if "error" in result else {})
+    if "error" in result:
+        out["error"] = result["error"]
     log(f"  epoch switch: {len(took)} line(s) with a time" + (f" [{out['error']}]" if "error" in out else ""))
     return out
 

@@ -124,7 +124,8 @@ def main() -> None:
                     figure[setting].append(value)
                 print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
                       f"{share:.4%} of the time in the stop agreement", flush=True)
-    off, median = statistics.median(speeds["none"]), statistics.median
+    median = statistics.median
+    off = median(speeds["none"])
     lines = [f"{NPROC} ranks, micro batch {BATCH}, {args.steps} timed steps after {args.warmup}, "
              f"median of {args.repeats} alternating repeats:", "",
              "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",

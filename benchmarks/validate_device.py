@@ -486,7 +486,8 @@ def summarise_steps(record: dict[str, Any], requested: int, budget: int, warmup:
 
 def _last_line(log: Path) -> str:
     """A failed run's last line of output (a config error is one line, no traceback)."""
-    return ([""] + (log.read_text(errors="replace").strip().splitlines() if log.exists() else []))[-1][-300:]
+    lines = log.read_text(errors="replace").strip().splitlines() if log.exists() else []
+    return lines[-1][-300:] if lines else ""
 
 
 def _gib(value: Optional[float]) -> str:
