@@ -23,6 +23,7 @@ import traceback
 
 def preload() -> None:
     """The imports every recipe run pays for; no tensor is created, so no thread pool starts."""
+    import torch._inductor.compile_fx  # noqa: F401  (1.3 s: compiled runs and bitsandbytes' import need it)
     import torch.distributed.run  # noqa: F401
     import torchtune._cli.tune  # noqa: F401
     import torchtune.datasets  # noqa: F401
