@@ -27,12 +27,22 @@ def script(name: str, *args: str, cwd: Path, timeout: int = 600) -> str:
     return result.stdout
 
 
-def test_estimate_speed(tmp_path: Path) -> None:
-    # the default 8192 tokens: the tiny model's answer is about 1000 samples, whose fake steps are quick
-    script("estimate_speed.py", "--models", "tiny", "--methods", "fast", "--out-dir", str(tmp_path), cwd=tmp_path)
-    (row,) = json.loads((tmp_path / "estimate_speed.json").read_text())["rows"]
-    assert row["model"] == "tiny" and row["estimate"]["max_micro_batch"] >= 1
-    assert str(row["estimate"]["max_micro_batch"]) in row["steps"]  # the answer is a size its fake steps ran
+def test_estimate_stock_configs_full_trace(tmp_path: Path) -> None:
+    # the tiny model at 4 layers (3 traced and extended, or all 4) and 8192 tokens: its fake steps are quick
+    from config_edits import CONFIGS, modified
+    from omegaconf import OmegaConf
+
+    config, js = tmp_path / "tiny4.yaml", tmp_path / "full_trace.json"
+    OmegaConf.save(modified(OmegaConf.load(CONFIGS / "tiny_full.yaml"), {"model.num_layers": 4,
+                                                                         "model.max_seq_len": 8192}), config)
+    out = script("estimate_stock_configs.py", "--only", str(config), "--seq-len", "8192", "--full-trace",
+                 "--json", str(js), cwd=tmp_path)
+    (row,) = json.loads(js.read_text())["rows"]
+    fast, full = row["fast"], row["full"]
+    assert (fast["layers"], full["layers"]) == ("3 of 4", "4 of 4") and fast["micro_batch"] >= 1
+    assert fast["micro_batch"] == full["micro_batch"] and row["max_difference"] < 1e-3
+    assert {1, 2, full["micro_batch"]} <= set(row["compared"])  # the probes and the answer, measured both ways
+    assert f"| `{config}` | - | 3 of 4; 4 of 4 | {fast['micro_batch']} | {full['micro_batch']} |" in out
 
 
 def test_estimate_stock_configs(tmp_path: Path) -> None:
@@ -50,6 +60,10 @@ def test_estimate_stock_configs(tmp_path: Path) -> None:
     (["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],
      "error: --markdown writes the table of every config; with --only the rows go to --json alone: drop "
      "--markdown, or --only to rewrite the page"),
+    (["--full-trace"], "error: --full-trace traces every layer of the configs named by --only (minutes for an 8B "
+     "model) and writes its own table: give --only NAME..., without --merge"),
+    (["--only", "llama3_2/1B_full", "--publish"],
+     "error: --publish writes --full-trace's table into docs/benchmarks.md: add --full-trace"),
 ])
 def test_estimate_stock_configs_refuses_in_one_line_before_any_estimate(tmp_path: Path, args: list[str],
                                                                          says: str) -> None:
