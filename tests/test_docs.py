@@ -629,8 +629,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_families.py::family_assets", "write_family_assets, which the option calls, for each family"),
     # docs/benchmarks.md
     "adaptive-batching tiny-assets --output-dir /tmp/gb/assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}"),
-    "python benchmarks/estimate_speed.py --out-dir benchmarks/results --publish": (
-        "tests/test_benchmarks.py::test_estimate_speed", PUBLISH),
+    "python benchmarks/estimate_stock_configs.py --only llama3_2/1B_full llama3/8B_full --seq-len 8192 --full-trace "
+    "--publish": ("tests/test_benchmarks.py::test_estimate_stock_configs_full_trace",
+                  PUBLISH + "; a 4-layer tiny config file in place of the two stock configs"),
     "python benchmarks/estimate_stock_configs.py --seq-len 2048": (
         "tests/test_benchmarks.py::test_estimate_stock_configs", "smallest size: --only one config, 256 tokens"),
     "python benchmarks/growth_runs.py --assets /tmp/gb/assets --work /tmp/gb/full": (
