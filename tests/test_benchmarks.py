@@ -15,6 +15,8 @@ import os
 from pathlib import Path
 
 import pytest
+from config_edits import CONFIGS, modified
+from omegaconf import OmegaConf
 from recipe_runs import check, run_command
 
 BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
@@ -29,9 +31,6 @@ def script(name: str, *args: str, cwd: Path, timeout: int = 600) -> str:
 
 def test_estimate_stock_configs_full_trace(tmp_path: Path) -> None:
     # the tiny model at 4 layers (3 traced and extended, or all 4) and 8192 tokens: its fake steps are quick
-    from config_edits import CONFIGS, modified
-    from omegaconf import OmegaConf
-
     config, js = tmp_path / "tiny4.yaml", tmp_path / "full_trace.json"
     OmegaConf.save(modified(OmegaConf.load(CONFIGS / "tiny_full.yaml"), {"model.num_layers": 4,
                                                                          "model.max_seq_len": 8192}), config)
