@@ -37,14 +37,15 @@ def tune_run(recipe: str, config: str, overrides: Sequence[str], *, cwd: Path,
 
 
 def run_command(kind: str, argv: Sequence[str], *, cwd: Path, env: Optional[dict[str, str]] = None,
-                timeout: int = 600) -> subprocess.CompletedProcess:
+                timeout: int = 600, fork_python: bool = False) -> subprocess.CompletedProcess:
     """``tune ARGV``, ``adaptive-batching ARGV``, ``python -m ARGV`` or ``python ARGV`` (``kind``), as a
-    separate process in ``cwd`` with OMP_NUM_THREADS=1; output captured, like ``subprocess.run``."""
+    separate process in ``cwd`` with OMP_NUM_THREADS=1; output captured, like ``subprocess.run``. ``fork_python``:
+    the ``python`` processes the run starts are forked from it too (``forkserver.fork_python_children``)."""
     env = dict(os.environ if env is None else env, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
     cmd = [*_COMMANDS[kind], *argv]
     if os.environ.get("ADAPTIVE_TESTS_FORKSERVER", "1") == "0":
         return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
-    return _fork_server().run(kind, list(argv), cmd, cwd=cwd, env=env, timeout=timeout)
+    return _fork_server().run(kind, list(argv), cmd, cwd=cwd, env=env, timeout=timeout, fork_python=fork_python)
 
 
 class _ForkServer:
@@ -73,11 +74,12 @@ class _ForkServer:
         return json.loads(line)
 
     def run(self, kind: str, argv: list[str], cmd: list[str], *, cwd: Path, env: dict[str, str],
-            timeout: int) -> subprocess.CompletedProcess:
+            timeout: int, fork_python: bool) -> subprocess.CompletedProcess:
         assert self.process.stdin is not None and self.process.stdout is not None
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"kind": kind, "argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err)}
+            request = {"kind": kind, "argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
+                       "fork_python": fork_python}
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
             pid = self._reply(self.process.stdout, None)["pid"]

@@ -1,7 +1,9 @@
 """Benchmark scripts run at their smallest size, so they do not rot as the code moves.
 
-Each test runs the script's own command line (forked from the suite's warm server; the runs it starts are its own,
-fresh processes); a script whose report several tests read runs once per module. What is checked is what the
+Each test runs the script's own command line, forked from the suite's warm server. The runs it starts are fresh
+processes where the script measures something of a fresh process (its memory, its exit); where it measures steps,
+losses and collectives (``recipe_vs_torchtune.py``, ``step_overhead.py``), they are forked from the script too
+(``fork_python``). A script whose report several tests read runs once per module. What is checked is what the
 script reports about the runs it made; its figures at this size mean nothing. ``validate_device.py``
 (test_validate_device) and ``chaos.py`` (test_chaos) have tests of their own. ``profiler_vs_peers.py`` runs ours
 alone (``--methods ours``): the true maximum takes about 10 fresh processes and the peers' searches minutes.
@@ -24,8 +26,9 @@ BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
 pytestmark = pytest.mark.e2e
 
 
-def script(name: str, *args: str, cwd: Path, timeout: int = 600) -> str:
-    result = check(run_command("script", [str(BENCHMARKS / name), *args], cwd=cwd, timeout=timeout))
+def script(name: str, *args: str, cwd: Path, timeout: int = 600, fork_python: bool = False) -> str:
+    result = check(run_command("script", [str(BENCHMARKS / name), *args], cwd=cwd, timeout=timeout,
+                               fork_python=fork_python))
     return result.stdout
 
 
@@ -88,7 +91,8 @@ def recipe_vs_torchtune(tmp_path_factory: pytest.TempPathFactory, assets: Path) 
     work = tmp_path_factory.mktemp("recipe_vs_torchtune")
     js = work / "speed.json"
     out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--assets", str(assets),
-                 *(["--together"] if TOGETHER else []), "--json", str(js), "--workdir", str(work / "work"), cwd=work)
+                 *(["--together"] if TOGETHER else []), "--json", str(js), "--workdir", str(work / "work"), cwd=work,
+                 fork_python=True)
     return json.loads(js.read_text()), out
 
 
@@ -116,7 +120,7 @@ def test_recipe_vs_torchtune_dpo(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "dpo.json"
     out = script("recipe_vs_torchtune.py", "--objective", "dpo", "--steps", "1", "--warmup", "1", "--repeats", "1",
                  "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
-                 cwd=tmp_path)
+                 cwd=tmp_path, fork_python=True)
     figures = json.loads(js.read_text())
     # the adapters drawn from one generator in both: stock's losses bit for bit
     assert figures["same_computation"]["loss"] == {"steps": 2, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
@@ -130,7 +134,7 @@ def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "kd.json"
     out = script("recipe_vs_torchtune.py", "--objective", "kd", "--steps", "1", "--warmup", "1", "--repeats", "1",
                  "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
-                 cwd=tmp_path)
+                 cwd=tmp_path, fork_python=True)
     figures = json.loads(js.read_text())
     # stock divides its gradients by the tokens again: step 1, before any update, is float32-equal, step 2 close
     loss = figures["same_computation"]["loss"]
@@ -145,7 +149,7 @@ def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
 def test_step_overhead(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "overhead.json"
     script("step_overhead.py", "--steps", "1", "--warmup", "1", "--repeats", "1", "--settings", "none,stop",
-           "--assets", str(assets), "--json", str(js), cwd=tmp_path)
+           "--assets", str(assets), "--json", str(js), cwd=tmp_path, fork_python=True)
     figures = json.loads(js.read_text())
     assert set(figures["speeds"]) == {"none", "stop"}
     assert figures["collectives"]["stop"][0] == figures["collectives"]["none"][0] + 1  # the stop agreement's one
