@@ -7,7 +7,10 @@ import json
 import textwrap
 from pathlib import Path
 
+import pytest
 from recipe_runs import check, run_command
+
+pytestmark = pytest.mark.e2e  # a command run in a subprocess
 
 PARENT = textwrap.dedent("""
     import json, os, signal, subprocess, sys
