@@ -15,6 +15,7 @@ Replies on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": R}`
 
 from __future__ import annotations
 
+import atexit
 import gc
 import inspect
 import json
@@ -127,7 +128,6 @@ def python_target(args: Any, executable: Optional[str], shell: bool) -> Optional
 
 def forked_python_child(call: dict[str, Any], kind: str, argv: list[str]) -> None:
     """In the forked child: what ``Popen`` and a new interpreter would set up, then the command; never returns."""
-    code = 1
     try:
         gc.freeze()  # the parent's objects stay as they are
         if call["start_new_session"]:
@@ -163,21 +163,13 @@ def forked_python_child(call: dict[str, Any], kind: str, argv: list[str]) -> Non
             for name in ("SIGPIPE", "SIGXFSZ"):
                 signal.signal(getattr(signal, name), signal.SIG_DFL)
         signal.setitimer(signal.ITIMER_REAL, 0)
-        import atexit
         atexit._clear()
         if call["preexec_fn"] is not None:
             call["preexec_fn"]()
-        sys.stdin = open(0, closefd=False)
-        sys.stdout = open(1, "w", buffering=1, closefd=False)
-        sys.stderr = open(2, "w", buffering=1, closefd=False)
-        code = run_entry_point(kind, argv)
-        atexit._run_exitfuncs()
-        sys.stdout.flush()
-        sys.stderr.flush()
-    except BaseException:  # noqa: BLE001 - report like the interpreter does
+    except BaseException:  # noqa: BLE001 - a set-up that failed, as Popen's child would report it
         traceback.print_exc()
-    finally:
-        os._exit(code & 0xFF)
+        os._exit(1)
+    run_and_exit(kind, argv)
 
 
 def run_entry_point(kind: str, argv: list[str]) -> int:
@@ -236,17 +228,22 @@ def child(request: dict) -> None:
         target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(target, fd)
         os.close(target)
+    if request.get("fork_python"):
+        fork_python_children()
+    run_and_exit(request["kind"], request["argv"])
+
+
+def run_and_exit(kind: str, argv: list[str]) -> None:
+    """With file descriptors 0-2, directory and environment in place: a new interpreter's standard streams, then the
+    command, its exit functions and its exit code; never returns."""
     sys.stdin = open(0, closefd=False)
     sys.stdout = open(1, "w", buffering=1, closefd=False)
     sys.stderr = open(2, "w", buffering=1, closefd=False)
-    if request.get("fork_python"):
-        fork_python_children()
     code = 1
     try:
-        code = run_entry_point(request["kind"], request["argv"])
+        code = run_entry_point(kind, argv)
     finally:
         try:
-            import atexit
             atexit._run_exitfuncs()
             sys.stdout.flush()
             sys.stderr.flush()
