@@ -3,16 +3,26 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Callable
 
 import pytest
+import torch._inductor.config as inductor_config
 from config_edits import CONFIGS
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.assets.tiny import write_tiny_assets
 from adaptive_batching.core import logs
+
+# Inductor on CPU, in every test and every run they start: scalar C++ kernels. What the suite checks of a compiled
+# step (its graphs, what it saves for the backward, its losses against eager) does not depend on the CPU's vector
+# kernels, which take about half as long again to build from a cold cache (test_compiled_fake.py: 56 s of CPU, 38 s
+# without). TORCHINDUCTOR_VEC_ISA_OK=1 tests them. Inductor read its environment when torch was imported above: this
+# process is told directly, the processes it starts by the environment.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
+inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
 
 # The benchmark scripts some tests load import their sibling ``common.py`` (as ``python benchmarks/x.py`` finds it).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
