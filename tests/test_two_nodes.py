@@ -4,7 +4,6 @@ and agree on the micro batch, train, stop together when one node's agent gets SI
 from __future__ import annotations
 
 import json
-import os
 import re
 import socket
 import subprocess
@@ -12,15 +11,25 @@ import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import losses, unclean_exit
+from recipe_runs import check, losses, run_command, unclean_exit
 from test_preemption import logged_steps
 
 HERE = Path(__file__).parent
 # 24 MiB: a micro batch of about 7 per node, so the profile's trials and the steps train half the samples they
-# would at 48 MiB; the cost that stays is the 12 fresh interpreters (the point here: real agents and workers).
+# would at 48 MiB.
 RUN = ("use_maximum_batch_size=True", "batch_increase_function=null", "adaptive_batching.memory_budget=24MiB",
        "dataset.split=train[:600]", "epochs=2", "max_steps_per_epoch=6", "save_every_n_steps=2",
        "tokenizer.max_seq_len=128")
+# Both agents at once, each one's output in its own files; prints their exit codes.
+AGENTS = """
+import json, subprocess, sys
+prefix, cmd = sys.argv[1], json.loads(sys.argv[2])
+agents = []
+for node in range(2):
+    with open(f"{prefix}{node}.out", "w") as out, open(f"{prefix}{node}.err", "w") as err:
+        agents.append(subprocess.Popen(cmd, stdout=out, stderr=err))
+print(json.dumps([agent.wait() for agent in agents]))
+"""
 
 
 def free_port() -> int:
@@ -29,33 +38,33 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str) -> list[subprocess.CompletedProcess]:
-    """Two torchrun agents, each a node of one process, meeting at a c10d rendezvous on this machine."""
-    port = free_port()
+def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str,
+              fresh: bool = False) -> list[subprocess.CompletedProcess]:
+    """Two torchrun agents, each a node of one process, meeting at a c10d rendezvous on this machine. ``fresh``:
+    agents and workers are new interpreters; otherwise they are forked from the suite's fork server
+    (``run_command(fork_python=True)``), real processes with their own signals, rendezvous and exit codes."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{port}", "--rdzv_id", name,
+           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", name,
            str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), "adaptive_full_finetune",
            "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}", *RUN,
            f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}", *overrides]  # one profile for all runs
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    agents = [subprocess.Popen(cmd, cwd=tmp, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-              for _ in range(2)]
-    results = []
-    for agent in agents:
-        try:
-            out, err = agent.communicate(timeout=600)
-        except subprocess.TimeoutExpired:
-            for other in agents:
-                other.kill()
-            raise
-        results.append(subprocess.CompletedProcess(cmd, agent.returncode, out, err))
-    return results
+    (tmp / "agents.py").write_text(AGENTS)
+    prefix = tmp / f"{name}-{'fresh' if fresh else 'forked'}-agent"
+    driver = check(run_command("script", [str(tmp / "agents.py"), str(prefix), json.dumps(cmd)], cwd=tmp,
+                               fork_python=not fresh))
+    codes = json.loads(driver.stdout)
+    return [subprocess.CompletedProcess(cmd, code, Path(f"{prefix}{node}.out").read_text(),
+                                        Path(f"{prefix}{node}.err").read_text()) for node, code in enumerate(codes)]
 
 
 @pytest.fixture(scope="module")
 def nodes(assets: Path, runs: Path) -> dict[str, list[subprocess.CompletedProcess]]:
+    """The stopped run starts real interpreters: the start and the exit, after a signal, of real agents and
+    workers (the suite's other runs fork theirs; benchmarks/clean_exits.py's test exits a finished 2-rank run of
+    new interpreters). The whole and resumed runs fork theirs."""
     whole = two_nodes(runs, "whole", {}, assets)
-    stopped = two_nodes(runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets)
+    stopped = two_nodes(runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets,
+                        fresh=True)
     resumed = two_nodes(runs, "stopped", {}, assets, "resume_from_checkpoint=True")
     return {"whole": whole, "stopped": stopped, "resumed": resumed}
 
