@@ -6,6 +6,7 @@ asserted."""
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +20,10 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.p
 SETTINGS = ("full/ac_off", "qlora/ac_off")  # QLoRA: NF4 base weights, the same checks
 STEPS = 2  # the first step at the chosen size, then one with the optimizer state in place (tokens/s from it)
 TRIALS = 2  # the largest size the profile ran, then one step of the gallop: the bracket's machinery, cheaply
+# The compile phase with aot_eager (torchtune reads TORCH_COMPILE_BACKEND): the phase's profile and steps of a
+# compiled model, without inductor's C++ build (about 30 s of CPU here from a cold cache). Inductor's own recipe run
+# is test_recipes.py's test_compile_matches_eager, its losses against eager; the GPU run uses inductor.
+COMPILE_BACKEND = "aot_eager"
 # Half the script's CPU budget (and a sixth of its compile budget): micro batches of about 10 samples (QLoRA 4,
 # compiled 23), so every step, trial and fresh process trains a fraction of the samples; the fixed batch of the
 # stock run (4) still fits. Half its long and token-phase samples: the largest trial, 2 steps of 12, takes 24.
@@ -34,7 +39,7 @@ def validation(assets: Path, runs: Path) -> dict:
                                  "--json", str(out), "--settings", ",".join(SETTINGS), "--steps", str(STEPS),
                                  "--max-trials", str(TRIALS), "--budget", BUDGET, "--compile-budget", COMPILE_BUDGET,
                                  "--token-samples", str(TOKEN_SAMPLES), "--long-samples", str(LONG_SAMPLES)],
-                      cwd=runs, timeout=900))
+                      cwd=runs, env=dict(os.environ, TORCH_COMPILE_BACKEND=COMPILE_BACKEND), timeout=900))
     return json.loads(out.read_text())
 
 
@@ -127,7 +132,6 @@ def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Pa
 def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path) -> None:
     """``benchmarks/gpu_check.sh`` (the GPU command of docs/validation.md) past its deadline: every phase is skipped
     and named, the environment is recorded, no table is made of nothing; the phases themselves are the fixture's."""
-    import os
     import subprocess
     import sys
 
