@@ -119,6 +119,7 @@ def test_a_compiled_run_compiles_once_before_its_trials_and_never_again(tmp_path
     result = run_command("script", [str(tmp_path / "tune_logging_recompiles.py"), "run", "adaptive_full_finetune",
                                     "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}",
                                     "compile=True", "epochs=2", "max_steps_per_epoch=2",
+                                    "adaptive_batching.memory_budget=128MiB",  # about 23 samples, not 98
                                     f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path,
                          env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager"))
     output = result.stdout + result.stderr

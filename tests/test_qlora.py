@@ -166,13 +166,17 @@ def test_the_saved_adapter_loads_back_through_torchtunes_checkpointer_and_peft_f
     assert (folder / "adapter_config.json").is_file()
 
 
+# Two steps an epoch at 2 ranks, the config's batch on each: the first 64 samples, cut to 64 tokens (small trials).
+TWO_RANKS = ("dataset.split=train[:64]", "tokenizer.max_seq_len=64")
+
+
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_qlora_at_two_ranks_profiles_trains_saves_and_resumes(qlora_assets: Path, tmp_path: Path) -> None:
     out = tmp_path / "run"
-    first = qlora_run(qlora_assets, out, "epochs=1", nproc=2)
+    first = qlora_run(qlora_assets, out, "epochs=1", *TWO_RANKS, nproc=2)
     assert "minimum over 2 ranks" in first and "Rank 1: finished at optimizer step 2" in first
-    resumed = qlora_run(qlora_assets, out, "epochs=2", "resume_from_checkpoint=True", nproc=2)
+    resumed = qlora_run(qlora_assets, out, "epochs=2", "resume_from_checkpoint=True", *TWO_RANKS, nproc=2)
     assert "Resuming at the end of epoch 1 (optimizer step 2)" in resumed
     assert "Rank 1: finished at optimizer step 4" in resumed
     assert [row["step"] for row in read_metrics(out / "logs")] == [1, 2, 3, 4]
