@@ -45,3 +45,19 @@ def test_a_python_child_is_forked_with_its_own_argv_cwd_env_streams_handlers_and
     assert child["env"] == {"ONLY": "this"} and child["ppid"] == parent["pid"] and child["sigterm_default"]
     assert child["torch_loaded"]  # forked from the warm server's imports, not a new interpreter
     assert parent["fresh_has_torch"] == "False"  # ``python -c``: a new interpreter, as before
+
+
+PLOTS = textwrap.dedent("""
+    import subprocess, sys
+    for module in ("adaptive_batching.profiling.plot", "json.tool"):
+        done = subprocess.run([sys.executable, "-m", module, "missing.json", "out.png"], capture_output=True, text=True)
+        print(module, done.returncode != 0, "forkserver.py" in done.stderr)
+""")
+
+
+def test_without_fork_python_only_the_profilers_plot_child_is_forked(tmp_path: Path) -> None:
+    """Each recipe run's plot (``forkserver.ALWAYS_FORKED``): the failing child's traceback runs through the fork
+    server's entry point; any other ``python -m`` of the run is a new interpreter, whose traceback does not."""
+    (tmp_path / "plots.py").write_text(PLOTS)
+    out = check(run_command("script", [str(tmp_path / "plots.py")], cwd=tmp_path)).stdout
+    assert out.splitlines() == ["adaptive_batching.profiling.plot True True", "json.tool True False"]

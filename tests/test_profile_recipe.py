@@ -8,6 +8,7 @@ import os
 import shlex
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -65,6 +66,12 @@ def test_profile_reports_and_trains_at_the_chosen_micro_batch(profiled_run: tupl
                for t in report["trials"])
     assert "phase   micro batch  peak GiB  fits  seconds" in output
     assert (out / "profile" / "profile.png").stat().st_size > 10_000
+    # The run forked its plot child from the test's fork server (forkserver.ALWAYS_FORKED); the command the recipe
+    # runs, in a new interpreter as a user's run starts it, draws the same report.
+    redrawn = out.parent / "redrawn.png"
+    subprocess.run([sys.executable, "-m", "adaptive_batching.profiling.plot", str(out / "profile" / "profile.json"),
+                    str(redrawn)], check=True, timeout=120)
+    assert redrawn.stat().st_size > 10_000
     rows = read_metrics(out / "logs")
     assert [r["micro_batch_size"] for r in rows] == [report["micro_batch"]] * 3
 
