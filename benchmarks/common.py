@@ -1,4 +1,4 @@
-"""What the benchmark scripts share (imported as a sibling: ``python benchmarks/x.py`` puts benchmarks/ on sys.path)."""
+"""What the benchmark scripts share (imported as a sibling: ``python benchmarks/<script>.py`` puts benchmarks/ on sys.path)."""
 
 from __future__ import annotations
 
@@ -281,7 +281,7 @@ def markdown_of(text: str) -> str:
 
 
 def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
-    """Put ``body`` with a line naming command, date, commit and machine between ``name``'s markers on ``docs/page``."""
+    """Put ``body`` with a line naming command, date, commit and machine between ``name``'s markers on ``docs/<page>``."""
     path = docs / page
     text = path.read_text(encoding="utf-8")
     pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: {re.escape(name)} -->)", re.S)

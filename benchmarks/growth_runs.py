@@ -271,7 +271,7 @@ def report(args: argparse.Namespace, command: str, wall: float, runs: list[dict[
     if setup is None:
         setup = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                  if k not in ("out", "work", "from_json")}
-        setup["assets"] = f"{setup['assets']}: adaptive_batching.tiny_assets.write_tiny_assets (seed 0, 3000 samples)"
+        setup["assets"] = f"{setup['assets']}: adaptive_batching.assets.tiny.write_tiny_assets (seed 0, 3000 samples)"
     (args.out / "growth_runs.json").write_text(json.dumps({
         "command": command, "wall_seconds": wall, "setup": setup, "targets": targets, "summaries": summaries,
         "runs": [{"name": r["name"], "command": r["command"].replace(str(work), "<work>") if work else r["command"],

@@ -24,7 +24,7 @@ from adaptive_batching.core import logs
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
 
-# The benchmark scripts some tests load import their sibling ``common.py`` (as ``python benchmarks/x.py`` finds it).
+# The benchmark scripts some tests load import their sibling ``common.py`` (as ``python benchmarks/<script>.py`` finds it).
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 

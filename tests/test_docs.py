@@ -512,7 +512,7 @@ def test_the_readme_links_every_docs_page() -> None:
 #
 # Every command a page shows (a line of a ``bash`` block, a ``$ `` line of a plain block, a whole script, and
 # inline spans that run ``tune run``, ``adaptive-batching``, ``python x.py``, ``make`` or ``pip install``) is a
-# key of RUN_BY: the test that runs it (``tests/file.py::function``, a test or the fixture that makes the run)
+# key of RUN_BY: the test that runs it (``tests/<file>.py::<function>``, a test or the fixture that makes the run)
 # and how: as written, at its smallest size (what is smaller), or why it cannot run here and what runs instead.
 
 TINY = "the tiny assets in a temporary folder"

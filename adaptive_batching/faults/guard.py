@@ -57,7 +57,8 @@ class StepCounts:
     """The optimizer's per-parameter step counters (Adam-family state), to tell whether a failed step changed
     anything. A counter held in a tensor is taken by identity and version (bumped on the host by every in-place
     update, wherever the tensor lives), never by value: taking them before every optimizer step costs no device
-    work and no host sync (``benchmarks/step_counters.py``). A counter held as a number is taken by value."""
+    work and no host sync (docs/benchmarks.md, 'What a step of ours does beyond stock's'). A counter held as a number
+    is taken by value."""
 
     counters: tuple[Any, ...]
 

@@ -15,7 +15,7 @@ became two kernels, where the graph specialised on micro batch 8, and the hinted
 
 The marks are needed only while Dynamo traces: a graph whose micro batch dimension is unbacked guards nothing on
 it, so later inputs reuse it unmarked. Marked on every call (each of the chunked loss's 8 chunks, twice), the loss
-cost 157 us a micro batch more than torchtune's on the 2-core machine (``benchmarks/compile_marks.py``), so the
+cost 157 us a micro batch more than torchtune's on the 2-core machine (a benchmark since removed, commit 89c5ee5), so the
 marks step aside after the first call that ran with gradients.
 """
 
