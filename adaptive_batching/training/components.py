@@ -1,6 +1,6 @@
 """The torchtune components of a run, built from its config: the data first (tokenizer and dataset, so a wrong
 path fails before any weights load), then the model, optimizer, loss and collate. An error that is the
-config's names its key (see ``config.loading.building``)."""
+config's names its key (see ``adaptive_batching.core.nodes.building``)."""
 
 from __future__ import annotations
 
