@@ -19,6 +19,7 @@ from adaptive_batching.config.loading import (
     shipped_config_names,
     shipped_configs_dir,
 )
+from adaptive_batching.core.packages import require_supported_torch
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
 from adaptive_batching.runtime.files import write_atomically
 
@@ -70,6 +71,23 @@ def recipe_for(config: Path) -> str:
     return recipe_for_model(OmegaConf.load(config))
 
 
+# What the tiny assets run: a recipe and a shipped config for each recipe, and QAT (``adaptive-batching
+# tiny-assets`` prints them as its ``run:`` lines).
+TINY_RUNS = (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora"),
+             ("adaptive_lora_dpo", "tiny_lora_dpo"), ("adaptive_full_dpo", "tiny_full_dpo"),
+             ("adaptive_knowledge_distillation", "tiny_kd"), ("adaptive_lora_finetune", "tiny_qat_lora"))
+
+# torchtune's configs that each recipe runs by name, a few of each kind (``ls`` prints them; a test checks each
+# against torchtune's registry and the recipe that runs it). Static text: ``ls`` does not import torchtune.
+STOCK_EXAMPLES = {
+    "adaptive_full_finetune": ("llama3_1/8B_full", "llama3/8B_qat_full"),
+    "adaptive_lora_finetune": ("llama3_1/8B_lora", "llama3_1/8B_qlora_single_device", "llama3_2/1B_qat_lora"),
+    "adaptive_lora_dpo": ("llama3_1/8B_lora_dpo_single_device",),
+    "adaptive_full_dpo": ("llama3_1/8B_full_dpo",),
+    "adaptive_knowledge_distillation": ("qwen2/1.5_to_0.5B_KD_lora_single_device",),
+}
+
+
 def cmd_tiny_assets(args: argparse.Namespace) -> int:
     from adaptive_batching.assets.families import FAMILIES, write_family_assets
 
@@ -92,8 +110,7 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
     paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
     print(describe(paths), end="")
     where = "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={paths.root}"
-    for recipe, config in (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora"),
-                           ("adaptive_lora_dpo", "tiny_lora_dpo")):
+    for recipe, config in TINY_RUNS:
         print(f"run: tune run {recipe} --config {config}{where}")
     return 0
 
@@ -107,7 +124,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for recipe, configs in by_recipe.items():
         for i, name in enumerate(configs):
             print(f"{recipe if i == 0 else '':<{width}}{name}")
-    print("\nAlso torchtune's own full, LoRA and QLoRA configs by their names (`tune ls`), e.g. llama3_1/8B_full")
+    print("\nAlso torchtune's own configs by their names (`tune ls`): full, LoRA, QLoRA, QAT, DPO and distillation, "
+          "each run by the recipe that trains it, e.g.")
+    for recipe, examples in STOCK_EXAMPLES.items():
+        print(f"{recipe:<{width}}{', '.join(examples)}")
     return 0
 
 
@@ -139,11 +159,14 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from adaptive_batching.runtime.memory import freeze_long_lived_objects
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.objectives import objective_for
+    from adaptive_batching.training.quantization import step_hooks
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
     freeze_long_lived_objects()
-    with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
+    settings = validate_config(cfg)
+    method = method_for(cfg)  # QAT: fake quantization switched as the recipe switches it (step_hooks)
+    with Trainer(cfg, settings, method, objective_for(cfg), hooks=step_hooks(method)) as trainer:
         trainer.setup()
         result = trainer.profile()  # logs its table (rank 0)
         if trainer.is_rank_zero and args.json:
@@ -157,11 +180,14 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from adaptive_batching.runtime.memory import freeze_long_lived_objects
     from adaptive_batching.training.methods import method_for
     from adaptive_batching.training.objectives import objective_for
+    from adaptive_batching.training.quantization import step_hooks
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     freeze_long_lived_objects()
-    with Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg)) as trainer:
+    settings = validate_config(cfg)
+    method = method_for(cfg)  # QAT: fake quantization switched as the recipe switches it (step_hooks)
+    with Trainer(cfg, settings, method, objective_for(cfg), hooks=step_hooks(method)) as trainer:
         trainer.setup()
         trainer.make_plan(trainer.profile())
     return 0
@@ -281,6 +307,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     on stderr, never a traceback: exit code 2 for a wrong argument or config, 1 when the run could not go on."""
     args = build_parser().parse_args(argv)
     try:
+        require_supported_torch()
         code = args.func(args)
     except (UsageError, ConfigNotFound) as error:
         code = _fail(f"error: {error}", 2)

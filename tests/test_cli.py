@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_batching.assets.tiny import TinyAssetPaths
-from adaptive_batching.cli import main
+from adaptive_batching.cli import main, recipe_for
 from adaptive_batching.config.loading import RECIPES, shipped_config_names, shipped_configs_dir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ def test_ls_lists_recipes_and_their_configs(capsys: pytest.CaptureFixture[str]) 
     assert main(["ls"]) == 0
     lines, _, note = capsys.readouterr().out.partition("\n\n")
     lines = lines.splitlines()
-    assert "torchtune's own full, LoRA and QLoRA configs" in note
+    assert "torchtune's own configs by their names (`tune ls`): full, LoRA, QLoRA, QAT, DPO and distillation" in note
     assert lines[0].split() == ["RECIPE", "CONFIG"]
     listing: dict[str, list[str]] = {}
     current = None
@@ -49,6 +49,24 @@ def test_ls_lists_recipes_and_their_configs(capsys: pytest.CaptureFixture[str]) 
         assert name.endswith("lora")  # _lora, _qlora
     for name in listing["adaptive_full_finetune"]:
         assert not name.endswith("lora")
+
+
+def test_ls_names_torchtunes_configs_of_every_recipe_each_by_the_recipe_that_runs_it(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The footer: for each recipe, torchtune configs it runs by name (QLoRA and QAT among them), each in torchtune's
+    registry and mapped to that recipe as ``adaptive-batching cp`` maps it."""
+    from adaptive_batching.cli import recipe_for
+    from adaptive_batching.config.loading import stock_configs
+
+    assert main(["ls"]) == 0
+    footer = capsys.readouterr().out.partition("\n\n")[2].splitlines()[1:]
+    named = {line.split()[0]: [name.strip() for name in line.split(None, 1)[1].split(",")] for line in footer}
+    assert list(named) == list(RECIPES)
+    stock = stock_configs()
+    assert {name: recipe_for(stock[name]) for names in named.values() for name in names} == \
+           {name: recipe for recipe, names in named.items() for name in names}
+    kinds = " ".join(name for names in named.values() for name in names)
+    assert all(kind in kinds for kind in ("qlora", "qat_lora", "qat_full", "lora_dpo", "full_dpo", "KD"))
 
 
 def test_cp_config_into_directory(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -137,6 +155,11 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     for file in files:
         assert f"{file.relative_to(out)}: {file.stat().st_size:,} bytes" in printed
     assert "p50=" in printed and "p95=" in printed
+    # a run line for every recipe and QAT, each a shipped tiny config of that recipe, pointed at these assets
+    runs = re.findall(r"^run: tune run (\S+) --config (\S+) assets_dir=(\S+)$", printed, flags=re.M)
+    assert {recipe for recipe, _, _ in runs} == set(RECIPES) and "tiny_qat_lora" in {c for _, c, _ in runs}
+    assert all(recipe_for(shipped_configs_dir() / f"{config}.yaml") == recipe and root == str(out)
+               for recipe, config, root in runs)
 
 
 # Run in a fresh interpreter: pytest's own process has torch imported already.
