@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from omegaconf import OmegaConf
+from progress_lines import lines_inside_a_bar, screen_lines
 from recipe_runs import FIXED_BATCH_SIZE, check, read_metrics, run_command, tune_run
 from test_oom_recovery import faulty_run, ok
 from test_preemption import logged_steps, stopped
@@ -166,7 +167,8 @@ def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_trainin
     inner = _Recorder()
     hooks = step_hooks(method, inner)
     assert isinstance(hooks, FakeQuantSteps) and step_hooks(FullFinetune(), inner) is inner
-    trainer = type("T", (), {"global_step": 0, "parts": type("P", (), {"model": model})()})()
+    trainer = type("T", (), {"global_step": 0, "parts": type("P", (), {"model": model})(),
+                             "settings": type("S", (), {"needs_profile": True})()})()
     hooks.after_setup(trainer)
     states = []
     for event, step in (("trial", 4), ("step", 0), ("step", 1), ("trial", 8), ("step", 1), ("step", 2),
@@ -176,6 +178,27 @@ def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_trainin
         states.append({q.enabled for q in fake_quantizers(model)})
     assert states == [{True}, {False}, {False}, {True}, {False}, {True}, {True}]
     assert inner.calls == ["trial 4", "step 0", "step 1", "trial 8", "step 1", "step 2", "step 3"]
+
+
+def test_the_qat_line_is_the_trainers_and_names_the_trials_only_when_the_run_profiles(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """``estimate`` builds the model through ``configure`` and runs no trial: configure says nothing. The trainer's
+    set-up says the line, with the trials only when the run profiles (``adaptive-batching estimate`` prints its
+    own QAT line)."""
+    with caplog.at_level("INFO"):
+        method, model = _meta_model("tiny_qat_lora", ["fake_quant_after_n_steps=2"])
+    assert not [r for r in caplog.records if "Quantization-aware training" in r.getMessage()]
+    said = []
+    for profiles in (True, False):
+        trainer = type("T", (), {"global_step": 0, "parts": type("P", (), {"model": model})(),
+                                 "settings": type("S", (), {"needs_profile": profiles})()})()
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            step_hooks(method, _Recorder()).after_setup(trainer)
+        said += [r.getMessage() for r in caplog.records if "Quantization-aware training" in r.getMessage()]
+    start = ("Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers' "
+             "frozen base weights and inputs fake-quantized, off for the first 2 optimizer steps, then on")
+    assert said == [f"{start}; the profiler's trial steps run with it on", start]
 
 
 # ---------------------------------------------------------------- full QAT against a step built by hand
@@ -328,6 +351,19 @@ def test_lora_qat_stopped_before_fake_quantization_turns_on_resumes_bit_for_bit(
     assert logged_steps(runs / "chain" / "logs") == [row["step"] for row in straight]
     exact = lambda rows: [{key: row[key] for key in EXACT} for row in rows]  # noqa: E731
     assert exact(chained) == exact(straight)
+
+
+@pytest.mark.e2e
+def test_the_fake_quantization_growth_oom_and_stop_lines_never_land_inside_the_progress_bar(chain: dict) -> None:
+    """Each of those lines comes in the middle of an epoch, while its bar is drawn: each is on a line of its own
+    (core/logs.py clears the bar first), and the bar goes on after it."""
+    first = chain["first"].stdout + chain["first"].stderr
+    for output in (chain["straight"], first):
+        lines = screen_lines(output)
+        assert lines_inside_a_bar(output) == [], lines_inside_a_bar(output)
+    assert "Step 4: fake quantization on" in screen_lines(chain["straight"])
+    assert any(line.startswith("Growth period 1 (every 3 steps)") for line in screen_lines(chain["straight"]))
+    assert any(line.startswith("stopped: SIGTERM received") for line in screen_lines(first))
 
 
 # ---------------------------------------------------------------- a stock QAT config by name, profiled

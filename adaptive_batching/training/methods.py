@@ -6,6 +6,7 @@ train, which weights a checkpoint holds and what a save writes; everything about
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Sequence
 
 import torch
@@ -79,9 +80,16 @@ class LoRAFinetune:
         set_trainable_params(model, adapter)
 
     def initialize(self, model: nn.Module) -> None:
-        for module in model.modules():
-            if hasattr(module, "initialize_parameters") and hasattr(module, "lora_a"):
-                module.initialize_parameters()
+        with warnings.catch_warnings():
+            # Under FSDP2 on CPU the adapters are DTensors on a CPU mesh, which has no RNG tracker (CUDA's): torch
+            # warns at each random draw that its DTensor random ops "may not have complete support", and each rank
+            # draws its shard of ``lora_a`` from its own generator (seeded seed + rank). For the adapters' random
+            # start that is what is wanted, any draw of the same distribution; nothing a user can act on.
+            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu",
+                                    category=UserWarning)
+            for module in model.modules():
+                if hasattr(module, "initialize_parameters") and hasattr(module, "lora_a"):
+                    module.initialize_parameters()
 
     def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
         adapter = checkpoint.get(training.ADAPTER_KEY)

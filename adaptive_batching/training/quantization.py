@@ -135,17 +135,18 @@ class QuantizationAware:
             raise ConfigError(f"config key 'quantizer' = {self.mode!r} fake-quantized no layer of config key 'model' "
                               f"(its groupsize must divide the layers' input sizes)")
         self.method.configure(model)
-        logs.info(self.describe())
 
-    def describe(self) -> str:
-        """One line: what is fake-quantized, and when."""
+    def describe(self, profiled: bool = False) -> str:
+        """One line: what is fake-quantized, and when (``profiled``: and that the profiler's trial steps run with it
+        on; a run's set-up says it, :class:`FakeQuantSteps`, not the offline estimate, which runs no trial)."""
         config = self.quantizer.get_weight_fake_quantize_config()
         group = f", groupsize {config.group_size}" if getattr(config, "group_size", None) else ""
         layers = "LoRA layers' frozen base weights and inputs" if self.method.name == "lora" else "linear layers"
         after = self.fake_quant_after_n_steps
         when = f"off for the first {after} optimizer steps, then on" if after else "on from the first step"
+        trials = "; the profiler's trial steps run with it on" if profiled else ""
         return (f"Quantization-aware training ({type(self.quantizer).__name__}, {self.mode}{group}): {self.swapped} "
-                f"{layers} fake-quantized, {when}; the profiler's trial steps run with it on")
+                f"{layers} fake-quantized, {when}{trials}")
 
     def enabled_at(self, global_step: int) -> bool:
         """Whether the optimizer step after ``global_step`` finished steps trains with fake quantization."""
@@ -182,6 +183,7 @@ class FakeQuantSteps(TrainerHooks):
     def after_setup(self, trainer: Any) -> None:
         self.model = trainer.parts.model
         self.enabled = None
+        logs.info(self.qat.describe(profiled=trainer.settings.needs_profile))
         self.then.after_setup(trainer)
 
     def before_trial(self, micro_batch: int) -> None:
