@@ -525,7 +525,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
                   "test_the_two_readme_commands_are_makefile_targets checks the target"),
     "make test": ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
                   "the suite itself; the target is checked to exist"),
-    'make demo TORCH="torch==2.7.1"': ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+    'make demo TORCH="torch==2.14.1"': ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
                                        NO_NETWORK),
     "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu": (
         "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets", NO_NETWORK),
@@ -750,6 +750,10 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "DEADLINE=515 OUT=/tmp/out benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 --long-samples 1024 "
     "--token-samples 600": ("tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
                             "its order and deadline; the phases it calls run in tests/test_validate_device.py::validation"),
+    **{f"PART={part} DEADLINE={deadline} OUT=$OUT bash benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 "
+       "--long-samples 1024": ("tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
+                               "its parts, lanes and deadline; their phases run in tests/test_validate_device.py::validation")
+       for part, deadline in ((1, 450), (2, 230))},
     "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True": (
         "tests/test_validate_device.py::validation", "a setting for the GPU runs, not a run"),
     "adaptive-batching tiny-assets --model llama3_2_1b": (

@@ -15,6 +15,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
+from adaptive_batching.core.packages import require_supported_torch
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
 
 if TYPE_CHECKING:
@@ -120,6 +121,7 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         every_rank = True  # whether each rank prints the line: the same config error on every rank, once
         memory.freeze_long_lived_objects()
         try:
+            require_supported_torch()
             result, message, code = recipe_main(cfg), None, 0
         except ConfigError as err:
             result, message, code, every_rank = None, f"config error: {err}", 1, False

@@ -1,9 +1,44 @@
-"""The optional packages a config's components may need, and how to install each: the one table the config
-checks (``config.components``, before any model loads) and the building of a node (``core.nodes.building``) use."""
+"""The packages a run needs beyond its own: the torch releases it supports, checked before any model loads (by
+the recipes' ``config.loading.parse`` and the ``adaptive-batching`` command); and the optional packages a config's
+components may need, and how to install each, the one table the config checks (``config.components``, before any
+model loads) and the building of a node (``core.nodes.building``) use."""
 
 from __future__ import annotations
 
+import re
+from importlib import metadata
 from typing import Optional
+
+from adaptive_batching.errors import ConfigError
+
+# The torch releases that have run: the suite on 2.13 (CPU build) and 2.14.1 (PyPI's CUDA build, on a CPU), the GPU
+# check on 2.11 (CUDA). pyproject.toml's pin says the same (tests/test_torch_range.py).
+TORCH_FIRST, TORCH_BELOW = (2, 11), (2, 15)
+TORCH_REQUIREMENT = f"torch>={TORCH_FIRST[0]}.{TORCH_FIRST[1]},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
+
+
+def installed_torch() -> Optional[str]:
+    """The installed torch's version, read from its metadata without importing it; None if none is installed."""
+    try:
+        return metadata.version("torch")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def unsupported_torch(version: Optional[str]) -> Optional[str]:
+    """Why torch ``version`` cannot run this package, in one line; None if it can (or if none is installed)."""
+    release = re.match(r"(\d+)\.(\d+)", version or "")
+    if version is None or (release and TORCH_FIRST <= (int(release[1]), int(release[2])) < TORCH_BELOW):
+        return None
+    install = f'pip install "{TORCH_REQUIREMENT}"'
+    return f"torch {version} is installed; adaptive-batching supports {TORCH_REQUIREMENT}: {install}"
+
+
+def require_supported_torch() -> None:
+    """Raise :class:`ConfigError` with one line if the installed torch is outside :data:`TORCH_REQUIREMENT`."""
+    message = unsupported_torch(installed_torch())
+    if message is not None:
+        raise ConfigError(message)
 
 # Optional packages a component may need: import name -> how to install it.
 PIP: dict[str, str] = {
