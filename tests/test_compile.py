@@ -7,6 +7,7 @@ Dynamo's behaviour (guards, marks, recompiles) does not depend on the backend; t
 
 from __future__ import annotations
 
+import inspect
 import os
 import re
 from pathlib import Path
@@ -83,6 +84,56 @@ def test_the_micro_batch_is_unbacked_with_the_traced_size_as_its_hint(monkeypatc
                         lambda t, index, **kwargs: seen.append((index, kwargs.get("hint_override"))))
     compiling._mark(torch.zeros(3, 5, 4))
     assert seen == [(0, 3)]
+
+
+def test_below_torch_2_12_a_compiled_run_turns_mix_order_reduction_off() -> None:
+    # torch 2.11 sizes the fused RMSNorm backward with size_hint, which raises on the unbacked micro batch on CUDA;
+    # 2.12 on read its hint_override (training/compiling.py)
+    assert compiling.inductor_settings("2.11.0+cu130") == {"triton.mix_order_reduction": False}
+    assert compiling.inductor_settings("2.10.0") == {"triton.mix_order_reduction": False}
+    for version in ("2.12.0", "2.12.1", "2.13.0+cpu", "2.14.1+cu130", "2.14.1"):
+        assert compiling.inductor_settings(version) == {}
+
+
+def test_compile_model_sets_inductor_for_the_installed_torch(monkeypatch: pytest.MonkeyPatch, assets: Path) -> None:
+    import torch._inductor.config as inductor_config
+
+    with inductor_config.patch({"triton.mix_order_reduction": True}):
+        _compiled_tiny(assets)
+        assert inductor_config.triton.mix_order_reduction  # this torch: unchanged
+        monkeypatch.setattr(torch, "__version__", "2.11.0+cu130")
+        _compiled_tiny(assets)
+        assert not inductor_config.triton.mix_order_reduction
+
+
+def test_this_torch_hints_a_mix_order_reduction_over_the_unbacked_micro_batch() -> None:
+    """What the CUDA backward's mix-order reduction reads on the installed torch, traced on the CPU: the rows of a
+    marked hidden state (micro batch x length) hold an unbacked symbol, and the split's hint is the traced size.
+    Where inductor still reads ``size_hint`` there (before 2.12), the settings turn the fusion off instead."""
+    from torch._inductor.codegen.simd import SIMDScheduling
+    from torch._inductor.sizevars import SizeVarAllocator
+    from torch.fx.experimental.symbolic_shapes import free_unbacked_symbols
+
+    source = inspect.getsource(SIMDScheduling._codegen_mix_order_reduction)
+    hinted = "sizevars.optimization_hint(numel)" in source
+    assert hinted == (compiling.inductor_settings(str(torch.__version__)) == {})
+    sizes: list[Any] = []
+
+    def capture(graph: torch.fx.GraphModule, example_inputs: Any) -> Any:
+        values = [node.meta["example_value"] for node in graph.graph.nodes if node.op == "placeholder"]
+        sizes.extend(value.size() for value in values if isinstance(value, torch.Tensor))
+        return graph.forward
+
+    torch._dynamo.reset()
+    rms_norm = torch.compile(lambda x, w: torch.nn.functional.rms_norm(x, (x.size(-1),), w), backend=capture,
+                             fullgraph=True)
+    rms_norm(compiling._mark(torch.randn(3, 5, 8)), torch.randn(8))
+    torch._dynamo.reset()
+    micro_batch, length, _ = sizes[0]
+    rows = (micro_batch * length).node.expr
+    assert free_unbacked_symbols(rows)  # what size_hint cannot turn into an int
+    if hinted:
+        assert SizeVarAllocator(micro_batch.node.shape_env).optimization_hint(rows) == 15
 
 
 def test_without_the_marks_the_micro_batch_recompiles(aot_eager: None, assets: Path) -> None:
