@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Chaos: two-rank runs, each hit by one random fault and resumed until done, must train every step once with
-the uninterrupted run's losses bit for bit, and every checkpoint must load (docs/fault-tolerance.md)."""
+the uninterrupted run's losses bit for bit, and every checkpoint must load (docs/fault-tolerance.md).
+
+``--objective`` picks what the runs train, each a shipped tiny config: ``finetune`` (full fine-tuning),
+``lora_dpo``, ``full_dpo``, ``kd`` (knowledge distillation) or ``qat`` (LoRA with fake quantization from the
+middle of the run on, ``fake_quant_after_n_steps`` = half the steps); ``all`` runs each in turn."""
 
 from __future__ import annotations
 
@@ -14,18 +18,21 @@ import sys
 import tempfile
 import time
 from dataclasses import dataclass, field
+from datetime import date
 from pathlib import Path
 from typing import Callable, Optional
 
-from common import report, tiny_assets, unclean_exit
+from common import ROOT, command_line, commit, machine, report, tiny_assets, unclean_exit, write_json
 
 HERE = Path(__file__).resolve()
 FAULTY_RUN = HERE.parent.parent / "tests" / "faulty_run.py"  # the recipe with a fault injected, run as a script
+RESULTS = ROOT / "benchmarks" / "results"
 
 KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
 SAMPLES_PER_STEP = 8  # micro batch 2 x accumulation 2 x 2 ranks
 FIRST_FAULT_STEP = 6  # after the first guard window (steps 1-4) and the step after it
 _STEP = re.compile(r"^Step (\d+) \| .*?loss:(\S+)", re.M)
+_WORKER_ERROR = re.compile(r"^\[rank\d+\]: ((?:\w+\.)*\w*(?:Error|Exception|Interrupt)\b.*)$", re.M)
 # (command, cwd, env, timeout) -> the finished process; the suite passes one that forks from its warm server
 Runner = Callable[[list[str], Path, dict[str, str], int], subprocess.CompletedProcess]
 
@@ -35,20 +42,52 @@ def run_process(cmd: list[str], cwd: Path, env: dict[str, str], timeout: int) ->
 
 
 @dataclass(frozen=True)
+class Objective:
+    """What the runs train: a recipe and its shipped tiny config, with ``overrides`` that keep its steps short."""
+
+    title: str
+    recipe: str
+    config: str
+    overrides: tuple[str, ...] = ()
+    samples: int = 64  # the plan's defaults: 2 epochs of 8 steps, a save every 4
+    save_every: int = 4
+
+
+SHORT = ("tokenizer.max_seq_len=96",)  # samples cut to 96 tokens (alpaca: 64 would make two the same)
+OBJECTIVES = {
+    "finetune": Objective("Full fine-tuning", "adaptive_full_finetune", "tiny_full", samples=240, save_every=5),
+    "lora_dpo": Objective("LoRA DPO", "adaptive_lora_dpo", "tiny_lora_dpo", SHORT),
+    "full_dpo": Objective("Full DPO", "adaptive_full_dpo", "tiny_full_dpo", SHORT),
+    "kd": Objective("Knowledge distillation (LoRA student)", "adaptive_knowledge_distillation", "tiny_kd", SHORT),
+    "qat": Objective("QAT (LoRA), fake quantization from half the steps on", "adaptive_lora_finetune",
+                     "tiny_qat_lora", SHORT),
+}
+
+
+@dataclass(frozen=True)
 class Plan:
-    """The run every piece belongs to: two epochs of ``samples`` samples, a save every ``save_every`` steps."""
+    """The run every piece belongs to: two epochs of ``samples`` samples (pairs for DPO), a save every
+    ``save_every`` steps, training ``objective`` (a key of OBJECTIVES)."""
 
     samples: int = 240
     save_every: int = 5
+    objective: str = "finetune"
 
     @property
     def steps(self) -> int:
         return 2 * self.samples // SAMPLES_PER_STEP
 
+    @property
+    def fake_quant_after(self) -> Optional[int]:
+        """QAT: the optimizer steps trained before fake quantization switches on (half the run's)."""
+        return self.steps // 2 if self.objective == "qat" else None
+
     def overrides(self) -> tuple[str, ...]:
+        delayed = () if self.fake_quant_after is None else (f"fake_quant_after_n_steps={self.fake_quant_after}",)
         return ("use_maximum_batch_size=False", "batch_increase_function=null", "batch_size=2",
                 "gradient_accumulation_steps=2", f"dataset.split=train[:{self.samples}]", "epochs=2",
-                "max_steps_per_epoch=null", f"save_every_n_steps={self.save_every}")
+                "max_steps_per_epoch=null", f"save_every_n_steps={self.save_every}",
+                *OBJECTIVES[self.objective].overrides, *delayed)
 
 
 @dataclass
@@ -80,14 +119,19 @@ class Outcome:
     pieces: list[int] = field(default_factory=list)  # exit codes
     redone: int = 0
     problems: list[str] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)  # exceptions the workers printed, to say why a run failed
     seconds: float = 0.0
+
+    def verdict(self) -> str:
+        return "pass" if not self.problems else "FAIL: " + "; ".join((self.problems + self.errors[:1])[:4])
 
 
 def launch(out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restarts: int = 0,
            runner: Runner = run_process) -> subprocess.CompletedProcess:
+    objective = OBJECTIVES[plan.objective]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            f"--max-restarts={restarts}", str(FAULTY_RUN), json.dumps(fault), f"{out}-",
-           "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}",
+           objective.recipe, "--config", objective.config, f"assets_dir={assets}", f"output_dir={out}",
            *plan.overrides(), *extra]
     return runner(cmd, out.parent, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), 1200)
 
@@ -96,6 +140,9 @@ def reference_losses(out: Path, assets: Path, plan: Plan, runner: Runner = run_p
     """The uninterrupted run's loss (as logged) of each step."""
     if (whole := launch(out, assets, plan, {}, runner=runner)).returncode != 0:
         raise RuntimeError(f"the uninterrupted run failed:\n{whole.stderr[-3000:]}")
+    switch = f"Step {plan.fake_quant_after}: fake quantization on"
+    if plan.fake_quant_after is not None and switch not in whole.stdout + whole.stderr:
+        raise RuntimeError(f"the uninterrupted run did not say {switch!r}")
     (entries,) = logged(out / "logs")
     return dict(entries)
 
@@ -132,6 +179,7 @@ def chaos_run(fault: Fault, out: Path, assets: Path, plan: Plan, reference: dict
     for _ in range(4):
         result = launch(out, assets, plan, spec, *extra, restarts=restarts, runner=runner)
         outcome.pieces.append(result.returncode)
+        outcome.errors += [f"piece {len(outcome.pieces)}: {error}" for error in _WORKER_ERROR.findall(result.stderr)]
         for why in (unclean_exit(result), checkpoints_load(out)):
             if why:
                 outcome.problems.append(f"piece {len(outcome.pieces)}: {why}")
@@ -166,46 +214,83 @@ def draw(rng: random.Random, kinds: list[str], index: int, plan: Plan) -> Fault:
     return Fault(kind, rng.randint(FIRST_FAULT_STEP, plan.steps - 3), rng.randint(0, 1), plan.save_every)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--runs", type=int, default=20)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=240, help="samples per epoch (8 per optimizer step)")
-    parser.add_argument("--save-every", type=int, default=5, help="optimizer steps between saves")
-    parser.add_argument("--json", type=Path, default=None)
-    parser.add_argument("--publish", action="store_true", help="write the table into docs/fault-tolerance.md")
-    args = parser.parse_args()
-    kinds, plan = list(KINDS), Plan(args.samples, args.save_every)
-    if plan.steps < FIRST_FAULT_STEP + 3:
-        sys.exit(f"--samples: at least {(FIRST_FAULT_STEP + 3) * SAMPLES_PER_STEP // 2} (two epochs of 8 per step)")
-    rng = random.Random(args.seed)
-    rows, failed = [], 0
-    with tempfile.TemporaryDirectory() as tmp:
-        work = Path(tmp)
-        assets = tiny_assets(None, work)
-        reference = reference_losses(work / "reference", assets, plan)
-        for index in range(args.runs):
-            fault = draw(rng, kinds, index, plan)
-            outcome = chaos_run(fault, work / f"run{index}", assets, plan, reference)
-            failed += bool(outcome.problems)
-            verdict = "pass" if not outcome.problems else "FAIL: " + "; ".join(outcome.problems[:3])
-            rows.append({"run": index + 1, "fault": fault.describe(), "kind": fault.kind, "step": fault.step,
-                         "pieces": outcome.pieces, "redone": outcome.redone, "verdict": verdict,
-                         "seconds": round(outcome.seconds, 1)})
-            print(f"run {index + 1}/{args.runs}: {fault.describe()} after step {fault.step}: exits {outcome.pieces}, "
-                  f"{outcome.redone} steps redone, {verdict} ({outcome.seconds:.0f} s)", flush=True)
-    lines = ["| run | fault | at step | exit codes of the pieces | steps redone | outcome |", "|---|---|---|---|---|---|"]
+def table(rows: list[dict]) -> str:
+    lines = ["| run | fault | at step | exit codes of the pieces | steps redone | outcome |",
+             "|---|---|---|---|---|---|"]
     for row in rows:
         at = "-" if row["kind"] == "kill_in_save" else row["step"]
         lines.append(f"| {row['run']} | {row['fault']} | {at} | {', '.join(map(str, row['pieces']))} | "
                      f"{row['redone']} | {row['verdict']} |")
-    print(f"\n{len(rows) - failed} of {len(rows)} runs passed")
-    with report("chaos" if args.publish else None, "fault-tolerance.md"):
-        print("\n".join(lines))
+    return "\n".join(lines)
+
+
+def chaos_runs(plan: Plan, runs: int, seed: int, work: Path, assets: Path) -> list[dict]:
+    """``runs`` chaos runs of ``plan`` against one uninterrupted run, faults drawn from ``seed``; a row per run."""
+    rng, rows = random.Random(seed), []
+    work.mkdir(parents=True, exist_ok=True)
+    reference = reference_losses(work / "reference", assets, plan)
+    for index in range(runs):
+        fault = draw(rng, list(KINDS), index, plan)
+        outcome = chaos_run(fault, work / f"run{index}", assets, plan, reference)
+        verdict = outcome.verdict()
+        rows.append({"objective": plan.objective, "run": index + 1, "fault": fault.describe(), "kind": fault.kind,
+                     "step": fault.step, "pieces": outcome.pieces, "redone": outcome.redone, "verdict": verdict,
+                     "seconds": round(outcome.seconds, 1)})
+        print(f"{plan.objective} run {index + 1}/{runs}: {fault.describe()} after step {fault.step}: exits "
+              f"{outcome.pieces}, {outcome.redone} steps redone, {verdict} ({outcome.seconds:.0f} s)",
+              file=sys.stderr, flush=True)
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--objective", default="finetune",
+                        help=f"what the runs train: one of {', '.join(OBJECTIVES)}, several joined by commas, or all")
+    parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--samples", type=int, default=None,
+                        help="samples per epoch, 8 per optimizer step (default: the objective's, see OBJECTIVES)")
+    parser.add_argument("--save-every", type=int, default=None, help="optimizer steps between saves (default: "
+                        "the objective's)")
+    parser.add_argument("--json", type=Path, default=None, help="also write every run's row here")
+    parser.add_argument("--publish", action="store_true", help="write each objective's table into "
+                        "docs/fault-tolerance.md and its rows into benchmarks/results/chaos-OBJECTIVE.json")
+    args = parser.parse_args()
+    names = list(OBJECTIVES) if args.objective == "all" else args.objective.split(",")
+    if unknown := [name for name in names if name not in OBJECTIVES]:
+        parser.error(f"--objective: {', '.join(unknown)} is not one of {', '.join(OBJECTIVES)} or all")
+    plans = [Plan(args.samples or OBJECTIVES[name].samples, args.save_every or OBJECTIVES[name].save_every, name)
+             for name in names]
+    if (short := next((plan for plan in plans if plan.steps < FIRST_FAULT_STEP + 3), None)) is not None:
+        parser.error(f"--samples: at least {(FIRST_FAULT_STEP + 3) * SAMPLES_PER_STEP // 2} (two epochs of 8 per "
+                     f"step), not {short.samples}")
+    every_row: list[dict] = []
+    with tempfile.TemporaryDirectory() as tmp:
+        assets = tiny_assets(None, Path(tmp))
+        for plan in plans:
+            rows = chaos_runs(plan, args.runs, args.seed, Path(tmp) / plan.objective, assets)
+            every_row += rows
+            objective, passed = OBJECTIVES[plan.objective], sum(row["verdict"] == "pass" for row in rows)
+            with report(publish_name(plan.objective) if args.publish else None, "fault-tolerance.md"):
+                print(f"{objective.title}: `{objective.recipe}`, config `{objective.config}` with "
+                      f"`{' '.join(plan.overrides())}`; {plan.steps} optimizer steps. "
+                      f"{passed} of {len(rows)} runs passed.")
+                print(table(rows))
+            if args.publish:
+                write_json(RESULTS / f"chaos-{plan.objective}.json", {
+                    "command": command_line(), "date": date.today().isoformat(), "commit": commit(),
+                    "machine": machine(), "plan": {"samples": plan.samples, "save_every": plan.save_every,
+                                                   "steps": plan.steps, "overrides": plan.overrides()},
+                    "passed": passed, "runs": rows})
     if args.json:
-        args.json.write_text(json.dumps(rows, indent=2))
-    if failed:
+        args.json.write_text(json.dumps(every_row, indent=2))
+    if any(row["verdict"] != "pass" for row in every_row):
         sys.exit(1)
+
+
+def publish_name(objective: str) -> str:
+    """The docs markers of ``objective``'s table: ``chaos`` for fine-tuning (its table came first)."""
+    return "chaos" if objective == "finetune" else f"chaos-{objective}"
 
 
 if __name__ == "__main__":
