@@ -19,8 +19,7 @@ def last_line(result: object) -> str:
 
 @pytest.mark.parametrize("override, expected", [
     ("tokenizer.path=/nonexistent/tokenizer.model",
-     "config error: config key 'tokenizer': FileNotFoundError: [Errno 2] No such file or directory: "
-     "'/nonexistent/tokenizer.model'"),
+     "config error: config key 'tokenizer.path' = '/nonexistent/tokenizer.model': no such file"),
     ("model._component_=torchtune.models.llama3.no_such_builder",
      "config error: config key 'model._component_' = 'torchtune.models.llama3.no_such_builder' does not import: "
      "torchtune.models.llama3 has no 'no_such_builder'"),
@@ -46,6 +45,27 @@ def test_a_recipe_reports_a_config_or_profile_error_in_one_line(override: str, e
     assert last_line(result).startswith(expected)
 
 
+@pytest.mark.parametrize("recipe, name, override, expected", [
+    ("adaptive_knowledge_distillation", "tiny_kd", "teacher_checkpointer.checkpoint_files=[nothere.safetensors]",
+     "config error: config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is not in "
+     "{assets}/model; it holds config.json, model.safetensors"),
+    ("adaptive_lora_dpo", "tiny_lora_dpo", "dataset.data_files={assets}/data/alpaca_tiny.json",
+     "config error: config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column 'chosen': "
+     "torchtune.datasets.preference_dataset reads the columns 'chosen', 'rejected' and the data has 'input', "
+     "'instruction', 'output'; give data with those columns, or map them with dataset.column_map"),
+])
+def test_an_objectives_bad_input_is_one_line_before_any_model(recipe: str, name: str, override: str, expected: str,
+                                                               assets: Path, tmp_path: Path) -> None:
+    """Issue 53.1: before, torchtune's ValueError: No file with name (after the student was built), and
+    KeyError: 'chosen' at DPO's first step; each case of every objective is tests/test_objective_inputs.py's."""
+    result = tune_run(recipe, name, [f"assets_dir={assets}", f"output_dir={tmp_path}",
+                                     override.format(assets=assets)], cwd=tmp_path)
+    assert result.returncode == 1
+    assert last_line(result) == expected.format(assets=assets)
+    output = result.stdout + result.stderr
+    assert "Teacher model" not in output and "Worst-case sample" not in output  # stopped before set-up built any
+
+
 def test_an_unknown_config_name_is_one_line_with_close_names(tmp_path: Path) -> None:
     result = tune_run("adaptive_full_finetune", "tiny_fulll", [], cwd=tmp_path)
     assert result.returncode == 1
@@ -69,5 +89,5 @@ def test_the_profile_command_takes_a_stock_name(tmp_path: Path) -> None:
     assert last_line(result) == "config error: config key 'device' = 'cuda' is not available on this machine; available: cpu"
     result = run_command("cli", [*stock, "device=cpu", "dtype=fp32"], cwd=tmp_path)
     assert result.returncode == 2
-    assert last_line(result) == ("config error: config key 'tokenizer': FileNotFoundError: [Errno 2] No such file or "
-                                 "directory: '/tmp/Llama-3.2-1B-Instruct/original/tokenizer.model'")
+    assert last_line(result) == ("config error: config key 'tokenizer.path' = "
+                                 "'/tmp/Llama-3.2-1B-Instruct/original/tokenizer.model': no such file")

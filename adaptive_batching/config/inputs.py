@@ -1,4 +1,5 @@
-"""What the parts need from the config besides their settings sections, read here as typed values.
+"""What the parts need from the config besides their settings sections, read here as typed values; and what the
+run reads from disk, checked before any model is built (:func:`check_inputs`).
 
 A part never receives the config (docs/contributing.md): the profiler gets a
 :class:`~adaptive_batching.profiling.run.ProfiledSetup`, the batching a
@@ -14,7 +15,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.batching.data import data_files
 from adaptive_batching.batching.worst_case import LengthSource, WorstCase, measure
-from adaptive_batching.core.nodes import packed, plain
+from adaptive_batching.core.nodes import one_line, optional_component, packed, plain
 from adaptive_batching.core.paths import cache_dir
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling.run import ProfiledSetup
@@ -75,7 +76,6 @@ def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> WorstC
     from torchtune import config
 
     from adaptive_batching.batching.data import build_dataset
-    from adaptive_batching.core.nodes import one_line
 
     try:
         tokenizer = config.instantiate(cfg.tokenizer)
@@ -85,3 +85,162 @@ def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> WorstC
                           f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
                           f"--seq-len N (tokens in the longest sample after truncation)") from None
     return measure(dataset, length_source(cfg, folder), packed=is_packed, quiet=True)[0]
+
+
+# The recipes' objectives (``TrainingObjective.name``) whose samples are preference pairs, and what each is called.
+_PAIRS = frozenset({"lora_dpo", "full_dpo"})
+_RECIPE = {"finetune": "fine-tuning", "lora_dpo": "adaptive_lora_dpo", "full_dpo": "adaptive_full_dpo",
+           "kd": "adaptive_knowledge_distillation"}
+# The checkpointers a recipe reads: the model's, full DPO's reference and distillation's teacher (the others
+# refuse the last two before this runs).
+CHECKPOINTERS = ("checkpointer", "ref_checkpointer", "teacher_checkpointer")
+# torchtune's message transforms whose ``column_map`` leaves out the columns it keeps by default.
+_DEFAULT_COLUMNS = {"AlpacaToMessages": ("instruction", "input", "output")}
+_SHOWN = 6  # entries of a folder a message names
+
+
+def check_inputs(cfg: DictConfig, objective: str, resume: bool = False) -> None:
+    """Raise ConfigError, in one line naming the key, for an input of the run that is not there or does not fit
+    ``objective`` (a ``TrainingObjective.name``), before any model is built: the metric logger (the run builds
+    it), the tokenizer's files, the data
+    set's local files and its first sample, each checkpointer's folder and weight files (the model's files but
+    with ``resume``, whose weights are the run's own, checked by the resume: ``faults.checkpoints``).
+
+    The first sample is read through the data set's own builder (its column map and message transform), from its
+    file streamed (nothing tokenized, nothing cached); a data set on the hub is left to the run's build."""
+    logger = cfg.metric_logger if "metric_logger" in cfg else None
+    if optional_component(logger) is None:
+        raise ConfigError(f"config key 'metric_logger' is {'missing' if logger is None else 'null'}: the run logs "
+                          "its metrics with it (a torchtune logger such as "
+                          "torchtune.training.metric_logging.DiskLogger)")
+    tokenizer = plain(cfg.tokenizer)
+    for name, value in tokenizer.items():
+        if (name == "path" or name.endswith(("_path", "_file"))) and isinstance(value, str):
+            _check_exists(f"tokenizer.{name}", value, value)
+    parts = [(f"dataset[{i}]", part) for i, part in enumerate(cfg.dataset)] if OmegaConf.is_list(cfg.dataset) \
+        else [("dataset", cfg.dataset)]
+    for key, node in parts:
+        _check_data_files(key, plain(node))
+    for key in CHECKPOINTERS:
+        node = optional_component(cfg.get(key, None))
+        if node is not None:
+            _check_checkpointer(key, plain(node), files=not (resume and key == "checkpointer"))
+    for key, node in parts:
+        check_first_sample(key, node, objective)
+
+
+def _check_exists(key: str, value: Any, path: str, folder: bool = False) -> None:
+    """``path`` (what config key ``key`` = ``value`` names) is a file, or a folder with ``folder``."""
+    there = Path(path).is_dir() if folder else Path(path).exists()
+    if not there:
+        raise ConfigError(f"config key '{key}' = {value!r}: no such {'folder' if folder else 'file'}"
+                          + (f" ({path})" if path != value else ""))
+
+
+def _check_data_files(key: str, node: Mapping[str, Any]) -> None:
+    """The local files a data set built by one of Hugging Face's file loaders (``source: json``, ``csv``, ...)
+    reads; a hub data set's ``data_files`` are inside its repository, and patterns and URLs are left to it."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+
+    given = node.get("data_files", None)
+    if node.get("source", None) not in _PACKAGED_DATASETS_MODULES or given is None:
+        return
+    paths = given.values() if isinstance(given, Mapping) else [given]
+    for path in (p for group in paths for p in ([group] if isinstance(group, str) else group)):
+        if isinstance(path, str) and "://" not in path and not any(c in path for c in "*?["):
+            _check_exists(f"{key}.data_files", given, path)
+
+
+def _check_checkpointer(key: str, node: Mapping[str, Any], files: bool) -> None:
+    """A checkpointer's folder is there, with the weight files it names (and a Hugging Face checkpointer's
+    ``config.json``, which it reads first)."""
+    from torchtune.training.checkpointing._utils import FormattedCheckpointFiles
+
+    folder = node.get("checkpoint_dir", None)
+    if not isinstance(folder, str):
+        raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} is invalid: expected the folder of the "
+                          "weights")
+    _check_exists(f"{key}.checkpoint_dir", folder, folder, folder=True)
+    component = str(node.get("_component_", ""))
+    if component.endswith("HFCheckpointer") and not (Path(folder) / "config.json").is_file():
+        raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} has no config.json, which {component} "
+                          f"reads the model's shape from; it holds {_holds(Path(folder))}")
+    names = node.get("checkpoint_files", None)
+    if not files or "checkpoint_files" not in node:
+        return
+    if isinstance(names, Mapping):
+        names = FormattedCheckpointFiles.from_dict(dict(names)).build_checkpoint_filenames()
+    if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
+        raise ConfigError(f"config key '{key}.checkpoint_files' = {names!r} is invalid: expected a list of the "
+                          f"weight files in {folder}")
+    for name in names:
+        if not (Path(folder) / name).is_file():
+            raise ConfigError(f"config key '{key}.checkpoint_files' names {name!r}, which is not in {folder}; "
+                              f"it holds {_holds(Path(folder))}")
+
+
+def _holds(folder: Path) -> str:
+    """What a folder holds, for a message: its first few entries by name."""
+    names = sorted(entry.name + ("/" if entry.is_dir() else "") for entry in folder.iterdir())
+    more = f" and {len(names) - _SHOWN} more" if len(names) > _SHOWN else ""
+    return (", ".join(names[:_SHOWN]) + more) if names else "nothing"
+
+
+def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
+    """Read the first sample of the data set at config key ``key`` (one part of ``dataset``) as its builder reads
+    it and raise ConfigError, in one line, when its columns are not the ones the builder's column map reads (naming
+    both), when the builder cannot read it, or when its samples do not fit ``objective`` (pairs of chosen and
+    rejected answers for DPO, one answer otherwise). Only local data (one of Hugging Face's file loaders, or a
+    local folder) is read; a builder that cannot be built so is left to the run's build."""
+    from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
+    from torchtune import config
+
+    source = _select(node, "source", None)
+    if not isinstance(source, str) or not (source in _PACKAGED_DATASETS_MODULES or Path(source).is_dir()):
+        return
+    component, files = _select(node, "_component_", None), _select(node, "data_files", None)
+    shown = files if isinstance(files, str) else files[0] if isinstance(files, list) and len(files) == 1 else source
+    where = f"the first sample of {shown}"
+    streamed = {"streaming": True, **({"packed": False} if "packed" in node else {})}
+    try:
+        dataset = config.instantiate(node, None, **streamed)
+        data = getattr(dataset, "_data", None)
+        record = None if data is None else next(iter(data))
+    except (TypeError, StopIteration):  # a builder that does not stream, or no sample: left to the run's build
+        return
+    except Exception as error:  # noqa: BLE001 - the builder refused its arguments, or the file is not its format
+        raise ConfigError(f"config key '{key}': {one_line(error)}") from None
+    transform, column = getattr(dataset, "_message_transform", None), getattr(dataset, "_column", None)
+    if record is None or (transform is None and column is None):
+        return
+    needed = _columns(transform) if transform is not None else [column]
+    try:
+        sample = transform(record) if transform is not None else {"text": record[column]}
+    except KeyError as error:
+        missing = error.args[0] if error.args else None
+        if missing in needed and missing not in record:
+            raise ConfigError(
+                f"config key '{key}': {where} has no column {missing!r}: {component} reads the columns "
+                f"{', '.join(map(repr, needed))} and the data has {', '.join(map(repr, record)) or 'none'}; give "
+                f"data with those columns, or map them with {key}.column_map") from None
+        raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
+                          f"{one_line(error)}") from None
+    except Exception as error:  # noqa: BLE001 - the run would fail on it at its first step
+        raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
+                          f"{one_line(error)}") from None
+    pairs = isinstance(sample, Mapping) and "chosen" in sample and "rejected" in sample
+    if pairs != (objective in _PAIRS):
+        gives = "pairs of chosen and rejected answers" if pairs else "one answer per sample"
+        wants = "pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives" \
+            if objective in _PAIRS else "one answer per sample (DPO trains on pairs: adaptive_lora_dpo, " \
+            "adaptive_full_dpo)"
+        raise ConfigError(f"config key '{key}._component_' = {component!r} gives {gives}; "
+                          f"{_RECIPE.get(objective, objective)} trains on {wants}")
+
+
+def _columns(transform: Any) -> list[str]:
+    """The columns a torchtune message transform reads, by its column map (the columns it keeps by default
+    included); the optional image column left out."""
+    mapped = getattr(transform, "column_map", None) or getattr(transform, "_column_map", None) or {}
+    default = {name: name for name in _DEFAULT_COLUMNS.get(type(transform).__name__, ())}
+    return [column for name, column in {**default, **dict(mapped)}.items() if name != "image"]

@@ -233,11 +233,17 @@ def check_kd(cfg: DictConfig) -> None:
     recipe = "adaptive_knowledge_distillation"
     for key, what in (("teacher_model", "the teacher's model builder, e.g. torchtune.models.qwen2.qwen2_1_5b"),
                       ("teacher_checkpointer", "a checkpointer pointing at the teacher's weights")):
-        if not OmegaConf.is_dict(OmegaConf.select(cfg, key, default=None)):
-            raise ConfigError(f"config key '{key}' is missing: {recipe} needs {what}")
+        node = OmegaConf.select(cfg, key, default=None)
+        if not OmegaConf.is_dict(node) or optional_component(node) is None:
+            state = ("is missing" if node is None else f"= {plain(node)!r} is not a node"
+                     if not OmegaConf.is_dict(node) else "is null")
+            raise ConfigError(f"config key '{key}' {state}: {recipe} needs {what}")
     kd_loss = str(OmegaConf.select(cfg, "kd_loss._component_", default="") or "")
     if not kd_loss.startswith("torchtune.") or kd_loss.rsplit(".", 1)[-1] not in _KD_LOSSES:
-        raise ConfigError(f"config key 'kd_loss._component_' = {kd_loss or None!r}: {recipe} distils with one of "
+        node = OmegaConf.select(cfg, "kd_loss", default=None)
+        subject = ("'kd_loss' is missing" if node is None else "'kd_loss' is null" if not kd_loss
+                   else f"'kd_loss._component_' = {kd_loss!r}")
+        raise ConfigError(f"config key {subject}: {recipe} distils with one of "
                           f"torchtune.modules.loss.{', '.join(_KD_LOSSES)}")
     ratio = plain(cfg.get("kd_ratio", 0.5))
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:

@@ -20,7 +20,7 @@ from torchtune import config, utils
 from adaptive_batching.batching.elastic import ElasticSpec
 from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.settings import BatchingSettings
-from adaptive_batching.config.components import check_components
+from adaptive_batching.config.components import check_components, check_nodes
 from adaptive_batching.config.keys import check_top_level_keys, meant_key
 from adaptive_batching.config.objectives import check_objective
 from adaptive_batching.core.memory_savers import check_activation_offloading, check_optimizer_in_bwd
@@ -253,9 +253,7 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
         value = plain(OmegaConf.select(cfg, key, default=None))
         if not any(value is v or (type(value) is type(v) and value == v) for v in off):
             raise ConfigError(f"config key '{key}' = {value!r} is not supported: {why}; remove it or set it to false")
-    for key in ("model", "tokenizer", "dataset", "optimizer", "loss", "checkpointer"):
-        if key not in cfg or cfg[key] is None:
-            raise ConfigError(f"config key '{key}' is missing")
+    check_nodes(cfg)  # the nodes the recipes need: there, not null; a checkpointer's model type
 
 
 def validate_config(cfg: DictConfig, recipe: Optional[str] = None) -> AdaptiveSettings:

@@ -12,6 +12,7 @@ from torchtune import training
 
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR
 from adaptive_batching.batching.policy import Verifier
+from adaptive_batching.config.inputs import check_inputs
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.core.objective import TrainingObjective
@@ -71,6 +72,7 @@ def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObje
     The data comes first, so a wrong path fails before any weights load; then the checkpoint (``resume``: whether
     to resume, and the job whose checkpoints a torchrun restart may take), the components (the collate as
     ``hooks`` wrap it), the step guard on the model, the step runner and the checkpoints."""
+    check_inputs(cfg, objective.name, resume=resume[0])  # files, data columns, weights: one line, before any build
     data = build_data(cfg)
     with building("checkpointer"):
         checkpointer, checkpoint = checkpointing.load_checkpoint(cfg.checkpointer, *resume)
