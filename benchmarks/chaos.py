@@ -3,8 +3,8 @@
 the uninterrupted run's losses bit for bit, and every checkpoint must load (docs/fault-tolerance.md).
 
 ``--objective`` picks what the runs train, each a shipped tiny config: ``finetune`` (full fine-tuning),
-``lora_dpo``, ``full_dpo``, ``kd`` (knowledge distillation) or ``qat`` (LoRA with fake quantization from the
-middle of the run on, ``fake_quant_after_n_steps`` = half the steps); ``all`` runs each in turn."""
+``lora_dpo``, ``full_dpo``, ``kd`` (knowledge distillation) or ``qat`` (LoRA with fake quantization switched on
+inside the run, ``fake_quant_after_n_steps`` = a third of the steps); ``all`` runs each in turn."""
 
 from __future__ import annotations
 
@@ -59,7 +59,7 @@ OBJECTIVES = {
     "lora_dpo": Objective("LoRA DPO", "adaptive_lora_dpo", "tiny_lora_dpo", SHORT),
     "full_dpo": Objective("Full DPO", "adaptive_full_dpo", "tiny_full_dpo", SHORT),
     "kd": Objective("Knowledge distillation (LoRA student)", "adaptive_knowledge_distillation", "tiny_kd", SHORT),
-    "qat": Objective("QAT (LoRA), fake quantization from half the steps on", "adaptive_lora_finetune",
+    "qat": Objective("QAT (LoRA), fake quantization from a third of the steps on", "adaptive_lora_finetune",
                      "tiny_qat_lora", SHORT),
 }
 
@@ -79,8 +79,9 @@ class Plan:
 
     @property
     def fake_quant_after(self) -> Optional[int]:
-        """QAT: the optimizer steps trained before fake quantization switches on (half the run's)."""
-        return self.steps // 2 if self.objective == "qat" else None
+        """QAT: the optimizer steps trained before fake quantization switches on: a third of the run's, rounded up,
+        inside the first epoch and off its saves at the default plans, so resumes land on either side."""
+        return (self.steps + 2) // 3 if self.objective == "qat" else None
 
     def overrides(self) -> tuple[str, ...]:
         delayed = () if self.fake_quant_after is None else (f"fake_quant_after_n_steps={self.fake_quant_after}",)
