@@ -78,6 +78,9 @@ def forked_worker(*cmd_args: str) -> None:
     """A torchrun worker's ``python -u [-m] TARGET ARGS...``, in this forked process."""
     import runpy
 
+    for number in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):  # a new interpreter's, not the agent's handlers
+        signal.signal(number, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     args = list(cmd_args[1:])
     try:
         if args[0] == "-m":

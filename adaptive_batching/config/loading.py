@@ -132,11 +132,12 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         except Preempted:  # each rank has said where it stopped (Preemption.stop)
             result, message, code = None, None, PREEMPTED_EXIT_CODE
         # Said before the teardown: the first rank to exit makes torchrun end the others.
-        if message is not None and (every_rank or os.environ.get("RANK", "0") == "0"):
-            from adaptive_batching.core.logs import say_line  # torchtune is loaded by now
-
+        speaks = every_rank or os.environ.get("RANK", "0") == "0"
+        if message is not None and speaks:
             say_line(message)
         leave_cleanly()  # outside the handlers, so no traceback keeps the run's objects alive
+        if message is not None and not speaks:
+            wait_for_rank_zero(message)
         if code == 0:
             return result
         sys.exit(code)
@@ -151,6 +152,50 @@ def parse(recipe_main: Callable[[DictConfig], Any]) -> Callable[[], Any]:
         return tune_config.parse(checked)()
 
     return wrapper
+
+
+RANK_ZERO_WAIT_S = 60.0
+"""How long a rank other than rank zero waits, after a run-wide error that rank zero reports, before it says the
+line itself (rank zero had not ended the run by then: the error was not on rank zero, or rank zero is on another
+node whose agent has not stopped this one)."""
+
+
+def say_line(text: str) -> None:
+    """Write ``text`` and its newline to stderr in one write, flushed (``core.logs.say_line``, once torchtune is
+    loaded, which it is when a recipe's error reaches :func:`parse`)."""
+    from adaptive_batching.core.logs import say_line as say
+
+    say(text)
+
+
+def wait_for_rank_zero(message: str, seconds: float = RANK_ZERO_WAIT_S) -> None:
+    """On a rank other than zero, after an error every rank meets and rank zero says: wait, so that rank zero's exit
+    is the first failure torchrun's agent sees; the agent's SIGTERM (or a Ctrl-C, or the agent's death) then ends
+    this rank at once and silently, whatever handler the run had, even a signal whose Python handler had yet to run.
+    Exiting at once instead could make the agent end rank zero before its line is out. If this rank is still running
+    after ``seconds`` (longer than the agent's 30 s between its SIGTERM and its SIGKILL), nobody has said the line:
+    it says it, and returns."""
+    import signal
+    import time
+
+    from adaptive_batching.faults.preemption import PARENT_DEATH, run_pending_handlers
+
+    for number in (signal.SIGTERM, signal.SIGINT, PARENT_DEATH):
+        if number is not None:
+            signal.signal(number, _end_by_signal)
+    deadline = time.monotonic() + seconds
+    while (left := deadline - time.monotonic()) > 0:
+        run_pending_handlers()  # a signal another thread took waits for the main thread to look
+        time.sleep(min(left, 0.1))
+    say_line(message)
+
+
+def _end_by_signal(number: int, frame: Any) -> None:
+    """End the process by signal ``number``, its default action: no finalisation, nothing printed."""
+    import signal
+
+    signal.signal(number, signal.SIG_DFL)
+    os.kill(os.getpid(), number)
 
 
 def leave_cleanly() -> None:
