@@ -12,11 +12,13 @@ import pytest
 from config_edits import CONFIGS, modified
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.config.inputs import check_inputs
 from adaptive_batching.config.keys import check_top_level_keys, interpolated_keys, meant_key
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.config.objectives import DATASETS, OBJECTIVES, TRAINING_KEYS
+from adaptive_batching.config.objectives import DATASETS, OBJECTIVES, TRAINING_KEYS, recipe_for_model
 from adaptive_batching.config.settings import ConfigError, validate_config
 from adaptive_batching.core.packages import NEEDS, PIP
+from adaptive_batching.training.objectives import objective_for
 
 
 @pytest.mark.parametrize("name", ["tiny_full", "tiny_lora", "llama3_2_1b", "llama3_2_1b_lora", "llama3_8b",
@@ -138,6 +140,14 @@ QUOTED = {
     "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
     "metric_logger._component_": "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
     "optimizer._component_": "optimizer._component_=torch.optim.AdamWW",
+    "checkpointer.model_type": "checkpointer.model_type=LLAMA9",
+}
+# The lines the page quotes from an objective's config: its check and the run's inputs' (tiny assets where the
+# page says /tmp/adaptive-batching/tiny, their default place).
+RUN_QUOTED = {
+    "teacher_checkpointer": ("tiny_kd", "teacher_checkpointer=null"),
+    "teacher_checkpointer.checkpoint_files": ("tiny_kd", "teacher_checkpointer.checkpoint_files=[nothere.safetensors]"),
+    "dataset": ("tiny_lora_dpo", "dataset.data_files=${assets_dir}/data/alpaca_tiny.json"),
 }
 
 
@@ -148,15 +158,22 @@ def page_quotes() -> dict[str, str]:
     return {line.split("'")[1]: line for line in lines}
 
 
-def test_the_keys_page_quotes_the_codes_own_lines(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_the_keys_page_quotes_the_codes_own_lines(monkeypatch: pytest.MonkeyPatch, assets: Path,
+                                                  tmp_path: Path) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     quoted = page_quotes()
-    assert set(quoted) == set(QUOTED)
+    assert set(quoted) == set(QUOTED) | set(RUN_QUOTED)
     for key, override in QUOTED.items():
         with pytest.raises(ConfigError) as error:
             validate_config(load_config("tiny_full", [override]))
         assert f"config error: {error.value}" == quoted[key]
+    for key, (name, override) in RUN_QUOTED.items():
+        cfg = load_config(name, [f"assets_dir={assets}", f"output_dir={tmp_path}", override])
+        with pytest.raises(ConfigError) as error:
+            validate_config(cfg, recipe_for_model(cfg))
+            check_inputs(cfg, objective_for(cfg).name)  # objective_for: the objective's check, as its recipe's
+        assert f"config error: {error.value}".replace(str(assets), "/tmp/adaptive-batching/tiny") == quoted[key]
 
 
 def test_the_keys_page_tables_name_every_training_key_objective_and_package() -> None:

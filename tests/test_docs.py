@@ -585,7 +585,16 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "tune run quantize --config my_quantization.yaml": (
         "tests/test_qat.py::test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_same_quantizer",
         f"on the full QAT run's checkpoint of {TINY}"),
+    **{f"adaptive-batching profile --config my_qat.yaml {extra}adaptive_batching.memory_budget=8MiB "
+       "tokenizer.max_seq_len=64": ("tests/test_qat.py::stock_copy", "as written, on a tune cp copy of "
+                                    f"llama3_2/1B_qat_lora pointed at {TINY}; test_the_qat_pages_figures_are_what_its_"
+                                    "commands_print checks the page's table against them")
+       for extra in ("quantizer.groupsize=32 ", "quantizer=null ", "quantizer.groupsize=32 fake_quant_after_n_steps=100 ")},
     # docs/dpo.md
+    **{f"adaptive-batching profile --config {config} adaptive_batching.memory_budget=32MiB tokenizer.max_seq_len=64": (
+        "tests/test_dpo.py::dpo_figures", f"as written, with {TINY}; test_the_dpo_pages_profile_figures_are_what_its_"
+                                          "commands_print checks the page's figures against it")
+       for config in ("tiny_lora_dpo", "tiny_full_dpo")},
     "tune run adaptive_lora_dpo --config tiny_lora_dpo": (
         "tests/test_dpo.py::test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits",
         f"with {TINY}, one step, a 128 MiB budget"),
@@ -599,6 +608,10 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_full_dpo.py::test_two_ranks_profile_with_the_reference_sharded_and_train",
         f"with {TINY}, a 128 MiB budget, 2 steps"),
     # docs/distillation.md
+    "adaptive-batching profile --config my_kd.yaml adaptive_batching.memory_budget=16MiB tokenizer.max_seq_len=64": (
+        "tests/test_kd.py::kd_figure", f"as written, on a tune cp copy of qwen2/1.5_to_0.5B_KD_lora_single_device pointed "
+                                       f"at {TINY}; test_the_pages_profile_figures_are_what_its_command_prints checks "
+                                       "the page's figures against it"),
     "tune run adaptive_knowledge_distillation --config tiny_kd": (
         "tests/test_kd.py::parity", f"with {TINY}, 4 steps, shuffle off, through tests/kd_parity_run.py (stopped by "
         "SIGTERM at step 2 and resumed)"),
@@ -842,6 +855,8 @@ def test_every_make_target_a_page_runs_exists() -> None:
 # do (``config error:``, ``profile error:``, ``out of memory:``, ``stopped:``) or as a Python exception
 # (``ImportError: ...``). QUOTED_BY maps the start of each to the test that produces it, and what that test checks.
 
+# Keys whose quoted line comes from an objective's config and the run's inputs (test_config_keys: RUN_QUOTED).
+RUN_INPUTS = ("teacher_checkpointer", "teacher_checkpointer.checkpoint_files", "dataset")
 QUOTED = re.compile(r"(?:config error|profile error|out of memory|stopped|[A-Z]\w*Error): ")
 QUOTED_BY: dict[str, tuple[str, str]] = {
     "config error: config key '": (
@@ -849,7 +864,8 @@ QUOTED_BY: dict[str, tuple[str, str]] = {
         "the page's line, exactly, from the override in CONFIG_ERROR_OVERRIDES"),
     **{f"config error: config key '{key}'": (
         "tests/test_config_keys.py::test_the_keys_page_quotes_the_codes_own_lines", "the page's line, exactly")
-       for key in ("save_every_n_step", "quantizer", "metric_logger._component_", "optimizer._component_")},
+       for key in ("save_every_n_step", "quantizer", "metric_logger._component_", "optimizer._component_",
+                   "checkpointer.model_type", *RUN_INPUTS)},
     "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly": (
         "tests/test_token_and_elastic_recipe.py::test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model",
         "a recipe run's last line"),
@@ -908,8 +924,9 @@ CONFIG_ERROR_OVERRIDES: dict[str, str] = {
     "optimizer._component_": "optimizer._component_=torch.optim.AdamWW",
     "metric_logger._component_": "metric_logger._component_=torchtune.training.metric_logging.WandBLogger",
     "quantizer": "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
+    "checkpointer.model_type": "checkpointer.model_type=LLAMA9",
 }
-RUN_ELSEWHERE = {"adaptive_batching.elastic"}
+RUN_ELSEWHERE = {"adaptive_batching.elastic", *RUN_INPUTS}
 
 
 def test_the_quoted_config_key_errors_are_the_codes_own_lines() -> None:
