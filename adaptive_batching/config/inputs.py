@@ -202,6 +202,8 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
     shown = files if isinstance(files, str) else files[0] if isinstance(files, list) and len(files) == 1 else source
     where = f"the first sample of {shown}"
     streamed = {"streaming": True, **({"packed": False} if "packed" in node else {})}
+    if isinstance(split := _select(node, "split", None), str) and "[" in split:  # streaming takes no slice
+        streamed["split"] = split.split("[", 1)[0]
     try:
         dataset = config.instantiate(node, None, **streamed)
         data = getattr(dataset, "_data", None)
