@@ -23,7 +23,8 @@ from adaptive_batching.config.settings import validate_config
 from adaptive_batching.core.objective import sample_length
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.training.objectives import LoRADPO, PairCollate
-from recipe_runs import read_metrics, run_command
+from doc_figures import agrees, overrides, page_text, profiled, quoted
+from recipe_runs import check, read_metrics, run_command
 
 HERE = Path(__file__).parent
 STOCK_DPO = ("llama2/7B_lora_dpo_single_device", "llama3_1/8B_lora_dpo_single_device")
@@ -240,22 +241,62 @@ def test_the_profilers_dpo_trial_step_runs_both_forwards_the_loss_the_backward_a
     assert any("lora_a" in name for name in moved) and any("lora_b" in name for name in moved)
 
 
+# docs/dpo.md's figures: each `adaptive-batching profile --config C OVERRIDES` it names, what that prints per pair
+# and the pairs it chooses (tests/doc_figures.py).
+DPO_FIGURE = (r"`adaptive-batching profile --config (tiny_(?:lora|full)_dpo) ([^`]*)` fits about ([\d.]+) MiB per "
+              r"pair of (\d+) tokens and chooses (\d+) pairs")
+
+
+@pytest.fixture(scope="module")
+def dpo_figures(assets: Path, runs: Path) -> dict[str, tuple[re.Match, str]]:
+    """Each command docs/dpo.md quotes a figure of, as written there (in a folder of its own, the tiny assets of
+    the suite); one cache, which the profiled run below reads."""
+    found = {}
+    for quote in quoted("dpo.md", DPO_FIGURE):
+        config = quote[1]
+        result = check(run_command("cli", ["profile", "--config", config, *overrides(quote[2]), f"assets_dir={assets}",
+                                           f"output_dir={runs / config}", f"adaptive_batching.cache_dir={runs / 'cache'}"],
+                                   cwd=runs))
+        found[config] = (quote, result.stdout + result.stderr)
+    return found
+
+
 @pytest.mark.e2e
-def test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits(assets: Path, runs: Path) -> None:
+def test_the_dpo_pages_profile_figures_are_what_its_commands_print(dpo_figures: dict) -> None:
+    """Per pair and pairs chosen, for LoRA and full DPO, within tests/doc_figures.py's CPU tolerance; the pages'
+    pairs are of the length the command measured."""
+    assert sorted(dpo_figures) == ["tiny_full_dpo", "tiny_lora_dpo"]
+    for config, (quote, output) in dpo_figures.items():
+        run = profiled(output)
+        assert f"samples of {quote[4]} tokens" in output, config
+        assert agrees(float(quote[3]), run.per_sample_mib), (config, quote[0], run)
+        assert agrees(int(quote[5]), run.chosen, samples=True), (config, quote[0], run)
+    text = page_text("dpo.md")  # the full DPO sentence repeats LoRA's figures: the same as its section's
+    lora = dpo_figures["tiny_lora_dpo"][0]
+    assert f"against {lora[3]} MiB and {lora[5]} pairs with LoRA" in text
+
+
+@pytest.mark.e2e
+def test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits(dpo_figures: dict, assets: Path,
+                                                                                 runs: Path) -> None:
     """The profiler's trial steps are DPO steps on pairs as long as the data's longest (here cut at
-    tokenizer.max_seq_len); the run trains at the micro batch it chose (8 pairs in 128 MiB on CPU, when written)."""
+    tokenizer.max_seq_len); the run trains at the micro batch it chose. The run reads the profile the page's
+    command cached (the same set-up)."""
     from recipe_runs import tune_run
 
     out = runs / "profiled"
+    quote, _ = dpo_figures["tiny_lora_dpo"]
     result = tune_run("adaptive_lora_dpo", "tiny_lora_dpo", [
-        f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=True",
-        "adaptive_batching.memory_budget=128MiB", "epochs=1", "max_steps_per_epoch=1"], cwd=runs)
+        f"assets_dir={assets}", f"output_dir={out}", "use_maximum_batch_size=True", *overrides(quote[2]),
+        f"adaptive_batching.cache_dir={runs / 'cache'}", "epochs=1", "max_steps_per_epoch=1"], cwd=runs)
     assert result.returncode == 0, result.stderr[-3000:]
-    chosen = re.search(r"largest micro batch that ran (\d+); chosen micro batch (\d+)", result.stderr)
-    assert chosen and 1 < int(chosen[2]) <= int(chosen[1]) < 32, result.stderr[-3000:]
-    assert "worst-case samples of 256 tokens" in result.stderr
+    run = profiled(result.stderr)
+    assert run.cached and 1 < run.chosen <= run.largest < 32, result.stderr[-3000:]
+    measured = profiled(dpo_figures["tiny_lora_dpo"][1])
+    assert (run.per_sample_mib, run.chosen) == (measured.per_sample_mib, measured.chosen)
+    assert f"samples of {quote[4]} tokens" in result.stderr
     step = read_metrics(out / "logs")[0]
-    assert step["micro_batch_size"] == int(chosen[2]) and "rewards/margins" in step
+    assert step["micro_batch_size"] == run.chosen and "rewards/margins" in step
 
 
 # adaptive-batching's command line, printing the shape of each DPO micro batch it runs: what a profile's trials ran on.
