@@ -72,3 +72,21 @@ def test_the_run_logger_writes_beside_the_bars() -> None:
     """torchtune's logger, as every part logs through it, has its stream handler replaced, not doubled."""
     streams = [handler for handler in logs.log.handlers if isinstance(handler, logging.StreamHandler)]
     assert len(streams) == 1 and type(streams[0]) is logs._BesideProgressBars
+
+
+def test_a_handler_made_for_stderr_writes_to_the_stderr_of_the_moment(capsys: pytest.CaptureFixture[str]) -> None:
+    """torchtune's handler is made at import, on the stderr of then; a process that replaces ``sys.stderr`` later
+    (the test fork server, a harness) has its lines and its bar on the new one, the bar cleared for each line."""
+    import sys
+
+    handler = logs._BesideProgressBars(sys.__stderr__)
+    logger = logging.getLogger("test_logs.moment")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        _bar_with_lines_between(sys.stderr, logger.info)  # type: ignore[arg-type]
+    finally:
+        logger.removeHandler(handler)
+    err = capsys.readouterr().err
+    assert "Step 1: fake quantization on" in screen_lines(err) and lines_inside_a_bar(err) == []

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import sys
 from contextlib import contextmanager
-from typing import IO, Any, Iterator
+from typing import IO, Any, Iterator, Optional
 
 from torchtune import utils
 from tqdm import tqdm
@@ -32,9 +32,17 @@ def beside_progress_bars(stream: IO[str]) -> Iterator[None]:
 
 
 class _BesideProgressBars(logging.StreamHandler):
-    """torchtune's stream handler, writing each record :func:`beside_progress_bars`."""
+    """torchtune's stream handler, writing each record :func:`beside_progress_bars`. One made for stderr writes to
+    the stderr of the moment, as ``print(..., file=sys.stderr)`` and the progress bar do: a process that replaces
+    ``sys.stderr`` after the import (a harness, a fork) still has its bar cleared by the same stream."""
+
+    def __init__(self, stream: Optional[IO[str]] = None) -> None:
+        super().__init__(stream)
+        self.follows_stderr = stream is None or stream is sys.stderr or stream is sys.__stderr__
 
     def emit(self, record: logging.LogRecord) -> None:
+        if self.follows_stderr:
+            self.stream = sys.stderr
         with beside_progress_bars(self.stream):
             super().emit(record)
 
