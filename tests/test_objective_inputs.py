@@ -233,3 +233,11 @@ def test_a_packed_data_set_is_read_unpacked_and_a_resumed_runs_weights_are_the_r
     check_inputs(cfg, "finetune", resume=True)
     with pytest.raises(ConfigError, match=r"^config key 'checkpointer.checkpoint_files' names 'nothere.safetensors'"):
         check_inputs(cfg, "finetune")
+
+
+def test_what_streaming_cannot_read_is_read_as_the_run_builds_it(assets: Path, tmp_path: Path) -> None:
+    """A split streaming does not take (a slice, a sum) is no error of the config's; one the build refuses is."""
+    for split in ("train[:48]", "train[10%:]", "train+train"):
+        before_any_model(with_override("tiny_full", assets, tmp_path, f"dataset.split={split}"), "adaptive_full_finetune")
+    assert refusal(with_override("tiny_full", assets, tmp_path, "dataset.split=nope"), "adaptive_full_finetune") == (
+        "config key 'dataset': ValueError: Unknown split \"nope\". Should be one of ['train'].")

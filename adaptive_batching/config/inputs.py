@@ -8,6 +8,8 @@ A part never receives the config (docs/contributing.md): the profiler gets a
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
 
@@ -97,17 +99,15 @@ CHECKPOINTERS = ("checkpointer", "ref_checkpointer", "teacher_checkpointer")
 # torchtune's message transforms whose ``column_map`` leaves out the columns it keeps by default.
 _DEFAULT_COLUMNS = {"AlpacaToMessages": ("instruction", "input", "output")}
 _SHOWN = 6  # entries of a folder a message names
+_HEAD = 1 << 20  # characters of a JSON array read for its first record
 
 
 def check_inputs(cfg: DictConfig, objective: str, resume: bool = False) -> None:
     """Raise ConfigError, in one line naming the key, for an input of the run that is not there or does not fit
     ``objective`` (a ``TrainingObjective.name``), before any model is built: the metric logger (the run builds
-    it), the tokenizer's files, the data
-    set's local files and its first sample, each checkpointer's folder and weight files (the model's files but
-    with ``resume``, whose weights are the run's own, checked by the resume: ``faults.checkpoints``).
-
-    The first sample is read through the data set's own builder (its column map and message transform), from its
-    file streamed (nothing tokenized, nothing cached); a data set on the hub is left to the run's build."""
+    it), the tokenizer's files, the data set's local files and its first sample (:func:`check_first_sample`),
+    each checkpointer's folder and weight files (the model's files but with ``resume``, whose weights are the
+    run's own, checked by the resume: ``faults.checkpoints``)."""
     logger = cfg.metric_logger if "metric_logger" in cfg else None
     if optional_component(logger) is None:
         raise ConfigError(f"config key 'metric_logger' is {'missing' if logger is None else 'null'}: the run logs "
@@ -191,7 +191,9 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
     it and raise ConfigError, in one line, when its columns are not the ones the builder's column map reads (naming
     both), when the builder cannot read it, or when its samples do not fit ``objective`` (pairs of chosen and
     rejected answers for DPO, one answer otherwise). Only local data (one of Hugging Face's file loaders, or a
-    local folder) is read; a builder that cannot be built so is left to the run's build."""
+    local folder) is read, cheaply: the builder streams it (a JSON array's first record comes from the file's
+    head), nothing is tokenized or cached. A builder that fails so is built as the run builds it: its error is
+    the config's, else the check is left to the run (a builder that does not stream, a split streaming lacks)."""
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
     from torchtune import config
 
@@ -206,14 +208,17 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
         streamed["split"] = split.split("[", 1)[0]
     try:
         dataset = config.instantiate(node, None, **streamed)
-        data = getattr(dataset, "_data", None)
-        record = None if data is None else next(iter(data))
-    except (TypeError, StopIteration):  # a builder that does not stream, or no sample: left to the run's build
-        return
-    except Exception as error:  # noqa: BLE001 - the builder refused its arguments, or the file is not its format
-        raise ConfigError(f"config key '{key}': {one_line(error)}") from None
+        record = _first_record(dataset, files if source == "json" and "field" not in node else None)
+    except Exception:  # noqa: BLE001 - streamed; built as the run builds it, the error is the config's or nothing
+        try:
+            dataset = config.instantiate(node, None, **{k: v for k, v in streamed.items() if k == "packed"})
+            record = _first_record(dataset, None)
+        except (TypeError, StopIteration):  # arguments the builder does not take (the build says so), no sample
+            return
+        except Exception as error:  # noqa: BLE001 - the builder refused its arguments, or the file is not its format
+            raise ConfigError(f"config key '{key}': {one_line(error)}") from None
     transform, column = getattr(dataset, "_message_transform", None), getattr(dataset, "_column", None)
-    if record is None or (transform is None and column is None):
+    if not isinstance(record, Mapping) or (transform is None and column is None):
         return
     needed = _columns(transform) if transform is not None else [column]
     try:
@@ -223,7 +228,8 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
         if missing in needed and missing not in record:
             raise ConfigError(
                 f"config key '{key}': {where} has no column {missing!r}: {component} reads the columns "
-                f"{', '.join(map(repr, needed))} and the data has {', '.join(map(repr, record)) or 'none'}; give "
+                f"{', '.join(map(repr, needed))} and the data has {', '.join(map(repr, sorted(record))) or 'none'}; "
+                f"give "
                 f"data with those columns, or map them with {key}.column_map") from None
         raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
                           f"{one_line(error)}") from None
@@ -238,6 +244,20 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
             "adaptive_full_dpo)"
         raise ConfigError(f"config key '{key}._component_' = {component!r} gives {gives}; "
                           f"{_RECIPE.get(objective, objective)} trains on {wants}")
+
+
+def _first_record(dataset: Any, files: Any) -> Any:
+    """The first raw record of a torchtune data set (its ``_data``; None for another kind), of its JSON file's
+    head when ``files`` is one JSON array (Hugging Face's reader parses the whole file to stream one)."""
+    path = files[0] if isinstance(files, list) and len(files) == 1 else files
+    if isinstance(path, str) and Path(path).is_file():
+        with open(path, encoding="utf-8") as handle:
+            head = handle.read(_HEAD)
+        if head.lstrip().startswith("["):
+            with contextlib.suppress(ValueError):  # a record longer than the head: read as the builder streams it
+                return json.JSONDecoder().raw_decode(head.lstrip()[1:].lstrip())[0]
+    data = getattr(dataset, "_data", None)
+    return None if data is None else next(iter(data))
 
 
 def _columns(transform: Any) -> list[str]:
