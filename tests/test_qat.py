@@ -21,6 +21,7 @@ from typing import Any
 import pytest
 import torch
 from omegaconf import OmegaConf
+from doc_figures import agrees, overrides, profiled, quoted
 from progress_lines import lines_inside_a_bar, screen_lines
 from recipe_runs import FIXED_BATCH_SIZE, check, read_metrics, run_command, tune_run
 from test_oom_recovery import faulty_run, ok
@@ -366,16 +367,21 @@ def test_the_fake_quantization_growth_oom_and_stop_lines_never_land_inside_the_p
     assert any(line.startswith("stopped: SIGTERM received") for line in screen_lines(first))
 
 
-# ---------------------------------------------------------------- a stock QAT config by name, profiled
-@pytest.mark.e2e
-def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_steps(assets: Path,
-                                                                                       tmp_path: Path) -> None:
-    """``tune cp llama3_2/1B_qat_lora X.yaml`` pointed at the tiny model, tokenizer and data (every other key as
-    torchtune ships it: bf16, batch 4 x 8, groupsize 256, which the tiny model's 64 inputs cannot hold), then
-    ``adaptive-batching profile --config X.yaml quantizer.groupsize=32`` (64 samples and an 8 MiB budget: a few
-    samples a trial)."""
-    copy = tmp_path / "X.yaml"
-    copied = run_command("tune", ["cp", "llama3_2/1B_qat_lora", str(copy)], cwd=tmp_path)
+# ---------------------------------------------------------------- a stock QAT config by name, profiled: docs/qat.md
+QAT_FIGURES = r"\| (QAT \(`quantizer.groupsize=32`\)|plain LoRA \(`quantizer=null`\)|QAT with `fake_quant_after_n_steps=100`) " \
+              r"\| ([^|]+) \| (\d+) \|"
+
+
+@pytest.fixture(scope="module")
+def stock_copy(assets: Path, runs: Path) -> dict[str, Any]:
+    """``tune cp llama3_2/1B_qat_lora my_qat.yaml`` pointed at the tiny model, tokenizer and data (every other key as
+    torchtune ships it: bf16, batch 4 x 8, groupsize 256, which the tiny model's 64 inputs cannot hold), then the
+    ``adaptive-batching profile`` commands of docs/qat.md, as written there, in order (one cache: the third reads
+    the first's profile)."""
+    folder = runs / "stock_copy"
+    folder.mkdir()
+    copy = folder / "my_qat.yaml"
+    copied = run_command("tune", ["cp", "llama3_2/1B_qat_lora", str(copy)], cwd=folder)
     assert copied.returncode == 0, copied.stderr[-3000:]
     cfg, ours = OmegaConf.load(copy), OmegaConf.load(CONFIGS / "tiny_qat_lora.yaml")
     assert stock_configs()["llama3_2/1B_qat_lora"].is_file() and cfg.quantizer.groupsize == 256
@@ -383,16 +389,51 @@ def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_
         cfg[node] = ours[node]
     for key in ("checkpoint_dir", "checkpoint_files", "model_type"):
         cfg.checkpointer[key] = OmegaConf.to_container(ours.checkpointer, resolve=False)[key]
-    cfg.assets_dir, cfg.output_dir, cfg.device = str(assets), str(tmp_path / "out"), "cpu"
+    cfg.assets_dir, cfg.output_dir, cfg.device = str(assets), str(folder / "out"), "cpu"
     OmegaConf.save(cfg, copy)
-    result = run_command("cli", ["profile", "--config", str(copy), "quantizer.groupsize=32",
-                                 "adaptive_batching.memory_budget=8MiB", "tokenizer.max_seq_len=64",
-                                 "dataset.split=train[:64]", f"adaptive_batching.cache_dir={tmp_path / 'cache'}"],
-                         cwd=tmp_path)
-    assert result.returncode == 0, result.stderr[-3000:]
-    output = result.stdout + result.stderr
-    assert "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers" \
-           in output
-    report = json.loads((tmp_path / "out" / "profile" / "profile.json").read_text())
+    text = (HERE.parent / "docs" / "qat.md").read_text()
+    commands = re.findall(r"^adaptive-batching profile --config my_qat\.yaml (.*)$", text, flags=re.M)
+    assert len(commands) == 3, commands
+    outputs = []
+    for command in commands:
+        result = check(run_command("cli", ["profile", "--config", str(copy), *overrides(command),
+                                           f"adaptive_batching.cache_dir={folder / 'cache'}"], cwd=folder))
+        outputs.append(result.stdout + result.stderr)
+    return {"commands": commands, "outputs": outputs, "out": folder / "out"}
+
+
+@pytest.mark.e2e
+def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_steps(stock_copy: dict) -> None:
+    """The first command of docs/qat.md: fake-quantized trial steps on the copy, with one override
+    (``quantizer.groupsize=32``) besides the budget and the length."""
+    command, output = stock_copy["commands"][0], stock_copy["outputs"][0]
+    assert [word for word in overrides(command) if not word.startswith(("adaptive_batching.", "tokenizer."))] == \
+           ["quantizer.groupsize=32"]
+    (line,) = re.findall(r"^Quantization-aware training \(.*$", (HERE.parent / "docs" / "qat.md").read_text(), flags=re.M)
+    assert line == "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA " \
+                   "layers' frozen base weights and inputs fake-quantized, on from the first step; the profiler's " \
+                   "trial steps run with it on"
+    assert line in output  # docs/qat.md's example line: the copy's model is tiny_qat_lora's
+    report = json.loads((stock_copy["out"] / "profile" / "profile.json").read_text())
     assert report["seq_len"] == 64 and report["micro_batch"] >= 1
     assert re.search(r"chosen micro batch \d+", output)
+
+
+@pytest.mark.e2e
+def test_the_qat_pages_figures_are_what_its_commands_print(stock_copy: dict) -> None:
+    """docs/qat.md's table, row by row against its three commands (tests/doc_figures.py's CPU tolerance). A delayed
+    fake quantization takes the QAT run's profile from the cache, with its trials fake-quantized: its worst phase
+    (the plain run, whose quantizer is null, has its own)."""
+    rows = quoted("qat.md", QAT_FIGURES)
+    assert len(rows) == 3
+    qat, plain, delayed = (profiled(output) for output in stock_copy["outputs"])
+    for row, run in zip(rows[:2], (qat, plain)):
+        assert not run.cached
+        assert agrees(float(row[2].removesuffix(" MiB")), run.per_sample_mib), (row[0], run)
+        assert agrees(int(row[3]), run.chosen, samples=True), (row[0], run)
+    assert delayed.cached and (delayed.per_sample_mib, delayed.chosen) == (qat.per_sample_mib, qat.chosen)
+    assert rows[2][2] == "the first run's profile, from the cache" and rows[2][3] == rows[0][3]
+    delayed_output = stock_copy["outputs"][2]
+    assert "off for the first 100 optimizer steps, then on; the profiler's trial steps run with it on" in delayed_output
+    cache = re.findall(r"Profiler: using the cached profile (\S+)", delayed_output)
+    assert len(cache) == 1 and Path(cache[0]).is_file()
