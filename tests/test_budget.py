@@ -241,3 +241,32 @@ def test_cpu_budget_on_this_host_is_positive() -> None:
     assert room > 0 and source
     budget = memory_budget(CPU, explicit=None, fraction=0.9, live_tensor_bytes=MIB)
     assert budget.bytes > MIB and budget.source.startswith("CPU: ")
+
+
+# --- ranks on one host ---------------------------------------------------------------------------
+
+def test_ranks_on_one_host_share_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of the host's ranks gets its share of what the host has left, and the source says so; what one rank
+    already holds (its live tensors) is its own."""
+    root = fake_host(tmp_path, available=8 * GIB)
+    assert cpu_room_bytes(root=root, ranks_on_host=2) == (4 * GIB, "MemAvailable 8.0 GiB / 2 ranks on this host")
+    budget = memory_budget(CPU, explicit=None, fraction=0.75, live_tensor_bytes=GIB, ranks_on_host=4, root=root)
+    assert budget.bytes == GIB + int(2 * GIB * 0.75)
+    assert budget.source == ("CPU: MemAvailable 8.0 GiB / 4 ranks on this host leaves 2.0 GiB, x memory_fraction "
+                             "0.75, + 1.0 GiB live tensors")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's, when not given
+    assert memory_budget(CPU, explicit=None, fraction=1.0, root=root).bytes == 4 * GIB
+
+
+def test_a_cgroup_is_shared_by_the_hosts_ranks_and_the_address_space_limit_is_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    root = fake_host(tmp_path, vm_size=GIB, available=64 * GIB, cgroup="0::/job\n", v2={"job": (str(9 * GIB), GIB)})
+    assert cpu_room_bytes(root=root, ranks_on_host=2) == (
+        4 * GIB, "cgroup v2 memory.max of /sys/fs/cgroup/job 8.0 GiB / 2 ranks on this host")
+    set_address_space_limit(monkeypatch, 4 * GIB)  # 3 GiB of room, this process's own: not divided
+    assert cpu_room_bytes(root=root, ranks_on_host=2) == (3 * GIB, "address-space limit (RLIMIT_AS)")
+
+
+def test_an_accelerator_budget_is_not_divided_by_the_hosts_ranks(fake_cuda: list[int]) -> None:
+    budget = memory_budget(torch.device("cuda", 1), explicit=None, fraction=1.0, ranks_on_host=8)
+    assert budget.bytes == 40 * GIB

@@ -3,7 +3,7 @@
 The start-up profiler grows the micro batch until a step's peak tensor memory (including the
 tensors already alive: parameters, gradients, optimizer state) would pass this budget.
 It comes from the user (``adaptive_batching.memory_budget``), from the accelerator's memory,
-or on CPU from the tightest of the host limits this process runs under.
+or on CPU from the tightest of the host limits this process runs under, the host's shared by its ranks.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.runtime.distributed import local_world_size
 from adaptive_batching.runtime.memory import address_space_limit
 from adaptive_batching.units import parse_bytes
 
@@ -65,12 +66,15 @@ def _explicit_budget(explicit: str | int) -> Budget:
 
 
 def memory_budget(device: torch.device, *, explicit: Optional[str | int], fraction: float,
-                  live_tensor_bytes: int = 0, root: Path = Path("/")) -> Budget:
+                  live_tensor_bytes: int = 0, ranks_on_host: Optional[int] = None,
+                  root: Path = Path("/")) -> Budget:
     """The budget for ``device``: the explicit size if given, else a ``fraction`` of what the device allows.
 
     On an accelerator the peak counts every tensor of the process, so ``live_tensor_bytes`` is
     already inside the device total; on CPU the room is measured after those tensors exist, so
-    they are added back. ``root`` relocates ``/proc`` and ``/sys`` (for tests).
+    they are added back. On CPU the ranks on one host share its memory: each gets its share of the host's room
+    (``ranks_on_host``, torchrun's local world size when None; see :func:`cpu_room_bytes`). ``root`` relocates
+    ``/proc`` and ``/sys`` (for tests).
     """
     fraction = _check_fraction(fraction)
     if live_tensor_bytes < 0:
@@ -79,7 +83,8 @@ def memory_budget(device: torch.device, *, explicit: Optional[str | int], fracti
         return _explicit_budget(explicit)
     device = torch.device(device)
     if device.type == "cpu":
-        room, limit = cpu_room_bytes(root=root)
+        ranks = local_world_size() if ranks_on_host is None else ranks_on_host
+        room, limit = cpu_room_bytes(root=root, ranks_on_host=ranks)
         size = live_tensor_bytes + int(room * fraction)
         return Budget(size, f"CPU: {limit} leaves {_gib(room)}, x memory_fraction {fraction:.2f}, "
                             f"+ {_gib(live_tensor_bytes)} live tensors")
@@ -212,30 +217,42 @@ def address_space_room_bytes(root: Path = Path("/")) -> Optional[int]:
     return None if vm_size is None else max(soft - vm_size, 0)
 
 
-def cpu_room_bytes(root: Path = Path("/")) -> tuple[int, str]:
+def cpu_room_bytes(root: Path = Path("/"), ranks_on_host: int = 1) -> tuple[int, str]:
     """Bytes this process can still allocate on the host, and which limit set that number.
 
-    The tightest of: the address-space rlimit, every enclosing cgroup's memory limit, and
-    MemAvailable. ``root`` relocates ``/proc`` and ``/sys`` (for tests).
+    The tightest of: the address-space rlimit (this process's own), and the host's share of this process: every
+    enclosing cgroup's memory limit and MemAvailable, divided by ``ranks_on_host`` (the ranks on one host share
+    its memory, and under torchrun its cgroup). ``root`` relocates ``/proc`` and ``/sys`` (for tests).
     """
+    if ranks_on_host < 1:
+        raise ValueError(f"ranks_on_host must be >= 1, got {ranks_on_host}")
     limits: list[tuple[int, str]] = []
     address_space = address_space_room_bytes(root)
     if address_space is not None:
         limits.append((address_space, "address-space limit (RLIMIT_AS)"))
+    shared: list[tuple[int, str]] = []
     cgroup = cgroup_room_bytes(root)
     if cgroup is not None:
-        limits.append(cgroup)
+        shared.append(cgroup)
     meminfo = _read(root / "proc/meminfo")
     available = None if meminfo is None else proc_field_bytes(meminfo, "MemAvailable")
     if available is not None:
-        limits.append((available, "MemAvailable"))
-    if not limits:
+        shared.append((available, "MemAvailable"))
+    if not limits and not shared:
         physical = _physical_memory_bytes()
         if physical is None:
             raise ConfigError("cannot tell how much host memory this process may use; "
                               "set adaptive_batching.memory_budget (e.g. '12GiB')")
-        limits.append((physical, "physical memory (free memory unknown)"))
+        shared.append((physical, "physical memory (free memory unknown)"))
+    limits += [_host_share(room, label, ranks_on_host) for room, label in shared]
     return min(limits, key=lambda limit: limit[0])
+
+
+def _host_share(room: int, label: str, ranks_on_host: int) -> tuple[int, str]:
+    """One rank's share of a host-wide ``room``: all of it for one rank, else an equal part."""
+    if ranks_on_host == 1:
+        return room, label
+    return room // ranks_on_host, f"{label} {_gib(room)} / {ranks_on_host} ranks on this host"
 
 
 def _physical_memory_bytes() -> Optional[int]:

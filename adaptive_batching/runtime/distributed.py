@@ -37,6 +37,14 @@ def launched_by_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
+def local_world_size() -> int:
+    """How many ranks run on this host: torchrun's ``LOCAL_WORLD_SIZE``, else 1 (one process)."""
+    try:
+        return max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        return 1
+
+
 def backend_for(device: torch.device) -> str:
     """NCCL for CUDA, gloo for everything else (CPU included)."""
     return "nccl" if device.type == "cuda" else "gloo"
