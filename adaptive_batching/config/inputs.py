@@ -169,7 +169,10 @@ def _check_checkpointer(key: str, node: Mapping[str, Any], files: bool) -> None:
     if not files or "checkpoint_files" not in node:
         return
     if isinstance(names, Mapping):
-        names = FormattedCheckpointFiles.from_dict(dict(names)).build_checkpoint_filenames()
+        try:
+            names = FormattedCheckpointFiles.from_dict(dict(names)).build_checkpoint_filenames()
+        except (ValueError, TypeError) as error:
+            raise ConfigError(f"config key '{key}.checkpoint_files': {one_line(error)}") from None
     if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
         raise ConfigError(f"config key '{key}.checkpoint_files' = {names!r} is invalid: expected a list of the "
                           f"weight files in {folder}")
