@@ -13,11 +13,15 @@ import pytest
 from recipe_runs import check, run_command
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.py"
-# Every phase, so every check runs here once (the token phase takes the full/ac_off profile). LoRA and
-# checkpointing run the same code of this script with other configs: the command's own CPU run covers them
-# (docs/validation.md), and LoRA with checkpointing has a test of its own (test_components). QLoRA stays: no
-# other test tries its chosen micro batch in a fresh process.
-SETTINGS = ("full/ac_off", "qlora/ac_off")  # QLoRA: NF4 base weights, the same checks
+# Every phase, so every check runs here once (the token, OOM and preemption phases take the full/ac_off profile).
+# LoRA and checkpointing run the same code of this script with other configs: the command's own CPU run covers them
+# (docs/validation.md), and LoRA with checkpointing has a test of its own (test_components). The fresh-process truth
+# runs for full fine-tuning and QLoRA (no other test tries its chosen micro batch in a fresh process); every other
+# row is the profile and the steps at its chosen micro batch, the GPU run's rows on the tiny configs.
+TRUTH = ("full/ac_off", "qlora/ac_off")
+ROWS = ("lora_dpo/ac_off", "full_dpo/ac_off", "kd/ac_off", "qat_lora/ac_off", "qat_full/ac_off", "bwd/ac_off")
+# Compiled LoRA (the GPU run's lora/ac_off/compile) is the compiled full row's code on another config: left out here.
+SETTINGS = (*TRUTH, "full/ac_off/compile", *ROWS, "offload/ac_on")  # offloading: CUDA only, marked so
 STEPS = 2  # the first step at the chosen size, then one with the optimizer state in place (tokens/s from it)
 TRIALS = 2  # the largest size the profile ran, then one step of the gallop: the bracket's machinery, cheaply
 # The compile phase with aot_eager (torchtune reads TORCH_COMPILE_BACKEND): the phase's profile and steps of a
@@ -37,6 +41,7 @@ def validation(assets: Path, runs: Path) -> dict:
     out = runs / "validation.json"
     check(run_command("script", [str(SCRIPT), "--workdir", str(runs / "work"), "--assets", str(assets),
                                  "--json", str(out), "--settings", ",".join(SETTINGS), "--steps", str(STEPS),
+                                 "--truth", ",".join(TRUTH),
                                  "--max-trials", str(TRIALS), "--budget", BUDGET, "--compile-budget", COMPILE_BUDGET,
                                  "--token-samples", str(TOKEN_SAMPLES), "--long-samples", str(LONG_SAMPLES)],
                       cwd=runs, env=dict(os.environ, TORCH_COMPILE_BACKEND=COMPILE_BACKEND), timeout=900))
@@ -47,7 +52,7 @@ def test_the_runs_are_single_threaded_by_default(validation: dict) -> None:
     assert validation["meta"]["threads"] == 1
 
 
-@pytest.mark.parametrize("key", SETTINGS)
+@pytest.mark.parametrize("key", TRUTH)
 def test_the_chosen_micro_batch_fits_fresh_processes_and_trains(validation: dict, key: str) -> None:
     entry = validation["settings"][key]
     profile, true, steps = entry["profile"], entry["true_max"], entry["steps"]
@@ -67,8 +72,71 @@ def test_the_chosen_micro_batch_fits_fresh_processes_and_trains(validation: dict
     assert steps["tokens_per_second"] > 0 and 0 < steps["max_peak_bytes"]
     # Checks 4 and 5: the estimate for the same budget, and the stock batch's speed.
     assert entry["estimate"]["max_micro_batch"] >= 1 and entry["estimate"]["budget_bytes"] == profile["budget_bytes"]
-    stock = entry["stock"]
-    assert stock["batch"] == 4 and stock["micro_batch"] == 4 and stock["ran"] == STEPS and stock["tokens_per_second"] > 0
+    if key == "full/ac_off":  # our recipe at torchtune's batch too (qlora has no such run)
+        stock = entry["stock"]
+        assert stock["batch"] == 4 and stock["micro_batch"] == 4 and stock["ran"] == STEPS
+        assert stock["tokens_per_second"] > 0
+    else:
+        assert "stock" not in entry
+
+
+@pytest.mark.parametrize("key", ROWS)
+def test_every_recipe_and_saver_trains_at_its_chosen_micro_batch(validation: dict, key: str) -> None:
+    """DPO (LoRA and full), KD, QAT (LoRA and full), optimizer_in_bwd with PagedAdamW8bit: each profiled, then every
+    step at the chosen micro batch without an out-of-memory error or allocator retry."""
+    entry = validation["settings"][key]
+    assert "error" not in entry, entry.get("error")
+    profile, steps = entry["profile"], entry["steps"]
+    assert 1 <= profile["micro_batch"] <= profile["max_micro_batch"]
+    assert steps["exit_code"] == 0 and steps["ran"] == STEPS and steps["oom_errors"] == 0
+    assert steps["alloc_retries"] == 0 and steps["micro_batch"] == profile["micro_batch"]
+    assert 0 < steps["max_peak_bytes"] and steps["logged_tokens_per_second"] > 0
+    assert "true_max" not in entry and "estimate" not in entry  # the truth only where --truth says
+    if key == "bwd/ac_off":  # the row says what a CPU cannot show
+        assert "PagedAdamW8bit" in entry["cuda_only"] and "PagedAdamW8bit" in " ".join(entry["overrides"])
+
+
+def test_cuda_only_rows_are_marked_not_missing(validation: dict, runs: Path) -> None:
+    for entry in (validation["settings"]["offload/ac_on"], validation["checks"]["nccl"]):
+        assert entry["skipped"].startswith("CUDA only: ") and entry["cuda_only"] and "profile" not in entry
+    table = (runs / "validation.md").read_text()
+    assert "| offload/ac_on | - | CUDA only: " in table and "| nccl | skipped | - | CUDA only: " in table
+
+
+def test_a_planted_out_of_memory_error_is_recovered_in_place(validation: dict) -> None:
+    oom = validation["checks"]["oom"]
+    assert oom["ok"] and oom["exit_code"] == 0 and oom["planted"].startswith("torch.OutOfMemoryError raised")
+    # Step 2 failed once at the chosen micro batch, then ran as smaller micro batches of the same samples.
+    assert oom["failed_attempts"] == [{"step": 2, "micro_batches": [oom["micro_batch"]]}]
+    assert len(oom["retried_micro_batches"]) >= 2 and sum(oom["retried_micro_batches"]) == oom["micro_batch"]
+    assert oom["same_samples_again"] and oom["every_sample_once"] and oom["steps_trained"] == [1, 2, 3, 4]
+    assert oom["oom_errors"] == 1 and oom["ran"] == 4
+
+
+def test_sigusr1_saves_and_the_resumed_run_continues_bit_for_bit(validation: dict) -> None:
+    preempt = validation["checks"]["preempt"]
+    assert preempt["exit_codes"] == {"whole": 0, "stopped": 75, "resumed": 0}
+    assert preempt["steps"] == {"whole": [1, 2, 3, 4], "stopped": [1, 2], "resumed": [3, 4]}
+    assert preempt["bit_for_bit"] and preempt["max_loss_difference"] == 0 and preempt["ok"]
+    assert "SIGUSR1 received by the end of optimizer step 2" in preempt["stop_line"]
+
+
+def test_stock_torchtune_runs_beside_ours(validation: dict) -> None:
+    """Stock full_finetune_single_device and lora_dpo_single_device at batch 4, compile off and on, beside our rows
+    at their profiled micro batch; the figures are each recipe's logged tokens/s (no speed is asserted)."""
+    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+
+    stock = validation["stock"]
+    assert set(stock) == {"finetune", "dpo"}
+    for objective, ours in (("finetune", "full/ac_off"), ("dpo", "lora_dpo/ac_off")):
+        runs = stock[objective]["runs"]
+        for name in ("stock", "stock compile"):
+            assert runs[name]["exit_code"] == 0 and runs[name]["ran"] == STEPS, runs[name]
+            assert runs[name]["tokens_per_second"] > 0
+        beside = validate_device.ours_beside_stock(validation, objective)
+        assert beside["ours"]["setting"] == ours and beside["ours"]["tokens_per_second"] > 0
+        assert beside["ours"]["micro_batch"] == validation["settings"][ours]["profile"]["micro_batch"]
+    assert validate_device.ours_beside_stock(validation, "finetune")["ours compile"]["setting"] == "full/ac_off/compile"
 
 
 def test_token_budget_against_fixed_batches(validation: dict) -> None:
@@ -88,7 +156,7 @@ def test_token_budget_against_fixed_batches(validation: dict) -> None:
 
 def test_compile_runs_the_profile_and_the_steps(validation: dict) -> None:
     entry = validation["settings"]["full/ac_off/compile"]
-    assert entry["compile"] is True
+    assert entry["compile"] is True and "true_max" not in entry
     assert "error" not in entry, entry.get("error")
     assert 1 <= entry["profile"]["micro_batch"] <= entry["profile"]["max_micro_batch"]
     assert entry["steps"]["ran"] == STEPS and entry["steps"]["oom_errors"] == 0
@@ -96,10 +164,15 @@ def test_compile_runs_the_profile_and_the_steps(validation: dict) -> None:
 
 def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
     table = (runs / "validation.md").read_text()
-    for key in (*SETTINGS, "full/ac_off/compile"):
+    for key in SETTINGS:
         assert f"| {key} |" in table
-    assert "| token budget |" in table and "NO" not in table.split("|")
-    assert set(validation["phases"]) == {"assets", "full", "lora", "qlora", "estimate", "tokens", "compile"}
+    for line in ("| token budget |", "| oom | ok |", "| preempt | ok |", "| finetune | stock: full_finetune_single",
+                 "| dpo | stock compile: lora_dpo_single_device"):
+        assert line in table
+    assert "NO" not in table.split("|") and "FAILED" not in table
+    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+
+    assert set(validation["phases"]) == set(validate_device.PHASES)
 
 
 def test_bad_options_are_named(runs: Path) -> None:
@@ -123,26 +196,35 @@ def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Pa
     for name, value in validate_device.DEFAULTS["cpu" if model == "tiny" else "cuda"].items():
         setattr(args, name, getattr(args, name, None) or value)
     args.json = tmp_path / "v.json"
-    validation = validate_device.Validation(args, {"type": "cpu"})
-    for method, ac in [pair for pairs in validate_device.SETTINGS.values() for pair in pairs]:
-        overrides = validation.overrides(method, ac, tmp_path / "out")
-        validate_config(load_config(validate_device.CONFIGS[model][method], overrides))
+    validation = validate_device.Validation(args, {"type": "cpu" if model == "tiny" else "cuda"})
+    for method, ac, compiled in [s for settings in validate_device.SETTINGS.values() for s in settings]:
+        if method == "offload" and model == "tiny":
+            continue  # CUDA only: the script skips it off CUDA (test_cuda_only_rows_are_marked_not_missing)
+        overrides = validation.overrides(method, ac, tmp_path / "out", compiled=compiled)
+        validate_config(load_config(validation.config(method), overrides))
 
 
-def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path) -> None:
-    """``benchmarks/gpu_check.sh`` (the GPU command of docs/validation.md) past its deadline: every phase is skipped
-    and named, the environment is recorded, no table is made of nothing; the phases themselves are the fixture's."""
+@pytest.mark.parametrize("part", ["1", "2"])
+def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path, part: str) -> None:
+    """``benchmarks/gpu_check.sh`` (the GPU command of docs/validation.md) past its deadline: every phase of the part
+    is skipped and named, by lane, the environment is recorded; the phases themselves are the fixture's."""
     import subprocess
     import sys
 
     out = tmp_path / "out"
-    env = dict(os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"))
+    env = dict(os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"),
+               PART=part)
     result = subprocess.run(["bash", str(SCRIPT.parent / "gpu_check.sh"), "--steps", "2"], cwd=SCRIPT.parents[1],
                             env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
-    skipped = [line for line in result.stdout.splitlines() if line.startswith("SKIP")]
-    assert [line.split(": ", 1)[1] for line in skipped] == [
-        "--phase assets", "--phase full --settings full/ac_off", "--phase lora --settings lora/ac_off",
-        "--phase qlora --settings qlora/ac_off", "--phase estimate", "--phase full --settings full/ac_on",
-        "--phase tokens", "--phase lora --settings lora/ac_on", "--phase compile"]
+    skipped = sorted(line.split(") ", 1)[1] for line in result.stdout.splitlines() if line.startswith("SKIP"))
+    expected = {"1": ["estimate: ", "main: --phase assets", "main: --phase compile",
+                      "main: --phase dpo --settings lora_dpo/ac_off", "main: --phase full --settings full/ac_off",
+                      "main: --phase full --settings full/ac_on", "main: --phase qlora", "main: --phase stock"],
+                "2": ["faults: --phase oom", "faults: --phase preempt", "kd: --phase dpo --settings full_dpo/ac_off",
+                      "kd: --phase estimate", "kd: --phase kd", "main: --phase assets", "memory: --phase estimate",
+                      "memory: --phase full --settings full/ac_on", "memory: --phase lora --settings lora/ac_off",
+                      "memory: --phase lora --settings lora/ac_on", "paths: --phase bwd", "paths: --phase nccl",
+                      "qat: --phase offload", "qat: --phase qat"]}[part]
+    assert skipped == expected
     assert "torch" in (out / "env.txt").read_text() and not (out / "validation.json").exists()
