@@ -241,3 +241,21 @@ def test_what_streaming_cannot_read_is_read_as_the_run_builds_it(assets: Path, t
         before_any_model(with_override("tiny_full", assets, tmp_path, f"dataset.split={split}"), "adaptive_full_finetune")
     assert refusal(with_override("tiny_full", assets, tmp_path, "dataset.split=nope"), "adaptive_full_finetune") == (
         "config key 'dataset': ValueError: Unknown split \"nope\". Should be one of ['train'].")
+
+
+@pytest.mark.parametrize("builder, missing, columns, mapped_by", [
+    ("instruct_dataset", "input", "'input', 'output'", "column_map"),
+    ("chat_dataset dataset.conversation_column=conversations dataset.conversation_style=sharegpt", "conversations",
+     "'conversations'", "conversation_column"),
+    ("text_completion_dataset", "text", "'text'", "column"),
+])
+def test_each_fine_tuning_builder_names_its_columns_and_how_to_map_them(builder: str, missing: str, columns: str,
+                                                                        mapped_by: str, assets: Path,
+                                                                        tmp_path: Path) -> None:
+    component, *more = builder.split()
+    cfg = with_override("tiny_full", assets, tmp_path, f"dataset._component_=torchtune.datasets.{component}", *more,
+                        f"dataset.data_files={assets / DATA.format('preference')}")
+    assert refusal(cfg, "adaptive_full_finetune") == (
+        f"config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column '{missing}': "
+        f"torchtune.datasets.{component} reads the columns {columns} and the data has 'chosen', 'rejected'; give "
+        f"data with those columns, or map them with dataset.{mapped_by}")

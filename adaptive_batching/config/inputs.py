@@ -9,6 +9,7 @@ A part never receives the config (docs/contributing.md): the profiler gets a
 from __future__ import annotations
 
 import contextlib
+import inspect
 import json
 from pathlib import Path
 from typing import Any, Mapping, Optional, Union
@@ -232,8 +233,7 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
             raise ConfigError(
                 f"config key '{key}': {where} has no column {missing!r}: {component} reads the columns "
                 f"{', '.join(map(repr, needed))} and the data has {', '.join(map(repr, sorted(record))) or 'none'}; "
-                f"give "
-                f"data with those columns, or map them with {key}.column_map") from None
+                f"give data with those columns{_mapped_by(component, key)}") from None
         raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
                           f"{one_line(error)}") from None
     except Exception as error:  # noqa: BLE001 - the run would fail on it at its first step
@@ -261,6 +261,19 @@ def _first_record(dataset: Any, files: Any) -> Any:
                 return json.JSONDecoder().raw_decode(head.lstrip()[1:].lstrip())[0]
     data = getattr(dataset, "_data", None)
     return None if data is None else next(iter(data))
+
+
+def _mapped_by(component: Any, key: str) -> str:
+    """How the config names a data set's columns: the builder's argument that does (``column_map``, chat's
+    ``conversation_column``, text completion's ``column``), as the end of a message; empty if it has none."""
+    from torchtune.config._utils import _get_component_from_path
+
+    with contextlib.suppress(Exception):
+        arguments = inspect.signature(_get_component_from_path(component)).parameters
+        for name in ("column_map", "conversation_column", "column"):
+            if name in arguments:
+                return f", or map them with {key}.{name}"
+    return ""
 
 
 def _columns(transform: Any) -> list[str]:
