@@ -1,6 +1,6 @@
 """What a new user runs first, as the README and docs show it, at its smallest size: ``adaptive-batching
 estimate`` (on a bf16 config), ``profile``, the demo (``tune run adaptive_full_finetune --config tiny_full``) and
-the LoRA and QLoRA starts print no warning; and the demo's metrics follow the condition docs/growth.md states for
+the LoRA and QLoRA starts, and those of DPO (LoRA and full), KD and QAT, print no warning (QAT LoRA at 2 ranks too); and the demo's metrics follow the condition docs/growth.md states for
 ``gradient_noise_scale``.
 
 The profile and the demo share one output folder and budget: the demo reads the profile the command cached.
@@ -96,6 +96,34 @@ def test_the_lora_and_qlora_starts_print_no_warning(config: str, assets: Path, r
     result = check(tune_run("adaptive_lora_finetune", config,
                             [f"assets_dir={root}", f"output_dir={tmp_path / 'run'}", *ONE_STEP], cwd=tmp_path))
     assert "finished at optimizer step 1" in result.stdout + result.stderr
+    assert warning_lines(result) == []
+
+
+# The other objectives' tiny configs, each by its recipe (QAT: LoRA with a quantizer), profiled: one step of 16
+# samples, the whole epoch one global batch (accumulation 1).
+OBJECTIVES = {"tiny_lora_dpo": "adaptive_lora_dpo", "tiny_full_dpo": "adaptive_full_dpo",
+              "tiny_kd": "adaptive_knowledge_distillation", "tiny_qat_lora": "adaptive_lora_finetune"}
+PROFILED = ("use_maximum_batch_size=True", "gradient_accumulation_steps=1")
+
+
+@pytest.mark.parametrize("config", sorted(OBJECTIVES))
+def test_the_dpo_kd_and_qat_starts_print_no_warning(config: str, assets: Path, tmp_path: Path) -> None:
+    result = check(tune_run(OBJECTIVES[config], config, [f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}",
+                                                         *ONE_STEP, *PROFILED], cwd=tmp_path))
+    output = result.stdout + result.stderr
+    assert "chosen micro batch" in output and "finished at optimizer step 1" in output
+    assert warning_lines(result) == []
+
+
+@pytest.mark.multiprocess
+def test_a_two_rank_lora_start_prints_no_warning(assets: Path, tmp_path: Path) -> None:
+    """At 2 ranks the adapters are DTensors: their random start on a CPU mesh made torch warn once per rank
+    (``DTensor random operators may not have complete support on cpu device mesh``). QAT LoRA: the adapters and
+    the fake quantizers sharded; KD's student and full DPO at 2 ranks: test_kd's and test_full_dpo's 2-rank runs."""
+    result = check(tune_run("adaptive_lora_finetune", "tiny_qat_lora", [
+        f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}", *ONE_STEP, *PROFILED], cwd=tmp_path, nproc=2))
+    output = result.stdout + result.stderr
+    assert "chosen micro batch" in output and output.count("finished at optimizer step 1") == 2
     assert warning_lines(result) == []
 
 

@@ -20,6 +20,7 @@ from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.training.objectives import FullDPO, LoRADPO, PairCollate, objective_for
 from recipe_runs import check, read_metrics, run_command, tune_run
+from test_first_hour import warning_lines
 
 HERE = Path(__file__).parent
 CONFIG = HERE.parent / "configs" / "tiny_full_dpo.yaml"
@@ -213,3 +214,4 @@ def test_two_ranks_profile_with_the_reference_sharded_and_train(assets: Path, ru
     assert "recipe_state.pt" in saved and not [name for name in saved if "ref" in name]
     finals = [l.split("last loss ")[1] for l in result.stderr.splitlines() if "finished at optimizer step 2" in l]
     assert len(finals) == 2 and finals[0] == finals[1], result.stderr[-3000:]
+    assert warning_lines(result) == []  # no warning at 2 ranks (issue 53)

@@ -18,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 from config_edits import CONFIGS, DELETE, modified
+from doc_figures import agrees, overrides, profiled, quoted
 from omegaconf import OmegaConf
 from recipe_runs import check, read_metrics, run_command
 from safetensors.torch import load_file
+from test_first_hour import warning_lines
 from test_oom_recovery import faulty_run, ok
 from test_preemption import logged_steps, stopped
 from torchtune.models.llama3 import llama3, lora_llama3
@@ -267,6 +269,49 @@ def test_ours_logs_stocks_losses_within_the_stated_tolerance(parity: dict) -> No
     assert differ > 0  # the cause stated above is real: without it the two would be equal, as with stock_fixed
 
 
+@pytest.mark.e2e
+def test_the_pages_parity_figures_are_the_runs(parity: dict) -> None:
+    """docs/distillation.md's figures of the parity runs, which are deterministic on CPU (each within 10%, as the
+    page rounds them): the largest relative difference of a logged loss from stock's and its step, the largest
+    difference of an adapter weight; and the teacher's line as ours prints it."""
+    (quote,) = quoted("distillation.md", r"afterwards the losses differ by up to (\S+) relative at step (\d+) and the "
+                                         r"adapters by up to (\S+), the cause above")
+    by_step = [max(abs(ours[key] - stock[key]) / abs(stock[key]) for key in LOSSES)
+               for ours, stock in zip(parity["ours"], parity["stock"])]
+    adapters = max(float((parity["adapters"]["stock"][k] - parity["adapters"]["ours"][k]).abs().max())
+                   for k in parity["adapters"]["ours"])
+    measured = (max(by_step), by_step.index(max(by_step)) + 1, adapters)
+    assert int(quote[2]) == measured[1], measured
+    assert float(quote[1]) == pytest.approx(measured[0], rel=0.1) and float(quote[3]) == pytest.approx(adapters, rel=0.1), \
+        measured
+    (line,) = quoted("distillation.md", r"Teacher model \(teacher_model, weights from teacher_checkpointer\): frozen, "
+                                        r"[\d.]+ MiB of weights; no gradients")
+    assert line[0] in parity["first"].stderr
+
+
+@pytest.fixture(scope="module")
+def kd_figure(assets: Path, runs: Path) -> tuple[re.Match, str]:
+    """docs/distillation.md's profile command, as written there, on its ``tune cp`` copy pointed at the tiny assets."""
+    (quote,) = quoted("distillation.md", r"`adaptive-batching profile --config my_kd\.yaml ([^`]*)` fits about ([\d.]+) "
+                                         r"MiB per sample of (\d+) tokens and chooses micro batch (\d+)")
+    folder = runs / "kd_figure"
+    folder.mkdir()
+    copy = stock_kd_on_tiny("qwen2/1.5_to_0.5B_KD_lora_single_device", assets, folder / "out", folder / "my_kd.yaml")
+    result = check(run_command("cli", ["profile", "--config", str(copy), *overrides(quote[1]),
+                                       f"adaptive_batching.cache_dir={folder / 'cache'}"], cwd=folder))
+    return quote, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_the_pages_profile_figures_are_what_its_command_prints(kd_figure: tuple[re.Match, str]) -> None:
+    """Per sample and the micro batch chosen, within tests/doc_figures.py's CPU tolerance; trials of whole KD steps."""
+    quote, output = kd_figure
+    run = profiled(output)
+    assert f"samples of {quote[3]} tokens" in output and "Teacher model (teacher_model" in output
+    assert agrees(float(quote[2]), run.per_sample_mib), (quote[0], run)
+    assert agrees(int(quote[4]), run.chosen, samples=True), (quote[0], run)
+
+
 # ---------------------------------------------------------------- growth and an out-of-memory error
 BASE_LR, REFERENCE_BATCH = 1e-3, 2
 GROWING = ("dataset.split=train[:48]", "tokenizer.max_seq_len=96", "batch_size=2",
@@ -340,3 +385,4 @@ def test_two_ranks_profile_a_stock_kd_copy_with_the_teacher_sharded_and_exit_cle
     assert [row["micro_batch_size"] for row in rows] == [int(chosen[2])] * 2 and "kd_loss" in rows[0]
     finals = [l.split("last loss ")[1] for l in result.stderr.splitlines() if "finished at optimizer step 2" in l]
     assert len(finals) == 2 and finals[0] == finals[1], result.stderr[-3000:]
+    assert warning_lines(result) == []  # the student's adapters drawn on a CPU mesh warned once per rank (issue 53)
