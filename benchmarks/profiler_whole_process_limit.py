@@ -27,12 +27,28 @@ OBJECTIVES = {"finetune": ("adaptive_full_finetune", "tiny_full", []),
               "kd": ("adaptive_knowledge_distillation", "tiny_kd", ["use_maximum_batch_size=True"])}
 
 
-def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> subprocess.CompletedProcess:
-    """``cmd`` under ``ulimit -v limit_kib``, 1 thread; ``tuned``: glibc tuned from the start (a profiled run tunes)."""
+def run_env(tuned: bool) -> dict[str, str]:
+    """The runs' environment: 1 thread; ``tuned``: glibc tuned from the start (a profiled run tunes)."""
     env = {key: value for key, value in os.environ.items() if key != "GLIBC_TUNABLES"}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **({"GLIBC_TUNABLES": TUNABLES} if tuned else {}))
-    return subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=env,
+    return env
+
+
+def under_limit(limit_kib: int, cmd: list[str], tuned: bool, **kwargs: Any) -> subprocess.CompletedProcess:
+    """``cmd`` under ``ulimit -v limit_kib`` in :func:`run_env`."""
+    return subprocess.run(["bash", "-c", f"ulimit -v {limit_kib} && exec {shlex.join(cmd)}"], env=run_env(tuned),
                           capture_output=True, text=True, timeout=600, **kwargs)
+
+
+def mapped_after_import(objective: str) -> int:
+    """KiB of address space (VmSize, what ``ulimit -v`` counts) that a fresh process of this interpreter has mapped
+    once it has imported the objective's recipe, in the profiled run's environment: the floor of any limit, which
+    depends on the torch build (PyPI's CUDA build maps about 2.5 GiB more than the CPU build, with no GPU)."""
+    code = (f"import re, {OBJECTIVES[objective][0]}; "
+            "print(re.search(r'VmSize:\\s+(\\d+)', open('/proc/self/status').read())[1])")
+    result = subprocess.run([sys.executable, "-c", code], env=run_env(tuned=False), capture_output=True, text=True,
+                            timeout=600, check=True)
+    return int(result.stdout.split()[-1])
 
 
 def trains(limit_kib: int, work: Path, assets: Path, micro_batch: int, launcher: str, in_bwd: bool,
@@ -89,7 +105,11 @@ def profiled(limit_kib: int, work: Path, assets: Path, name: str, tolerance: Opt
 
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--limit-gib", type=float, default=3.5, help="ulimit -v for the whole process (GiB)")
+    limit = parser.add_mutually_exclusive_group()
+    limit.add_argument("--limit-gib", type=float, default=3.5, help="ulimit -v for the whole process (GiB)")
+    limit.add_argument("--above-import-gib", type=float, default=None,
+                       help="instead of --limit-gib: the limit is what a fresh process has mapped after importing the "
+                            "recipe (measured first, in this run) plus this many GiB")
     parser.add_argument("--repeats", type=int, default=2, help="profiled runs (default 2)")
     parser.add_argument("--start", type=int, default=64, help="first micro batch of the fresh-process search")
     parser.add_argument("--tolerance", type=float, help="adaptive_batching.search_tolerance (default: the recipe's)")
@@ -110,7 +130,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     if args.child is not None:
         return child(args.child, args.assets, args.out, args.optimizer_in_bwd, args.objective)
 
-    limit_kib = int(args.limit_gib * 2**20)
+    import_kib = None if args.above_import_gib is None else mapped_after_import(args.objective)
+    if import_kib is not None:
+        limit_kib = import_kib + int(args.above_import_gib * 2**20)
+        args.limit_gib = round(limit_kib / 2**20, 3)
+    else:
+        limit_kib = int(args.limit_gib * 2**20)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -129,7 +154,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     rows = [{"run": i + 1, **r, **{f"percent_of_fresh_{launcher}_max": percent(r["max_micro_batch"], launcher)
                                    for launcher in LAUNCHERS}}
             for i, r in enumerate(runs)]
-    result = {"limit_gib": args.limit_gib, "tolerance": args.tolerance, "optimizer_in_bwd": args.optimizer_in_bwd,
+    import_gib = None if import_kib is None else round(import_kib / 2**20, 3)
+    result = {"limit_gib": args.limit_gib, "import_gib": import_gib, "above_import_gib": args.above_import_gib,
+              "tolerance": args.tolerance, "optimizer_in_bwd": args.optimizer_in_bwd,
               "objective": args.objective, **{f"fresh_{launcher}_{key}": value for launcher in launchers
                                               for key, value in zip(("max", "trials"), maxima[launcher])},
               "runs": rows, "seconds": time.perf_counter() - started}
@@ -137,8 +164,10 @@ def main(argv: Optional[list[str]] = None) -> int:
     name = "whole-process-limit" + ("" if args.objective == "finetune" else f"-{args.objective}") + (
         "-in-bwd" if args.optimizer_in_bwd else "") + f"-tolerance-{tolerance}"
     with report(name if args.publish else None):
+        above = ("" if import_kib is None else
+                 f", {args.above_import_gib} GiB above the {import_kib / 2**20:.2f} GiB mapped after the imports")
         print(f"{' '.join(OBJECTIVES[args.objective][:2])}: whole-process limit ulimit -v {limit_kib} KiB "
-              f"({args.limit_gib} GiB), GLIBC_TUNABLES={TUNABLES} in the fresh processes"
+              f"({args.limit_gib} GiB{above}), GLIBC_TUNABLES={TUNABLES} in the fresh processes"
               + (f"; {' '.join(IN_BWD)}" if args.optimizer_in_bwd else ""))
         for launcher in launchers:
             print(f"fresh {launcher} process maximum {maxima[launcher][0]} (trials {' '.join(maxima[launcher][1])})")
