@@ -4,7 +4,9 @@ for bit the uninterrupted run's, every checkpoint loadable after each piece. Eac
 in three runs: an OOM then a kill; a kill inside a save, then SIGUSR1 in the restarted attempt; SIGTERM to the
 agent in the resume of a run whose agent was killed. The same runs carry the two-rank checks of the stop lines (the
 ranks agree on one step), of a torchrun restart after a kill (every sample once per epoch), and, against the same
-uninterrupted run, a killed agent's workers stopping.
+uninterrupted run, a killed agent's workers stopping. Each other objective of ``--objective`` (LoRA and full DPO,
+KD, QAT switching fake quantization on mid-run) gets one run against its own uninterrupted run: an OOM in the
+optimizer step and a kill, resumed by torchrun from a save before the kill.
 
 The runs fork from the suite's warm server (torchrun and its agent as they are, the workers forked instead of
 started); ``python benchmarks/chaos.py`` runs the same code with fresh interpreters.
@@ -69,7 +71,7 @@ def stops_of_ranks(result: subprocess.CompletedProcess) -> tuple[set[int], list[
     return stops, lags
 
 
-def samples_once_per_epoch(runs: Path, name: str, resumed_from: int) -> None:
+def samples_once_per_epoch(runs: Path, name: str, resumed_from: int, samples: int = PLAN.samples) -> None:
     """Each rank's finished steps (the first attempt's up to the checkpoint resumed from, then the torchrun
     restart's) trained every sample exactly once per epoch."""
     steps = []
@@ -79,7 +81,7 @@ def samples_once_per_epoch(runs: Path, name: str, resumed_from: int) -> None:
         steps += [s for s in first if s["step"] <= resumed_from] + again
     for epoch in (0, 1):
         counts = Counter(i for s in steps if s["epoch"] == epoch for i in s["samples"])
-        assert sorted(counts) == list(range(PLAN.samples)) and set(counts.values()) == {1}, epoch
+        assert sorted(counts) == list(range(samples)) and set(counts.values()) == {1}, epoch
 
 
 @dataclass
@@ -140,6 +142,37 @@ def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losse
         # the save of step 6 was killed before it was marked complete: the restart deletes it and resumes from step 3
         assert re.search(r"Deleting \S+/\.incomplete-epoch_\d+-\d+, a save that a kill interrupted", first.stderr)
         assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", first.stderr)
+
+
+# Each other objective once, on its tiny config as the benchmark's --objective runs it, at 12 steps with a save
+# every 3: rank 0's optimizer step 5 runs out of memory (retried in place), then rank 0 is killed after step 5,
+# before it logs it; torchrun restarts both ranks from the save of step 3, and step 4 is trained and logged again. QAT's fake quantization switches on after step 4
+# (a third of the steps), so the restart trains step 4 without it and step 5 with it, as the uninterrupted run.
+OBJECTIVE_PLANS = {name: chaos.Plan(samples=48, save_every=3, objective=name)
+                   for name in ("lora_dpo", "full_dpo", "kd", "qat")}
+
+
+@pytest.mark.parametrize("objective", OBJECTIVE_PLANS)
+def test_each_objective_resumes_a_kill_with_the_uninterrupted_losses(objective: str, assets: Path,
+                                                                     runs: Path) -> None:
+    plan = OBJECTIVE_PLANS[objective]
+    reference = chaos.reference_losses(runs / f"reference-{objective}", assets, plan, runner=forked)
+    assert sorted(reference) == list(range(1, plan.steps + 1))
+    fault = Faults("kill9", 5, 0, plan.save_every, then=chaos.Fault("oom", 5, 0, plan.save_every))
+    outcome = chaos.chaos_run(fault, runs / objective, assets, plan, reference, runner=forked)
+    assert outcome.problems == [] and outcome.pieces == [0] and outcome.redone == 1  # step 4, trained again
+    piece = PIECES[objective][0].stdout + PIECES[objective][0].stderr
+    assert "Out of memory in the optimizer step of optimizer step 5: memory released, the optimizer step " \
+           "retried with the same gradients" in piece
+    assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", piece)
+    assert "Rank 0: finished at optimizer step 12" in piece and "Rank 1: finished at optimizer step 12" in piece
+    samples_once_per_epoch(runs, objective, 3, plan.samples)
+    if objective == "qat":
+        assert plan.fake_quant_after == 4
+        whole = PIECES[f"reference-{objective}"][0]
+        for output in (whole.stdout + whole.stderr, piece):
+            assert "Step 4: fake quantization on" in output
+        assert "Step 3: fake quantization off, on from step 4" in piece  # the restart, at the save it resumed
 
 
 def running(stat: str) -> bool:
