@@ -304,6 +304,66 @@ def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Cal
     return job
 
 
+def stubbed_slurm_job(tmp_path: Path, *, scontrol_exit: int = 0) -> Callable[[str, int], subprocess.CompletedProcess]:
+    """The SLURM script of docs/preemption.md as written there, with stubs for ``tune`` (it records its arguments,
+    leaves the folder as ``status`` says and exits with ``code``), ``adaptive-batching status`` (what the last run
+    left, else ``none``) and ``scontrol`` (its calls in ``tmp_path/scontrol_calls``, exit ``scontrol_exit``): the
+    script's own logic, in a few milliseconds. Returns ``job(status, code)``: one job whose run ends so."""
+    bin_dir, state = tmp_path / "bin", tmp_path / "state"
+    bin_dir.mkdir()
+    stubs = {"scontrol": f'echo "$@" >> {tmp_path}/scontrol_calls\nexit {scontrol_exit}',
+             "tune": f'echo "$@" >> {tmp_path}/tune_calls\nprintf "%s\\n" "$END_STATUS" > {state}\nexit $END_CODE',
+             "adaptive-batching": f'cat {state} 2>/dev/null || echo "none: no complete checkpoint in $2"'}
+    for name, body in stubs.items():
+        (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_dir / name).chmod(0o755)
+    script = documented_slurm_script()
+    assert "OUT=/checkpoints/run" in script, "the documented script changed: OUT=/checkpoints/run is gone"
+    (tmp_path / "job.sh").write_text(script.replace("OUT=/checkpoints/run", f"OUT={tmp_path / 'run'}"))
+
+    def job(status: str, code: int) -> subprocess.CompletedProcess:
+        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42", END_STATUS=status,
+                   END_CODE=str(code))
+        return subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
+                              text=True, timeout=60)
+
+    return job
+
+
+FINISHED = "finished: run/epoch_1 (optimizer step 8, 2 of 2 epochs done)"
+RESUMABLE = "resumable: run/epoch_0 (optimizer step 3, 0 of 2 epochs done); continue with resume_from_checkpoint=True"
+STOPPED = "stopped: SIGUSR1 received; stopped while profiling, before any step trained, before the first checkpoint"
+NOTHING = "none: no complete checkpoint in run"
+
+
+@pytest.mark.parametrize("status, code, exit_code, requeues", [
+    (FINISHED, 0, 0, 0),  # finished: 0, so SLURM marks the job COMPLETED (the page's script once exited 1 here)
+    (RESUMABLE, EXIT_CODE, 0, 1),  # stopped after a save: requeued
+    (STOPPED, EXIT_CODE, 0, 1),  # stopped before its first checkpoint: requeued, to start over
+    (RESUMABLE, 1, 0, 1),  # a crash after a save: requeued, to go on from the disk
+    (NOTHING, 1, 1, 0),  # broken, nothing to resume: the run's exit code, FAILED
+    (NOTHING, 0, 1, 0),  # nothing to resume though the run said 0: still a failure
+], ids=["finished", "stopped-after-a-save", "stopped-before-a-checkpoint", "crashed-after-a-save", "broken",
+        "broken-though-exit-0"])
+def test_the_documented_slurm_scripts_exit_code_tells_how_the_job_ended(
+        tmp_path: Path, status: str, code: int, exit_code: int, requeues: int) -> None:
+    job = stubbed_slurm_job(tmp_path)
+    result = job(status, code)
+    assert result.returncode == exit_code, result.stderr
+    calls = tmp_path / "scontrol_calls"
+    assert (calls.read_text() if calls.exists() else "") == "requeue 42\n" * requeues
+    assert ("nothing to resume in" in result.stderr) == (exit_code != 0), result.stderr
+    if requeues:  # the requeued job resumes from the disk
+        job(FINISHED, 0)
+        first, second = (tmp_path / "tune_calls").read_text().splitlines()
+        assert first.endswith("resume_from_checkpoint=False") and second.endswith("resume_from_checkpoint=True")
+
+
+def test_the_documented_slurm_script_fails_when_its_requeue_fails(tmp_path: Path) -> None:
+    result = stubbed_slurm_job(tmp_path, scontrol_exit=1)(RESUMABLE, EXIT_CODE)
+    assert result.returncode == 1 and (tmp_path / "scontrol_calls").read_text() == "requeue 42\n"
+
+
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run(
@@ -319,11 +379,13 @@ def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_
                     "use_maximum_batch_size=True", "adaptive_batching.memory_budget=64MiB")
     first = job()
     assert "stopped while profiling, before any step trained" in first.stderr, first.stderr[-3000:]
+    assert first.returncode == 0, first.stderr[-3000:]  # requeued: not a failed job
     assert run_status(out).startswith("stopped: SIGUSR1 received") and calls.read_text() == "requeue 42\n"
     second = job()
     assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
            "received" in second.stderr, second.stderr[-3000:]
     assert "SIGUSR1 received by the end of optimizer step" in second.stderr and unclean_exit(second) is None
+    assert second.returncode == 0, second.stderr[-3000:]
     # Both ranks stopped at one place (after a step, or at the epoch's end: the profile may pick 2 steps an epoch),
     # each line saying so, and saved it.
     places = re.findall(r"stopped: .*?; stopped (.*)", second.stderr)
@@ -332,6 +394,7 @@ def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_
     assert not (out / STOPPED_FILE).exists()  # the save removed the first job's stop record
     third = job()  # resumes after the stop's step, so the signal after step 1 never fires again
     assert unclean_exit(third) is None and run_status(out).startswith("finished"), third.stderr[-3000:]
+    assert third.returncode == 0, third.stderr[-3000:]  # finished: SLURM marks the job COMPLETED
     assert calls.read_text() == "requeue 42\nrequeue 42\n"
     (last,) = {int(step) for step in re.findall(r"finished at optimizer step (\d+)", third.stderr)}
     assert last > 1 and logged_steps(out / "logs") == list(range(1, last + 1))
