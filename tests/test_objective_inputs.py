@@ -144,8 +144,8 @@ def test_the_issues_lines(assets: Path, tmp_path: Path) -> None:
         "the teacher's weights")
     assert refusal(with_override("tiny_kd", assets, tmp_path, "teacher_model=null"),
                    "adaptive_knowledge_distillation").startswith("config key 'teacher_model' is null: ")
-    line = refusal(with_override("tiny_kd", assets, tmp_path, "teacher_checkpointer.checkpoint_files=[nothere.safetensors]"),
-                   "adaptive_knowledge_distillation")
+    wrong_file = "teacher_checkpointer.checkpoint_files=[nothere.safetensors]"
+    line = refusal(with_override("tiny_kd", assets, tmp_path, wrong_file), "adaptive_knowledge_distillation")
     assert line == (f"config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is not in "
                     f"{assets}/model; it holds config.json, model.safetensors")
     for name in ("tiny_lora_dpo", "tiny_full_dpo"):
@@ -179,8 +179,8 @@ DATA = "data/{}_tiny.json"
      "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction': "
      "torchtune.datasets.alpaca_dataset reads the columns 'instruction', 'input', 'output' and the data has "
      "'chosen', 'rejected'; give data with those columns, or map them with dataset.column_map"),
-    ("tiny_qat_lora", "preference", "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no "
-     "column 'instruction'"),
+    ("tiny_qat_lora", "preference",
+     "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction'"),
     ("tiny_kd", "preference", "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no "
      "column 'instruction'"),
     ("tiny_lora_dpo", "alpaca",
@@ -238,7 +238,8 @@ def test_a_packed_data_set_is_read_unpacked_and_a_resumed_runs_weights_are_the_r
 def test_what_streaming_cannot_read_is_read_as_the_run_builds_it(assets: Path, tmp_path: Path) -> None:
     """A split streaming does not take (a slice, a sum) is no error of the config's; one the build refuses is."""
     for split in ("train[:48]", "train[10%:]", "train+train"):
-        before_any_model(with_override("tiny_full", assets, tmp_path, f"dataset.split={split}"), "adaptive_full_finetune")
+        cfg = with_override("tiny_full", assets, tmp_path, f"dataset.split={split}")
+        before_any_model(cfg, "adaptive_full_finetune")
     assert refusal(with_override("tiny_full", assets, tmp_path, "dataset.split=nope"), "adaptive_full_finetune") == (
         "config key 'dataset': ValueError: Unknown split \"nope\". Should be one of ['train'].")
 
@@ -259,3 +260,15 @@ def test_each_fine_tuning_builder_names_its_columns_and_how_to_map_them(builder:
         f"config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column '{missing}': "
         f"torchtune.datasets.{component} reads the columns {columns} and the data has 'chosen', 'rejected'; give "
         f"data with those columns, or map them with dataset.{mapped_by}")
+
+
+@pytest.mark.parametrize("name", ["tiny_kd", "tiny_full_dpo"])
+def test_a_checkpointers_output_inside_its_weights_folder_is_one_line(name: str, assets: Path, tmp_path: Path) -> None:
+    """torchtune's checkpointers refuse it when built (a ValueError traceback, the teacher's and reference's
+    after the model was built)."""
+    key = "teacher_checkpointer" if name == "tiny_kd" else "ref_checkpointer"
+    cfg = with_override(name, assets, tmp_path, f"{key}.output_dir={assets}/model/out")
+    assert refusal(cfg, TINY[name]) == (
+        f"config key '{key}.output_dir' = '{assets}/model/out' is its checkpoint_dir '{assets}/model' or inside it, "
+        "which torchtune refuses (it copies the folder's files into the output); write the run's checkpoints "
+        "elsewhere")

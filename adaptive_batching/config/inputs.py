@@ -101,6 +101,8 @@ CHECKPOINTERS = ("checkpointer", "ref_checkpointer", "teacher_checkpointer")
 _DEFAULT_COLUMNS = {"AlpacaToMessages": ("instruction", "input", "output")}
 _SHOWN = 6  # entries of a folder a message names
 _HEAD = 1 << 20  # characters of a JSON array read for its first record
+# torchtune's checkpointers that refuse an output_dir inside their checkpoint_dir.
+_FULL_MODEL_CHECKPOINTERS = ("FullModelHFCheckpointer", "FullModelMetaCheckpointer", "FullModelTorchTuneCheckpointer")
 
 
 def check_inputs(cfg: DictConfig, objective: str, resume: bool = False) -> None:
@@ -155,14 +157,21 @@ def _check_data_files(key: str, node: Mapping[str, Any]) -> None:
 def _check_checkpointer(key: str, node: Mapping[str, Any], files: bool) -> None:
     """A checkpointer's folder is there, with the weight files it names (and a Hugging Face checkpointer's
     ``config.json``, which it reads first)."""
-    from torchtune.training.checkpointing._utils import FormattedCheckpointFiles
+    from torchtune.training.checkpointing._utils import FormattedCheckpointFiles, check_outdir_not_in_ckptdir
 
     folder = node.get("checkpoint_dir", None)
     if not isinstance(folder, str):
         raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} is invalid: expected the folder of the "
                           "weights")
     _check_exists(f"{key}.checkpoint_dir", folder, folder, folder=True)
-    component = str(node.get("_component_", ""))
+    output, component = node.get("output_dir", None), str(node.get("_component_", ""))
+    if isinstance(output, str) and component.rsplit(".", 1)[-1] in _FULL_MODEL_CHECKPOINTERS:
+        try:
+            check_outdir_not_in_ckptdir(Path(folder), Path(output))
+        except ValueError:
+            raise ConfigError(f"config key '{key}.output_dir' = {output!r} is its checkpoint_dir {folder!r} or "
+                              "inside it, which torchtune refuses (it copies the folder's files into the output); "
+                              "write the run's checkpoints elsewhere") from None
     if component.endswith("HFCheckpointer") and not (Path(folder) / "config.json").is_file():
         raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} has no config.json, which {component} "
                           f"reads the model's shape from; it holds {_holds(Path(folder))}")
