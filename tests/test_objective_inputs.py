@@ -272,3 +272,13 @@ def test_a_checkpointers_output_inside_its_weights_folder_is_one_line(name: str,
         f"config key '{key}.output_dir' = '{assets}/model/out' is its checkpoint_dir '{assets}/model' or inside it, "
         "which torchtune refuses (it copies the folder's files into the output); write the run's checkpoints "
         "elsewhere")
+
+
+def test_a_null_part_of_a_list_of_data_sets_is_one_line_naming_it(assets: Path, tmp_path: Path) -> None:
+    cfg = with_override("tiny_full", assets, tmp_path)
+    cfg = modified_value(cfg, "dataset", [OmegaConf.to_container(cfg.dataset), None])
+    assert refusal(cfg, "adaptive_full_finetune") == (
+        "config key 'dataset[1]' is null: it is inside a node the recipes build, which builds it too; give it a "
+        "'_component_' or remove it")
+    cfg = modified_value(cfg, "dataset", [OmegaConf.to_container(cfg.dataset[0]), {"_component_": None}])
+    assert refusal(cfg, "adaptive_full_finetune").startswith("config key 'dataset[1]' is null: ")
