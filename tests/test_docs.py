@@ -597,7 +597,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
        for config in ("tiny_lora_dpo", "tiny_full_dpo")},
     "tune run adaptive_lora_dpo --config tiny_lora_dpo": (
         "tests/test_dpo.py::test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits",
-        f"with {TINY}, one step, a 128 MiB budget"),
+        f"with {TINY}, one step, profiled as the page's figure (32 MiB, 64 tokens: its cached profile)"),
     "tune run adaptive_lora_dpo --config llama3_1/8B_lora_dpo_single_device use_maximum_batch_size=True": (
         "tests/test_dpo.py::test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo",
         "validated by name, with the override; the 8B weights are not on the test machine"),
