@@ -5,7 +5,7 @@ looking for nothing. Paths are written relative to the repository root (``benchm
 ``adaptive_batching/training/trainer.py``); modules dotted (``adaptive_batching.assets.tiny``). A dotted name whose
 second part is a key of ``adaptive_batching:`` in the YAML (``adaptive_batching.memory_budget``) is a config key,
 not a module; so is one set on the command line (``adaptive_batching.x=1``). A path with a placeholder
-(``validation-<device>.json``) is a template.
+(``validation-<device>.json``, ``chaos-OBJECTIVE.json``) is a template.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ TOP_FOLDERS = ("adaptive_batching", "benchmarks", "configs", "docs", "recipes", 
 PATH = re.compile(r"(?<![\w/.-])((?:%s)/[\w./<>{},-]*[\w>}])" % "|".join(re.escape(folder) for folder in TOP_FOLDERS))
 MODULE = re.compile(r"(?<![\w.])adaptive_batching(?:\.\w+)+(?![\w=])")
 THIS = "tests/test_repo_paths.py"
+TEMPLATE = re.compile(r"[<{]|\b[A-Z]{3,}\b|[-_][A-Z]{3,}")  # <device>, {full,lora}, chaos-OBJECTIVE, tiny_NAME
 SOURCES = ("adaptive_batching", "recipes", "benchmarks", "tests")
 
 
@@ -44,7 +45,7 @@ def _named_paths() -> dict[str, set[str]]:
     named: dict[str, set[str]] = {}
     for where, text in TEXTS.items():
         for path in PATH.findall(text):
-            if where == THIS or "<" in path or "{" in path:
+            if where == THIS or TEMPLATE.search(path):
                 continue  # this file's own examples; a template such as ``validation-<device>.json``
             named.setdefault(path.rstrip("."), set()).add(where)
     return named
