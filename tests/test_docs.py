@@ -709,6 +709,10 @@ RUN_BY: dict[str, tuple[str, str]] = {
                                                       "smallest size: each fault kind once, in three two-rank runs"),
     "python benchmarks/chaos.py --runs 20 --publish --json /tmp/chaos20.json": (
         "tests/test_chaos.py::reference", "smallest size: each fault kind once, in three two-rank runs"),
+    **{f"python benchmarks/chaos.py --objective {objectives} --runs 20 --publish": (
+        "tests/test_chaos.py::test_each_objective_resumes_a_kill_with_the_uninterrupted_losses",
+        "smallest size: each objective once, an OOM then a kill, two ranks")
+       for objectives in ("lora_dpo,full_dpo,kd,qat",)},
     "python benchmarks/clean_exits.py --runs 100 --publish": ("tests/test_benchmarks.py::test_clean_exits",
                                                              "smallest size: 1 run, one setting"),
     "python benchmarks/clean_exits.py --mechanism": ("tests/test_benchmarks.py::test_clean_exits",
