@@ -20,8 +20,8 @@ if [ -d .whl ] && [ -z "$NO_WHEELS" ]; then
 fi
 { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1; uname -r
   $PY -c 'import torch, datasets, torchtune, torchao; print("torch", torch.__version__, "cuda", torch.version.cuda,
-"datasets", datasets.__version__, "torchao", torchao.__version__)'
-  $PY -c 'import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)'; } > "$OUT/env.txt" 2>&1
+"datasets", datasets.__version__, "torchao", torchao.__version__)
+import bitsandbytes; print("bitsandbytes", bitsandbytes.__version__)'; } > "$OUT/env.txt" 2>&1
 left() { echo $(( DEADLINE - ($(date +%s) - T0) )); }
 lane() {  # name, its options, then "minimum-seconds options" phases: run in order, each cut at the deadline
   local name=$1 extra=$2 need l seen; shift 2

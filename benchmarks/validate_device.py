@@ -766,7 +766,7 @@ class Validation:
         table: dict[str, Any] = {}
         for objective, (recipe, config, ours) in STOCK[self.args.model].items():
             runs: dict[str, Any] = {}
-            for compiled in (False, True):
+            for compiled in (False, True)[:2 if self.args.stock_compile else 1]:
                 tag = f"stock-{objective}" + ("-compile" if compiled else "")
                 out = self.work / "runs" / tag
                 shutil.rmtree(out, ignore_errors=True)
@@ -999,6 +999,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--settings", default=",".join(ALL_SETTINGS), help="comma-separated subset (default: all)")
     p.add_argument("--truth", default=",".join(TRUTH),
                    help=f"settings that also get the fresh-process truth and estimate (default {','.join(TRUTH)})")
+    p.add_argument("--stock-compile", action=argparse.BooleanOptionalAction, default=True,
+                   help="the stock phase runs stock torchtune with compile=True too (default)")
     p.add_argument("--table", action="store_true", help="only print the Markdown table of the JSON")
     p.add_argument("--merge", type=Path, nargs="+", help="merge these results files (runs side by side) into --json")
     p.add_argument("--json", type=Path, help="results file (default benchmarks/results/validation-<device>.json)")

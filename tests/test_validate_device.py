@@ -41,7 +41,7 @@ def validation(assets: Path, runs: Path) -> dict:
     out = runs / "validation.json"
     check(run_command("script", [str(SCRIPT), "--workdir", str(runs / "work"), "--assets", str(assets),
                                  "--json", str(out), "--settings", ",".join(SETTINGS), "--steps", str(STEPS),
-                                 "--truth", ",".join(TRUTH),
+                                 "--truth", ",".join(TRUTH), "--no-stock-compile",
                                  "--max-trials", str(TRIALS), "--budget", BUDGET, "--compile-budget", COMPILE_BUDGET,
                                  "--token-samples", str(TOKEN_SAMPLES), "--long-samples", str(LONG_SAMPLES)],
                       cwd=runs, env=dict(os.environ, TORCH_COMPILE_BACKEND=COMPILE_BACKEND), timeout=900))
@@ -122,17 +122,17 @@ def test_sigusr1_saves_and_the_resumed_run_continues_bit_for_bit(validation: dic
 
 
 def test_stock_torchtune_runs_beside_ours(validation: dict) -> None:
-    """Stock full_finetune_single_device and lora_dpo_single_device at batch 4, compile off and on, beside our rows
-    at their profiled micro batch; the figures are each recipe's logged tokens/s (no speed is asserted)."""
+    """Stock full_finetune_single_device and lora_dpo_single_device at batch 4 beside our rows at their profiled
+    micro batch; the figures are each recipe's logged tokens/s (no speed is asserted). Stock with compile=True, which
+    the GPU run adds, is left out here (--no-stock-compile: about 13 s of CPU with aot_eager); ours compiled is in."""
     import validate_device  # benchmarks/ is on sys.path (conftest.py)
 
     stock = validation["stock"]
     assert set(stock) == {"finetune", "dpo"}
     for objective, ours in (("finetune", "full/ac_off"), ("dpo", "lora_dpo/ac_off")):
         runs = stock[objective]["runs"]
-        for name in ("stock", "stock compile"):
-            assert runs[name]["exit_code"] == 0 and runs[name]["ran"] == STEPS, runs[name]
-            assert runs[name]["tokens_per_second"] > 0
+        assert set(runs) == {"stock"} and runs["stock"]["exit_code"] == 0 and runs["stock"]["ran"] == STEPS
+        assert runs["stock"]["tokens_per_second"] > 0 and runs["stock"]["micro_batch"] == 4
         beside = validate_device.ours_beside_stock(validation, objective)
         assert beside["ours"]["setting"] == ours and beside["ours"]["tokens_per_second"] > 0
         assert beside["ours"]["micro_batch"] == validation["settings"][ours]["profile"]["micro_batch"]
@@ -167,7 +167,7 @@ def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
     for key in SETTINGS:
         assert f"| {key} |" in table
     for line in ("| token budget |", "| oom | ok |", "| preempt | ok |", "| finetune | stock: full_finetune_single",
-                 "| dpo | stock compile: lora_dpo_single_device"):
+                 "| dpo | stock: lora_dpo_single_device", "| finetune | ours compile: full/ac_off/compile |"):
         assert line in table
     assert "NO" not in table.split("|") and "FAILED" not in table
     import validate_device  # benchmarks/ is on sys.path (conftest.py)
@@ -215,7 +215,7 @@ def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path, part: str
     env = dict(os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"),
                PART=part)
     result = subprocess.run(["bash", str(SCRIPT.parent / "gpu_check.sh"), "--steps", "2"], cwd=SCRIPT.parents[1],
-                            env=env, capture_output=True, text=True, timeout=120)
+                            env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     skipped = sorted(line.split(") ", 1)[1] for line in result.stdout.splitlines() if line.startswith("SKIP"))
     expected = {"1": ["estimate: ", "main: --phase assets", "main: --phase compile",
