@@ -108,7 +108,8 @@ def fork_python_children(modules: Optional[set[str]] = None) -> None:
     For a benchmark script whose figures do not depend on a fresh interpreter (step times, losses, collectives): the
     child is still a child process with its own pid, session, working directory, environment, standard streams and
     exit code, so ``Popen``'s waiting, signals and ``preexec_fn`` work as they would. Scripts that measure a fresh
-    process (its memory, its exit) are not run so."""
+    process (its memory, its exit) are not run so, nor is any child of a process whose forked children cannot run
+    autograd (:func:`autograd_forks`)."""
     original = subprocess.Popen._execute_child
     signature = inspect.signature(original)
 
@@ -117,7 +118,7 @@ def fork_python_children(modules: Optional[set[str]] = None) -> None:
         target = python_target(call["args"], call["executable"], call["shell"])
         if modules is not None and (target is None or target[0] != "module" or target[1][0] not in modules):
             target = None
-        if target is None or any(call[key] is not None for key in ("gid", "gids", "uid")):
+        if target is None or any(call[key] is not None for key in ("gid", "gids", "uid")) or not autograd_forks():
             return original(self, *args, **kwargs)
         pid = os.fork()
         if pid == 0:
@@ -127,6 +128,27 @@ def fork_python_children(modules: Optional[set[str]] = None) -> None:
                              call["errwrite"])
 
     subprocess.Popen._execute_child = execute_child
+
+
+def autograd_forks() -> bool:
+    """Whether a child forked from this process can run autograd. torch refuses it in a child forked after the
+    parent's autograd engine started a thread (device threads on a build that sees a device, such as PyPI's CUDA
+    build of 2.14; the thread that takes over a deep re-entrant backward): then :func:`fork_python_children` starts a
+    new interpreter instead. Asked of a forked child that runs a one-element backward (a few milliseconds)."""
+    if "torch" not in sys.modules:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            import torch
+
+            torch.ones(1, requires_grad=True).sum().backward()
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
 def python_target(args: Any, executable: Optional[str], shell: bool) -> Optional[tuple[str, list[str]]]:

@@ -1,4 +1,5 @@
-"""The forked ranks of the suite (``forked_ranks.run_forked_ranks``) run autograd whatever the calling process ran."""
+"""The suite's forked processes run autograd whatever the process they come from ran: the forked ranks
+(``forked_ranks.run_forked_ranks``) and a run's forked ``python`` children (``forkserver.fork_python_children``)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ HERE = Path(__file__).resolve().parent
 # depth limit, as PyPI's CUDA build starts device threads), then forked ranks that run a backward each.
 AFTER_A_DEEP_BACKWARD = """
 import json, os, sys
+os.environ["ADAPTIVE_TESTS_FORKSERVER"] = "0"  # the ranks' parent a new interpreter, not a second fork server
 sys.path.insert(0, {tests!r})
 import test_forked_ranks
 from forked_ranks import run_forked_ranks
@@ -24,6 +26,21 @@ from forked_ranks import run_forked_ranks
 test_forked_ranks.deep_reentrant_backward()
 run_forked_ranks(test_forked_ranks.rank, ({out!r},), 2, seconds=120, what="2 ranks after a deep backward")
 print(json.dumps({{"pid": os.getpid()}}))
+"""
+
+# A run with forked python children (fork_python) that starts a python child before and after a deep backward: the
+# first is forked (torch is imported in it at once), the second a new interpreter.
+PYTHON_CHILDREN_AROUND_A_DEEP_BACKWARD = """
+import json, subprocess, sys
+sys.path.insert(0, {tests!r})
+import test_forked_ranks
+
+def child():
+    return subprocess.run([sys.executable, {probe!r}], capture_output=True, text=True, check=True).stdout.strip()
+
+before = child()
+test_forked_ranks.deep_reentrant_backward()
+print(json.dumps([before, child()]))
 """
 
 
@@ -62,3 +79,11 @@ def test_ranks_run_autograd_after_their_caller_ran_a_deep_backward(tmp_path: Pat
         result = json.loads((tmp_path / f"rank{number}.json").read_text())
         assert result["grad"] == [3.0, 3.0]
         assert result["parent"] not in (caller["pid"], os.getpid())  # forked from a process that ran no autograd
+
+
+def test_a_run_forks_its_python_children_only_while_they_can_run_autograd(tmp_path: Path) -> None:
+    (tmp_path / "probe.py").write_text("import sys\nprint('torch' in sys.modules)\n")
+    (tmp_path / "run.py").write_text(PYTHON_CHILDREN_AROUND_A_DEEP_BACKWARD.format(tests=str(HERE),
+                                                                                probe=str(tmp_path / "probe.py")))
+    result = check(run_command("script", [str(tmp_path / "run.py")], cwd=tmp_path, fork_python=True))
+    assert json.loads(result.stdout) == ["True", "False"]  # forked, then a new interpreter
