@@ -27,7 +27,7 @@ os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")  # asking for CUDA m
 
 from common import GIB, fmt, padding, run_logged  # noqa: E402
 
-PHASES = ("assets", "full", "lora", "qlora", "estimate", "tokens", "compile", "dpo", "kd", "qat", "bwd", "offload",
+PHASES = ("assets", "full", "lora", "qlora", "tokens", "compile", "dpo", "kd", "qat", "bwd", "offload", "estimate",
           "oom", "preempt", "nccl", "stock")
 CUDA_ONLY = {"offload": "activation offloading (torchtune's OffloadActivations) needs CUDA streams",
              "nccl": "NCCL is CUDA's process-group backend"}
@@ -350,9 +350,9 @@ def write_long_dataset(source: str, target: str, seq_len: int, num_samples: int)
     """Alpaca records of at least ``seq_len`` words (so tokens): micro batches of the profiler's worst-case shape."""
     records = json.loads(Path(source).read_text())
     out, index = [], 0
-    for _ in range(num_samples):
+    for i in range(num_samples):
         words: list[str] = []
-        instruction = records[index % len(records)]["instruction"]
+        instruction = f"{i}. " + records[index % len(records)]["instruction"]  # numbered: no two samples alike
         while len(words) < seq_len:
             words.extend(records[index % len(records)]["output"].split())
             index += 1
@@ -374,7 +374,7 @@ def write_long_pairs(source: str, target: str, seq_len: int, num_samples: int) -
                 words.extend(records[index % len(records)]["output"].split())
                 index += 1
             answers.append(" ".join(words))
-        prompt = {"role": "user", "content": records[index % len(records)]["instruction"]}
+        prompt = {"role": "user", "content": f"{len(out)}. " + records[index % len(records)]["instruction"]}
         out.append({side: [prompt, {"role": "assistant", "content": answer}]
                     for side, answer in zip(("chosen", "rejected"), answers)})
     Path(target).parent.mkdir(parents=True, exist_ok=True)

@@ -780,6 +780,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
                  "smallest size on CPU: 3 steps, 2 trials, a few settings, 120 token samples")
        for command in ("python benchmarks/validate_device.py", "time .venv/bin/python benchmarks/validate_device.py",
                        "python benchmarks/validate_device.py --phase full",
+                       "python benchmarks/validate_device.py --workdir /tmp/regen",
+                       "python benchmarks/validate_device.py --workdir /tmp/regen --phase assets,estimate,oom",
                        "python benchmarks/validate_device.py --phase assets",
                        "python benchmarks/validate_device.py --phase lora",
                        "python benchmarks/validate_device.py --phase qlora",
