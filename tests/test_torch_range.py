@@ -39,7 +39,8 @@ def test_a_torch_outside_the_range_gets_one_line(version: str) -> None:
 def test_the_installed_torch_is_read_without_importing_it() -> None:
     import torch
 
-    assert packages.installed_torch() == torch.__version__
+    installed = packages.installed_torch()
+    assert installed is not None and installed.split("+")[0] == str(torch.__version__).split("+")[0]  # PyPI's: no +cu
     assert packages.unsupported_torch(packages.installed_torch()) is None  # the suite runs on a supported torch
 
 
