@@ -712,7 +712,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
     **{f"python benchmarks/chaos.py --objective {objectives} --runs 20 --publish": (
         "tests/test_chaos.py::test_each_objective_resumes_a_kill_with_the_uninterrupted_losses",
         "smallest size: each objective once, an OOM then a kill, two ranks")
-       for objectives in ("lora_dpo,full_dpo,kd,qat", "kd,qat")},
+       for objectives in ("lora_dpo,full_dpo,kd,qat", "kd,qat", "full_dpo", "qat")},
     "python benchmarks/clean_exits.py --runs 100 --publish": ("tests/test_benchmarks.py::test_clean_exits",
                                                              "smallest size: 1 run, one setting"),
     "python benchmarks/clean_exits.py --mechanism": ("tests/test_benchmarks.py::test_clean_exits",
