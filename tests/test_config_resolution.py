@@ -13,6 +13,7 @@ from config_edits import setting, typed
 from omegaconf import DictConfig, OmegaConf
 from recipe_runs import tune_run
 
+from adaptive_batching.config import loading
 from adaptive_batching.config.loading import (
     parse,
     resolve_config,
@@ -236,13 +237,22 @@ def test_real_validation_error_through_parse(monkeypatch: pytest.MonkeyPatch, ca
     assert exit_.code == 1 and err.startswith("config error:") and "'batch_size'" in err
 
 
-@pytest.mark.parametrize("rank, printed", [("0", True), ("1", False)])
-def test_under_torchrun_only_rank_zero_prints_a_config_error(monkeypatch: pytest.MonkeyPatch,
-                                                             capsys: pytest.CaptureFixture, rank: str,
-                                                             printed: bool) -> None:
+@pytest.mark.parametrize("rank", ["0", "1"])
+def test_under_torchrun_rank_zero_says_a_config_error_and_the_others_wait(monkeypatch: pytest.MonkeyPatch,
+                                                                          capsys: pytest.CaptureFixture,
+                                                                          rank: str) -> None:
+    """Rank zero says the line and exits; another rank says nothing and waits for torchrun to end it (the wait
+    itself: tests/test_config_error_ranks.py)."""
+    waited: list[str] = []
+    monkeypatch.setattr(loading, "wait_for_rank_zero", waited.append)
     monkeypatch.setenv("RANK", rank)
     exit_, _ = run_parse(monkeypatch, ["x", "--config", "tiny_full", "batch_size=0"], body=validate_config)
-    assert exit_.code == 1 and ("config error:" in capsys.readouterr().err) == printed
+    said = capsys.readouterr().err
+    assert exit_.code == 1
+    if rank == "0":
+        assert said.startswith("config error:") and "'batch_size'" in said and waited == []
+    else:
+        assert "config error:" not in said and len(waited) == 1 and waited[0].startswith("config error:")
 
 
 def test_other_errors_are_not_swallowed(monkeypatch: pytest.MonkeyPatch) -> None:
