@@ -228,3 +228,21 @@ def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path, part: str
                       "qat: --phase offload", "qat: --phase qat"]}[part]
     assert skipped == expected
     assert "torch" in (out / "env.txt").read_text() and not (out / "validation.json").exists()
+
+
+def test_lanes_merge_into_one_table() -> None:
+    """gpu_check.sh's lanes each write a results file; --merge joins them: every row and check, each row with the
+    fields any lane gave it (the estimate lane adds its estimate to the main lane's row), the first lane's header."""
+    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+
+    main = {"device": {"name": "gpu"}, "meta": {"budget": None, "command": "main"}, "phases": {"full": {"seconds": 1}},
+            "settings": {"full/ac_off": {"profile": {"micro_batch": 19}}}, "checks": {}}
+    estimate = {"meta": {"budget": None, "command": "estimate"}, "phases": {"estimate": {"seconds": 2}},
+                "settings": {"full/ac_off": {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}}}
+    lane = {"meta": {"budget": "24GiB", "command": "faults"}, "checks": {"oom": {"ok": True}}, "settings": {}}
+    merged = validate_device.merge_results([main, estimate, lane])
+    assert merged["settings"]["full/ac_off"] == {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}
+    assert merged["checks"] == {"oom": {"ok": True}} and set(merged["phases"]) == {"full", "estimate"}
+    assert merged["device"] == {"name": "gpu"} and merged["meta"]["command"] == "main"
+    assert merged["meta"]["budget"] == "each row's (the budget column)" and main["meta"]["budget"] is None
+    assert [p["command"] for p in merged["parts"]] == ["main", "estimate", "faults"]
