@@ -940,11 +940,11 @@ def merge_results(parts: list[dict[str, Any]]) -> dict[str, Any]:
         for key in ("device", "meta"):  # the first part's: the header
             if key in part:
                 merged.setdefault(key, dict(part[key]))
-    if len({str(part.get("meta", {}).get("budget")) for part in parts}) > 1:  # lanes at their own budget
-        merged["meta"]["budget"] = "each row's (the budget column)"
         for key in ("stock", "token_budget", "long_data", "long_pairs", "assets"):
             if key in part:
                 merged[key] = part[key]
+    if len({str(part.get("meta", {}).get("budget")) for part in parts}) > 1:  # lanes at their own budget
+        merged["meta"]["budget"] = "each row's (the budget column)"
     return merged
 
 

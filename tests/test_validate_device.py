@@ -236,7 +236,7 @@ def test_lanes_merge_into_one_table() -> None:
     import validate_device  # benchmarks/ is on sys.path (conftest.py)
 
     main = {"device": {"name": "gpu"}, "meta": {"budget": None, "command": "main"}, "phases": {"full": {"seconds": 1}},
-            "settings": {"full/ac_off": {"profile": {"micro_batch": 19}}}, "checks": {}}
+            "settings": {"full/ac_off": {"profile": {"micro_batch": 19}}}, "checks": {}, "stock": {"finetune": {}}}
     estimate = {"meta": {"budget": None, "command": "estimate"}, "phases": {"estimate": {"seconds": 2}},
                 "settings": {"full/ac_off": {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}}}
     lane = {"meta": {"budget": "24GiB", "command": "faults"}, "checks": {"oom": {"ok": True}}, "settings": {}}
@@ -244,5 +244,6 @@ def test_lanes_merge_into_one_table() -> None:
     assert merged["settings"]["full/ac_off"] == {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}
     assert merged["checks"] == {"oom": {"ok": True}} and set(merged["phases"]) == {"full", "estimate"}
     assert merged["device"] == {"name": "gpu"} and merged["meta"]["command"] == "main"
+    assert merged["stock"] == {"finetune": {}}  # from the one lane that ran it, whichever comes last
     assert merged["meta"]["budget"] == "each row's (the budget column)" and main["meta"]["budget"] is None
     assert [p["command"] for p in merged["parts"]] == ["main", "estimate", "faults"]
