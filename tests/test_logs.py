@@ -23,10 +23,11 @@ def _bar_with_lines_between(stream: io.StringIO, say) -> None:  # type: ignore[n
     bar.close()
 
 
-def test_a_log_line_is_written_with_the_bar_cleared_and_the_bar_drawn_again_after() -> None:
+def _logged_beside_a_bar(name: str, make_handler) -> str:  # type: ignore[no-untyped-def]
+    """What a logger with the handler ``make_handler(stream)`` writes to the stream beside a progress bar."""
     stream = io.StringIO()
-    handler = logs._BesideProgressBars(stream)
-    logger = logging.getLogger("test_logs.beside_bars")
+    handler = make_handler(stream)
+    logger = logging.getLogger(name)
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
@@ -34,25 +35,21 @@ def test_a_log_line_is_written_with_the_bar_cleared_and_the_bar_drawn_again_afte
         _bar_with_lines_between(stream, logger.info)
     finally:
         logger.removeHandler(handler)
-    lines = screen_lines(stream.getvalue())
+    return stream.getvalue()
+
+
+def test_a_log_line_is_written_with_the_bar_cleared_and_the_bar_drawn_again_after() -> None:
+    text = _logged_beside_a_bar("test_logs.beside_bars", logs._BesideProgressBars)
+    lines = screen_lines(text)
     assert "Step 1: fake quantization on" in lines and "stopped: SIGTERM received by the end of optimizer step 2" in lines
-    assert lines_inside_a_bar(stream.getvalue()) == []
+    assert lines_inside_a_bar(text) == []
     assert [line for line in lines if line][-1].startswith("epoch 1/1:  50%|")  # the bar goes on after each line
 
 
 def test_a_plain_stream_handler_writes_into_the_bar_which_the_check_sees() -> None:
     """Without the fix (torchtune's own handler) the line lands inside the bar: the check can fail."""
-    stream = io.StringIO()
-    handler = logging.StreamHandler(stream)
-    logger = logging.getLogger("test_logs.plain")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    logger.propagate = False
-    try:
-        _bar_with_lines_between(stream, logger.info)
-    finally:
-        logger.removeHandler(handler)
-    assert len(lines_inside_a_bar(stream.getvalue())) == 2
+    text = _logged_beside_a_bar("test_logs.plain", logging.StreamHandler)
+    assert len(lines_inside_a_bar(text)) == 2
 
 
 def test_say_line_clears_the_bar_on_stderr(capsys: pytest.CaptureFixture[str]) -> None:
