@@ -14,5 +14,6 @@ __version__ = "0.1.0"
 # torchtune's RMSNorm upcasts its input to float32 on purpose and keeps a bf16 scale; torch then runs its unfused
 # rms_norm, which gives the same numbers. Printed at the first forward of every bf16 config (`estimate` on a stock
 # config; a bf16 run on a GPU), about torchtune's code, not the user's config.
-warnings.filterwarnings("ignore", message="Mismatch dtype between input and weight", category=UserWarning,
-                        module=r"torch\.nn\.functional")
+warnings.filterwarnings(
+    "ignore", message="Mismatch dtype between input and weight", category=UserWarning, module=r"torch\.nn\.functional"
+)

@@ -8,8 +8,9 @@ import importlib.util
 import json
 import shutil
 import sys
+from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 from adaptive_batching.config.loading import (
     RECIPES,
@@ -32,8 +33,9 @@ class _Parser(argparse.ArgumentParser):
     """An argument parser that may add its arguments only when it first parses or prints them (``add_arguments``):
     the tiny-assets choices live in modules that import torch and torchtune, which the other commands need not."""
 
-    def __init__(self, *args: Any, add_arguments: Optional[Callable[[argparse.ArgumentParser], None]] = None,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self, *args: Any, add_arguments: Callable[[argparse.ArgumentParser], None] | None = None, **kwargs: Any
+    ) -> None:
         super().__init__(*args, **kwargs)
         self._add_arguments = add_arguments
 
@@ -73,9 +75,14 @@ def recipe_for(config: Path) -> str:
 
 # What the tiny assets run: a recipe and a shipped config for each recipe, and QAT (``adaptive-batching
 # tiny-assets`` prints them as its ``run:`` lines).
-TINY_RUNS = (("adaptive_full_finetune", "tiny_full"), ("adaptive_lora_finetune", "tiny_lora"),
-             ("adaptive_lora_dpo", "tiny_lora_dpo"), ("adaptive_full_dpo", "tiny_full_dpo"),
-             ("adaptive_knowledge_distillation", "tiny_kd"), ("adaptive_lora_finetune", "tiny_qat_lora"))
+TINY_RUNS = (
+    ("adaptive_full_finetune", "tiny_full"),
+    ("adaptive_lora_finetune", "tiny_lora"),
+    ("adaptive_lora_dpo", "tiny_lora_dpo"),
+    ("adaptive_full_dpo", "tiny_full_dpo"),
+    ("adaptive_knowledge_distillation", "tiny_kd"),
+    ("adaptive_lora_finetune", "tiny_qat_lora"),
+)
 
 # torchtune's configs that each recipe runs by name, a few of each kind (``ls`` prints them; a test checks each
 # against torchtune's registry and the recipe that runs it). Static text: ``ls`` does not import torchtune.
@@ -95,8 +102,9 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
         paths = write_family_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
         print(f"tiny {args.model} model and tokenizer in {paths.folder}, the tiny data in {paths.dataset}")
         for method in ("full", "lora"):
-            print(f"run: tune run adaptive_{method}_finetune --config tiny_{args.model}_{method} "
-                  f"assets_dir={paths.root}")
+            print(
+                f"run: tune run adaptive_{method}_finetune --config tiny_{args.model}_{method} assets_dir={paths.root}"
+            )
         return 0
     if args.model != "tiny":
         # A real architecture, randomly initialised, next to the tiny tokenizer and data (model_assets).
@@ -124,8 +132,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for recipe, configs in by_recipe.items():
         for i, name in enumerate(configs):
             print(f"{recipe if i == 0 else '':<{width}}{name}")
-    print("\nAlso torchtune's own configs by their names (`tune ls`): full, LoRA, QLoRA, QAT, DPO and distillation, "
-          "each run by the recipe that trains it, e.g.")
+    print(
+        "\nAlso torchtune's own configs by their names (`tune ls`): full, LoRA, QLoRA, QAT, DPO and distillation, "
+        "each run by the recipe that trains it, e.g."
+    )
     for recipe, examples in STOCK_EXAMPLES.items():
         print(f"{recipe:<{width}}{', '.join(examples)}")
     return 0
@@ -224,10 +234,17 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
-        estimate = estimate_max_micro_batch(cfg, method_for(cfg), device_memory_bytes=device_memory,
-                                            fraction=args.fraction, world_size=args.world_size,
-                                            exact=args.full_trace, seq_len=worst.tokens, seq_len_source=worst.source,
-                                            objective=None if objective.name == "finetune" else objective)
+        estimate = estimate_max_micro_batch(
+            cfg,
+            method_for(cfg),
+            device_memory_bytes=device_memory,
+            fraction=args.fraction,
+            world_size=args.world_size,
+            exact=args.full_trace,
+            seq_len=worst.tokens,
+            seq_len_source=worst.source,
+            objective=None if objective.name == "finetune" else objective,
+        )
     except ConfigError:
         raise  # a config key's fault, reported as such by main()
     except ValueError as err:
@@ -246,19 +263,24 @@ def _tiny_assets_arguments(tiny: argparse.ArgumentParser) -> None:
     tiny.add_argument("--output-dir", default=DEFAULT_TINY_DIR, help=f"default: {DEFAULT_TINY_DIR}")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--num-samples", type=int, default=3000)
-    tiny.add_argument("--model", choices=(*CHOICES, *FAMILIES), default="tiny",
-                      help="tiny (the tiny Llama, default); tiny_qlora (the tiny Llama at dims NF4 can quantize); "
-                           f"{', '.join(FAMILIES)} (tiny models of those families, with their own tokenizers); or "
-                           "llama3_2_1b (the real size, randomly initialised); written to OUTPUT_DIR/MODEL next to "
-                           "the tiny data")
+    tiny.add_argument(
+        "--model",
+        choices=(*CHOICES, *FAMILIES),
+        default="tiny",
+        help="tiny (the tiny Llama, default); tiny_qlora (the tiny Llama at dims NF4 can quantize); "
+        f"{', '.join(FAMILIES)} (tiny models of those families, with their own tokenizers); or "
+        "llama3_2_1b (the real size, randomly initialised); written to OUTPUT_DIR/MODEL next to "
+        "the tiny data",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="adaptive-batching", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
 
-    tiny = sub.add_parser("tiny-assets", help="write the offline tiny model, tokenizer and dataset",
-                          add_arguments=_tiny_assets_arguments)
+    tiny = sub.add_parser(
+        "tiny-assets", help="write the offline tiny model, tokenizer and dataset", add_arguments=_tiny_assets_arguments
+    )
     tiny.set_defaults(func=cmd_tiny_assets)
 
     ls = sub.add_parser("ls", help="list the shipped recipes and configs")
@@ -281,8 +303,11 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     plan.set_defaults(func=cmd_plan)
 
-    status = sub.add_parser("status", help="say whether a run's output folder is finished, resumable, or stopped "
-                                           "before its first checkpoint (job scripts)")
+    status = sub.add_parser(
+        "status",
+        help="say whether a run's output folder is finished, resumable, or stopped "
+        "before its first checkpoint (job scripts)",
+    )
     status.add_argument("output_dir", help="the run's output_dir")
     status.set_defaults(func=cmd_status)
 
@@ -291,18 +316,25 @@ def build_parser() -> argparse.ArgumentParser:
     estimate.add_argument("--device-memory", required=True, help="e.g. 80GiB")
     estimate.add_argument("--fraction", type=float, default=0.9, help="share of device memory to use (default 0.9)")
     estimate.add_argument("--world-size", type=int, default=1, help="ranks the model is sharded over (FSDP)")
-    estimate.add_argument("--seq-len", type=int, default=None,
-                          help="tokens in the worst-case sample; default: the longest sample of the config's data "
-                               "after truncation, when the tokenizer and data can be read here")
-    estimate.add_argument("--full-trace", action="store_true",
-                          help="trace every layer (exact, minutes for an 8B model) instead of 3 layers extrapolated")
+    estimate.add_argument(
+        "--seq-len",
+        type=int,
+        default=None,
+        help="tokens in the worst-case sample; default: the longest sample of the config's data "
+        "after truncation, when the tokenizer and data can be read here",
+    )
+    estimate.add_argument(
+        "--full-trace",
+        action="store_true",
+        help="trace every layer (exact, minutes for an 8B model) instead of 3 layers extrapolated",
+    )
     estimate.add_argument("--json", help="also write the estimate as JSON here")
     estimate.add_argument("overrides", nargs="*", help="key=value or ~key, as with tune run")
     estimate.set_defaults(func=cmd_estimate)
     return parser
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
+def main(argv: Sequence[str] | None = None) -> int:
     """Run a command; an error that is the user's (an argument, a config, a budget nothing fits in) is one line
     on stderr, never a traceback: exit code 2 for a wrong argument or config, 1 when the run could not go on."""
     args = build_parser().parse_args(argv)

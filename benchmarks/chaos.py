@@ -17,10 +17,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import date
 from pathlib import Path
-from typing import Callable, Optional
 
 from common import ROOT, command_line, commit, machine, report, tiny_assets, unclean_exit, write_json
 
@@ -59,8 +59,9 @@ OBJECTIVES = {
     "lora_dpo": Objective("LoRA DPO", "adaptive_lora_dpo", "tiny_lora_dpo", SHORT),
     "full_dpo": Objective("Full DPO", "adaptive_full_dpo", "tiny_full_dpo", SHORT),
     "kd": Objective("Knowledge distillation (LoRA student)", "adaptive_knowledge_distillation", "tiny_kd", SHORT),
-    "qat": Objective("QAT (LoRA), fake quantization from a third of the steps on", "adaptive_lora_finetune",
-                     "tiny_qat_lora", SHORT),
+    "qat": Objective(
+        "QAT (LoRA), fake quantization from a third of the steps on", "adaptive_lora_finetune", "tiny_qat_lora", SHORT
+    ),
 }
 
 
@@ -78,17 +79,25 @@ class Plan:
         return 2 * self.samples // SAMPLES_PER_STEP
 
     @property
-    def fake_quant_after(self) -> Optional[int]:
+    def fake_quant_after(self) -> int | None:
         """QAT: the optimizer steps trained before fake quantization switches on: a third of the run's, rounded up,
         inside the first epoch and off its saves at the default plans, so resumes land on either side."""
         return (self.steps + 2) // 3 if self.objective == "qat" else None
 
     def overrides(self) -> tuple[str, ...]:
         delayed = () if self.fake_quant_after is None else (f"fake_quant_after_n_steps={self.fake_quant_after}",)
-        return ("use_maximum_batch_size=False", "batch_increase_function=null", "batch_size=2",
-                "gradient_accumulation_steps=2", f"dataset.split=train[:{self.samples}]", "epochs=2",
-                "max_steps_per_epoch=null", f"save_every_n_steps={self.save_every}",
-                *OBJECTIVES[self.objective].overrides, *delayed)
+        return (
+            "use_maximum_batch_size=False",
+            "batch_increase_function=null",
+            "batch_size=2",
+            "gradient_accumulation_steps=2",
+            f"dataset.split=train[:{self.samples}]",
+            "epochs=2",
+            "max_steps_per_epoch=null",
+            f"save_every_n_steps={self.save_every}",
+            *OBJECTIVES[self.objective].overrides,
+            *delayed,
+        )
 
 
 @dataclass
@@ -100,19 +109,25 @@ class Fault:
 
     def spec(self) -> dict:
         """The fault as tests/faulty_run.py reads it."""
-        return {"kill9": {"kill_after": self.step, "rank": self.rank},
-                "agent_sigterm": {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0},
-                "worker_sigusr1": {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank},
-                "oom": {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank},
-                "kill_in_save": {"kill_in_save": self.step // self.save_every + 1, "rank": 0}}[self.kind]
+        return {
+            "kill9": {"kill_after": self.step, "rank": self.rank},
+            "agent_sigterm": {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0},
+            "worker_sigusr1": {"signal": "SIGUSR1", "signal_at": self.step, "rank": self.rank},
+            "oom": {"phase": "optimizer", "from_step": self.step, "to_step": self.step, "rank": self.rank},
+            "kill_in_save": {"kill_in_save": self.step // self.save_every + 1, "rank": 0},
+        }[self.kind]
 
     def describe(self) -> str:
         if self.kind == "kill_in_save":
             save = self.step // self.save_every + 1
             return f"rank 0 killed in save {save} (of step {self.save_every * save})"
         where = "the agent" if self.kind == "agent_sigterm" else f"rank {self.rank}"
-        return {"kill9": f"SIGKILL to {where}", "agent_sigterm": "SIGTERM to the agent",
-                "worker_sigusr1": f"SIGUSR1 to {where}", "oom": f"OOM in {where}'s optimizer step"}[self.kind]
+        return {
+            "kill9": f"SIGKILL to {where}",
+            "agent_sigterm": "SIGTERM to the agent",
+            "worker_sigusr1": f"SIGUSR1 to {where}",
+            "oom": f"OOM in {where}'s optimizer step",
+        }[self.kind]
 
 
 @dataclass
@@ -127,13 +142,28 @@ class Outcome:
         return "pass" if not self.problems else "FAIL: " + "; ".join((self.problems + self.errors[:1])[:4])
 
 
-def launch(out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restarts: int = 0,
-           runner: Runner = run_process) -> subprocess.CompletedProcess:
+def launch(
+    out: Path, assets: Path, plan: Plan, fault: dict, *extra: str, restarts: int = 0, runner: Runner = run_process
+) -> subprocess.CompletedProcess:
     objective = OBJECTIVES[plan.objective]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           f"--max-restarts={restarts}", str(FAULTY_RUN), json.dumps(fault), f"{out}-",
-           objective.recipe, "--config", objective.config, f"assets_dir={assets}", f"output_dir={out}",
-           *plan.overrides(), *extra]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        f"--max-restarts={restarts}",
+        str(FAULTY_RUN),
+        json.dumps(fault),
+        f"{out}-",
+        objective.recipe,
+        "--config",
+        objective.config,
+        f"assets_dir={assets}",
+        f"output_dir={out}",
+        *plan.overrides(),
+        *extra,
+    ]
     return runner(cmd, out.parent, dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), 1200)
 
 
@@ -154,7 +184,7 @@ def logged(log_dir: Path) -> list[list[tuple[int, str]]]:
     return [[(int(s), loss) for s, loss in _STEP.findall(path.read_text())] for path in files]
 
 
-def checkpoints_load(out: Path) -> Optional[str]:
+def checkpoints_load(out: Path) -> str | None:
     """None when every ``epoch_N`` folder is complete and its recipe state and weights load, else why not."""
     import torch
     from safetensors.torch import load_file
@@ -172,8 +202,9 @@ def checkpoints_load(out: Path) -> Optional[str]:
     return None
 
 
-def chaos_run(fault: Fault, out: Path, assets: Path, plan: Plan, reference: dict[int, str],
-              runner: Runner = run_process) -> Outcome:
+def chaos_run(
+    fault: Fault, out: Path, assets: Path, plan: Plan, reference: dict[int, str], runner: Runner = run_process
+) -> Outcome:
     outcome, start = Outcome(), time.monotonic()
     restarts = 1 if fault.kind in ("kill9", "kill_in_save") else 0
     spec, extra = fault.spec(), ()
@@ -216,12 +247,16 @@ def draw(rng: random.Random, kinds: list[str], index: int, plan: Plan) -> Fault:
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| run | fault | at step | exit codes of the pieces | steps redone | outcome |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| run | fault | at step | exit codes of the pieces | steps redone | outcome |",
+        "|---|---|---|---|---|---|",
+    ]
     for row in rows:
         at = "-" if row["kind"] == "kill_in_save" else row["step"]
-        lines.append(f"| {row['run']} | {row['fault']} | {at} | {', '.join(map(str, row['pieces']))} | "
-                     f"{row['redone']} | {row['verdict']} |")
+        lines.append(
+            f"| {row['run']} | {row['fault']} | {at} | {', '.join(map(str, row['pieces']))} | "
+            f"{row['redone']} | {row['verdict']} |"
+        )
     return "\n".join(lines)
 
 
@@ -234,37 +269,66 @@ def chaos_runs(plan: Plan, runs: int, seed: int, work: Path, assets: Path) -> li
         fault = draw(rng, list(KINDS), index, plan)
         outcome = chaos_run(fault, work / f"run{index}", assets, plan, reference)
         verdict = outcome.verdict()
-        rows.append({"objective": plan.objective, "run": index + 1, "fault": fault.describe(), "kind": fault.kind,
-                     "step": fault.step, "pieces": outcome.pieces, "redone": outcome.redone, "verdict": verdict,
-                     "seconds": round(outcome.seconds, 1)})
-        print(f"{plan.objective} run {index + 1}/{runs}: {fault.describe()} after step {fault.step}: exits "
-              f"{outcome.pieces}, {outcome.redone} steps redone, {verdict} ({outcome.seconds:.0f} s)",
-              file=sys.stderr, flush=True)
+        rows.append(
+            {
+                "objective": plan.objective,
+                "run": index + 1,
+                "fault": fault.describe(),
+                "kind": fault.kind,
+                "step": fault.step,
+                "pieces": outcome.pieces,
+                "redone": outcome.redone,
+                "verdict": verdict,
+                "seconds": round(outcome.seconds, 1),
+            }
+        )
+        print(
+            f"{plan.objective} run {index + 1}/{runs}: {fault.describe()} after step {fault.step}: exits "
+            f"{outcome.pieces}, {outcome.redone} steps redone, {verdict} ({outcome.seconds:.0f} s)",
+            file=sys.stderr,
+            flush=True,
+        )
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--objective", default="finetune",
-                        help=f"what the runs train: one of {', '.join(OBJECTIVES)}, several joined by commas, or all")
+    parser.add_argument(
+        "--objective",
+        default="finetune",
+        help=f"what the runs train: one of {', '.join(OBJECTIVES)}, several joined by commas, or all",
+    )
     parser.add_argument("--runs", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--samples", type=int, default=None,
-                        help="samples per epoch, 8 per optimizer step (default: the objective's, see OBJECTIVES)")
-    parser.add_argument("--save-every", type=int, default=None, help="optimizer steps between saves (default: "
-                        "the objective's)")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        default=None,
+        help="samples per epoch, 8 per optimizer step (default: the objective's, see OBJECTIVES)",
+    )
+    parser.add_argument(
+        "--save-every", type=int, default=None, help="optimizer steps between saves (default: the objective's)"
+    )
     parser.add_argument("--json", type=Path, default=None, help="also write every run's row here")
-    parser.add_argument("--publish", action="store_true", help="write each objective's table into "
-                        "docs/fault-tolerance.md and its rows into benchmarks/results/chaos-OBJECTIVE.json")
+    parser.add_argument(
+        "--publish",
+        action="store_true",
+        help="write each objective's table into "
+        "docs/fault-tolerance.md and its rows into benchmarks/results/chaos-OBJECTIVE.json",
+    )
     args = parser.parse_args()
     names = list(OBJECTIVES) if args.objective == "all" else args.objective.split(",")
     if unknown := [name for name in names if name not in OBJECTIVES]:
         parser.error(f"--objective: {', '.join(unknown)} is not one of {', '.join(OBJECTIVES)} or all")
-    plans = [Plan(args.samples or OBJECTIVES[name].samples, args.save_every or OBJECTIVES[name].save_every, name)
-             for name in names]
+    plans = [
+        Plan(args.samples or OBJECTIVES[name].samples, args.save_every or OBJECTIVES[name].save_every, name)
+        for name in names
+    ]
     if (short := next((plan for plan in plans if plan.steps < FIRST_FAULT_STEP + 3), None)) is not None:
-        parser.error(f"--samples: at least {(FIRST_FAULT_STEP + 3) * SAMPLES_PER_STEP // 2} (two epochs of 8 per "
-                     f"step), not {short.samples}")
+        parser.error(
+            f"--samples: at least {(FIRST_FAULT_STEP + 3) * SAMPLES_PER_STEP // 2} (two epochs of 8 per "
+            f"step), not {short.samples}"
+        )
     every_row: list[dict] = []
     with tempfile.TemporaryDirectory() as tmp:
         assets = tiny_assets(None, Path(tmp))
@@ -273,16 +337,30 @@ def main() -> None:
             every_row += rows
             objective, passed = OBJECTIVES[plan.objective], sum(row["verdict"] == "pass" for row in rows)
             with report(publish_name(plan.objective) if args.publish else None, "fault-tolerance.md"):
-                print(f"{objective.title}: `{objective.recipe}`, config `{objective.config}` with "
-                      f"`{' '.join(plan.overrides())}`; {plan.steps} optimizer steps. "
-                      f"{passed} of {len(rows)} runs passed.")
+                print(
+                    f"{objective.title}: `{objective.recipe}`, config `{objective.config}` with "
+                    f"`{' '.join(plan.overrides())}`; {plan.steps} optimizer steps. "
+                    f"{passed} of {len(rows)} runs passed."
+                )
                 print(table(rows))
             if args.publish:
-                write_json(RESULTS / f"chaos-{plan.objective}.json", {
-                    "command": command_line(), "date": date.today().isoformat(), "commit": commit(),
-                    "machine": machine(), "plan": {"samples": plan.samples, "save_every": plan.save_every,
-                                                   "steps": plan.steps, "overrides": plan.overrides()},
-                    "passed": passed, "runs": rows})
+                write_json(
+                    RESULTS / f"chaos-{plan.objective}.json",
+                    {
+                        "command": command_line(),
+                        "date": date.today().isoformat(),
+                        "commit": commit(),
+                        "machine": machine(),
+                        "plan": {
+                            "samples": plan.samples,
+                            "save_every": plan.save_every,
+                            "steps": plan.steps,
+                            "overrides": plan.overrides(),
+                        },
+                        "passed": passed,
+                        "runs": rows,
+                    },
+                )
     if args.json:
         args.json.write_text(json.dumps(every_row, indent=2))
     if any(row["verdict"] != "pass" for row in every_row):

@@ -18,26 +18,63 @@ SHORT = ("epochs=1", "max_steps_per_epoch=4")
 SETTINGS = {
     "full": ("adaptive_full_finetune", "tiny_full", SHORT),
     "lora": ("adaptive_lora_finetune", "tiny_lora", SHORT),
-    "token": ("adaptive_full_finetune", "tiny_full",
-              (*SHORT, "batch_increase_function=null", "adaptive_batching.max_tokens=auto",
-               "adaptive_batching.picking_order=seqlen", "adaptive_batching.grow_past_memory=skip")),
-    "saves": ("adaptive_full_finetune", "tiny_full",
-              ("epochs=1", "max_steps_per_epoch=6", "use_maximum_batch_size=False", "batch_increase_function=null",
-               "batch_size=8", "save_every_n_steps=2")),
+    "token": (
+        "adaptive_full_finetune",
+        "tiny_full",
+        (
+            *SHORT,
+            "batch_increase_function=null",
+            "adaptive_batching.max_tokens=auto",
+            "adaptive_batching.picking_order=seqlen",
+            "adaptive_batching.grow_past_memory=skip",
+        ),
+    ),
+    "saves": (
+        "adaptive_full_finetune",
+        "tiny_full",
+        (
+            "epochs=1",
+            "max_steps_per_epoch=6",
+            "use_maximum_batch_size=False",
+            "batch_increase_function=null",
+            "batch_size=8",
+            "save_every_n_steps=2",
+        ),
+    ),
 }
 TUNE = str(Path(sys.executable).with_name("tune"))
 
 
 def one_run(setting: str, assets: Path, out: Path) -> dict:
     recipe, config, overrides = SETTINGS[setting]
-    cmd = [TUNE, "run", "--nproc_per_node", "2", recipe, "--config", config, f"assets_dir={assets}",
-           f"output_dir={out}", *overrides]
+    cmd = [
+        TUNE,
+        "run",
+        "--nproc_per_node",
+        "2",
+        recipe,
+        "--config",
+        config,
+        f"assets_dir={assets}",
+        f"output_dir={out}",
+        *overrides,
+    ]
     start = time.monotonic()
-    result = subprocess.run(cmd, cwd=out.parent, capture_output=True, text=True, timeout=900,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"))
-    return {"setting": setting, "exit": result.returncode, "unclean": unclean_exit(result),
-            "seconds": round(time.monotonic() - start, 1),
-            "tail": None if result.returncode == 0 else result.stderr[-2000:]}
+    result = subprocess.run(
+        cmd,
+        cwd=out.parent,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"),
+    )
+    return {
+        "setting": setting,
+        "exit": result.returncode,
+        "unclean": unclean_exit(result),
+        "seconds": round(time.monotonic() - start, 1),
+        "tail": None if result.returncode == 0 else result.stderr[-2000:],
+    }
 
 
 def runs(args: argparse.Namespace) -> None:
@@ -52,18 +89,27 @@ def runs(args: argparse.Namespace) -> None:
             setting = chosen[index % len(chosen)]
             records.append(record := one_run(setting, assets, work / f"run{index}"))
             bad = record["exit"] != 0 or record["unclean"]
-            print(f"run {index + 1}/{args.runs} {setting}: exit {record['exit']}, {record['seconds']} s"
-                  f"{'  UNCLEAN: ' + str(record['unclean']) if bad else ''}", flush=True)
-    lines = ["| setting | runs | exit non-zero | abort or warning printed | seconds per run (median) |",
-             "|---|---|---|---|---|"]
+            print(
+                f"run {index + 1}/{args.runs} {setting}: exit {record['exit']}, {record['seconds']} s"
+                f"{'  UNCLEAN: ' + str(record['unclean']) if bad else ''}",
+                flush=True,
+            )
+    lines = [
+        "| setting | runs | exit non-zero | abort or warning printed | seconds per run (median) |",
+        "|---|---|---|---|---|",
+    ]
     for setting in chosen:
         mine = [r for r in records if r["setting"] == setting]
         seconds = sorted(r["seconds"] for r in mine)
-        lines.append(f"| {setting} | {len(mine)} | {sum(r['exit'] != 0 for r in mine)} | "
-                     f"{sum(bool(r['unclean']) for r in mine)} | {seconds[len(seconds) // 2]:.0f} |")
+        lines.append(
+            f"| {setting} | {len(mine)} | {sum(r['exit'] != 0 for r in mine)} | "
+            f"{sum(bool(r['unclean']) for r in mine)} | {seconds[len(seconds) // 2]:.0f} |"
+        )
     unclean = sum(r["exit"] != 0 or bool(r["unclean"]) for r in records)
-    lines.append(f"| **all** | **{len(records)}** | **{sum(r['exit'] != 0 for r in records)}** | "
-                 f"**{sum(bool(r['unclean']) for r in records)}** | |")
+    lines.append(
+        f"| **all** | **{len(records)}** | **{sum(r['exit'] != 0 for r in records)}** | "
+        f"**{sum(bool(r['unclean']) for r in records)}** | |"
+    )
     print(f"\n{unclean} of {len(records)} two-rank runs exited unclean")
     with report("clean-exits" if args.publish else None, "fault-tolerance.md"):
         print("\n".join(lines))
@@ -73,7 +119,7 @@ def runs(args: argparse.Namespace) -> None:
         sys.exit(1)
 
 
-MECHANISM = '''
+MECHANISM = """
 import atexit, os, sys, time
 rank = int(os.environ["RANK"])
 if rank == 0:  # registered first, so it runs last: holds the GIL into finalisation, as a busy main thread can
@@ -95,7 +141,7 @@ else:
     while not os.path.exists(os.environ["READY"]):
         time.sleep(0.01)
     dist.all_reduce(torch.ones(4))
-'''
+"""
 
 
 def mechanism() -> None:
@@ -104,12 +150,18 @@ def mechanism() -> None:
         script.write_text(MECHANISM)
         for release in ("0", "1"):  # without the release, rank 1's late join reaches rank 0 as it finalises
             env = dict(os.environ, RELEASE=release, READY=str(Path(tmp) / f"ready{release}"), OMP_NUM_THREADS="1")
-            result = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                                     "--nproc_per_node", "2", str(script)], capture_output=True, text=True, env=env,
-                                    timeout=300)
+            result = subprocess.run(
+                [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+                capture_output=True,
+                text=True,
+                env=env,
+                timeout=300,
+            )
             abort = next((line for line in result.stderr.splitlines() if "terminate called" in line), "none")
-            print(f"release {'on ' if release == '1' else 'off'}: torchrun exit {result.returncode}, "
-                  f"abort printed: {abort}")
+            print(
+                f"release {'on ' if release == '1' else 'off'}: torchrun exit {result.returncode}, "
+                f"abort printed: {abort}"
+            )
 
 
 def main() -> None:

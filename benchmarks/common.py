@@ -14,9 +14,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator, Sequence
 from datetime import date
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -25,7 +26,7 @@ GIB = 2**30
 UNCLEAN_EXIT = ("terminate called", "gloo worker thread(s) still running", "Fatal Python error")
 
 
-def tiny_assets(given: Optional[Path], work: Path) -> Path:
+def tiny_assets(given: Path | None, work: Path) -> Path:
     """``given`` (resolved) when a user named assets, else the tiny offline assets written under ``work``."""
     if given is not None:
         return Path(given).resolve()
@@ -35,7 +36,7 @@ def tiny_assets(given: Optional[Path], work: Path) -> Path:
 
 
 @contextlib.contextmanager
-def work_dir(given: Optional[Path], prefix: str) -> Iterator[Path]:
+def work_dir(given: Path | None, prefix: str) -> Iterator[Path]:
     """``given`` (resolved, made, kept), or a temporary folder removed afterwards."""
     if given is not None:
         Path(given).mkdir(parents=True, exist_ok=True)
@@ -45,7 +46,7 @@ def work_dir(given: Optional[Path], prefix: str) -> Iterator[Path]:
             yield Path(folder)
 
 
-def run_logged(command: Sequence[str], log_path: Path, timeout: float = 900, **kwargs: Any) -> Optional[int]:
+def run_logged(command: Sequence[str], log_path: Path, timeout: float = 900, **kwargs: Any) -> int | None:
     """``command`` with its stdout and stderr in ``log_path``; its exit code, None when killed after ``timeout``."""
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "w") as out, contextlib.suppress(subprocess.TimeoutExpired):
@@ -53,8 +54,9 @@ def run_logged(command: Sequence[str], log_path: Path, timeout: float = 900, **k
     return None
 
 
-def largest_fit(fits: Callable[[int], bool], start: int, trials: Optional[int] = None
-                ) -> tuple[int, Optional[int], list[str]]:
+def largest_fit(
+    fits: Callable[[int], bool], start: int, trials: int | None = None
+) -> tuple[int, int | None, list[str]]:
     """The largest size ``fits`` accepts (0: none) by doubling then bisection, at most ``trials`` sizes; the smallest
     that failed, and every size tried in order (``x``: failed)."""
     tried: list[str] = []
@@ -84,15 +86,17 @@ def run_checked(command: Sequence[str], what: str, **kwargs: Any) -> subprocess.
     return result
 
 
-def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
+def unclean_exit(result: subprocess.CompletedProcess) -> str | None:
     """The first line of ``result``'s output that shows an unclean exit, or None."""
-    return next((line for line in (result.stdout + result.stderr).splitlines() if any(m in line for m in UNCLEAN_EXIT)),
-                None)
+    return next(
+        (line for line in (result.stdout + result.stderr).splitlines() if any(m in line for m in UNCLEAN_EXIT)), None
+    )
 
 
 @contextlib.contextmanager
-def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None
-                ) -> Iterator[list[dict[str, Any]]]:
+def step_stamps(
+    on_step: Callable[[dict[str, Any], int], dict[str, Any]] | None = None,
+) -> Iterator[list[dict[str, Any]]]:
     """Within the block, each metric line a recipe logs (once per optimizer step) appends ``{"step", "t", "cpu"}``
     (``perf_counter``, ``process_time``) and ``on_step(payload, step)``'s items to the list it yields."""
     from torchtune.training.metric_logging import DiskLogger
@@ -101,8 +105,14 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
     original = DiskLogger.log_dict
 
     def stamped(self: Any, payload: Any, step: int) -> None:
-        stamps.append({"step": int(step), "t": time.perf_counter(), "cpu": time.process_time(),
-                       **(on_step(payload, step) if on_step else {})})
+        stamps.append(
+            {
+                "step": int(step),
+                "t": time.perf_counter(),
+                "cpu": time.process_time(),
+                **(on_step(payload, step) if on_step else {}),
+            }
+        )
         original(self, payload, step)
 
     DiskLogger.log_dict = stamped
@@ -112,9 +122,12 @@ def step_stamps(on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]
         DiskLogger.log_dict = original
 
 
-def tune_child(stamps_path: str, tune_args: list[str],
-               on_step: Optional[Callable[[dict[str, Any], int], dict[str, Any]]] = None,
-               same_adapters: bool = False) -> int:
+def tune_child(
+    stamps_path: str,
+    tune_args: list[str],
+    on_step: Callable[[dict[str, Any], int], dict[str, Any]] | None = None,
+    same_adapters: bool = False,
+) -> int:
     """``tune TUNE_ARGS`` in this process (``--tune-child``); writes its :func:`step_stamps`, threads and training
     start and end to ``stamps_path``. ``same_adapters``: LoRA A matrices from one seeded generator (stock's = ours)."""
     import torch
@@ -127,8 +140,9 @@ def tune_child(stamps_path: str, tune_args: list[str],
         torch.set_num_threads(int(os.environ["BENCH_THREADS"]))
     if same_adapters:
         generator = torch.Generator().manual_seed(0)
-        lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(x.weight, a=math.sqrt(5),
-                                                                            generator=generator)
+        lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(
+            x.weight, a=math.sqrt(5), generator=generator
+        )
     record: dict[str, Any] = {"train_start": None, "train_end": None}
 
     class TrainTimer(hooks.TrainerHooks):
@@ -149,21 +163,40 @@ def tune_child(stamps_path: str, tune_args: list[str],
     return 0
 
 
-def tune_in_child(script: Path, tune_args: list[str], stamps: Path, log_path: Path, threads: int = 1,
-                  timeout: float = 900, **kwargs: Any) -> dict[str, Any]:
+def tune_in_child(
+    script: Path,
+    tune_args: list[str],
+    stamps: Path,
+    log_path: Path,
+    threads: int = 1,
+    timeout: float = 900,
+    **kwargs: Any,
+) -> dict[str, Any]:
     """``tune TUNE_ARGS`` in a fresh ``script --tune-child``: exit code (None: timed out), seconds, log, output, the
     child's record, and an ``error`` line if it failed."""
     stamps.parent.mkdir(parents=True, exist_ok=True)
     stamps.unlink(missing_ok=True)
     started = time.perf_counter()
     n = str(threads)  # intra-op threads: OpenMP/MKL pools, and torch's (BENCH_THREADS: tune_child)
-    env = dict(os.environ, OMP_NUM_THREADS=n, MKL_NUM_THREADS=n, BENCH_THREADS=n, PYTHONUNBUFFERED="1",
-               TOKENIZERS_PARALLELISM="false")
-    code = run_logged([sys.executable, str(script), "--tune-child", str(stamps), *tune_args], log_path, timeout,
-                      env=env, **kwargs)
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS=n,
+        MKL_NUM_THREADS=n,
+        BENCH_THREADS=n,
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+    )
+    code = run_logged(
+        [sys.executable, str(script), "--tune-child", str(stamps), *tune_args], log_path, timeout, env=env, **kwargs
+    )
     output = log_path.read_text(errors="replace")
-    result = {"exit_code": code, "child_seconds": time.perf_counter() - started, "log": str(log_path),
-              "output": output, **(json.loads(stamps.read_text()) if stamps.exists() else {"stamps": []})}
+    result = {
+        "exit_code": code,
+        "child_seconds": time.perf_counter() - started,
+        "log": str(log_path),
+        "output": output,
+        **(json.loads(stamps.read_text()) if stamps.exists() else {"stamps": []}),
+    }
     if code != 0:
         tail = " | ".join(output.strip().splitlines()[-4:])[-400:]
         result["error"] = f"{'timed out' if code is None else f'exit code {code}'}: {tail}"
@@ -185,7 +218,7 @@ def write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2, default=str))
 
 
-def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Optional[int]) -> dict[str, Any]:
+def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: int | None) -> dict[str, Any]:
     """Padding waste of one epoch of the recipe's samples, in fixed micro batches and in ``max_tokens`` ones."""
     from torchtune import config as tune_config
 
@@ -197,14 +230,32 @@ def padding(config: str, overrides: list[str], micro_batch: int, max_tokens: Opt
     cfg = load_config(config, overrides)
     dataset, _ = build_dataset(cfg.dataset, tune_config.instantiate(cfg.tokenizer))
     lengths = [len(dataset[i]["tokens"]) for i in range(len(dataset))]
-    fixed = list(StepBatchSampler(len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1,
-                                  shuffle=True, seed=0))
-    result: dict[str, Any] = {"samples": len(lengths), "real_tokens": sum(lengths), "max_length": max(lengths),
-                              "fixed": {"micro_batches": len(fixed), "waste": padding_waste(lengths, fixed)}}
+    fixed = list(
+        StepBatchSampler(
+            len(lengths), micro_batch=micro_batch, accumulation=1, rank=0, world_size=1, shuffle=True, seed=0
+        )
+    )
+    result: dict[str, Any] = {
+        "samples": len(lengths),
+        "real_tokens": sum(lengths),
+        "max_length": max(lengths),
+        "fixed": {"micro_batches": len(fixed), "waste": padding_waste(lengths, fixed)},
+    }
     if max_tokens is not None:
-        token = list(TokenBudgetBatchSampler(lengths, max_tokens=max_tokens, picking_order="seqlen",
-                                             min_batch_size=None, max_batch_size=None, accumulation=1, rank=0,
-                                             world_size=1, shuffle=True, seed=0))
+        token = list(
+            TokenBudgetBatchSampler(
+                lengths,
+                max_tokens=max_tokens,
+                picking_order="seqlen",
+                min_batch_size=None,
+                max_batch_size=None,
+                accumulation=1,
+                rank=0,
+                world_size=1,
+                shuffle=True,
+                seed=0,
+            )
+        )
         result["token budget"] = {"micro_batches": len(token), "waste": padding_waste(lengths, token)}
     return result
 
@@ -213,8 +264,10 @@ def machine_line(command: str) -> str:
     """The command, today's date and this machine, as a docs page written by a script names them."""
     import torch
 
-    return (f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
-            f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {torch.__version__}).")
+    return (
+        f"Command: `{command}`. Date: {date.today().isoformat()}. Machine: {platform.machine()}, "
+        f"{multiprocessing.cpu_count()} CPU cores, no GPU (torch {torch.__version__})."
+    )
 
 
 def in_fork(function: Callable[..., dict[str, Any]], args: tuple, timeout: float) -> dict[str, Any]:
@@ -294,7 +347,7 @@ def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
 
 
 @contextlib.contextmanager
-def report(name: Optional[str], page: str = "benchmarks.md", *, docs: Path = DOCS) -> Iterator[None]:
+def report(name: str | None, page: str = "benchmarks.md", *, docs: Path = DOCS) -> Iterator[None]:
     """What the block prints is the report: printed when complete, and with a ``name`` also published on ``page``."""
     text = io.StringIO()
     with contextlib.redirect_stdout(text):

@@ -16,24 +16,35 @@ README = "https://github.com/pytorch/torchtune/blob/v0.6.1/README.md"
 FLAGS, SPEED = "flags", "speed"
 SOURCES = {
     FLAGS: f"torchtune 0.6.1's README ({README}), table 'Optimization flags': Llama 3.2 3B on one A100, batch 2, "
-           "packed to 4096 tokens, bf16, each technique added to the ones above it ('Peak Memory Active')",
+    "packed to 4096 tokens, bf16, each technique added to the ones above it ('Peak Memory Active')",
     SPEED: "the same README, table 'Memory and training speed': batch 2 without gradient accumulation, packed to "
-           "2048 tokens, compile on ('Peak Memory per GPU')",
+    "2048 tokens, compile on ('Peak Memory per GPU')",
 }
 FULL_3B = "llama3_2/3B_full_single_device"
-PLAIN_3B = {"optimizer._component_": "torch.optim.AdamW", "optimizer_in_bwd": "False",
-            "enable_activation_checkpointing": "False", "loss._component_": "torch.nn.CrossEntropyLoss"}
+PLAIN_3B = {
+    "optimizer._component_": "torch.optim.AdamW",
+    "optimizer_in_bwd": "False",
+    "enable_activation_checkpointing": "False",
+    "loss._component_": "torch.nn.CrossEntropyLoss",
+}
 COMPILE = {"compile": "True"}
 CHUNKED = {"loss._component_": "torchtune.modules.loss.CEWithChunkedOutputLoss"}
 CHECKPOINTING = {"enable_activation_checkpointing": "True"}
 OFFLOADING = {"enable_activation_offloading": "True"}
 # The 'Optimization flags' table: each technique added to the ones above it, with its published peak (GiB).
-STACK = [("packed (AdamW, plain cross-entropy, no compile, no checkpointing)", PLAIN_3B, 60.0),
-         ("compile", COMPILE, 51.0), ("chunked cross-entropy", CHUNKED, 42.9),
-         ("activation checkpointing", CHECKPOINTING, 24.9), ("optimizer_in_bwd", {"optimizer_in_bwd": "True"}, 23.1),
-         ("activation offloading", OFFLOADING, 21.8),
-         ("8-bit AdamW (bitsandbytes' AdamW8bit, the name the table gives)",
-          {"optimizer._component_": "bitsandbytes.optim.AdamW8bit"}, 17.6)]
+STACK = [
+    ("packed (AdamW, plain cross-entropy, no compile, no checkpointing)", PLAIN_3B, 60.0),
+    ("compile", COMPILE, 51.0),
+    ("chunked cross-entropy", CHUNKED, 42.9),
+    ("activation checkpointing", CHECKPOINTING, 24.9),
+    ("optimizer_in_bwd", {"optimizer_in_bwd": "True"}, 23.1),
+    ("activation offloading", OFFLOADING, 21.8),
+    (
+        "8-bit AdamW (bitsandbytes' AdamW8bit, the name the table gives)",
+        {"optimizer._component_": "bitsandbytes.optim.AdamW8bit"},
+        17.6,
+    ),
+]
 
 
 def overrides(*layers: dict[str, str]) -> list[str]:
@@ -58,34 +69,73 @@ class Published:
 
 
 ROWS = [
-    *(Published(FLAGS, f"3B full, + {added}", FULL_3B, overrides(*(layer for _, layer, _ in STACK[:n])), 2, 4096, 1,
-                gib) for n, (added, _, gib) in enumerate(STACK, 1)),
-    Published(FLAGS, "3B LoRA (compile, chunked CE, checkpointing, offloading, AdamW)",
-              "llama3_2/3B_lora_single_device", overrides(COMPILE, CHUNKED, CHECKPOINTING, OFFLOADING),
-              2, 4096, 1, 8.5),
-    Published(FLAGS, "3B QLoRA (compile, chunked CE, checkpointing, offloading, AdamW)",
-              "llama3_2/3B_qlora_single_device", overrides(COMPILE, CHUNKED, CHECKPOINTING, OFFLOADING),
-              2, 4096, 1, 4.6),
-    Published(SPEED, "Llama 3.1 8B full, 1x 4090", "llama3_1/8B_full_single_device", overrides(COMPILE),
-              2, 2048, 1, 18.9),
-    Published(SPEED, "Llama 3.1 8B LoRA, 1x 4090", "llama3_1/8B_lora_single_device", overrides(COMPILE),
-              2, 2048, 1, 16.2),
-    Published(SPEED, "Llama 3.1 8B QLoRA, 1x 4090", "llama3_1/8B_qlora_single_device", overrides(COMPILE),
-              2, 2048, 1, 7.4),
-    Published(SPEED, "Llama 3.1 70B full, 8x A100 (CPU offload, fused optimizer)", "llama3_1/70B_full",
-              overrides(COMPILE), 2, 2048, 8, 13.9),
+    *(
+        Published(
+            FLAGS, f"3B full, + {added}", FULL_3B, overrides(*(layer for _, layer, _ in STACK[:n])), 2, 4096, 1, gib
+        )
+        for n, (added, _, gib) in enumerate(STACK, 1)
+    ),
+    Published(
+        FLAGS,
+        "3B LoRA (compile, chunked CE, checkpointing, offloading, AdamW)",
+        "llama3_2/3B_lora_single_device",
+        overrides(COMPILE, CHUNKED, CHECKPOINTING, OFFLOADING),
+        2,
+        4096,
+        1,
+        8.5,
+    ),
+    Published(
+        FLAGS,
+        "3B QLoRA (compile, chunked CE, checkpointing, offloading, AdamW)",
+        "llama3_2/3B_qlora_single_device",
+        overrides(COMPILE, CHUNKED, CHECKPOINTING, OFFLOADING),
+        2,
+        4096,
+        1,
+        4.6,
+    ),
+    Published(
+        SPEED, "Llama 3.1 8B full, 1x 4090", "llama3_1/8B_full_single_device", overrides(COMPILE), 2, 2048, 1, 18.9
+    ),
+    Published(
+        SPEED, "Llama 3.1 8B LoRA, 1x 4090", "llama3_1/8B_lora_single_device", overrides(COMPILE), 2, 2048, 1, 16.2
+    ),
+    Published(
+        SPEED, "Llama 3.1 8B QLoRA, 1x 4090", "llama3_1/8B_qlora_single_device", overrides(COMPILE), 2, 2048, 1, 7.4
+    ),
+    Published(
+        SPEED,
+        "Llama 3.1 70B full, 8x A100 (CPU offload, fused optimizer)",
+        "llama3_1/70B_full",
+        overrides(COMPILE),
+        2,
+        2048,
+        8,
+        13.9,
+    ),
     Published(SPEED, "Llama 3.1 70B LoRA, 8x A100", "llama3_1/70B_lora", overrides(COMPILE), 2, 2048, 8, 27.6),
-    Published(SPEED, "Llama 3.1 405B QLoRA, 8x A100 (published as 44.8 GB)", "llama3_1/405B_qlora",
-              overrides(COMPILE), 2, 2048, 8, 44.8e9 / GIB,
-              note="batch 2 as stated cannot fit the figure: a rank's sharded weights (25.5 GiB) and the layer inputs "
-                   "activation checkpointing keeps (2 x 2048 tokens x 16384 x 2 bytes x 126 layers = 15.75 GiB) "
-                   "are 41.3 GiB before anything else; the config ships batch_size 1",
-              also_micro_batch=1),
+    Published(
+        SPEED,
+        "Llama 3.1 405B QLoRA, 8x A100 (published as 44.8 GB)",
+        "llama3_1/405B_qlora",
+        overrides(COMPILE),
+        2,
+        2048,
+        8,
+        44.8e9 / GIB,
+        note="batch 2 as stated cannot fit the figure: a rank's sharded weights (25.5 GiB) and the layer inputs "
+        "activation checkpointing keeps (2 x 2048 tokens x 16384 x 2 bytes x 126 layers = 15.75 GiB) "
+        "are 41.3 GiB before anything else; the config ships batch_size 1",
+        also_micro_batch=1,
+    ),
 ]
-NOT_USED = ("The same table's Llama 3.1 8B rows on one A6000 (full 37.4 GiB, LoRA 30.3 GiB) are not used: they run "
-            "the configs that the 4090 rows run at about twice the memory, and the settings that differ are not "
-            "stated. The 3B table's baseline (25.5 GiB) is not used: its samples are not packed, so their length "
-            "is not stated.")
+NOT_USED = (
+    "The same table's Llama 3.1 8B rows on one A6000 (full 37.4 GiB, LoRA 30.3 GiB) are not used: they run "
+    "the configs that the 4090 rows run at about twice the memory, and the settings that differ are not "
+    "stated. The 3B table's baseline (25.5 GiB) is not used: its samples are not packed, so their length "
+    "is not stated."
+)
 
 
 def predict_one(row: Published) -> dict[str, Any]:
@@ -99,10 +149,13 @@ def predict_one(row: Published) -> dict[str, Any]:
     trace = trace_steps(cfg, method_for(cfg), seq_len=row.seq_len, seq_len_source="published")
     paged = trace.paged_bytes > 0
     peak = peak_at(trace, row.micro_batch, row.ranks, paged_out=paged) / GIB
-    result = {"predicted_gib": round(peak, 2), "paged_left_out_gib": round(trace.paged_bytes / row.ranks / GIB, 2),
-              "compile": bool(cfg.get("compile", False)),
-              "checkpointing": bool(cfg.get("enable_activation_checkpointing", False)),
-              "nf4": "qlora" in str(cfg.model.get("_component_", ""))}
+    result = {
+        "predicted_gib": round(peak, 2),
+        "paged_left_out_gib": round(trace.paged_bytes / row.ranks / GIB, 2),
+        "compile": bool(cfg.get("compile", False)),
+        "checkpointing": bool(cfg.get("enable_activation_checkpointing", False)),
+        "nf4": "qlora" in str(cfg.model.get("_component_", "")),
+    }
     if row.also_micro_batch:
         result["also_predicted_gib"] = round(peak_at(trace, row.also_micro_batch, row.ranks, paged_out=paged) / GIB, 2)
     result["seconds"] = round(time.perf_counter() - start, 1)
@@ -115,8 +168,11 @@ def run(rows: list[Published], timeout: float) -> list[dict[str, Any]]:
         got = in_fork(predict_one, (row,), timeout)
         ratio = {"ratio": round(got["predicted_gib"] / row.measured_gib, 2)} if "predicted_gib" in got else {}
         results.append({**row.__dict__, **got, **ratio})
-        print(f"[{i}/{len(rows)}] {row.setting}: measured {row.measured_gib:.1f} GiB, "
-              f"predicted {got.get('predicted_gib', got.get('reason'))}", flush=True)
+        print(
+            f"[{i}/{len(rows)}] {row.setting}: measured {row.measured_gib:.1f} GiB, "
+            f"predicted {got.get('predicted_gib', got.get('reason'))}",
+            flush=True,
+        )
     return results
 
 
@@ -126,19 +182,23 @@ def why(r: dict[str, Any]) -> str:
     if r.get("compile"):
         reasons.append("compile: traced with torch 2.13's partitioner, measured with the older torch of its day")
     if r.get("compile") and r.get("nf4"):
-        reasons.append("compiled, a QLoRA layer keeps its dequantized bf16 weights for its backward"
-                       + (" (the layer being recomputed)" if r.get("checkpointing") else ""))
+        reasons.append(
+            "compiled, a QLoRA layer keeps its dequantized bf16 weights for its backward"
+            + (" (the layer being recomputed)" if r.get("checkpointing") else "")
+        )
     if r.get("paged_left_out_gib"):
-        reasons.append(f"{r['paged_left_out_gib']} GiB of paged optimizer state left out (torch's statistics do not "
-                       "see it)")
+        reasons.append(
+            f"{r['paged_left_out_gib']} GiB of paged optimizer state left out (torch's statistics do not see it)"
+        )
     if r.get("ranks", 1) > 1:
         reasons.append("FSDP's gathered units counted as the two largest, throughout the step")
     if r.get("note"):
         reasons.append(r["note"])
     if "also_predicted_gib" in r:
         ratio = r["also_predicted_gib"] / r["measured_gib"]
-        reasons.append(f"at micro batch {r['also_micro_batch']}: {r['also_predicted_gib']:.1f} GiB predicted, "
-                       f"ratio {ratio:.2f}")
+        reasons.append(
+            f"at micro batch {r['also_micro_batch']}: {r['also_predicted_gib']:.1f} GiB predicted, ratio {ratio:.2f}"
+        )
     return "; ".join(reasons) or "-"
 
 
@@ -175,8 +235,10 @@ def markdown(results: list[dict[str, Any]], command: str) -> str:
     ]
     for r in results:
         overrides = " ".join(f"`{o}`" for o in r["overrides"])
-        head = (f"| `{r['source']}` | {r['setting']} | `{r['config']}` {overrides} | "
-                f"{r['micro_batch']} x {r['seq_len']}, {r['ranks']} | {r['measured_gib']:.1f} | ")
+        head = (
+            f"| `{r['source']}` | {r['setting']} | `{r['config']}` {overrides} | "
+            f"{r['micro_batch']} x {r['seq_len']}, {r['ranks']} | {r['measured_gib']:.1f} | "
+        )
         if "ratio" in r:
             lines.append(head + f"{r['predicted_gib']:.1f} | {r['ratio']:.2f} | {why(r)} |")
         else:

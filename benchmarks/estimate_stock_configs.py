@@ -42,14 +42,22 @@ def savers(cfg: Any) -> list[str]:
     """The memory savers the config turns on, as the table names them."""
     optimizer = str(cfg.optimizer.get("_component_", ""))
     named = [optimizer.rsplit(".", 1)[-1]] if optimizer.startswith("bitsandbytes.") else []
-    return named + [name for key, name in (
-        ("optimizer_in_bwd", "optimizer_in_bwd"), ("enable_activation_checkpointing", "activation checkpointing"),
-        ("enable_activation_offloading", "activation offloading"), ("fsdp_cpu_offload", "fsdp_cpu_offload"),
-        ("compile", "compile")) if cfg.get(key, False)]
+    return named + [
+        name
+        for key, name in (
+            ("optimizer_in_bwd", "optimizer_in_bwd"),
+            ("enable_activation_checkpointing", "activation checkpointing"),
+            ("enable_activation_offloading", "activation offloading"),
+            ("fsdp_cpu_offload", "fsdp_cpu_offload"),
+            ("compile", "compile"),
+        )
+        if cfg.get(key, False)
+    ]
 
 
-VISION_REASON = ("multimodal: needs torchvision, and none for torch 2.13.0+cpu loads here (see above); "
-                 "estimate traces text decoders")
+VISION_REASON = (
+    "multimodal: needs torchvision, and none for torch 2.13.0+cpu loads here (see above); estimate traces text decoders"
+)
 
 
 def traced(cfg: Any, seq_len: int, exact: bool = False) -> tuple[Any, Any]:
@@ -59,8 +67,14 @@ def traced(cfg: Any, seq_len: int, exact: bool = False) -> tuple[Any, Any]:
     from adaptive_batching.training.objectives import objective_for
 
     method, objective = method_for(cfg), objective_for(cfg)
-    return method, trace_steps(cfg, method, seq_len=seq_len, seq_len_source="--seq-len", exact=exact,
-                               objective=None if objective.name == "finetune" else objective)
+    return method, trace_steps(
+        cfg,
+        method,
+        seq_len=seq_len,
+        seq_len_source="--seq-len",
+        exact=exact,
+        objective=None if objective.name == "finetune" else objective,
+    )
 
 
 def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
@@ -75,11 +89,15 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
         row.update(model=model_of(cfg), method=method_of(cfg), savers=savers(cfg))
         start = time.perf_counter()
         method, trace = traced(cfg, seq_len)
-        estimates = {f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB, world_size=ranks)
-                     for gib in DEVICES_GIB for ranks in RANKS}
+        estimates = {
+            f"{gib}GiB/{ranks}": predict(trace, device_memory_bytes=gib * GIB, world_size=ranks)
+            for gib in DEVICES_GIB
+            for ranks in RANKS
+        }
         row["micro_batch"] = {key: e.max_micro_batch for key, e in estimates.items()}
-        paged_out = {key: e.max_micro_batch_paged_out for key, e in estimates.items()
-                     if e.max_micro_batch_paged_out is not None}
+        paged_out = {
+            key: e.max_micro_batch_paged_out for key, e in estimates.items() if e.max_micro_batch_paged_out is not None
+        }
         if paged_out:
             row["micro_batch_paged_out"] = paged_out
             row["paged_state_evicted"] = sorted(key for key, e in estimates.items() if e.paged_state_evicted)
@@ -108,8 +126,10 @@ def parameters(cfg: Any, method: Any) -> dict[str, int]:
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     method.configure(model)
-    return {"parameters": int(sum(p.numel() for p in model.parameters())),
-            "trainable": int(sum(p.numel() for p in model.parameters() if p.requires_grad))}
+    return {
+        "parameters": int(sum(p.numel() for p in model.parameters())),
+        "trainable": int(sum(p.numel() for p in model.parameters() if p.requires_grad)),
+    }
 
 
 def trace_one(path: str, seq_len: int, exact: bool) -> dict[str, Any]:
@@ -129,9 +149,14 @@ def trace_one(path: str, seq_len: int, exact: bool) -> dict[str, Any]:
         return memory
 
     answer = predict(dataclasses.replace(trace, measure=recorded), device_memory_bytes=FULL_TRACE_GIB * GIB)
-    return {"micro_batch": answer.max_micro_batch, "layers": f"{trace.traced_layers} of {trace.num_layers}",
-            "wall_s": round(time.perf_counter() - wall, 1), "cpu_s": round(time.process_time() - cpu, 1),
-            "savers": savers(cfg), "peaks": peaks}
+    return {
+        "micro_batch": answer.max_micro_batch,
+        "layers": f"{trace.traced_layers} of {trace.num_layers}",
+        "wall_s": round(time.perf_counter() - wall, 1),
+        "cpu_s": round(time.process_time() - cpu, 1),
+        "savers": savers(cfg),
+        "peaks": peaks,
+    }
 
 
 def compared(name: str, path: str, seq_len: int, timeout: float) -> dict[str, Any]:
@@ -151,8 +176,11 @@ def run(names: dict[str, Path], seq_len: int, timeout: float, full_trace: bool =
     rows = []
     for i, (name, path) in enumerate(sorted(names.items()), 1):
         start = time.perf_counter()
-        row = (compared(name, str(path), seq_len, timeout) if full_trace else
-               {"config": name, **in_fork(estimate_one, (name, str(path), seq_len), timeout)})
+        row = (
+            compared(name, str(path), seq_len, timeout)
+            if full_trace
+            else {"config": name, **in_fork(estimate_one, (name, str(path), seq_len), timeout)}
+        )
         row["process_seconds"] = round(time.perf_counter() - start, 1)
         rows.append(row)
         said = f"{row.get('micro_batch', row.get('reason'))} ({row.get('seconds', '-')} s)"
@@ -169,8 +197,12 @@ def count(n: int) -> str:
 def saver_cell(r: dict[str, Any]) -> str:
     named = list(r.get("savers", []))
     if "host_gib_per_sample" in r:
-        named = [f"activation offloading ({r['host_gib_per_sample']} GiB host a sample)" if n == "activation offloading"
-                 else n for n in named]
+        named = [
+            f"activation offloading ({r['host_gib_per_sample']} GiB host a sample)"
+            if n == "activation offloading"
+            else n
+            for n in named
+        ]
     return ", ".join(named) or "-"
 
 
@@ -212,26 +244,35 @@ def markdown(rows: list[dict[str, Any]], seq_len: int, command: str) -> str:
             cells = [cell(r, f"{gib}GiB/{ranks}") for gib in DEVICES_GIB for ranks in RANKS]
             lines.append(head + params + f" | {saver_cell(r)} | " + " | ".join(cells) + f" | {r['seconds']} |")
         else:
-            lines.append(head + f"not estimated: {r['reason'].replace('|', '/')} | {saver_cell(r)} |"
-                         + " |" * len(columns) + " |")
+            lines.append(
+                head
+                + f"not estimated: {r['reason'].replace('|', '/')} | {saver_cell(r)} |"
+                + " |" * len(columns)
+                + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
 def full_trace_table(rows: list[dict[str, Any]], seq_len: int) -> str:
     """--full-trace's rows: each method's answer and seconds, and how far apart their steps' peaks are."""
-    lines = [f"{seq_len}-token samples, {FULL_TRACE_GIB} GiB x 0.9, 1 rank, as configured; seconds after imports", "",
-             "| config | memory savers | layers traced | micro batch: layer extrapolation | full trace | seconds, wall "
-             "(CPU): layer extrapolation | full trace | largest difference of a step's peak (micro batches) |",
-             "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |"]
+    lines = [
+        f"{seq_len}-token samples, {FULL_TRACE_GIB} GiB x 0.9, 1 rank, as configured; seconds after imports",
+        "",
+        "| config | memory savers | layers traced | micro batch: layer extrapolation | full trace | seconds, wall "
+        "(CPU): layer extrapolation | full trace | largest difference of a step's peak (micro batches) |",
+        "| --- | --- | --- | ---: | ---: | ---: | ---: | --- |",
+    ]
     for r in rows:
         if "reason" in r:
             lines.append(f"| `{r['config']}` | not compared: {r['reason'].replace('|', '/')} |" + " |" * 6)
             continue
         fast, full, most = r["fast"], r["full"], r["max_difference"]
-        lines.append(f"| `{r['config']}` | {saver_cell(fast)} | {fast['layers']}; {full['layers']} "
-                     f"| {fast['micro_batch']} | {full['micro_batch']} | {fast['wall_s']} ({fast['cpu_s']}) "
-                     f"| {full['wall_s']} ({full['cpu_s']}) | {most:.3%} "
-                     f"({', '.join(map(str, r['compared']))}) |")
+        lines.append(
+            f"| `{r['config']}` | {saver_cell(fast)} | {fast['layers']}; {full['layers']} "
+            f"| {fast['micro_batch']} | {full['micro_batch']} | {fast['wall_s']} ({fast['cpu_s']}) "
+            f"| {full['wall_s']} ({full['cpu_s']}) | {most:.3%} "
+            f"({', '.join(map(str, r['compared']))}) |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -248,7 +289,7 @@ def merged_page(page: str, rows: list[dict[str, Any]], seq_len: int) -> str:
         raise ValueError("the page has no table of configs to merge into")
     kept = {lines[i].split("`", 2)[1]: lines[i] for i in table} | new
     merged = [kept[name] for name in sorted(kept)]
-    lines[table[0]:table[-1] + 1] = merged
+    lines[table[0] : table[-1] + 1] = merged
     done = sum(1 for line in merged if "| not estimated: " not in line)
     text = ESTIMATED.sub(f"{done} of {len(merged)} configs estimated", "\n".join(lines), count=1)
     return text + ("\n" + FIDELITY + tail if tail else "")
@@ -262,8 +303,11 @@ def merged_rows(old: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[d
 
 def unknown_names(only: list[str], names: list[str]) -> list[str]:
     """The ``--only`` names that are neither stock configs nor files, each with the nearest stock name if close."""
-    return [f"{name!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(name, names, n=1)) else "")
-            for name in only if name not in names and not Path(name).exists()]
+    return [
+        f"{name!r}" + (f" (did you mean {m[0]!r}?)" if (m := difflib.get_close_matches(name, names, n=1)) else "")
+        for name in only
+        if name not in names and not Path(name).exists()
+    ]
 
 
 def main() -> None:
@@ -272,24 +316,42 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=[], metavar="NAME", help="only these stock configs or files")
     parser.add_argument("--timeout", type=float, default=300, help="seconds for one config's estimate (or trace)")
     parser.add_argument("--markdown", help="the page of every config's table (default docs/estimates.md; not --only)")
-    parser.add_argument("--json", help="default benchmarks/results/estimate_stock_configs.json "
-                                       "(--full-trace: estimate_full_trace.json)")
+    parser.add_argument(
+        "--json", help="default benchmarks/results/estimate_stock_configs.json (--full-trace: estimate_full_trace.json)"
+    )
     parser.add_argument("--merge", action="store_true", help="with --only: replace those rows in the page and --json")
-    parser.add_argument("--full-trace", action="store_true", help=f"with --only: layer extrapolation against "
-                        f"tracing every layer, {FULL_TRACE_GIB} GiB x 1 rank (minutes for an 8B model)")
+    parser.add_argument(
+        "--full-trace",
+        action="store_true",
+        help=f"with --only: layer extrapolation against "
+        f"tracing every layer, {FULL_TRACE_GIB} GiB x 1 rank (minutes for an 8B model)",
+    )
     parser.add_argument("--publish", action="store_true", help="with --full-trace: its table into docs/benchmarks.md")
     args = parser.parse_args()
-    args.json = args.json or str(ROOT / "benchmarks" / "results" / (
-        "estimate_full_trace.json" if args.full_trace else "estimate_stock_configs.json"))
+    args.json = args.json or str(
+        ROOT
+        / "benchmarks"
+        / "results"
+        / ("estimate_full_trace.json" if args.full_trace else "estimate_stock_configs.json")
+    )
     if args.only and args.markdown is not None:
-        parser.exit(2, "error: --markdown writes the table of every config; with --only the rows go to --json "
-                       "alone: drop --markdown, or --only to rewrite the page\n")
+        parser.exit(
+            2,
+            "error: --markdown writes the table of every config; with --only the rows go to --json "
+            "alone: drop --markdown, or --only to rewrite the page\n",
+        )
     if args.merge and not args.only:
-        parser.exit(2, "error: --merge puts the rows of --only into the page and --json; without --only every row "
-                       "is written: drop --merge\n")
+        parser.exit(
+            2,
+            "error: --merge puts the rows of --only into the page and --json; without --only every row "
+            "is written: drop --merge\n",
+        )
     if args.full_trace and (not args.only or args.merge):
-        parser.exit(2, "error: --full-trace traces every layer of the configs named by --only (minutes for an 8B "
-                       "model) and writes its own table: give --only NAME..., without --merge\n")
+        parser.exit(
+            2,
+            "error: --full-trace traces every layer of the configs named by --only (minutes for an 8B "
+            "model) and writes its own table: give --only NAME..., without --merge\n",
+        )
     if args.publish and not args.full_trace:
         parser.exit(2, "error: --publish writes --full-trace's table into docs/benchmarks.md: add --full-trace\n")
 
@@ -300,8 +362,10 @@ def main() -> None:
     names = stock_configs((*FINETUNE_RECIPES, *DPO_RECIPES, *KD_RECIPES, *QAT_RECIPES))
     unknown = unknown_names(args.only, sorted(names))
     if unknown:
-        parser.exit(2, f"error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: "
-                       f"{', '.join(unknown)}\n")
+        parser.exit(
+            2,
+            f"error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: {', '.join(unknown)}\n",
+        )
     if args.only:
         names = {n: p for n, p in names.items() if n in args.only} | {n: Path(n) for n in args.only if Path(n).exists()}
     results, page = Path(args.json), Path(args.markdown or ROOT / "docs" / "estimates.md")

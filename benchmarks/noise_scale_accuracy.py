@@ -9,10 +9,8 @@ import math
 import sys
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
-
 from common import report
 
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm
@@ -45,8 +43,9 @@ def draw(gen: torch.Generator, shape: tuple[int, ...], d: int, sigma: float) -> 
     return torch.randn(*shape, d, generator=gen), sigma * torch.randn(*shape, generator=gen)
 
 
-def run_single_process(seed: int, *, steps: int, accumulation: int, micro: int, decay: float,
-                       first_only: bool) -> tuple[float, list]:
+def run_single_process(
+    seed: int, *, steps: int, accumulation: int, micro: int, decay: float, first_only: bool
+) -> tuple[float, list]:
     """``steps`` steps of ``accumulation`` micro batches: the truth and the estimates. The small batch: the first
     micro batch (``first_only``: what FSDP2 leaves observable) or the mean of all micro batches' norms."""
     delta, gen = unit_delta(D, seed), torch.Generator().manual_seed(1000 + seed)
@@ -81,8 +80,11 @@ def per_rank_noise_scale(rank: int, world: int) -> list:
         dist.all_reduce(small)  # the one scalar all-reduce for the small batches
         dist.all_reduce(total)  # the gradient all-reduce a step does anyway
         big = total / (ACCUMULATION * world)
-        values.append(estimator.update(float(small) / (ACCUMULATION * world), MICRO,
-                                       float(big.pow(2).sum()), MICRO * ACCUMULATION * world))
+        values.append(
+            estimator.update(
+                float(small) / (ACCUMULATION * world), MICRO, float(big.pow(2).sum()), MICRO * ACCUMULATION * world
+            )
+        )
     return values
 
 
@@ -116,7 +118,7 @@ def row(setup: str, decay: float, truth: float, values: list, warm_up: int) -> s
     return f"| {setup} | {decay:g} | {values[-1]:.1f} ({100 * errors[-1]:.1f}% off) | {100 * max(errors):.1f}% |"
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seeds", type=int, default=30, help="seeds of the first-micro-batch set-up (default 30)")
     p.add_argument("--publish", action="store_true", help="write the table into docs/benchmarks.md")
@@ -129,16 +131,27 @@ def main(argv: Optional[list[str]] = None) -> int:
     ranks_truth = true_noise_scale(D, SIGMA, unit_delta(D, seed=7))
     sweep = {decay: max(final_error(seed, decay) for seed in range(args.seeds)) for decay in (0.99, 0.95)}
     with report("noise-scale" if args.publish else None):
-        print(f"Noisy linear regression (`d = {D}`, `σ = {SIGMA}`), whose simple noise scale is known "
-              f"(`B_simple = ((d+1)|δ|² + dσ²)/|δ|²`, {every_truth:.0f} at these parameters). Largest error: over "
-              f"the steps after the estimator's warm-up (the first 100, or 500 for the first micro batch only).\n")
+        print(
+            f"Noisy linear regression (`d = {D}`, `σ = {SIGMA}`), whose simple noise scale is known "
+            f"(`B_simple = ((d+1)|δ|² + dσ²)/|δ|²`, {every_truth:.0f} at these parameters). Largest error: over "
+            f"the steps after the estimator's warm-up (the first 100, or 500 for the first micro batch only).\n"
+        )
         print("| setup | decay | final estimate | largest error after warm-up |\n|---|---|---|---|")
         print(row("1 process, every micro batch as a small batch (b=32, B=256)", 0.95, every_truth, every, 100))
-        print(row("1 process, the first micro batch only, as the trainer does (b=64, B=512)", 0.99, first_truth,
-                  first, 500))
+        print(
+            row(
+                "1 process, the first micro batch only, as the trainer does (b=64, B=512)",
+                0.99,
+                first_truth,
+                first,
+                500,
+            )
+        )
         print(row(f"{RANKS} gloo ranks, per rank per micro batch (b=32, B=512)", 0.95, ranks_truth, ranks, 100))
-        print(f"\nOver {args.seeds} seeds the first-micro-batch estimate ended within {100 * sweep[0.99]:.1f}% of the "
-              f"truth at decay 0.99 (the trainer's), and within {100 * sweep[0.95]:.1f}% at 0.95.")
+        print(
+            f"\nOver {args.seeds} seeds the first-micro-batch estimate ended within {100 * sweep[0.99]:.1f}% of the "
+            f"truth at decay 0.99 (the trainer's), and within {100 * sweep[0.95]:.1f}% at 0.95."
+        )
     return 0
 
 

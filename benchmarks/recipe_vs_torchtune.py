@@ -13,35 +13,49 @@ import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from common import fmt, log, report, tiny_assets, tune_child, tune_in_child, work_dir, write_json
 
 HERE = Path(__file__).resolve()
 BAR_RATIO = 0.99
 BATCH, SEQ_LEN, SEED = 8, 256, 0  # seed 0: the stock recipe's sampler always uses 0
-SWITCH_EPOCHS, SWITCH_STEPS = 3, 2  # the epoch-switch run: linear_ramp +4 at each epoch; 2 steps: the one after a switch in it
+SWITCH_EPOCHS, SWITCH_STEPS = (
+    3,
+    2,
+)  # the epoch-switch run: linear_ramp +4 at each epoch; 2 steps: the one after a switch in it
 # --objective: (ours, stock, config)
-OBJECTIVES = {"finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
-              "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo"),
-              "kd": ("adaptive_knowledge_distillation", "knowledge_distillation_single_device", "tiny_kd")}
+OBJECTIVES = {
+    "finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
+    "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo"),
+    "kd": ("adaptive_knowledge_distillation", "knowledge_distillation_single_device", "tiny_kd"),
+}
 # Where stock's updates differ from ours, the losses are compared at step 1 (before any update) only; the drift after
 # it is printed with its cause (docs/distillation.md).
-DRIFT = {"kd": "stock as it is divides each step's gradients by its tokens again, which AdamW's eps does not ignore; "
-               "bit for bit against stock with that division fixed (tests/test_kd.py)"}
+DRIFT = {
+    "kd": "stock as it is divides each step's gradients by its tokens again, which AdamW's eps does not ignore; "
+    "bit for bit against stock with that division fixed (tests/test_kd.py)"
+}
 # What a stock recipe requires (or would otherwise turn on) that ours' config does not say, where it reads it.
-STOCK_REQUIRED = {"optimizer_in_bwd": False, "enable_activation_offloading": False, "log_peak_memory_stats": False,
-                  "resume_from_checkpoint": False, "compile": False}
+STOCK_REQUIRED = {
+    "optimizer_in_bwd": False,
+    "enable_activation_offloading": False,
+    "log_peak_memory_stats": False,
+    "resume_from_checkpoint": False,
+    "compile": False,
+}
 SWITCH_LINE = re.compile(r"Epoch switch.*?took ([0-9]+(?:\.[0-9]+)?) ?ms")
 
 
 def figures(payload: Any, step: int) -> dict[str, Any]:
     """What a child records per step beside its time stamp."""
-    return {key: None if (value := payload.get(logged)) is None else float(value)
-            for key, logged in (("loss", "loss"), ("lr", "lr"), ("batch", "micro_batch_size"))}
+    return {
+        key: None if (value := payload.get(logged)) is None else float(value)
+        for key, logged in (("loss", "loss"), ("lr", "lr"), ("batch", "micro_batch_size"))
+    }
 
 
-def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=200, help="optimizer steps measured per run (default 200)")
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run first and not measured (default 3)")
@@ -70,17 +84,32 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
 
     from adaptive_batching.config.loading import load_config
 
-    cfg = load_config(args.config, [
-        f"assets_dir={args.assets}", f"output_dir={output_dir}", f"tokenizer.max_seq_len={SEQ_LEN}",
-        f"batch_size={BATCH}", "gradient_accumulation_steps=1", f"epochs={epochs}",
-        f"max_steps_per_epoch={steps_per_epoch}", f"seed={SEED}", "use_maximum_batch_size=False", "device=cpu",
-        "dtype=fp32", f"compile={args.compile}", "log_every_n_steps=1"])
+    cfg = load_config(
+        args.config,
+        [
+            f"assets_dir={args.assets}",
+            f"output_dir={output_dir}",
+            f"tokenizer.max_seq_len={SEQ_LEN}",
+            f"batch_size={BATCH}",
+            "gradient_accumulation_steps=1",
+            f"epochs={epochs}",
+            f"max_steps_per_epoch={steps_per_epoch}",
+            f"seed={SEED}",
+            "use_maximum_batch_size=False",
+            "device=cpu",
+            "dtype=fp32",
+            f"compile={args.compile}",
+            "log_every_n_steps=1",
+        ],
+    )
     out = OmegaConf.to_container(cfg, resolve=True)
     out["batch_increase_function"] = None
     if "save_every_n_steps" in out:  # mid-epoch checkpoints: the stock recipe has none
         out["save_every_n_steps"] = None
-    out["metric_logger"] = {"_component_": "torchtune.training.metric_logging.DiskLogger",
-                            "log_dir": str(output_dir / "logs")}
+    out["metric_logger"] = {
+        "_component_": "torchtune.training.metric_logging.DiskLogger",
+        "log_dir": str(output_dir / "logs"),
+    }
     return out
 
 
@@ -98,35 +127,49 @@ def stock_config(ours: dict[str, Any], recipe: str) -> tuple[dict[str, Any], lis
     out = {k: v for k, v in ours.items() if k in keys}
     out.update({key: value for key, value in STOCK_REQUIRED.items() if key in keys and key not in out})
     if "profiler" in keys:
-        out["profiler"] = {"_component_": "torchtune.training.setup_torch_profiler", "enabled": False,
-                           "output_dir": str(Path(out["output_dir"]) / "profiling_outputs")}
+        out["profiler"] = {
+            "_component_": "torchtune.training.setup_torch_profiler",
+            "enabled": False,
+            "output_dir": str(Path(out["output_dir"]) / "profiling_outputs"),
+        }
     return out, sorted(set(ours) - keys)
 
 
-def run_recipe(args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any],
-               cpu: Optional[int] = None) -> dict[str, Any]:
+def run_recipe(
+    args: argparse.Namespace, tag: str, recipe: str, cfg: dict[str, Any], cpu: int | None = None
+) -> dict[str, Any]:
     """``tune run RECIPE --config <cfg>`` in a fresh child (pinned to core ``cpu`` if given): stamps and output."""
     from omegaconf import OmegaConf
 
     (config_path := args.workdir / "configs" / f"{tag}.yaml").parent.mkdir(parents=True, exist_ok=True)
     OmegaConf.save(OmegaConf.create(cfg), config_path)
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
-    result = tune_in_child(HERE, ["run", recipe, "--config", str(config_path)], args.workdir / "stamps" / f"{tag}.json",
-                           args.workdir / "logs" / f"{tag}.log", threads=args.threads, cwd=args.workdir, preexec_fn=pin)
+    result = tune_in_child(
+        HERE,
+        ["run", recipe, "--config", str(config_path)],
+        args.workdir / "stamps" / f"{tag}.json",
+        args.workdir / "logs" / f"{tag}.log",
+        threads=args.threads,
+        cwd=args.workdir,
+        preexec_fn=pin,
+    )
     return {"tag": tag, "recipe": recipe, **result}
 
 
 RATES = ("steps_per_second", "median_step_rate", "cpu_step_rate")
 
 
-def step_rates(stamps: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, Optional[float]]:
+def step_rates(stamps: list[dict[str, Any]], warmup: int, steps: int) -> dict[str, float | None]:
     """The ``steps`` after the first ``warmup``: per second, 1 / their median interval (less sensitive to bursts),
     and per second of the child's CPU time (least touched by load); None when too few steps were logged."""
     if len(stamps) < warmup + steps:
         return dict.fromkeys(RATES)
-    times, cpu = ([s[key] for s in stamps[warmup - 1: warmup + steps]] for key in ("t", "cpu"))
-    return {"steps_per_second": steps / (times[-1] - times[0]), "cpu_step_rate": steps / (cpu[-1] - cpu[0]),
-            "median_step_rate": 1.0 / statistics.median(b - a for a, b in zip(times, times[1:]))}
+    times, cpu = ([s[key] for s in stamps[warmup - 1 : warmup + steps]] for key in ("t", "cpu"))
+    return {
+        "steps_per_second": steps / (times[-1] - times[0]),
+        "cpu_step_rate": steps / (cpu[-1] - cpu[0]),
+        "median_step_rate": 1.0 / statistics.median(b - a for a, b in zip(times, times[1:])),
+    }
 
 
 def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
@@ -145,16 +188,22 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
             recipe, (cfg, dropped) = args.stock, stock_config(ours, args.stock)
         # together: the two share a time window, each on its own core, the cores swapped every repeat
         cpu = cores[(i + (name == "ours")) % 2] if args.together else None
-        log(f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps"
-            + (f", core {cpu}" if cpu is not None else "") + ") ...")
+        log(
+            f"run {i + 1}/{args.repeats}: {name} ({recipe}, {total} steps"
+            + (f", core {cpu}" if cpu is not None else "")
+            + ") ..."
+        )
         result = run_recipe(args, tag, recipe, cfg, cpu=cpu)
         result.update(step_rates(result["stamps"], args.warmup, args.steps))
         if result["steps_per_second"] is None and "error" not in result:
             result["error"] = f"only {len(result['stamps'])} steps logged, need {total}"
         sps = result["steps_per_second"]
-        log(f"  {name}: " + (f"{sps:.3f} steps/s" if sps else "no figure")
+        log(
+            f"  {name}: "
+            + (f"{sps:.3f} steps/s" if sps else "no figure")
             + f", child {result['child_seconds']:.1f} s, {result.get('threads', '?')} thread(s)"
-            + (f" [{result['error']}]" if "error" in result else ""))
+            + (f" [{result['error']}]" if "error" in result else "")
+        )
         shutil.rmtree(output_dir, ignore_errors=True)  # checkpoints: not needed, and they take space
         return result
 
@@ -188,7 +237,7 @@ def window_overlaps(runs: dict[str, list[dict[str, Any]]], warmup: int, steps: i
     return shares
 
 
-def loss_check(runs: dict[str, list[dict[str, Any]]]) -> Optional[dict[str, Any]]:
+def loss_check(runs: dict[str, list[dict[str, Any]]]) -> dict[str, Any] | None:
     """Same batches, same LR schedule? The first runs' per-step losses and LRs, ours vs stock."""
     stock, ours = (next((r for r in runs[name] if r["stamps"]), None) for name in ("stock", "ours"))
     if stock is None or ours is None:
@@ -201,8 +250,12 @@ def loss_check(runs: dict[str, list[dict[str, Any]]]) -> Optional[dict[str, Any]
         if not common:
             return None
         rel = [abs(a[k] - b[k]) / max(abs(a[k]), 1e-12) for k in common]
-        out[key] = {"steps": len(common), "max_abs_diff": max(abs(a[k] - b[k]) for k in common),
-                    "max_rel_diff": max(rel), "first_rel_diff": rel[0]}
+        out[key] = {
+            "steps": len(common),
+            "max_abs_diff": max(abs(a[k] - b[k]) for k in common),
+            "max_rel_diff": max(rel),
+            "first_rel_diff": rel[0],
+        }
     return out
 
 
@@ -210,8 +263,10 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
     """Ours with per-epoch batch growth; the recipe's own 'Epoch switch ... took X ms' lines."""
     tag, function = "ours_switch", {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}
     output_dir = args.workdir / "runs" / tag
-    cfg = dict(ours_config(args, output_dir, epochs=SWITCH_EPOCHS, steps_per_epoch=SWITCH_STEPS),
-               batch_increase_function=function)
+    cfg = dict(
+        ours_config(args, output_dir, epochs=SWITCH_EPOCHS, steps_per_epoch=SWITCH_STEPS),
+        batch_increase_function=function,
+    )
     log(f"epoch-switch run: ours, {SWITCH_EPOCHS} epochs x {SWITCH_STEPS} steps, batch_increase_function = {function}")
     result = run_recipe(args, tag, args.ours, cfg)
     shutil.rmtree(output_dir, ignore_errors=True)
@@ -223,11 +278,17 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
     boundaries = [e * SWITCH_STEPS for e in range(1, SWITCH_EPOCHS)]
     gaps = [(t[b + 1] - t[b]) * 1e3 for b in boundaries if b in t and b + 1 in t]
     ordinary = [(t[b + 2] - t[b + 1]) * 1e3 for b in boundaries if b + 1 in t and b + 2 in t]  # same batch size
-    out = {"function": function, "boundary_gap_ms": gaps, "ordinary_step_ms": statistics.median(ordinary) if ordinary
-           else None, "exit_code": result["exit_code"], "switch_ms": took, "lines": lines[:20],
-           "median_ms": statistics.median(took) if took else None,
-           "batches": sorted({s["batch"] for s in result["stamps"] if s.get("batch") is not None}),
-           "log": result["log"]}
+    out = {
+        "function": function,
+        "boundary_gap_ms": gaps,
+        "ordinary_step_ms": statistics.median(ordinary) if ordinary else None,
+        "exit_code": result["exit_code"],
+        "switch_ms": took,
+        "lines": lines[:20],
+        "median_ms": statistics.median(took) if took else None,
+        "batches": sorted({s["batch"] for s in result["stamps"] if s.get("batch") is not None}),
+        "log": result["log"],
+    }
     if "error" in result:
         out["error"] = result["error"]
     log(f"  epoch switch: {len(took)} line(s) with a time" + (f" [{out['error']}]" if "error" in out else ""))
@@ -236,61 +297,91 @@ def switch_run(args: argparse.Namespace) -> dict[str, Any]:
 
 def summarise(args: argparse.Namespace, measured: dict[str, Any]) -> dict[str, Any]:
     """Each recipe's medians over its runs of each of :data:`RATES`, and ours / stock of each."""
-    rows = [{"recipe": f"{name}: {recipe}", "steps_measured": args.steps,
-             "runs": [r["steps_per_second"] for r in measured["runs"][name]],
-             "errors": [r["error"] for r in measured["runs"][name] if "error" in r],
-             **{key: statistics.median(got) if (got := [r[key] for r in measured["runs"][name] if r.get(key)]) else None
-                for key in RATES}} for name, recipe in (("ours", args.ours), ("stock", args.stock))]
+    rows = [
+        {
+            "recipe": f"{name}: {recipe}",
+            "steps_measured": args.steps,
+            "runs": [r["steps_per_second"] for r in measured["runs"][name]],
+            "errors": [r["error"] for r in measured["runs"][name] if "error" in r],
+            **{
+                key: statistics.median(got) if (got := [r[key] for r in measured["runs"][name] if r.get(key)]) else None
+                for key in RATES
+            },
+        }
+        for name, recipe in (("ours", args.ours), ("stock", args.stock))
+    ]
     ratios = {key: rows[0][key] / rows[1][key] if rows[0][key] and rows[1][key] else None for key in RATES}
-    return {"rows": rows, "ratio": ratios["steps_per_second"], "median_step_ratio": ratios["median_step_rate"],
-            "cpu_ratio": ratios["cpu_step_rate"], "passed": all((ratios[key] or 0) >= BAR_RATIO for key in RATES[:2]),
-            "same_computation": loss_check(measured["runs"]), "dropped_keys": measured["dropped_keys"]}
+    return {
+        "rows": rows,
+        "ratio": ratios["steps_per_second"],
+        "median_step_ratio": ratios["median_step_rate"],
+        "cpu_ratio": ratios["cpu_step_rate"],
+        "passed": all((ratios[key] or 0) >= BAR_RATIO for key in RATES[:2]),
+        "same_computation": loss_check(measured["runs"]),
+        "dropped_keys": measured["dropped_keys"],
+    }
 
 
-def print_table(summary: dict[str, Any], drift: Optional[str]) -> None:
-    print("| recipe | steps measured | steps/s (median) | runs (steps/s, in order) | 1 / median step time "
-          "| steps per CPU second |")
+def print_table(summary: dict[str, Any], drift: str | None) -> None:
+    print(
+        "| recipe | steps measured | steps/s (median) | runs (steps/s, in order) | 1 / median step time "
+        "| steps per CPU second |"
+    )
     print("|---|---:|---:|---|---:|---:|")
     for row in summary["rows"]:
         runs = ", ".join(fmt(v, ".3f") for v in row["runs"])
-        print(f"| {row['recipe']} | {row['steps_measured']} | {fmt(row['steps_per_second'], '.3f')} | {runs} | "
-              f"{fmt(row['median_step_rate'], '.3f')} | {fmt(row['cpu_step_rate'], '.3f')} |")
+        print(
+            f"| {row['recipe']} | {row['steps_measured']} | {fmt(row['steps_per_second'], '.3f')} | {runs} | "
+            f"{fmt(row['median_step_rate'], '.3f')} | {fmt(row['cpu_step_rate'], '.3f')} |"
+        )
     for row in summary["rows"]:
         for error in row["errors"]:
             print(f"  {row['recipe']} failed: {error}")
     ratio, verdict = summary["ratio"], "PASS" if summary["passed"] else "FAIL"
-    print(f"ours / stock = {fmt(ratio, '.3f')}x by steps/s, {fmt(summary.get('median_step_ratio'), '.3f')}x by median "
-          f"step time (bar: both >= {BAR_RATIO:g}x): {verdict}; {fmt(summary['cpu_ratio'], '.3f')}x by CPU time")
+    print(
+        f"ours / stock = {fmt(ratio, '.3f')}x by steps/s, {fmt(summary.get('median_step_ratio'), '.3f')}x by median "
+        f"step time (bar: both >= {BAR_RATIO:g}x): {verdict}; {fmt(summary['cpu_ratio'], '.3f')}x by CPU time"
+    )
     check = summary["same_computation"]
     if check is None:
         print("per-step loss and LR, ours vs stock: not compared (no common steps)")
     else:
         loss, lr = check["loss"], check["lr"]
         same = (loss["first_rel_diff"] < 1e-6 if drift else loss["max_rel_diff"] < 1e-4) and lr["max_rel_diff"] < 1e-6
-        print(f"per-step loss, ours vs stock: max relative diff {loss['max_rel_diff']:.1e}"
-              + (f" (step 1, before any update: {loss['first_rel_diff']:.1e}; after it: {drift})" if drift else "")
-              + f"; LR: {lr['max_rel_diff']:.1e}; over {loss['steps']} steps ("
-              + ("same batches, same LR schedule: the same computation" if same
-                 else "NOT the same computation: the figures are not comparable") + ")")
+        print(
+            f"per-step loss, ours vs stock: max relative diff {loss['max_rel_diff']:.1e}"
+            + (f" (step 1, before any update: {loss['first_rel_diff']:.1e}; after it: {drift})" if drift else "")
+            + f"; LR: {lr['max_rel_diff']:.1e}; over {loss['steps']} steps ("
+            + (
+                "same batches, same LR schedule: the same computation"
+                if same
+                else "NOT the same computation: the figures are not comparable"
+            )
+            + ")"
+        )
 
 
-def print_switch(switch: Optional[dict[str, Any]]) -> None:
+def print_switch(switch: dict[str, Any] | None) -> None:
     if switch is None:
         return
     if switch["switch_ms"]:
         times = ", ".join(f"{t:.1f}" for t in switch["switch_ms"])
-        print(f"epoch switch: median {switch['median_ms']:.1f} ms over {len(switch['switch_ms'])} switches "
-              f"({times} ms; micro batches seen: {', '.join(f'{b:g}' for b in switch['batches']) or '-'})")
+        print(
+            f"epoch switch: median {switch['median_ms']:.1f} ms over {len(switch['switch_ms'])} switches "
+            f"({times} ms; micro batches seen: {', '.join(f'{b:g}' for b in switch['batches']) or '-'})"
+        )
     else:
         why = switch.get("error") or "the recipe logged no 'Epoch switch ... (took X ms)' line"
         print(f"epoch switch: n/a ({why})")
     if switch["boundary_gap_ms"] and switch["ordinary_step_ms"] is not None:
-        print(f"  (the recipe times the new dataloader and LR; the whole gap between the last step of an epoch and "
-              f"the first of the next, with the checkpoint save, is median {statistics.median(switch['boundary_gap_ms']):.0f} ms "
-              f"against {switch['ordinary_step_ms']:.0f} ms for the step after it)")
+        print(
+            f"  (the recipe times the new dataloader and LR; the whole gap between the last step of an epoch and "
+            f"the first of the next, with the checkpoint save, is median {statistics.median(switch['boundary_gap_ms']):.0f} ms "
+            f"against {switch['ordinary_step_ms']:.0f} ms for the step after it)"
+        )
 
 
-def main(argv: Optional[list[str]] = None) -> int:
+def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
         return tune_child(argv[1], argv[2:], figures, same_adapters=True)
@@ -299,45 +390,73 @@ def main(argv: Optional[list[str]] = None) -> int:
     with work_dir(args.workdir, "recipe_vs_torchtune_") as args.workdir:
         args.assets = tiny_assets(args.assets, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
-        figures_ = {"settings": {"steps": args.steps, "warmup": args.warmup, "repeats": args.repeats,
-                                 "batch_size": BATCH, "seq_len": SEQ_LEN, "seed": SEED, "threads": args.threads,
-                                 "config": args.config, "objective": args.objective, "compile": args.compile,
-                                 "together": args.together},
-                    "bar_ratio": BAR_RATIO}
+        figures_ = {
+            "settings": {
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "repeats": args.repeats,
+                "batch_size": BATCH,
+                "seq_len": SEQ_LEN,
+                "seed": SEED,
+                "threads": args.threads,
+                "config": args.config,
+                "objective": args.objective,
+                "compile": args.compile,
+                "together": args.together,
+            },
+            "bar_ratio": BAR_RATIO,
+        }
         measured = throughput_runs(args)
         summary = summarise(args, measured)
         figures_.update(summary)
         runs = measured["runs"]
         figures_["window_overlaps"] = window_overlaps(runs, args.warmup, args.steps) if args.together else None
         figures_["pair_ratios"], figures_["pair_step_ratios"], figures_["pair_cpu_ratios"] = (
-            pair_ratios(runs, key) for key in RATES)
+            pair_ratios(runs, key) for key in RATES
+        )
         switch = figures_["epoch_switch"] = None if args.no_switch else switch_run(args)
-    name = "recipe-vs-torchtune" + ("" if args.objective == "finetune" else f"-{args.objective}") + (
-        "-compiled" if args.compile else "") + ("-together" if args.together else "")
+    name = (
+        "recipe-vs-torchtune"
+        + ("" if args.objective == "finetune" else f"-{args.objective}")
+        + ("-compiled" if args.compile else "")
+        + ("-together" if args.together else "")
+    )
     with report(name if args.publish else None):
-        print(f"{args.config}, batch {BATCH} x 1, seq {SEQ_LEN}, fp32, cpu, {args.threads} thread(s), seed {SEED}"
-              + (", compile=True" if args.compile else "")
-              + (", each repeat's two runs at the same time on their own cores" if args.together else "")
-              + f"; {args.warmup} warm-up + {args.steps} measured steps per run")
+        print(
+            f"{args.config}, batch {BATCH} x 1, seq {SEQ_LEN}, fp32, cpu, {args.threads} thread(s), seed {SEED}"
+            + (", compile=True" if args.compile else "")
+            + (", each repeat's two runs at the same time on their own cores" if args.together else "")
+            + f"; {args.warmup} warm-up + {args.steps} measured steps per run"
+        )
         print_table(summary, DRIFT.get(args.objective))
         pairs, steps = figures_["pair_ratios"], figures_["pair_step_ratios"]
         if not args.together and pairs:
-            print("ours / stock in each repeat (its two runs one after the other), by steps/s, median step time and "
-                  "CPU time: " + "; ".join(", ".join(f"{r:.3f}" for r in ratios) for ratios in (
-                      pairs, steps, figures_["pair_cpu_ratios"])))
+            print(
+                "ours / stock in each repeat (its two runs one after the other), by steps/s, median step time and "
+                "CPU time: "
+                + "; ".join(
+                    ", ".join(f"{r:.3f}" for r in ratios) for ratios in (pairs, steps, figures_["pair_cpu_ratios"])
+                )
+            )
         if figures_["window_overlaps"] and pairs and steps:
-            print(f"measured windows of each pair overlap: "
-                  f"{', '.join(f'{100 * share:.0f}%' for share in figures_['window_overlaps'])}; "
-                  f"ours / stock in each pair, by steps/s: {', '.join(f'{r:.3f}' for r in pairs)} "
-                  f"(median {statistics.median(pairs):.3f}x)")
+            print(
+                f"measured windows of each pair overlap: "
+                f"{', '.join(f'{100 * share:.0f}%' for share in figures_['window_overlaps'])}; "
+                f"ours / stock in each pair, by steps/s: {', '.join(f'{r:.3f}' for r in pairs)} "
+                f"(median {statistics.median(pairs):.3f}x)"
+            )
             paired = (statistics.median(pairs), statistics.median(steps))
-            print(f"ours / stock in each pair, by median step time: {', '.join(f'{r:.3f}' for r in steps)}"
-                  f" (median {paired[1]:.3f}x); the pairs' medians, {paired[0]:.3f}x by steps/s and "
-                  f"{paired[1]:.3f}x by median step time (bar: both >= {BAR_RATIO:g}x): "
-                  + ("PASS" if min(paired) >= BAR_RATIO else "FAIL"))
+            print(
+                f"ours / stock in each pair, by median step time: {', '.join(f'{r:.3f}' for r in steps)}"
+                f" (median {paired[1]:.3f}x); the pairs' medians, {paired[0]:.3f}x by steps/s and "
+                f"{paired[1]:.3f}x by median step time (bar: both >= {BAR_RATIO:g}x): "
+                + ("PASS" if min(paired) >= BAR_RATIO else "FAIL")
+            )
         if summary["dropped_keys"]:
-            print(f"keys of ours' config the stock recipe does not read (left out of its config): "
-                  f"{', '.join(summary['dropped_keys'])}")
+            print(
+                f"keys of ours' config the stock recipe does not read (left out of its config): "
+                f"{', '.join(summary['dropped_keys'])}"
+            )
         print_switch(switch)
     if args.json is not None:
         write_json(args.json, figures_)

@@ -18,8 +18,16 @@ from common import report, run_checked, step_stamps, tiny_assets
 
 HERE = Path(__file__).resolve()
 NPROC, BATCH = 2, 8  # ranks, micro batch per rank
-COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor", "all_gather", "broadcast",
-               "reduce_scatter", "barrier", "all_to_all_single")
+COLLECTIVES = (
+    "all_reduce",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "all_gather",
+    "broadcast",
+    "reduce_scatter",
+    "barrier",
+    "all_to_all_single",
+)
 
 
 def child(stamps_path: str, module: str, argv: list[str]) -> None:
@@ -32,6 +40,7 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
         def wrapper(*args: Any, **kwargs: Any) -> Any:
             calls[0] += 1
             return function(*args, **kwargs)
+
         return wrapper
 
     for name in COLLECTIVES:
@@ -47,6 +56,7 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
                 return function(*args, **kwargs)
             finally:
                 inside[0] += time.perf_counter() - start
+
         return wrapper
 
     Preemption.begin_step = clocked(Preemption.begin_step)
@@ -66,27 +76,57 @@ def child(stamps_path: str, module: str, argv: list[str]) -> None:
                 raise
         finally:
             if int(os.environ.get("RANK", 0)) == 0:
-                Path(stamps_path).write_text(json.dumps({key: [s[field] for s in stamps] for key, field in (
-                    ("stamps", "t"), ("collectives", "collectives"), ("stop_seconds", "stop_seconds"))}))
+                Path(stamps_path).write_text(
+                    json.dumps(
+                        {
+                            key: [s[field] for s in stamps]
+                            for key, field in (
+                                ("stamps", "t"),
+                                ("collectives", "collectives"),
+                                ("stop_seconds", "stop_seconds"),
+                            )
+                        }
+                    )
+                )
 
 
 NO_STOP = "adaptive_batching.stop_signals=[]"
-SETTINGS = {"none": ["adaptive_batching.oom_recovery=False", NO_STOP],
-            "stop": ["adaptive_batching.oom_recovery=False"],
-            "oom": ["adaptive_batching.oom_recovery=True", NO_STOP],
-            "default": [],
-            "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000", NO_STOP]}
+SETTINGS = {
+    "none": ["adaptive_batching.oom_recovery=False", NO_STOP],
+    "stop": ["adaptive_batching.oom_recovery=False"],
+    "oom": ["adaptive_batching.oom_recovery=True", NO_STOP],
+    "default": [],
+    "always": ["adaptive_batching.oom_recovery=True", "adaptive_batching.guard_steps=100000", NO_STOP],
+}
 
 
 def run(args: argparse.Namespace, work: Path, tag: str, setting: str) -> tuple[float, float, float]:
     """One run's steps/s, median collectives per timed step, and share of the time in the stop agreement."""
     stamps = work / f"{tag}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={NPROC}",
-           str(HERE), "--child", str(stamps), "adaptive_full_finetune", "--config", "tiny_full",
-           f"assets_dir={args.assets}", f"output_dir={work / tag}", "use_maximum_batch_size=False",
-           "batch_increase_function=null", f"batch_size={BATCH}", "gradient_accumulation_steps=1",
-           "epochs=1", f"max_steps_per_epoch={args.warmup + args.steps}", "dataset.split=train",
-           "log_every_n_steps=1", *SETTINGS[setting]]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={NPROC}",
+        str(HERE),
+        "--child",
+        str(stamps),
+        "adaptive_full_finetune",
+        "--config",
+        "tiny_full",
+        f"assets_dir={args.assets}",
+        f"output_dir={work / tag}",
+        "use_maximum_batch_size=False",
+        "batch_increase_function=null",
+        f"batch_size={BATCH}",
+        "gradient_accumulation_steps=1",
+        "epochs=1",
+        f"max_steps_per_epoch={args.warmup + args.steps}",
+        "dataset.split=train",
+        "log_every_n_steps=1",
+        *SETTINGS[setting],
+    ]
     run_checked(cmd, tag, env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1"), cwd=work, timeout=1800)
     record = json.loads(stamps.read_text())
     times, timed = record["stamps"], slice(args.warmup, args.warmup + args.steps)
@@ -111,8 +151,9 @@ def main() -> None:
     chosen = args.settings.split(",")
     if "none" not in chosen or not set(chosen) <= set(SETTINGS):
         p.error(f"--settings: some of {', '.join(SETTINGS)}, with none (the baseline)")
-    figures: dict[str, dict[str, list[float]]] = {key: {name: [] for name in chosen}
-                                                  for key in ("speeds", "collectives", "stop_share")}
+    figures: dict[str, dict[str, list[float]]] = {
+        key: {name: [] for name in chosen} for key in ("speeds", "collectives", "stop_share")
+    }
     speeds, collectives, stop_share = figures.values()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
@@ -122,17 +163,25 @@ def main() -> None:
                 speed, count, share = run(args, work, f"{setting}-{repeat}", setting)
                 for figure, value in zip(figures.values(), (speed, count, share)):
                     figure[setting].append(value)
-                print(f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
-                      f"{share:.4%} of the time in the stop agreement", flush=True)
+                print(
+                    f"repeat {repeat + 1}: {setting}: {speed:.2f} steps/s, {count:g} collectives per step, "
+                    f"{share:.4%} of the time in the stop agreement",
+                    flush=True,
+                )
     median = statistics.median
     off = median(speeds["none"])
-    lines = [f"{NPROC} ranks, micro batch {BATCH}, {args.steps} timed steps after {args.warmup}, "
-             f"median of {args.repeats} alternating repeats:", "",
-             "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",
-             "|---|---|---|---|---|---|"]
-    lines += [f"| {s} | {median(speeds[s]):.2f} | {median(speeds[s]) / off:.3f} | "
-              f"{', '.join(f'{v:.2f}' for v in speeds[s])} | {median(collectives[s]):g} | {median(stop_share[s]):.3%} |"
-              for s in chosen]
+    lines = [
+        f"{NPROC} ranks, micro batch {BATCH}, {args.steps} timed steps after {args.warmup}, "
+        f"median of {args.repeats} alternating repeats:",
+        "",
+        "| setting | steps/s (median) | ratio to none | runs | collectives per step | time in the stop agreement |",
+        "|---|---|---|---|---|---|",
+    ]
+    lines += [
+        f"| {s} | {median(speeds[s]):.2f} | {median(speeds[s]) / off:.3f} | "
+        f"{', '.join(f'{v:.2f}' for v in speeds[s])} | {median(collectives[s]):g} | {median(stop_share[s]):.3%} |"
+        for s in chosen
+    ]
     with report("step-overhead" if args.publish else None):
         print("\n".join(lines))
     if args.json:

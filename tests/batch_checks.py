@@ -9,7 +9,7 @@ def split_steps(batches: list[list[int]], layout: list[int]) -> list[list[list[i
     """``batches`` cut into optimizer steps of ``layout[i]`` micro batches each, which must use them all."""
     steps, start = [], 0
     for count in layout:
-        steps.append(batches[start:start + count])
+        steps.append(batches[start : start + count])
         start += count
     assert start == len(batches)
     return steps

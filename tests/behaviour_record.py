@@ -16,8 +16,9 @@ import argparse
 import json
 import shutil
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from safetensors.torch import load_file
@@ -32,12 +33,34 @@ SAMPLES = 40
 KEYS = ("loss", "lr", "micro_batch_size", "max_tokens", "global_batch_size")
 
 
-def faulty(out: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str, recipe: str = "adaptive_full_finetune",
-           config: str = "tiny_full", nproc: int | None = None) -> None:
-    how = ("script", []) if nproc is None else ("module", ["torch.distributed.run", "--standalone",
-                                                           f"--nproc_per_node={nproc}"])
-    argv = [*how[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(out / f"{name}-"), recipe, "--config", config,
-            f"assets_dir={assets}", f"output_dir={out / name}", *FIXED, *overrides]
+def faulty(
+    out: Path,
+    name: str,
+    fault: dict[str, Any],
+    assets: Path,
+    *overrides: str,
+    recipe: str = "adaptive_full_finetune",
+    config: str = "tiny_full",
+    nproc: int | None = None,
+) -> None:
+    how = (
+        ("script", [])
+        if nproc is None
+        else ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"])
+    )
+    argv = [
+        *how[1],
+        str(HERE / "faulty_run.py"),
+        json.dumps(fault),
+        str(out / f"{name}-"),
+        recipe,
+        "--config",
+        config,
+        f"assets_dir={assets}",
+        f"output_dir={out / name}",
+        *FIXED,
+        *overrides,
+    ]
     result = run_command(how[0], argv, cwd=out)
     expected_kill = "kill_after" in fault
     if (result.returncode != 0) != expected_kill:
@@ -47,38 +70,113 @@ def faulty(out: Path, name: str, fault: dict[str, Any], assets: Path, *overrides
 def scenarios(out: Path, assets: Path) -> dict[str, Callable[[], Path]]:
     data = f"dataset.split=train[:{SAMPLES}]"
     return {
-        "growth": lambda: (faulty(out, "growth", {}, assets, "batch_size=4", "epochs=3", "max_steps_per_epoch=5"),
-                           out / "growth")[1],
-        "token_budget": lambda: (faulty(out, "token_budget", {}, assets, "batch_increase_function=null",
-                                        "adaptive_batching.max_tokens=512", data, "epochs=2",
-                                        "max_steps_per_epoch=null"), out / "token_budget")[1],
-        "lora": lambda: (faulty(out, "lora", {}, assets, "batch_increase_function=null", "batch_size=4", data,
-                                "epochs=2", "max_steps_per_epoch=null", recipe="adaptive_lora_finetune",
-                                config="tiny_lora"), out / "lora")[1],
-        "oom_grow_back_samples": lambda: (faulty(out, "oom_grow_back_samples",
-                                                 {"phase": "forward", "from_step": 2, "to_step": 2, "above": 2},
-                                                 assets, "batch_increase_function=null", "batch_size=4", data,
-                                                 "epochs=2", "max_steps_per_epoch=null",
-                                                 "adaptive_batching.oom_grow_back_after=2"),
-                                          out / "oom_grow_back_samples")[1],
-        "oom_grow_back_tokens": lambda: (faulty(out, "oom_grow_back_tokens",
-                                                {"phase": "forward", "from_step": 2, "to_step": 2, "above": 1},
-                                                assets, "batch_increase_function=null",
-                                                "adaptive_batching.max_tokens=512", data, "epochs=2",
-                                                "max_steps_per_epoch=null", "adaptive_batching.oom_grow_back_after=2"),
-                                         out / "oom_grow_back_tokens")[1],
-        "two_ranks": lambda: (faulty(out, "two_ranks", {}, assets, "batch_increase_function=null", "batch_size=2",
-                                     data, "epochs=2", "max_steps_per_epoch=null", nproc=2), out / "two_ranks")[1],
+        "growth": lambda: (
+            faulty(out, "growth", {}, assets, "batch_size=4", "epochs=3", "max_steps_per_epoch=5"),
+            out / "growth",
+        )[1],
+        "token_budget": lambda: (
+            faulty(
+                out,
+                "token_budget",
+                {},
+                assets,
+                "batch_increase_function=null",
+                "adaptive_batching.max_tokens=512",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+            ),
+            out / "token_budget",
+        )[1],
+        "lora": lambda: (
+            faulty(
+                out,
+                "lora",
+                {},
+                assets,
+                "batch_increase_function=null",
+                "batch_size=4",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+                recipe="adaptive_lora_finetune",
+                config="tiny_lora",
+            ),
+            out / "lora",
+        )[1],
+        "oom_grow_back_samples": lambda: (
+            faulty(
+                out,
+                "oom_grow_back_samples",
+                {"phase": "forward", "from_step": 2, "to_step": 2, "above": 2},
+                assets,
+                "batch_increase_function=null",
+                "batch_size=4",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+                "adaptive_batching.oom_grow_back_after=2",
+            ),
+            out / "oom_grow_back_samples",
+        )[1],
+        "oom_grow_back_tokens": lambda: (
+            faulty(
+                out,
+                "oom_grow_back_tokens",
+                {"phase": "forward", "from_step": 2, "to_step": 2, "above": 1},
+                assets,
+                "batch_increase_function=null",
+                "adaptive_batching.max_tokens=512",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+                "adaptive_batching.oom_grow_back_after=2",
+            ),
+            out / "oom_grow_back_tokens",
+        )[1],
+        "two_ranks": lambda: (
+            faulty(
+                out,
+                "two_ranks",
+                {},
+                assets,
+                "batch_increase_function=null",
+                "batch_size=2",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+                nproc=2,
+            ),
+            out / "two_ranks",
+        )[1],
         "kill_and_resume": lambda: kill_and_resume(out, assets, data),
-        "growth_in_epoch": lambda: (faulty(out, "growth_in_epoch", {}, assets, "batch_size=2", data, "epochs=2",
-                                           "max_steps_per_epoch=null", "adaptive_batching.growth_interval=3 steps",
-                                           "adaptive_batching.memory_budget=1GiB"), out / "growth_in_epoch")[1],
+        "growth_in_epoch": lambda: (
+            faulty(
+                out,
+                "growth_in_epoch",
+                {},
+                assets,
+                "batch_size=2",
+                data,
+                "epochs=2",
+                "max_steps_per_epoch=null",
+                "adaptive_batching.growth_interval=3 steps",
+                "adaptive_batching.memory_budget=1GiB",
+            ),
+            out / "growth_in_epoch",
+        )[1],
     }
 
 
 def kill_and_resume(out: Path, assets: Path, data: str) -> Path:
-    common = ["batch_increase_function=null", "batch_size=4", data, "epochs=2", "max_steps_per_epoch=null",
-              "save_every_n_steps=2"]
+    common = [
+        "batch_increase_function=null",
+        "batch_size=4",
+        data,
+        "epochs=2",
+        "max_steps_per_epoch=null",
+        "save_every_n_steps=2",
+    ]
     faulty(out, "kill_and_resume", {"kill_after": 5}, assets, *common)
     faulty(out, "kill_and_resume", {}, assets, *common, "resume_from_checkpoint=True")
     return out / "kill_and_resume"
@@ -135,9 +233,14 @@ def compare(before: Path, after: Path) -> int:
         worst = max((relative(x[k], y[k]) for x, y in zip(steps_a, steps_b) for k in x if k != "step"), default=0.0)
         wa, wb = (torch.load(d / f"{name}.weights.pt") for d in (before, after))
         exact = wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
-        weight_diff = 0.0 if exact else max(
-            ((wa[k].double() - wb[k].double()).abs().max() / wa[k].double().abs().max().clamp(min=1e-30)).item()
-            for k in wa)
+        weight_diff = (
+            0.0
+            if exact
+            else max(
+                ((wa[k].double() - wb[k].double()).abs().max() / wa[k].double().abs().max().clamp(min=1e-30)).item()
+                for k in wa
+            )
+        )
         worst = max(worst, weight_diff)
         worst_all = max(worst_all, worst)
         verdict = "bit for bit" if worst == 0.0 else f"max relative difference {worst:.2e}"

@@ -15,8 +15,10 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 RELATIVE = 0.2
-_FIT = re.compile(r"fit: peak = [\d.]+ GiB \+ ([\d.]+) MiB x micro batch; .*?largest micro batch that ran (\d+); "
-                  r"chosen micro batch (\d+)")
+_FIT = re.compile(
+    r"fit: peak = [\d.]+ GiB \+ ([\d.]+) MiB x micro batch; .*?largest micro batch that ran (\d+); "
+    r"chosen micro batch (\d+)"
+)
 
 
 @dataclass(frozen=True)

@@ -42,7 +42,8 @@ import sys
 import time
 import types
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -116,18 +117,26 @@ def main() -> None:
                 ids[key] = i
             state["pending"] = []
             if phase == "embedding_backward":
+
                 def hook_embedding(module, args, output):  # type: ignore[no-untyped-def]
                     if self.next_step_affected() and output.shape[0] > above and output.requires_grad:
+
                         def fail(grad):  # type: ignore[no-untyped-def]
                             raise oom("embedding backward")
+
                         output.register_hook(fail)
+
                 trainer.parts.model.tok_embeddings.register_forward_hook(hook_embedding)
             optimizer = trainer.parts.optimizer
             optimizer_step = optimizer.step
 
             def step(optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
-                if phase == "optimizer" and self.next_step_affected() and optimizer_failures[0] > 0 \
-                        and not trainer.guard.armed:
+                if (
+                    phase == "optimizer"
+                    and self.next_step_affected()
+                    and optimizer_failures[0] > 0
+                    and not trainer.guard.armed
+                ):
                     optimizer_failures[0] -= 1
                     raise oom("optimizer step")
                 return optimizer_step(*args, **kwargs)
@@ -144,8 +153,10 @@ def main() -> None:
 
         def after_loss(self, loss):  # type: ignore[no-untyped-def]
             if self.affected and phase == "backward":
+
                 def fail(grad):  # type: ignore[no-untyped-def]
                     raise oom("backward")
+
                 loss.register_hook(fail)
 
         def before_step(self, trainer, micro_batches):  # type: ignore[no-untyped-def]
@@ -163,8 +174,14 @@ def main() -> None:
             if signal_number is not None and step == int(fault["signal_at"]):
                 sent.append(signal_number)
                 to = fault.get("to", "self")
-                os.kill(os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:")
-                        else os.getpid(), signal_number)
+                os.kill(
+                    os.getppid()
+                    if to == "parent"
+                    else int(os.environ[to[4:]])
+                    if to.startswith("env:")
+                    else os.getpid(),
+                    signal_number,
+                )
 
         def before_trial(self, micro_batch):  # type: ignore[no-untyped-def]
             self.send_in_profile()
@@ -234,6 +251,7 @@ def signal_in(fault: dict, trainer: Callable[[], Any], once_file: str) -> Callab
         def call(*args, **kwargs):  # type: ignore[no-untyped-def]
             send()
             return function(*args, **kwargs)
+
         return call
 
     if phase == "token_counts":

@@ -17,23 +17,31 @@ import importlib
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
 HERE = Path(__file__).resolve().parent
 
 
-def run_forked_ranks(worker: Callable[..., None], args: tuple[Any, ...], ranks: int, *, seconds: float,
-                     what: str) -> None:
+def run_forked_ranks(
+    worker: Callable[..., None], args: tuple[Any, ...], ranks: int, *, seconds: float, what: str
+) -> None:
     """``worker(rank, *args)`` on ``ranks`` processes (``worker``: a module-level function of a file in tests/; ``args``:
     JSON values). Forked from a child of the fork server, which has torch imported (a spawn re-imports it, about 10 s
     on a busy machine). Past ``seconds`` the ranks are killed and the test fails; so it does if a rank raises."""
     from recipe_runs import run_command
 
-    argv = [str(Path(__file__)), worker.__module__, worker.__qualname__, str(ranks), json.dumps(list(args)),
-            json.dumps(sys.path)]
+    argv = [
+        str(Path(__file__)),
+        worker.__module__,
+        worker.__qualname__,
+        str(ranks),
+        json.dumps(list(args)),
+        json.dumps(sys.path),
+    ]
     try:
         result = run_command("script", argv, cwd=HERE, timeout=int(seconds))
     except subprocess.TimeoutExpired:

@@ -24,11 +24,14 @@ import signal
 import subprocess
 import sys
 import traceback
-from typing import Any, Optional
+from typing import Any
 
 
 def preload() -> None:
     """The imports every recipe run pays for; no tensor is created, so no thread pool starts."""
+    # The profiler's plot child (``python -m adaptive_batching.profiling.plot``), forked with this loaded: ~0.2 s
+    # of CPU instead of ~1 s for a new interpreter importing it, once per profiled run.
+    import matplotlib
     import torch._inductor.compile_fx  # noqa: F401  (1.3 s: compiled runs and bitsandbytes' import need it)
     import torch.distributed.run  # noqa: F401
     import torchtune._cli.tune  # noqa: F401
@@ -39,10 +42,6 @@ def preload() -> None:
     import adaptive_batching.cli  # noqa: F401
     import adaptive_batching.profiling.plot  # noqa: F401
     import adaptive_batching.training.trainer  # noqa: F401
-
-    # The profiler's plot child (``python -m adaptive_batching.profiling.plot``), forked with this loaded: ~0.2 s
-    # of CPU instead of ~1 s for a new interpreter importing it, once per profiled run.
-    import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot  # noqa: F401
@@ -100,7 +99,7 @@ def forked_worker(*cmd_args: str) -> None:
 ALWAYS_FORKED = {"adaptive_batching.profiling.plot"}
 
 
-def fork_python_children(modules: Optional[set[str]] = None) -> None:
+def fork_python_children(modules: set[str] | None = None) -> None:
     """Have this process start each ``python [-u] SCRIPT ...`` or ``python [-u] -m MODULE ...`` that it runs through
     ``subprocess`` by forking itself instead of a new interpreter (~4 s of imports each); ``modules``: only
     ``python -m`` of these.
@@ -124,8 +123,9 @@ def fork_python_children(modules: Optional[set[str]] = None) -> None:
         if pid == 0:
             forked_python_child(call, *target)
         self.pid, self._child_created = pid, True
-        self._close_pipe_fds(call["p2cread"], call["p2cwrite"], call["c2pread"], call["c2pwrite"], call["errread"],
-                             call["errwrite"])
+        self._close_pipe_fds(
+            call["p2cread"], call["p2cwrite"], call["c2pread"], call["c2pwrite"], call["errread"], call["errwrite"]
+        )
 
     subprocess.Popen._execute_child = execute_child
 
@@ -151,7 +151,7 @@ def autograd_forks() -> bool:
     return os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
 
 
-def python_target(args: Any, executable: Optional[str], shell: bool) -> Optional[tuple[str, list[str]]]:
+def python_target(args: Any, executable: str | None, shell: bool) -> tuple[str, list[str]] | None:
     """``("script", [path, ...])`` or ``("module", [name, ...])`` for a command line of this interpreter, else None."""
     if shell or executable is not None or isinstance(args, (str, bytes, os.PathLike)):
         return None
@@ -221,16 +221,19 @@ def run_entry_point(kind: str, argv: list[str]) -> int:
     try:
         if kind == "tune":
             from torchtune._cli.tune import main as tune_main
+
             sys.argv = ["tune", *argv]
             tune_main()
         elif kind == "cli":
             from adaptive_batching.cli import main as cli_main
+
             sys.argv = ["adaptive-batching", *argv]
             return int(cli_main() or 0)
         elif kind == "module" and argv[0] == "torch.distributed.run":
             # Its main() as imported, not a fresh copy run as __main__: that copy would not see the patch above
             # and would start each worker as a new interpreter.
             import torch.distributed.run as torchrun
+
             sys.argv = [torchrun.__file__, *argv[1:]]
             torchrun.main()
         elif kind == "module":

@@ -39,18 +39,25 @@ def _log_probs(model: torch.nn.Module, tokens: torch.Tensor, labels: torch.Tenso
     """``full_dpo_distributed.concatenated_forward``: chosen and rejected log-probabilities, then their logits."""
     pairs = tokens.shape[0] // 2
     logits = model(tokens)
-    return (rlhf.get_batch_log_probs(logits[:pairs], labels[:pairs], return_average_logprobs=False),
-            rlhf.get_batch_log_probs(logits[pairs:], labels[pairs:], return_average_logprobs=False),
-            logits[:pairs], logits[pairs:])
+    return (
+        rlhf.get_batch_log_probs(logits[:pairs], labels[:pairs], return_average_logprobs=False),
+        rlhf.get_batch_log_probs(logits[pairs:], labels[pairs:], return_average_logprobs=False),
+        logits[:pairs],
+        logits[pairs:],
+    )
 
 
 def by_hand(cfg: DictConfig) -> None:
     training.set_seed(cfg.seed)
     tokenizer = config.instantiate(cfg.tokenizer)
     dataset = config.instantiate(cfg.dataset, tokenizer=tokenizer)
-    loader = DataLoader(dataset, batch_size=cfg.batch_size, sampler=SequentialSampler(dataset), drop_last=True,
-                        collate_fn=partial(padded_collate_dpo, padding_idx=tokenizer.pad_id,
-                                           ignore_idx=CROSS_ENTROPY_IGNORE_IDX))
+    loader = DataLoader(
+        dataset,
+        batch_size=cfg.batch_size,
+        sampler=SequentialSampler(dataset),
+        drop_last=True,
+        collate_fn=partial(padded_collate_dpo, padding_idx=tokenizer.pad_id, ignore_idx=CROSS_ENTROPY_IGNORE_IDX),
+    )
     policy, reference = _model(cfg, cfg.checkpointer), _model(cfg, cfg.ref_checkpointer)
     for param in reference.parameters():
         param.requires_grad = False
@@ -77,14 +84,21 @@ def by_hand(cfg: DictConfig) -> None:
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             scheduler.step()
-            logger.log_dict({
-                "loss": running.item(), "lr": training.get_lr(optimizer),
-                "rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                "log_probs/chosen": chosen.detach().mean(), "log_probs/rejected": rejected.detach().mean(),
-                "logits/chosen": chosen_logits_mean, "logits/rejected": rejected_logits_mean,
-            }, step=(index + 1) // accumulation)
+            logger.log_dict(
+                {
+                    "loss": running.item(),
+                    "lr": training.get_lr(optimizer),
+                    "rewards/chosen": chosen_rewards.mean(),
+                    "rewards/rejected": rejected_rewards.mean(),
+                    "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+                    "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+                    "log_probs/chosen": chosen.detach().mean(),
+                    "log_probs/rejected": rejected.detach().mean(),
+                    "logits/chosen": chosen_logits_mean,
+                    "logits/rejected": rejected_logits_mean,
+                },
+                step=(index + 1) // accumulation,
+            )
             running = 0
     logger.close()
 

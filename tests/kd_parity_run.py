@@ -18,9 +18,8 @@ from __future__ import annotations
 import sys
 from typing import Any
 
-import torch
-
 import dpo_parity_run
+import torch
 
 STOCK = "knowledge_distillation_single_device"
 
@@ -41,6 +40,7 @@ def fix_stock_normalisation() -> None:
             if out.requires_grad:
                 out.register_hook(lambda grad: grad * tokens)
             return out
+
         return forward_times_tokens
 
     losses.CEWithChunkedOutputLoss.forward = weighted(losses.CEWithChunkedOutputLoss.forward, True)

@@ -35,8 +35,15 @@ def main() -> int:
     resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
     result = trainer.profile()
     trainer.train(trainer.make_plan(result))
-    print(json.dumps({"profile": result.to_dict(), "trained_steps": trainer.global_step,
-                      "micro_batch": trainer.feed.batch.micro_batch}))
+    print(
+        json.dumps(
+            {
+                "profile": result.to_dict(),
+                "trained_steps": trainer.global_step,
+                "micro_batch": trainer.feed.batch.micro_batch,
+            }
+        )
+    )
     return 0
 
 

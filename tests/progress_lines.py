@@ -15,7 +15,7 @@ def screen_lines(output: str) -> list[str]:
     for line in output.split("\n"):
         screen = ""
         for piece in line.split("\r"):
-            screen = piece + screen[len(piece):]
+            screen = piece + screen[len(piece) :]
         lines.append(screen.rstrip())
     return lines
 
@@ -24,5 +24,8 @@ def lines_inside_a_bar(output: str) -> list[str]:
     """The lines where a bar and other text share a line: a bar's line must end where the bar does (``]``), and
     hold one bar. Output read back as text has each ``\\r`` turned into a line break already, which keeps a line
     written into a bar on the bar's line all the same."""
-    return [line for line in screen_lines(output) if BAR.search(line)
-            and (not line.endswith("]") or len(BAR.findall(line)) > 1 or not BAR.match(line.lstrip()))]
+    return [
+        line
+        for line in screen_lines(output)
+        if BAR.search(line) and (not line.endswith("]") or len(BAR.findall(line)) > 1 or not BAR.match(line.lstrip()))
+    ]

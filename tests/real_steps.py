@@ -4,7 +4,8 @@ fake, extrapolated step is checked against (tests/test_estimate_dpo.py, tests/te
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -62,15 +63,15 @@ def real_activation_bytes(cfg: Any, micro_batch: int, seq_len: int) -> int:
     with training.set_default_dtype(dtype):
         objective.build(cfg, frozen_copy)
     collate = objective.collate("torchtune.data.padded_collate_sft", False, 0, loss_fn)
-    batch = objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=1280,
-                                       packed=False)
+    batch = objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=1280, packed=False)
     with one_thread():
         tracker = PeakTracker()
         tracker.track_external(model, *objective.resident)
         with tracker:
             start = tracker.total()
-            loss, _ = objective.micro_loss(model, loss_fn, {k: v.clone() for k, v in batch.items()},
-                                           contextlib.nullcontext())
+            loss, _ = objective.micro_loss(
+                model, loss_fn, {k: v.clone() for k, v in batch.items()}, contextlib.nullcontext()
+            )
             loss.backward()
     return tracker.highest - start
 

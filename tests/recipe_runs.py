@@ -16,8 +16,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from pathlib import Path
-from typing import IO, Optional, Sequence
+from typing import IO
 
 HERE = Path(__file__).parent
 TUNE = str(Path(sys.executable).with_name("tune"))
@@ -28,16 +29,23 @@ _STEP = re.compile(r"^Step (\d+) \| (.*)$")
 FIXED_BATCH_SIZE = ("use_maximum_batch_size=False", "batch_increase_function=null")
 
 
-def tune_run(recipe: str, config: str, overrides: Sequence[str], *, cwd: Path,
-             nproc: Optional[int] = None, timeout: int = 600) -> subprocess.CompletedProcess:
+def tune_run(
+    recipe: str, config: str, overrides: Sequence[str], *, cwd: Path, nproc: int | None = None, timeout: int = 600
+) -> subprocess.CompletedProcess:
     """``tune run [--nproc_per_node N] RECIPE --config CONFIG OVERRIDES...``; output captured."""
     launcher = ["--nproc_per_node", str(nproc)] if nproc else []
-    return run_command("tune", ["run", *launcher, recipe, "--config", config, *overrides], cwd=cwd,
-                       timeout=timeout)
+    return run_command("tune", ["run", *launcher, recipe, "--config", config, *overrides], cwd=cwd, timeout=timeout)
 
 
-def run_command(kind: str, argv: Sequence[str], *, cwd: Path, env: Optional[dict[str, str]] = None,
-                timeout: int = 600, fork_python: bool = False) -> subprocess.CompletedProcess:
+def run_command(
+    kind: str,
+    argv: Sequence[str],
+    *,
+    cwd: Path,
+    env: dict[str, str] | None = None,
+    timeout: int = 600,
+    fork_python: bool = False,
+) -> subprocess.CompletedProcess:
     """``tune ARGV``, ``adaptive-batching ARGV``, ``python -m ARGV`` or ``python ARGV`` (``kind``), as a
     separate process in ``cwd`` with OMP_NUM_THREADS=1; output captured, like ``subprocess.run``. ``fork_python``:
     the ``python`` processes the run starts are forked from it too (``forkserver.fork_python_children``)."""
@@ -53,14 +61,19 @@ class _ForkServer:
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.process = subprocess.Popen([sys.executable, str(HERE / "forkserver.py")], stdin=subprocess.PIPE,
-                                        stdout=subprocess.PIPE, text=True, env=env)
+        self.process = subprocess.Popen(
+            [sys.executable, str(HERE / "forkserver.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         self.pending = b""
 
     def alive(self) -> bool:
         return self.process.poll() is None
 
-    def _reply(self, stream: IO[str], timeout: Optional[float]) -> Optional[dict]:
+    def _reply(self, stream: IO[str], timeout: float | None) -> dict | None:
         """The next reply line, or None after ``timeout`` seconds (read unbuffered, for select)."""
         while b"\n" not in self.pending:
             ready, _, _ = select.select([stream], [], [], timeout)
@@ -73,13 +86,29 @@ class _ForkServer:
         line, self.pending = self.pending.split(b"\n", 1)
         return json.loads(line)
 
-    def run(self, kind: str, argv: list[str], cmd: list[str], *, cwd: Path, env: dict[str, str],
-            timeout: int, fork_python: bool) -> subprocess.CompletedProcess:
+    def run(
+        self,
+        kind: str,
+        argv: list[str],
+        cmd: list[str],
+        *,
+        cwd: Path,
+        env: dict[str, str],
+        timeout: int,
+        fork_python: bool,
+    ) -> subprocess.CompletedProcess:
         assert self.process.stdin is not None and self.process.stdout is not None
         with tempfile.TemporaryDirectory() as tmp:
             out, err = Path(tmp) / "stdout", Path(tmp) / "stderr"
-            request = {"kind": kind, "argv": argv, "cwd": str(cwd), "env": env, "stdout": str(out), "stderr": str(err),
-                       "fork_python": fork_python}
+            request = {
+                "kind": kind,
+                "argv": argv,
+                "cwd": str(cwd),
+                "env": env,
+                "stdout": str(out),
+                "stderr": str(err),
+                "fork_python": fork_python,
+            }
             self.process.stdin.write(json.dumps(request) + "\n")
             self.process.stdin.flush()
             pid = self._reply(self.process.stdout, None)["pid"]
@@ -88,11 +117,12 @@ class _ForkServer:
                 os.killpg(pid, signal.SIGKILL)
                 self._reply(self.process.stdout, None)
                 raise subprocess.TimeoutExpired(cmd, timeout, out.read_text(), err.read_text())
-            return subprocess.CompletedProcess(cmd, done["returncode"], out.read_text(errors="replace"),
-                                               err.read_text(errors="replace"))
+            return subprocess.CompletedProcess(
+                cmd, done["returncode"], out.read_text(errors="replace"), err.read_text(errors="replace")
+            )
 
 
-_SERVER: Optional[_ForkServer] = None
+_SERVER: _ForkServer | None = None
 
 
 def _fork_server() -> _ForkServer:
@@ -107,7 +137,7 @@ def _fork_server() -> _ForkServer:
 UNCLEAN_EXIT = ("terminate called", "gloo worker thread(s) still running", "Fatal Python error")
 
 
-def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
+def unclean_exit(result: subprocess.CompletedProcess) -> str | None:
     """The first line of ``result``'s output that shows an unclean exit, or None."""
     for line in (result.stdout + result.stderr).splitlines():
         if any(mark in line for mark in UNCLEAN_EXIT):
@@ -116,7 +146,9 @@ def unclean_exit(result: subprocess.CompletedProcess) -> Optional[str]:
 
 
 def check(result: subprocess.CompletedProcess) -> subprocess.CompletedProcess:
-    assert result.returncode == 0, f"exit {result.returncode}\nSTDOUT\n{result.stdout[-4000:]}\nSTDERR\n{result.stderr[-6000:]}"
+    assert result.returncode == 0, (
+        f"exit {result.returncode}\nSTDOUT\n{result.stdout[-4000:]}\nSTDERR\n{result.stderr[-6000:]}"
+    )
     assert unclean_exit(result) is None, f"unclean exit: {unclean_exit(result)}\nSTDERR\n{result.stderr[-6000:]}"
     return result
 

@@ -42,8 +42,15 @@ def test_small_tensors_and_parameters_stay_on_the_device_but_take_their_place_in
     # 8 + 1 + 2 = 11 kB, the last five 7 kB (six would stash 15, four 9).
     offload = FakeOffload()
     parameter = nn.Parameter(torch.zeros(KB // 4))
-    kept = save(offload, floats(8 * KB), parameter, torch.zeros(255, requires_grad=True), floats(KB), floats(2 * KB),
-                floats(4 * KB))
+    kept = save(
+        offload,
+        floats(8 * KB),
+        parameter,
+        torch.zeros(255, requires_grad=True),
+        floats(KB),
+        floats(2 * KB),
+        floats(4 * KB),
+    )
     assert [s.offloaded for s in offload.saved] == [True, False, False, True, True, True]
     assert offload.stash_bytes() == 11 * KB
     assert offload.host_bytes() == 15 * KB

@@ -14,8 +14,9 @@ DEFAULT = BatchingSettings()
 
 
 def context(n: int = 40) -> DataContext:
-    return DataContext(dataset=list(range(n)), collate=list, parallel=ParallelInfo(), shuffle=False, seed=0,
-                       max_steps=None)
+    return DataContext(
+        dataset=list(range(n)), collate=list, parallel=ParallelInfo(), shuffle=False, seed=0, max_steps=None
+    )
 
 
 def test_max_tokens_picks_the_token_policy() -> None:
@@ -29,8 +30,12 @@ def test_the_sample_policy_serves_every_sample_once_in_planned_steps() -> None:
     policy = SampleBatching(DEFAULT)
     policy.prepare(context(), lengths=None, profiles=False)  # type: ignore[arg-type]
     shape = BatchShape(micro_batch=4, accumulation=2, ranks=1)
-    policy.use_plan([EpochBatch(epoch=0, requested=4, increment=0, shape=shape, reason="start")], start=4,
-                profiled=None, verify=None)  # type: ignore[arg-type]
+    policy.use_plan(
+        [EpochBatch(epoch=0, requested=4, increment=0, shape=shape, reason="start")],
+        start=4,
+        profiled=None,
+        verify=None,
+    )  # type: ignore[arg-type]
     assert policy.extent(0) == (5, 40)
     sampler = policy.loader(0, split=2, start_step=0).batch_sampler
     micro_batches = list(sampler)
@@ -46,7 +51,9 @@ def test_the_token_policy_scales_its_budget_with_the_plan_and_sets_the_lr_per_st
     policy.data = context()
     policy.lengths = [8 + (i % 5) for i in range(40)]
     shapes = [BatchShape(micro_batch=m, accumulation=1, ranks=1) for m in (4, 8)]
-    plan = [EpochBatch(epoch=e, requested=s.micro_batch, increment=0, shape=s, reason="start") for e, s in enumerate(shapes)]
+    plan = [
+        EpochBatch(epoch=e, requested=s.micro_batch, increment=0, shape=s, reason="start") for e, s in enumerate(shapes)
+    ]
     policy.use_plan(plan, start=4, profiled=None, verify=None)  # type: ignore[arg-type]
     assert policy.budgets == [64, 128] and policy.served(1) == 128
     assert policy.metrics(1, split=2, micro_piece=0) == {"max_tokens": 64}
@@ -68,5 +75,6 @@ def test_both_policies_describe_a_cut(policy: SampleBatching) -> None:
     shape = BatchShape(micro_batch=4, accumulation=1, ranks=1)
     assert policy.split_note(1, 4, shape) == ""
     assert "2 pieces" in policy.split_note(2, 2, shape)
-    assert "LR unchanged" in policy.oom_line(failed=4, where="step 1", error="e", samples=4, split=2, micro_piece=2,
-                                             batch=shape, ranks=1, cap=2)
+    assert "LR unchanged" in policy.oom_line(
+        failed=4, where="step 1", error="e", samples=4, split=2, micro_piece=2, batch=shape, ranks=1, cap=2
+    )

@@ -27,18 +27,29 @@ pytestmark = pytest.mark.e2e
 
 
 def script(name: str, *args: str, cwd: Path, timeout: int = 600, fork_python: bool = False) -> str:
-    result = check(run_command("script", [str(BENCHMARKS / name), *args], cwd=cwd, timeout=timeout,
-                               fork_python=fork_python))
+    result = check(
+        run_command("script", [str(BENCHMARKS / name), *args], cwd=cwd, timeout=timeout, fork_python=fork_python)
+    )
     return result.stdout
 
 
 def test_estimate_stock_configs_full_trace(tmp_path: Path) -> None:
     # the tiny model at 4 layers (3 traced and extended, or all 4) and 8192 tokens: its fake steps are quick
     config, js = tmp_path / "tiny4.yaml", tmp_path / "full_trace.json"
-    OmegaConf.save(modified(OmegaConf.load(CONFIGS / "tiny_full.yaml"), {"model.num_layers": 4,
-                                                                         "model.max_seq_len": 8192}), config)
-    out = script("estimate_stock_configs.py", "--only", str(config), "--seq-len", "8192", "--full-trace",
-                 "--json", str(js), cwd=tmp_path)
+    OmegaConf.save(
+        modified(OmegaConf.load(CONFIGS / "tiny_full.yaml"), {"model.num_layers": 4, "model.max_seq_len": 8192}), config
+    )
+    out = script(
+        "estimate_stock_configs.py",
+        "--only",
+        str(config),
+        "--seq-len",
+        "8192",
+        "--full-trace",
+        "--json",
+        str(js),
+        cwd=tmp_path,
+    )
     (row,) = json.loads(js.read_text())["rows"]
     fast, full = row["fast"], row["full"]
     assert (fast["layers"], full["layers"]) == ("3 of 4", "4 of 4") and fast["micro_batch"] >= 1
@@ -49,36 +60,74 @@ def test_estimate_stock_configs_full_trace(tmp_path: Path) -> None:
 
 def test_estimate_stock_configs(tmp_path: Path) -> None:
     js = tmp_path / "estimates.json"
-    script("estimate_stock_configs.py", "--only", "llama3_2/1B_lora_single_device", "--seq-len", "256",
-           "--json", str(js), cwd=tmp_path)
+    script(
+        "estimate_stock_configs.py",
+        "--only",
+        "llama3_2/1B_lora_single_device",
+        "--seq-len",
+        "256",
+        "--json",
+        str(js),
+        cwd=tmp_path,
+    )
     (row,) = json.loads(js.read_text())["rows"]
     assert row["config"] == "llama3_2/1B_lora_single_device" and row["micro_batch"]["80GiB/1"] >= 1
 
 
-@pytest.mark.parametrize("args, says", [
-    (["--only", "llama3_2/1B_lora_single_devic"],
-     "error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: 'llama3_2/1B_lora_single_devic' "
-     "(did you mean 'llama3_2/1B_lora_single_device'?)"),
-    (["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],
-     "error: --markdown writes the table of every config; with --only the rows go to --json alone: drop "
-     "--markdown, or --only to rewrite the page"),
-    (["--full-trace"], "error: --full-trace traces every layer of the configs named by --only (minutes for an 8B "
-     "model) and writes its own table: give --only NAME..., without --merge"),
-    (["--only", "llama3_2/1B_full", "--publish"],
-     "error: --publish writes --full-trace's table into docs/benchmarks.md: add --full-trace"),
-])
-def test_estimate_stock_configs_refuses_in_one_line_before_any_estimate(tmp_path: Path, args: list[str],
-                                                                         says: str) -> None:
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (
+            ["--only", "llama3_2/1B_lora_single_devic"],
+            "error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: 'llama3_2/1B_lora_single_devic' "
+            "(did you mean 'llama3_2/1B_lora_single_device'?)",
+        ),
+        (
+            ["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],
+            "error: --markdown writes the table of every config; with --only the rows go to --json alone: drop "
+            "--markdown, or --only to rewrite the page",
+        ),
+        (
+            ["--full-trace"],
+            "error: --full-trace traces every layer of the configs named by --only (minutes for an 8B "
+            "model) and writes its own table: give --only NAME..., without --merge",
+        ),
+        (
+            ["--only", "llama3_2/1B_full", "--publish"],
+            "error: --publish writes --full-trace's table into docs/benchmarks.md: add --full-trace",
+        ),
+    ],
+)
+def test_estimate_stock_configs_refuses_in_one_line_before_any_estimate(
+    tmp_path: Path, args: list[str], says: str
+) -> None:
     js = tmp_path / "estimates.json"
-    result = run_command("script", [str(BENCHMARKS / "estimate_stock_configs.py"), *args, "--json", str(js)],
-                         cwd=tmp_path, timeout=120)
+    result = run_command(
+        "script", [str(BENCHMARKS / "estimate_stock_configs.py"), *args, "--json", str(js)], cwd=tmp_path, timeout=120
+    )
     assert result.returncode == 2 and result.stderr.strip() == says and result.stdout == ""
     assert not js.exists() and not (tmp_path / "page.md").exists()
 
 
 def test_growth_runs(tmp_path: Path) -> None:
-    script("growth_runs.py", "--samples", "16", "--epochs", "1", "--seq-len", "64", "--window", "8", "--only", "fixed small",
-           "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out"), cwd=tmp_path)
+    script(
+        "growth_runs.py",
+        "--samples",
+        "16",
+        "--epochs",
+        "1",
+        "--seq-len",
+        "64",
+        "--window",
+        "8",
+        "--only",
+        "fixed small",
+        "--work",
+        str(tmp_path / "work"),
+        "--out",
+        str(tmp_path / "out"),
+        cwd=tmp_path,
+    )
     assert any((tmp_path / "out").iterdir())
 
 
@@ -90,9 +139,24 @@ def recipe_vs_torchtune(tmp_path_factory: pytest.TempPathFactory, assets: Path) 
     """One run of each recipe (side by side where 2 cores allow), then ours' epoch-switch run."""
     work = tmp_path_factory.mktemp("recipe_vs_torchtune")
     js = work / "speed.json"
-    out = script("recipe_vs_torchtune.py", "--steps", "2", "--warmup", "1", "--repeats", "1", "--assets", str(assets),
-                 *(["--together"] if TOGETHER else []), "--json", str(js), "--workdir", str(work / "work"), cwd=work,
-                 fork_python=True)
+    out = script(
+        "recipe_vs_torchtune.py",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--assets",
+        str(assets),
+        *(["--together"] if TOGETHER else []),
+        "--json",
+        str(js),
+        "--workdir",
+        str(work / "work"),
+        cwd=work,
+        fork_python=True,
+    )
     return json.loads(js.read_text()), out
 
 
@@ -118,13 +182,34 @@ def test_recipe_vs_torchtune_together(recipe_vs_torchtune: tuple[dict, str]) -> 
 
 def test_recipe_vs_torchtune_dpo(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "dpo.json"
-    out = script("recipe_vs_torchtune.py", "--objective", "dpo", "--steps", "1", "--warmup", "1", "--repeats", "1",
-                 "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
-                 cwd=tmp_path, fork_python=True)
+    out = script(
+        "recipe_vs_torchtune.py",
+        "--objective",
+        "dpo",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--no-switch",
+        "--assets",
+        str(assets),
+        "--json",
+        str(js),
+        "--workdir",
+        str(tmp_path / "work"),
+        cwd=tmp_path,
+        fork_python=True,
+    )
     figures = json.loads(js.read_text())
     # the adapters drawn from one generator in both: stock's losses bit for bit
-    assert figures["same_computation"]["loss"] == {"steps": 2, "max_abs_diff": 0.0, "max_rel_diff": 0.0,
-                                                   "first_rel_diff": 0.0}
+    assert figures["same_computation"]["loss"] == {
+        "steps": 2,
+        "max_abs_diff": 0.0,
+        "max_rel_diff": 0.0,
+        "first_rel_diff": 0.0,
+    }
     assert "| ours: adaptive_lora_dpo | 1 |" in out and "| stock: lora_dpo_single_device | 1 |" in out
     assert "save_adapter_weights_only" not in figures["dropped_keys"]  # stock's LoRA recipe reads it
     assert figures["cpu_ratio"] > 0 and len(figures["pair_cpu_ratios"]) == 1 and "and CPU time: " in out
@@ -132,9 +217,26 @@ def test_recipe_vs_torchtune_dpo(tmp_path: Path, assets: Path) -> None:
 
 def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "kd.json"
-    out = script("recipe_vs_torchtune.py", "--objective", "kd", "--steps", "1", "--warmup", "1", "--repeats", "1",
-                 "--no-switch", "--assets", str(assets), "--json", str(js), "--workdir", str(tmp_path / "work"),
-                 cwd=tmp_path, fork_python=True)
+    out = script(
+        "recipe_vs_torchtune.py",
+        "--objective",
+        "kd",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--no-switch",
+        "--assets",
+        str(assets),
+        "--json",
+        str(js),
+        "--workdir",
+        str(tmp_path / "work"),
+        cwd=tmp_path,
+        fork_python=True,
+    )
     figures = json.loads(js.read_text())
     # stock divides its gradients by the tokens again: step 1, before any update, is float32-equal, step 2 close
     loss = figures["same_computation"]["loss"]
@@ -148,8 +250,23 @@ def test_recipe_vs_torchtune_kd(tmp_path: Path, assets: Path) -> None:
 @pytest.mark.multiprocess
 def test_step_overhead(tmp_path: Path, assets: Path) -> None:
     js = tmp_path / "overhead.json"
-    script("step_overhead.py", "--steps", "1", "--warmup", "1", "--repeats", "1", "--settings", "none,stop",
-           "--assets", str(assets), "--json", str(js), cwd=tmp_path, fork_python=True)
+    script(
+        "step_overhead.py",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--repeats",
+        "1",
+        "--settings",
+        "none,stop",
+        "--assets",
+        str(assets),
+        "--json",
+        str(js),
+        cwd=tmp_path,
+        fork_python=True,
+    )
     figures = json.loads(js.read_text())
     assert set(figures["speeds"]) == {"none", "stop"}
     assert figures["collectives"]["stop"][0] == figures["collectives"]["none"][0] + 1  # the stop agreement's one
@@ -168,15 +285,19 @@ def test_largest_fit_doubles_then_bisects_within_its_trials() -> None:
     spec = importlib.util.spec_from_file_location("bench_common", BENCHMARKS / "common.py")
     common = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(common)
-    assert common.largest_fit(lambda size: size <= 37, 16) == (37, 38, ["16", "32", "64x", "48x", "40x", "36",
-                                                                       "38x", "37"])
+    assert common.largest_fit(lambda size: size <= 37, 16) == (
+        37,
+        38,
+        ["16", "32", "64x", "48x", "40x", "36", "38x", "37"],
+    )
     assert common.largest_fit(lambda size: size <= 37, 16, trials=2) == (32, None, ["16", "32"])
     assert common.largest_fit(lambda size: False, 8) == (0, 1, ["8x", "4x", "2x", "1x"])
 
 
 @pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16"]), ("dpo", 8, []), ("kd", 16, [])])
-def test_profiler_whole_process_limit(tmp_path: Path, assets: Path, objective: str, start: int,
-                                      trials: list[str]) -> None:
+def test_profiler_whole_process_limit(
+    tmp_path: Path, assets: Path, objective: str, start: int, trials: list[str]
+) -> None:
     js = tmp_path / "limit.json"
     # 0.33 GiB above what a fresh process has mapped once it has imported the recipe, measured by the script in the
     # same run (1.92 GiB with torch 2.13's CPU build, 4.6 GiB with PyPI's CUDA build of 2.14.1: a constant limit
@@ -186,9 +307,26 @@ def test_profiler_whole_process_limit(tmp_path: Path, assets: Path, objective: s
     # (test_largest_fit_doubles_then_bisects_within_its_trials). DPO and KD: none, the profiled run alone; its
     # trials are the fresh process's trial steps (Trainer.trial_step), and it must run 8 pairs (about 130 MiB) and
     # 16 samples with the tiny_kd teacher (about 120 MiB) as that process would
-    script("profiler_whole_process_limit.py", "--objective", objective, "--above-import-gib", "0.33", "--start",
-           str(start), "--fresh-trials", str(len(trials)), "--repeats", "1", "--launchers", "python", "--assets",
-           str(assets), "--json", str(js), cwd=tmp_path)
+    script(
+        "profiler_whole_process_limit.py",
+        "--objective",
+        objective,
+        "--above-import-gib",
+        "0.33",
+        "--start",
+        str(start),
+        "--fresh-trials",
+        str(len(trials)),
+        "--repeats",
+        "1",
+        "--launchers",
+        "python",
+        "--assets",
+        str(assets),
+        "--json",
+        str(js),
+        cwd=tmp_path,
+    )
     result = json.loads(js.read_text())
     (run,) = result["runs"]
     assert result["import_gib"] > 1 and result["limit_gib"] == pytest.approx(result["import_gib"] + 0.33, abs=0.002)
@@ -198,8 +336,20 @@ def test_profiler_whole_process_limit(tmp_path: Path, assets: Path, objective: s
 
 def test_profiler_vs_peers(tmp_path: Path) -> None:
     js = tmp_path / "peers.json"
-    script("profiler_vs_peers.py", "--methods", "ours", "--room", "0.3", "--seq-len", "32", "--epoch-time-cap", "1",
-           "--json", str(js), cwd=tmp_path)
+    script(
+        "profiler_vs_peers.py",
+        "--methods",
+        "ours",
+        "--room",
+        "0.3",
+        "--seq-len",
+        "32",
+        "--epoch-time-cap",
+        "1",
+        "--json",
+        str(js),
+        cwd=tmp_path,
+    )
     ours = json.loads(js.read_text())["rows"][0]
     assert ours["method"].startswith("ours") and ours["found"] >= 1 and ours["trial_steps"] >= 1
 

@@ -6,7 +6,6 @@ import math
 import resource
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Optional
 
 import pytest
 import torch
@@ -22,8 +21,7 @@ CPU = torch.device("cpu")
 @pytest.fixture(autouse=True)
 def no_address_space_limit(monkeypatch: pytest.MonkeyPatch) -> None:
     """The real rlimit of the test process must not leak into the fake hosts."""
-    monkeypatch.setattr(resource, "getrlimit",
-                        lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    monkeypatch.setattr(resource, "getrlimit", lambda which: (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
 
 
 def write(root: Path, relative: str, text: str) -> None:
@@ -32,14 +30,26 @@ def write(root: Path, relative: str, text: str) -> None:
     path.write_text(text)
 
 
-def fake_host(root: Path, *, vm_size: int = 2 * GIB, available: int = 64 * GIB,
-              cgroup: str = "0::/\n", v2: Optional[dict[str, tuple[str, int]]] = None,
-              v1: Optional[dict[str, tuple[int, int]]] = None) -> Path:
+def fake_host(
+    root: Path,
+    *,
+    vm_size: int = 2 * GIB,
+    available: int = 64 * GIB,
+    cgroup: str = "0::/\n",
+    v2: dict[str, tuple[str, int]] | None = None,
+    v1: dict[str, tuple[int, int]] | None = None,
+) -> Path:
     """A fake /proc and /sys/fs/cgroup: ``v2`` maps a cgroup dir to (memory.max, memory.current)."""
-    write(root, "proc/self/status", f"Name:\tpython\nVmPeak:\t{vm_size // 1024 + 10} kB\n"
-                                    f"VmSize:\t{vm_size // 1024} kB\nVmRSS:\t1000 kB\n")
-    write(root, "proc/meminfo", f"MemTotal:       {128 * GIB // 1024} kB\nMemFree:        1000 kB\n"
-                                f"MemAvailable:   {available // 1024} kB\n")
+    write(
+        root,
+        "proc/self/status",
+        f"Name:\tpython\nVmPeak:\t{vm_size // 1024 + 10} kB\nVmSize:\t{vm_size // 1024} kB\nVmRSS:\t1000 kB\n",
+    )
+    write(
+        root,
+        "proc/meminfo",
+        f"MemTotal:       {128 * GIB // 1024} kB\nMemFree:        1000 kB\nMemAvailable:   {available // 1024} kB\n",
+    )
     write(root, "proc/self/cgroup", cgroup)
     if v2 is not None:
         write(root, "sys/fs/cgroup/cgroup.controllers", "cpu io memory pids\n")
@@ -58,10 +68,18 @@ def set_address_space_limit(monkeypatch: pytest.MonkeyPatch, soft: int) -> None:
 
 # --- explicit -----------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("explicit, expected", [
-    ("12GiB", 12 * GIB), ("500MB", 500 * 10**6), ("1.5GiB", int(1.5 * GIB)), ("64 MiB", 64 * MIB),
-    (1073741824, GIB), ("2048", 2048),
-])
+
+@pytest.mark.parametrize(
+    "explicit, expected",
+    [
+        ("12GiB", 12 * GIB),
+        ("500MB", 500 * 10**6),
+        ("1.5GiB", int(1.5 * GIB)),
+        ("64 MiB", 64 * MIB),
+        (1073741824, GIB),
+        ("2048", 2048),
+    ],
+)
 def test_explicit_budget_is_taken_as_is(explicit: str | int, expected: int) -> None:
     budget = memory_budget(CPU, explicit=explicit, fraction=0.5, live_tensor_bytes=GIB)
     assert budget == Budget(expected, f"explicit adaptive_batching.memory_budget={explicit}")
@@ -91,6 +109,7 @@ def test_fraction_outside_zero_one_names_the_key(fraction: object) -> None:
 
 # --- CUDA ---------------------------------------------------------------------------------------
 
+
 @pytest.fixture
 def fake_cuda(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """An 80 GiB device capped at half by set_per_process_memory_fraction; records the queried indices."""
@@ -116,8 +135,9 @@ def test_cuda_budget_is_total_times_per_process_fraction_times_fraction(fake_cud
     budget = memory_budget(torch.device("cuda", 1), explicit=None, fraction=0.9, live_tensor_bytes=5 * GIB)
     assert budget.bytes == int(80 * GIB * 0.5 * 0.9)
     assert fake_cuda == [1, 1]
-    assert budget.source == ("cuda:1 (NVIDIA H100 80GB HBM3) 80.0 GiB x per-process fraction 0.50 "
-                             "x memory_fraction 0.90")
+    assert budget.source == (
+        "cuda:1 (NVIDIA H100 80GB HBM3) 80.0 GiB x per-process fraction 0.50 x memory_fraction 0.90"
+    )
 
 
 def test_cuda_without_an_index_uses_the_current_device(fake_cuda: list[int]) -> None:
@@ -128,7 +148,8 @@ def test_cuda_without_an_index_uses_the_current_device(fake_cuda: list[int]) -> 
 
 
 def test_cuda_without_the_per_process_fraction_api_counts_it_as_one(
-        fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.delattr(torch.cuda, "get_per_process_memory_fraction")
     monkeypatch.delattr(torch.cuda.memory, "get_per_process_memory_fraction")
     budget = memory_budget(torch.device("cuda", 0), explicit=None, fraction=0.5)
@@ -137,8 +158,9 @@ def test_cuda_without_the_per_process_fraction_api_counts_it_as_one(
 
 
 @pytest.mark.parametrize("free_gib, reserved_gib, expected_gib", [(30, 2, 32), (80, 0, 40), (10, 35, 40)])
-def test_cuda_budget_counts_what_other_processes_hold(fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch,
-                                                      free_gib: int, reserved_gib: int, expected_gib: int) -> None:
+def test_cuda_budget_counts_what_other_processes_hold(
+    fake_cuda: list[int], monkeypatch: pytest.MonkeyPatch, free_gib: int, reserved_gib: int, expected_gib: int
+) -> None:
     """The room is the free memory plus what this process's allocator already reserves, capped by the
     per-process fraction (half of 80 GiB here): another job holding 48 GiB leaves 32."""
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda index: (free_gib * GIB, 80 * GIB))
@@ -174,22 +196,29 @@ def test_device_without_a_memory_api_asks_for_an_explicit_budget() -> None:
 
 # --- CPU ----------------------------------------------------------------------------------------
 
+
 def test_meminfo_binds_without_other_limits(tmp_path: Path) -> None:
     root = fake_host(tmp_path, available=6 * GIB)
     assert cpu_room_bytes(root=root) == (6 * GIB, "MemAvailable")
 
 
 def test_cgroup_v2_limit_binds(tmp_path: Path) -> None:
-    root = fake_host(tmp_path, cgroup="0::/user.slice/job.scope\n",
-                     v2={"user.slice": ("max", 30 * GIB), "user.slice/job.scope": (str(4 * GIB), GIB)})
+    root = fake_host(
+        tmp_path,
+        cgroup="0::/user.slice/job.scope\n",
+        v2={"user.slice": ("max", 30 * GIB), "user.slice/job.scope": (str(4 * GIB), GIB)},
+    )
     room, source = cpu_room_bytes(root=root)
     assert room == 3 * GIB
     assert source == "cgroup v2 memory.max of /sys/fs/cgroup/user.slice/job.scope"
 
 
 def test_an_ancestor_cgroup_limit_binds_too(tmp_path: Path) -> None:
-    root = fake_host(tmp_path, cgroup="0::/user.slice/job.scope\n",
-                     v2={"user.slice": (str(10 * GIB), 9 * GIB), "user.slice/job.scope": (str(4 * GIB), GIB)})
+    root = fake_host(
+        tmp_path,
+        cgroup="0::/user.slice/job.scope\n",
+        v2={"user.slice": (str(10 * GIB), 9 * GIB), "user.slice/job.scope": (str(4 * GIB), GIB)},
+    )
     assert cpu_room_bytes(root=root) == (GIB, "cgroup v2 memory.max of /sys/fs/cgroup/user.slice")
 
 
@@ -205,11 +234,13 @@ def test_container_cgroup_is_the_mount_itself_when_the_host_path_is_absent(tmp_p
 
 def test_cgroup_v1_limit_binds_and_its_no_limit_value_is_ignored(tmp_path: Path) -> None:
     cgroup = "5:cpu,cpuacct:/\n4:memory:/docker/abc\n0::/\n"
-    root = fake_host(tmp_path, cgroup=cgroup, v1={"docker": (9223372036854771712, 50 * GIB),
-                                                   "docker/abc": (3 * GIB, GIB)})
+    root = fake_host(
+        tmp_path, cgroup=cgroup, v1={"docker": (9223372036854771712, 50 * GIB), "docker/abc": (3 * GIB, GIB)}
+    )
     assert cpu_room_bytes(root=root) == (2 * GIB, "cgroup v1 memory.limit_in_bytes of /sys/fs/cgroup/memory/docker/abc")
-    unlimited = fake_host(tmp_path / "unlimited", cgroup=cgroup, available=5 * GIB,
-                          v1={"docker/abc": (9223372036854771712, GIB)})
+    unlimited = fake_host(
+        tmp_path / "unlimited", cgroup=cgroup, available=5 * GIB, v1={"docker/abc": (9223372036854771712, GIB)}
+    )
     assert cpu_room_bytes(root=unlimited) == (5 * GIB, "MemAvailable")
 
 
@@ -245,6 +276,7 @@ def test_cpu_budget_on_this_host_is_positive() -> None:
 
 # --- ranks on one host ---------------------------------------------------------------------------
 
+
 def test_ranks_on_one_host_share_its_memory(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Each of the host's ranks gets its share of what the host has left, and the source says so; what one rank
     already holds (its live tensors) is its own."""
@@ -252,17 +284,22 @@ def test_ranks_on_one_host_share_its_memory(tmp_path: Path, monkeypatch: pytest.
     assert cpu_room_bytes(root=root, ranks_on_host=2) == (4 * GIB, "MemAvailable 8.0 GiB / 2 ranks on this host")
     budget = memory_budget(CPU, explicit=None, fraction=0.75, live_tensor_bytes=GIB, ranks_on_host=4, root=root)
     assert budget.bytes == GIB + int(2 * GIB * 0.75)
-    assert budget.source == ("CPU: MemAvailable 8.0 GiB / 4 ranks on this host leaves 2.0 GiB, x memory_fraction "
-                             "0.75, + 1.0 GiB live tensors")
+    assert budget.source == (
+        "CPU: MemAvailable 8.0 GiB / 4 ranks on this host leaves 2.0 GiB, x memory_fraction "
+        "0.75, + 1.0 GiB live tensors"
+    )
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # torchrun's, when not given
     assert memory_budget(CPU, explicit=None, fraction=1.0, root=root).bytes == 4 * GIB
 
 
 def test_a_cgroup_is_shared_by_the_hosts_ranks_and_the_address_space_limit_is_not(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     root = fake_host(tmp_path, vm_size=GIB, available=64 * GIB, cgroup="0::/job\n", v2={"job": (str(9 * GIB), GIB)})
     assert cpu_room_bytes(root=root, ranks_on_host=2) == (
-        4 * GIB, "cgroup v2 memory.max of /sys/fs/cgroup/job 8.0 GiB / 2 ranks on this host")
+        4 * GIB,
+        "cgroup v2 memory.max of /sys/fs/cgroup/job 8.0 GiB / 2 ranks on this host",
+    )
     set_address_space_limit(monkeypatch, 4 * GIB)  # 3 GiB of room, this process's own: not divided
     assert cpu_room_bytes(root=root, ranks_on_host=2) == (3 * GIB, "address-space limit (RLIMIT_AS)")
 

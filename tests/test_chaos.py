@@ -24,7 +24,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
 
 import pytest
 from recipe_runs import run_command, unclean_exit
@@ -66,8 +65,12 @@ def stops_of_ranks(result: subprocess.CompletedProcess) -> tuple[set[int], list[
     """Under torchrun: the steps the ranks stopped after, and for each rank that received the signal, how many
     steps after the one by whose end it saw it."""
     stops = {int(n) for n in re.findall(r"stopped after optimizer step (\d+)", result.stderr)}
-    lags = [int(stop) - int(seen) for seen, stop in re.findall(
-        r"received by the end of optimizer step (\d+); stopped after optimizer step (\d+)", result.stderr)]
+    lags = [
+        int(stop) - int(seen)
+        for seen, stop in re.findall(
+            r"received by the end of optimizer step (\d+); stopped after optimizer step (\d+)", result.stderr
+        )
+    ]
     return stops, lags
 
 
@@ -89,7 +92,7 @@ class Faults(chaos.Fault):
     """Two faults in one run, on one rank: this one (its kind decides torchrun's restarts), then ``then``; a
     torchrun restart runs without the first (tests/faulty_run.py), so ``then`` must come later or in the restart."""
 
-    then: Optional[chaos.Fault] = None
+    then: chaos.Fault | None = None
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -108,12 +111,17 @@ class Faults(chaos.Fault):
 # ranks from the save of step 6, which holds the retried step.
 # kill_in_save+worker_sigusr1: rank 0 is killed inside the second save (of step 6); torchrun restarts both ranks
 # from the save of step 3, and in that attempt rank 1 gets SIGUSR1 after step 8: the ranks save and exit 75.
-@pytest.mark.parametrize("fault", [
-    Faults("kill9", 8, 0, PLAN.save_every, then=chaos.Fault("oom", 6, 0, PLAN.save_every)),
-    Faults("kill_in_save", 3, 0, PLAN.save_every, then=chaos.Fault("worker_sigusr1", 8, 1, PLAN.save_every)),
-], ids=lambda fault: "+".join(fault.kinds))
+@pytest.mark.parametrize(
+    "fault",
+    [
+        Faults("kill9", 8, 0, PLAN.save_every, then=chaos.Fault("oom", 6, 0, PLAN.save_every)),
+        Faults("kill_in_save", 3, 0, PLAN.save_every, then=chaos.Fault("worker_sigusr1", 8, 1, PLAN.save_every)),
+    ],
+    ids=lambda fault: "+".join(fault.kinds),
+)
 def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses(
-        fault: Faults, reference: dict[int, str], assets: Path, runs: Path) -> None:
+    fault: Faults, reference: dict[int, str], assets: Path, runs: Path
+) -> None:
     name = "+".join(fault.kinds)
     outcome = chaos.chaos_run(fault, runs / name, assets, PLAN, reference, runner=forked)
     assert outcome.problems == []
@@ -130,8 +138,10 @@ def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losse
     else:
         assert outcome.pieces == [0]  # restarted by torchrun, the OOM retried in place before
     if "oom" in fault.kinds:
-        assert "Out of memory in the optimizer step of optimizer step 6: memory released, the optimizer step " \
-               "retried with the same gradients" in first.stdout + first.stderr
+        assert (
+            "Out of memory in the optimizer step of optimizer step 6: memory released, the optimizer step "
+            "retried with the same gradients" in first.stdout + first.stderr
+        )
     if "kill9" in fault.kinds:
         assert outcome.redone >= 1  # the steps after the last save trained again, with the same losses
         # rank 0 killed after step 8: torchrun restarts both ranks, which resume from the save of step 6 by themselves
@@ -149,13 +159,13 @@ def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losse
 # before it logs it; torchrun restarts both ranks from the save of step 3, and step 4 is trained and logged again.
 # QAT's fake quantization switches on after step 4 (a third of the steps), so the restart trains step 4 without it
 # and step 5 with it, as the uninterrupted run.
-OBJECTIVE_PLANS = {name: chaos.Plan(samples=48, save_every=3, objective=name)
-                   for name in ("lora_dpo", "full_dpo", "kd", "qat")}
+OBJECTIVE_PLANS = {
+    name: chaos.Plan(samples=48, save_every=3, objective=name) for name in ("lora_dpo", "full_dpo", "kd", "qat")
+}
 
 
 @pytest.mark.parametrize("objective", OBJECTIVE_PLANS)
-def test_each_objective_resumes_a_kill_with_the_uninterrupted_losses(objective: str, assets: Path,
-                                                                     runs: Path) -> None:
+def test_each_objective_resumes_a_kill_with_the_uninterrupted_losses(objective: str, assets: Path, runs: Path) -> None:
     plan = OBJECTIVE_PLANS[objective]
     reference = chaos.reference_losses(runs / f"reference-{objective}", assets, plan, runner=forked)
     assert sorted(reference) == list(range(1, plan.steps + 1))
@@ -163,8 +173,10 @@ def test_each_objective_resumes_a_kill_with_the_uninterrupted_losses(objective: 
     outcome = chaos.chaos_run(fault, runs / objective, assets, plan, reference, runner=forked)
     assert outcome.problems == [] and outcome.pieces == [0] and outcome.redone == 1  # step 4, trained again
     piece = PIECES[objective][0].stdout + PIECES[objective][0].stderr
-    assert "Out of memory in the optimizer step of optimizer step 5: memory released, the optimizer step " \
-           "retried with the same gradients" in piece
+    assert (
+        "Out of memory in the optimizer step of optimizer step 5: memory released, the optimizer step "
+        "retried with the same gradients" in piece
+    )
     assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", piece)
     assert "Rank 0: finished at optimizer step 12" in piece and "Rank 1: finished at optimizer step 12" in piece
     samples_once_per_epoch(runs, objective, 3, plan.samples)
@@ -187,15 +199,17 @@ def running(stat: str) -> bool:
     return now[19] == started and now[0] != "Z"
 
 
-def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(reference: dict[int, str], assets: Path,
-                                                             runs: Path) -> None:
+def test_a_killed_agent_leaves_no_worker_and_the_run_resumes(
+    reference: dict[int, str], assets: Path, runs: Path
+) -> None:
     """SIGKILL to the torchrun agent after step 5: its workers get the parent-death signal, save where they are and
     exit instead of training on as orphans. The resume is the benchmark's agent_sigterm run: SIGTERM to its agent two
     steps in, forwarded to both workers, which stop at one step, save and exit 75 (the agent 1). The next resume
     finishes: every step trained once, as the uninterrupted run, and every checkpoint loads after each piece."""
     out = runs / "orphans"
-    agent = chaos.launch(out, assets, PLAN, {"signal": "SIGKILL", "signal_at": 5, "to": "parent", "rank": 0},
-                         runner=forked)
+    agent = chaos.launch(
+        out, assets, PLAN, {"signal": "SIGKILL", "signal_at": 5, "to": "parent", "rank": 0}, runner=forked
+    )
     assert agent.returncode == -signal.SIGKILL
     workers = [path.read_text() for path in runs.glob("orphans-rank*-attempt0.pid")]
     assert len(workers) == 2

@@ -11,8 +11,9 @@ import logging
 import multiprocessing
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -41,17 +42,23 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def checkpointer_cfg(assets: Path, out: Path, method: str = "full") -> DictConfig:
     """The shipped tiny config's checkpointer section, interpolations left in place."""
-    cfg = modified(OmegaConf.load(CONFIGS / f"tiny_{method}.yaml"),
-                   {"assets_dir": str(assets), "output_dir": str(out)})
+    cfg = modified(OmegaConf.load(CONFIGS / f"tiny_{method}.yaml"), {"assets_dir": str(assets), "output_dir": str(out)})
     return cfg.checkpointer
 
 
 def full_state(base: dict[str, torch.Tensor], step: int, epochs_run: int = 0) -> dict[str, Any]:
     """A full fine-tune checkpoint whose weights and recipe state both encode ``step``."""
     state: dict[str, Any] = {training.MODEL_KEY: {k: v + 0.001 * step for k, v in base.items()}}
-    state.update(recipe_state(seed=7, epochs_run=epochs_run, total_epochs=3, max_steps_per_epoch=None,
-                              optimizer_state={"state": {}, "param_groups": [{"lr": 0.1 * step}]},
-                              adaptive_state={"global_step": step, "step_in_epoch": 0}))
+    state.update(
+        recipe_state(
+            seed=7,
+            epochs_run=epochs_run,
+            total_epochs=3,
+            max_steps_per_epoch=None,
+            optimizer_state={"state": {}, "param_groups": [{"lr": 0.1 * step}]},
+            adaptive_state={"global_step": step, "step_in_epoch": 0},
+        )
+    )
     return state
 
 
@@ -64,8 +71,9 @@ def save_full(cfg: DictConfig, step: int, epoch: int = 0) -> tuple[Path, dict[st
     checkpointer, loaded = load_checkpoint(cfg, resume=False)
     state = full_state(loaded[training.MODEL_KEY], step, epochs_run=epoch)
     expected = {k: v.clone() for k, v in state[training.MODEL_KEY].items()}
-    folder = save_checkpoint_atomically(checkpointer, state, epoch=epoch, adapter_only=False,
-                                        record=record(step, epoch))
+    folder = save_checkpoint_atomically(
+        checkpointer, state, epoch=epoch, adapter_only=False, record=record(step, epoch)
+    )
     return folder, expected
 
 
@@ -110,8 +118,9 @@ def test_a_full_save_resumes_to_its_weights_and_recipe_state(assets: Path, tmp_p
 
 
 @pytest.mark.parametrize("adapter_only", [False, True])
-def test_a_lora_save_resumes_to_its_adapter_over_the_base_weights(assets: Path, tmp_path: Path,
-                                                                   adapter_only: bool) -> None:
+def test_a_lora_save_resumes_to_its_adapter_over_the_base_weights(
+    assets: Path, tmp_path: Path, adapter_only: bool
+) -> None:
     from adaptive_batching.training.methods import LoRAFinetune
 
     out = tmp_path / "run"
@@ -119,8 +128,13 @@ def test_a_lora_save_resumes_to_its_adapter_over_the_base_weights(assets: Path, 
     model_cfg = OmegaConf.load(CONFIGS / "tiny_lora.yaml").model
     checkpointer, loaded = load_checkpoint(cfg, resume=False)
     base = loaded[training.MODEL_KEY]
-    model = lora_llama3(list(model_cfg.lora_attn_modules), apply_lora_to_mlp=model_cfg.apply_lora_to_mlp,
-                        lora_rank=model_cfg.lora_rank, lora_alpha=model_cfg.lora_alpha, **TINY_MODEL_ARGS)
+    model = lora_llama3(
+        list(model_cfg.lora_attn_modules),
+        apply_lora_to_mlp=model_cfg.apply_lora_to_mlp,
+        lora_rank=model_cfg.lora_rank,
+        lora_alpha=model_cfg.lora_alpha,
+        **TINY_MODEL_ARGS,
+    )
     model.load_state_dict(base, strict=False)
     method = LoRAFinetune(model_cfg, save_adapter_weights_only=adapter_only)
     method.configure(model)
@@ -159,7 +173,8 @@ def test_the_end_of_epoch_save_replaces_the_one_inside_the_epoch(assets: Path, t
 
 
 def test_the_largest_step_wins_over_a_higher_epoch_number_and_ties_go_to_the_higher_number(
-        assets: Path, tmp_path: Path) -> None:
+    assets: Path, tmp_path: Path
+) -> None:
     out = tmp_path / "run"
     cfg = checkpointer_cfg(assets, out)
     save_full(cfg, step=4, epoch=2)
@@ -170,8 +185,9 @@ def test_the_largest_step_wins_over_a_higher_epoch_number_and_ties_go_to_the_hig
     assert latest_complete_checkpoint(out) == out / "epoch_3"
 
 
-def test_incomplete_folders_are_skipped_with_a_warning_naming_them(assets: Path, tmp_path: Path,
-                                                                  caplog: pytest.LogCaptureFixture) -> None:
+def test_incomplete_folders_are_skipped_with_a_warning_naming_them(
+    assets: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     out = tmp_path / "run"
     cfg = checkpointer_cfg(assets, out)
     _, weights = save_full(cfg, step=5, epoch=0)
@@ -215,8 +231,9 @@ def test_a_failed_save_leaves_nothing_and_restores_the_output_dir(assets: Path, 
     save_full(cfg, step=5)
     checkpointer, loaded = load_checkpoint(cfg, resume=False)
     with pytest.raises(ValueError, match="Adapter checkpoint not found"):
-        save_checkpoint_atomically(checkpointer, full_state(loaded[training.MODEL_KEY], 8), epoch=0,
-                                   adapter_only=True, record=record(8))
+        save_checkpoint_atomically(
+            checkpointer, full_state(loaded[training.MODEL_KEY], 8), epoch=0, adapter_only=True, record=record(8)
+        )
     assert checkpointer._output_dir == out
     assert hidden_leftovers(out) == []
     assert json.loads((out / "epoch_0" / "checkpoint.json").read_text())["global_step"] == 5
@@ -308,18 +325,22 @@ checkpointing.save_checkpoint_atomically(checkpointer, state, epoch=int(epoch), 
 """
 
 
-@pytest.mark.parametrize("stage,epoch,survivor", [
-    ("weights", 0, 5),
-    ("marker", 0, 5),
-    ("swap", 0, 8),
-    ("aside", 0, 8),
-    ("cleanup", 0, 8),
-    ("weights", 1, 5),
-    ("marker", 1, 5),
-])
+@pytest.mark.parametrize(
+    "stage,epoch,survivor",
+    [
+        ("weights", 0, 5),
+        ("marker", 0, 5),
+        ("swap", 0, 8),
+        ("aside", 0, 8),
+        ("cleanup", 0, 8),
+        ("weights", 1, 5),
+        ("marker", 1, 5),
+    ],
+)
 @pytest.mark.e2e
-def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path, tmp_path: Path, stage: str,
-                                                                     epoch: int, survivor: int) -> None:
+def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(
+    assets: Path, tmp_path: Path, stage: str, epoch: int, survivor: int
+) -> None:
     """Killed before its marker, a save is lost and the previous one loads; once marked, it wins."""
     out = tmp_path / "run"
     cfg = checkpointer_cfg(assets, out)
@@ -331,8 +352,19 @@ def test_a_kill_at_any_stage_of_a_save_leaves_a_complete_checkpoint(assets: Path
     OmegaConf.save(OmegaConf.create(OmegaConf.to_container(cfg, resolve=True)), tmp_path / "checkpointer.yaml")
 
     (tmp_path / "kill_save.py").write_text(CHILD)
-    child = run_command("script", [str(tmp_path / "kill_save.py"), stage, str(tmp_path / "checkpointer.yaml"),
-                                   str(tmp_path / "state.pt"), str(epoch), "8"], cwd=tmp_path, timeout=300)
+    child = run_command(
+        "script",
+        [
+            str(tmp_path / "kill_save.py"),
+            stage,
+            str(tmp_path / "checkpointer.yaml"),
+            str(tmp_path / "state.pt"),
+            str(epoch),
+            "8",
+        ],
+        cwd=tmp_path,
+        timeout=300,
+    )
     assert child.returncode == 17, child.stderr[-3000:]
     assert hidden_leftovers(out), "the kill should leave a save under way behind"
 
@@ -379,11 +411,16 @@ def state_on(*, ranks: int, step_in_epoch: int) -> dict[str, Any]:
     """The adaptive state's entries check_resumable_on reads, as this version writes them."""
     from adaptive_batching.training.state import STATE_VERSION
 
-    return {"version": STATE_VERSION, "progress": {"global_step": 7, "epoch": 1, "step_in_epoch": step_in_epoch},
-            "feed": {"ranks": ranks}}
+    return {
+        "version": STATE_VERSION,
+        "progress": {"global_step": 7, "epoch": 1, "step_in_epoch": step_in_epoch},
+        "feed": {"ranks": ranks},
+    }
 
 
-def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ranks(said: Callable[[], list[str]]) -> None:
+def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ranks(
+    said: Callable[[], list[str]],
+) -> None:
     from adaptive_batching.errors import ConfigError
     from adaptive_batching.training.state import check_resumable_on
 
@@ -391,21 +428,30 @@ def test_a_run_saved_inside_an_epoch_resumes_there_only_on_its_own_number_of_ran
     check_resumable_on(inside, 2, elastic=False)  # the same ranks: nothing to say
     check_resumable_on(inside, 1, elastic=True)  # elastic: the feed keeps the global batch
     assert said() == []
-    with pytest.raises(ConfigError, match=r"saved inside epoch 2 on 2 rank\(s\); resume it on 2 rank\(s\) "
-                                          r"\(tune run --nproc_per_node 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"saved inside epoch 2 on 2 rank\(s\); resume it on 2 rank\(s\) "
+        r"\(tune run --nproc_per_node 2",
+    ):
         check_resumable_on(inside, 1, elastic=False)
     at_the_end = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: state_on(ranks=2, step_in_epoch=0)}
     check_resumable_on(at_the_end, 4, elastic=False)
-    assert said() == ["Resuming on 4 rank(s) instead of 2: the global batch follows the ranks (batch_size x "
-                    "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks"]
+    assert said() == [
+        "Resuming on 4 rank(s) instead of 2: the global batch follows the ranks (batch_size x "
+        "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks"
+    ]
 
 
 def test_a_state_in_another_format_version_is_refused_before_the_ranks_are_checked() -> None:
     from adaptive_batching.errors import ConfigError
     from adaptive_batching.training.state import STATE_VERSION, check_resumable_on
 
-    older = {"epochs_run": 1, checkpointing.ADAPTIVE_KEY: {**state_on(ranks=2, step_in_epoch=3),
-                                                           "version": STATE_VERSION - 1}}
-    with pytest.raises(ConfigError, match=f"format version {STATE_VERSION - 1}, and this adaptive-batching reads "
-                                          f"version {STATE_VERSION} only"):
+    older = {
+        "epochs_run": 1,
+        checkpointing.ADAPTIVE_KEY: {**state_on(ranks=2, step_in_epoch=3), "version": STATE_VERSION - 1},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=f"format version {STATE_VERSION - 1}, and this adaptive-batching reads version {STATE_VERSION} only",
+    ):
         check_resumable_on(older, 2, elastic=False)

@@ -53,9 +53,17 @@ def _worker(rank: int, store: str, out_dir: str) -> None:
     shutdown(ParallelInfo(RANKS, rank, rank), together=True)
     after_destroy = backend_threads()
     left = release_destroyed_group()
-    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(
-        {"started": started, "after_destroy": after_destroy, "left": left, "now": backend_threads(),
-         "unfrozen": unfrozen}))
+    Path(out_dir, f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "started": started,
+                "after_destroy": after_destroy,
+                "left": left,
+                "now": backend_threads(),
+                "unfrozen": unfrozen,
+            }
+        )
+    )
 
 
 @pytest.mark.multiprocess

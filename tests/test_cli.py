@@ -7,7 +7,6 @@ import re
 import subprocess
 import sys
 import textwrap
-
 from pathlib import Path
 
 import pytest
@@ -52,7 +51,8 @@ def test_ls_lists_recipes_and_their_configs(capsys: pytest.CaptureFixture[str]) 
 
 
 def test_ls_names_torchtunes_configs_of_every_recipe_each_by_the_recipe_that_runs_it(
-        capsys: pytest.CaptureFixture[str]) -> None:
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """The footer: for each recipe, torchtune configs it runs by name (QLoRA and QAT among them), each in torchtune's
     registry and mapped to that recipe as ``adaptive-batching cp`` maps it."""
     from adaptive_batching.cli import recipe_for
@@ -63,8 +63,9 @@ def test_ls_names_torchtunes_configs_of_every_recipe_each_by_the_recipe_that_run
     named = {line.split()[0]: [name.strip() for name in line.split(None, 1)[1].split(",")] for line in footer}
     assert list(named) == list(RECIPES)
     stock = stock_configs()
-    assert {name: recipe_for(stock[name]) for names in named.values() for name in names} == \
-           {name: recipe for recipe, names in named.items() for name in names}
+    assert {name: recipe_for(stock[name]) for names in named.values() for name in names} == {
+        name: recipe for recipe, names in named.items() for name in names
+    }
     kinds = " ".join(name for names in named.values() for name in names)
     assert all(kind in kinds for kind in ("qlora", "qat_lora", "qat_full", "lora_dpo", "full_dpo", "KD"))
 
@@ -158,8 +159,10 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     # a run line for every recipe and QAT, each a shipped tiny config of that recipe, pointed at these assets
     runs = re.findall(r"^run: tune run (\S+) --config (\S+) assets_dir=(\S+)$", printed, flags=re.M)
     assert {recipe for recipe, _, _ in runs} == set(RECIPES) and "tiny_qat_lora" in {c for _, c, _ in runs}
-    assert all(recipe_for(shipped_configs_dir() / f"{config}.yaml") == recipe and root == str(out)
-               for recipe, config, root in runs)
+    assert all(
+        recipe_for(shipped_configs_dir() / f"{config}.yaml") == recipe and root == str(out)
+        for recipe, config, root in runs
+    )
 
 
 # Run in a fresh interpreter: pytest's own process has torch imported already.
@@ -186,18 +189,31 @@ def test_status_ls_and_cp_do_not_import_torch_torchtune_or_torchao(tmp_path: Pat
     epoch.mkdir(parents=True)
     (epoch / "recipe_state.pt").write_bytes(b"x")
     (epoch / "model-00001-of-00001.safetensors").write_bytes(b"yy")
-    (epoch / "checkpoint.json").write_text(json.dumps({
-        "complete": True, "global_step": 4, "epochs_run": 1, "total_epochs": 2,
-        "files": {"recipe_state.pt": 1, "model-00001-of-00001.safetensors": 2}}))
+    (epoch / "checkpoint.json").write_text(
+        json.dumps(
+            {
+                "complete": True,
+                "global_step": 4,
+                "epochs_run": 1,
+                "total_epochs": 2,
+                "files": {"recipe_state.pt": 1, "model-00001-of-00001.safetensors": 2},
+            }
+        )
+    )
     (tmp_path / "stopped").mkdir()
     copy = tmp_path / "copy.yaml"
-    done = subprocess.run([sys.executable, "-c", _LIGHT_COMMANDS, str(run), str(tmp_path / "stopped"), str(copy)],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", _LIGHT_COMMANDS, str(run), str(tmp_path / "stopped"), str(copy)],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     result = json.loads(done.stdout.splitlines()[-1])
     assert result["codes"] == [0, 0, 0, 0]
     lines = result["out"].splitlines()
-    assert lines[0] == (f"resumable: {epoch} (optimizer step 4, 1 of 2 epochs done); "
-                        "continue with resume_from_checkpoint=True")
+    assert lines[0] == (
+        f"resumable: {epoch} (optimizer step 4, 1 of 2 epochs done); continue with resume_from_checkpoint=True"
+    )
     assert lines[1].startswith("stopped: SIGTERM, before the first checkpoint")
     assert "tiny_full" in result["out"] and f"Copied tiny_full to {copy}" in result["out"]
     assert copy.read_bytes() == (shipped_configs_dir() / "tiny_full.yaml").read_bytes()
@@ -227,8 +243,20 @@ def test_plan_profiles_and_logs_the_plan_without_training(assets: Path, tmp_path
     from recipe_runs import check, run_command
 
     out = tmp_path / "run"
-    result = check(run_command("cli", ["plan", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}",
-                                       "adaptive_batching.memory_budget=96MiB"], cwd=tmp_path))  # trials 5x smaller than at 512 MiB
+    result = check(
+        run_command(
+            "cli",
+            [
+                "plan",
+                "--config",
+                "tiny_full",
+                f"assets_dir={assets}",
+                f"output_dir={out}",
+                "adaptive_batching.memory_budget=96MiB",
+            ],
+            cwd=tmp_path,
+        )
+    )  # trials 5x smaller than at 512 MiB
     output = result.stdout + result.stderr
     assert "largest micro batch that ran" in output and "Batch plan (micro batch" in output
     assert "Epoch 1/3" not in output and not list(out.glob("epoch_*"))  # not a step trained, nothing saved

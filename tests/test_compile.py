@@ -80,8 +80,11 @@ def test_the_micro_batch_is_unbacked_with_the_traced_size_as_its_hint(monkeypatc
     # Without a hint inductor cannot size the dimension and fuses less (on CPU, silu and its backward in two kernels
     # instead of one); the size traced is the hint a backed dimension would have had.
     seen: list[tuple[int, object]] = []
-    monkeypatch.setattr(torch._dynamo.decorators, "mark_unbacked",
-                        lambda t, index, **kwargs: seen.append((index, kwargs.get("hint_override"))))
+    monkeypatch.setattr(
+        torch._dynamo.decorators,
+        "mark_unbacked",
+        lambda t, index, **kwargs: seen.append((index, kwargs.get("hint_override"))),
+    )
     compiling._mark(torch.zeros(3, 5, 4))
     assert seen == [(0, 3)]
 
@@ -125,8 +128,9 @@ def test_this_torch_hints_a_mix_order_reduction_over_the_unbacked_micro_batch() 
         return graph.forward
 
     torch._dynamo.reset()
-    rms_norm = torch.compile(lambda x, w: torch.nn.functional.rms_norm(x, (x.size(-1),), w), backend=capture,
-                             fullgraph=True)
+    rms_norm = torch.compile(
+        lambda x, w: torch.nn.functional.rms_norm(x, (x.size(-1),), w), backend=capture, fullgraph=True
+    )
     rms_norm(compiling._mark(torch.randn(3, 5, 8)), torch.randn(8))
     torch._dynamo.reset()
     micro_batch, length, _ = sizes[0]
@@ -167,12 +171,25 @@ main()
 @pytest.mark.e2e
 def test_a_compiled_run_compiles_once_before_its_trials_and_never_again(tmp_path: Path, assets: Path) -> None:
     (tmp_path / "tune_logging_recompiles.py").write_text(TUNE_LOGGING_RECOMPILES)
-    result = run_command("script", [str(tmp_path / "tune_logging_recompiles.py"), "run", "adaptive_full_finetune",
-                                    "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}",
-                                    "compile=True", "epochs=2", "max_steps_per_epoch=2",
-                                    "adaptive_batching.memory_budget=128MiB",  # about 23 samples, not 98
-                                    f"adaptive_batching.cache_dir={tmp_path / 'cache'}"], cwd=tmp_path,
-                         env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager"))
+    result = run_command(
+        "script",
+        [
+            str(tmp_path / "tune_logging_recompiles.py"),
+            "run",
+            "adaptive_full_finetune",
+            "--config",
+            "tiny_full",
+            f"assets_dir={assets}",
+            f"output_dir={tmp_path / 'run'}",
+            "compile=True",
+            "epochs=2",
+            "max_steps_per_epoch=2",
+            "adaptive_batching.memory_budget=128MiB",  # about 23 samples, not 98
+            f"adaptive_batching.cache_dir={tmp_path / 'cache'}",
+        ],
+        cwd=tmp_path,
+        env=dict(os.environ, TORCH_COMPILE_BACKEND="aot_eager"),
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-3000:]
     assert "Profiler: compiled in" in output and "compiled before them in" in output

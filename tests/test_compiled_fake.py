@@ -8,7 +8,8 @@ cost nothing). ``torch.compile`` with inductor on the CPU decides the saved set 
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -25,15 +26,22 @@ from adaptive_batching.estimate.compiled import (
     partitioned_layers,
 )
 
-DIMS = dict(vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128, max_seq_len=64,
-            intermediate_dim=256)  # NF4 needs each weight's size divisible by 64 x 256
+DIMS = dict(
+    vocab_size=256, num_layers=2, num_heads=4, num_kv_heads=4, embed_dim=128, max_seq_len=64, intermediate_dim=256
+)  # NF4 needs each weight's size divisible by 64 x 256
 
 
 def _qlora() -> nn.Module:
     torch.manual_seed(0)
     with training.set_default_dtype(torch.bfloat16):
-        model = lora_llama3_2(lora_attn_modules=["q_proj", "v_proj", "output_proj"], apply_lora_to_mlp=True,
-                              lora_rank=8, lora_alpha=16, quantize_base=True, **DIMS)
+        model = lora_llama3_2(
+            lora_attn_modules=["q_proj", "v_proj", "output_proj"],
+            apply_lora_to_mlp=True,
+            lora_rank=8,
+            lora_alpha=16,
+            quantize_base=True,
+            **DIMS,
+        )
     set_trainable_params(model, get_adapter_params(model))
     return model
 
@@ -87,9 +95,11 @@ def qlora_saved() -> dict[str, int]:
     with fused_nf4_dequantization():
         fused = _saved_bytes(lambda: layer(x), _owned(layer))
     _saved_bytes(lambda: compiled(x), _owned(compiled))  # compiles
-    return {"eager": _saved_bytes(lambda: eager(x), _owned(eager)),
-            "inductor": _saved_bytes(lambda: compiled(x), _owned(compiled)),
-            "partitioned": fused}
+    return {
+        "eager": _saved_bytes(lambda: eager(x), _owned(eager)),
+        "inductor": _saved_bytes(lambda: compiled(x), _owned(compiled)),
+        "partitioned": fused,
+    }
 
 
 def test_a_partitioned_layer_saves_what_inductor_saves(qlora_saved: dict[str, int]) -> None:
@@ -120,8 +130,10 @@ def test_the_compiled_chunked_cross_entropy_saves_what_inductor_saves() -> None:
     _saved_bytes(run(inductor), [])  # compiles
     modelled, eager = CEWithChunkedOutputLoss(), CEWithChunkedOutputLoss()
     assert as_compiled(modelled)
-    saved = {name: _saved_bytes(run(fn), []) for name, fn in
-             [("inductor", inductor), ("modelled", modelled), ("eager", eager)]}
+    saved = {
+        name: _saved_bytes(run(fn), [])
+        for name, fn in [("inductor", inductor), ("modelled", modelled), ("eager", eager)]
+    }
     assert 0 <= saved["inductor"] - saved["modelled"] <= 8
     logits = labels.numel() * DIMS["vocab_size"]
     assert saved["eager"] >= 4 * logits > saved["modelled"] + logits  # float32 logits against bf16 ones

@@ -16,9 +16,13 @@ NAMED = re.compile(r"(?:_component_|batch_increase_function)[\"']?\s*[:=]\s*[\"'
 # Users' own modules in examples, not ours to resolve.
 USERS = ("my_module.", "my_growth.", "mypackage.")
 # The shipped growth functions, as adaptive_batching.growth exports them.
-GROWTH_FUNCTIONS = ("adaptive_batching.growth.geometric", "adaptive_batching.growth.linear_ramp",
-                   "adaptive_batching.growth.noise_scale", "adaptive_batching.growth.seesaw",
-                   "adaptive_batching.growth.step_increase")
+GROWTH_FUNCTIONS = (
+    "adaptive_batching.growth.geometric",
+    "adaptive_batching.growth.linear_ramp",
+    "adaptive_batching.growth.noise_scale",
+    "adaptive_batching.growth.seesaw",
+    "adaptive_batching.growth.step_increase",
+)
 
 
 def named_paths() -> dict[str, str]:
@@ -40,4 +44,6 @@ def test_the_pages_and_configs_name_components() -> None:
 
 @pytest.mark.parametrize("path", sorted(set(named_paths()) | set(GROWTH_FUNCTIONS)))
 def test_every_named_component_resolves(path: str) -> None:
-    assert callable(pydoc.locate(path)), f"{path} (named in {named_paths().get(path, 'adaptive_batching.growth')}) does not resolve"
+    assert callable(pydoc.locate(path)), (
+        f"{path} (named in {named_paths().get(path, 'adaptive_batching.growth')}) does not resolve"
+    )

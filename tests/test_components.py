@@ -33,8 +33,17 @@ class Numbers(Dataset):
 
 
 def epoch_order(seed: int, epoch: int, parallel: ParallelInfo = ParallelInfo(), micro_batch: int = 4) -> list[int]:
-    loader = build_dataloader(Numbers(64), micro_batch=micro_batch, accumulation=1, collate_fn=lambda b: b,
-                              parallel=parallel, shuffle=True, seed=seed, epoch=epoch, max_steps=None)
+    loader = build_dataloader(
+        Numbers(64),
+        micro_batch=micro_batch,
+        accumulation=1,
+        collate_fn=lambda b: b,
+        parallel=parallel,
+        shuffle=True,
+        seed=seed,
+        epoch=epoch,
+        max_steps=None,
+    )
     return [i for batch in loader for i in batch]
 
 
@@ -117,14 +126,18 @@ def test_the_library_never_imports_the_recipes() -> None:
     assert offenders == []
 
 
-@pytest.mark.parametrize("global_batch, ranks, cap, shape, note", [
-    (32, 1, 83, (32, 1), "covers it"),
-    (64, 2, 8, (8, 4), "divide evenly"),
-    (96, 1, 40, (32, 3), "largest divisor under it"),
-    (26, 2, 5, (1, 13), "largest divisor under it"),  # 13 per rank is prime
-])
+@pytest.mark.parametrize(
+    "global_batch, ranks, cap, shape, note",
+    [
+        (32, 1, 83, (32, 1), "covers it"),
+        (64, 2, 8, (8, 4), "divide evenly"),
+        (96, 1, 40, (32, 3), "largest divisor under it"),
+        (26, 2, 5, (1, 13), "largest divisor under it"),  # 13 per rank is prime
+    ],
+)
 def test_keeping_the_global_batch_takes_the_largest_even_micro_batch_that_fits(
-        global_batch: int, ranks: int, cap: int, shape: tuple[int, int], note: str) -> None:
+    global_batch: int, ranks: int, cap: int, shape: tuple[int, int], note: str
+) -> None:
     from adaptive_batching.batching.shape import shape_keeping_global_batch
 
     got, why = shape_keeping_global_batch(global_batch, ranks, cap)
@@ -145,14 +158,26 @@ def test_a_lora_model_with_activation_checkpointing_loads_base_weights() -> None
     cfg = OmegaConf.create({"_component_": "torchtune.models.llama3.lora_llama3", **lora, **TINY_MODEL_ARGS})
     base = llama3(**TINY_MODEL_ARGS).state_dict()
     method = LoRAFinetune(cfg, save_adapter_weights_only=False)
-    model = build_model(cfg, method, {training.MODEL_KEY: base}, device=torch.device("cpu"), dtype=torch.float32,
-                        parallel=ParallelInfo(), options=ModelOptions(activation_checkpointing=True))
+    model = build_model(
+        cfg,
+        method,
+        {training.MODEL_KEY: base},
+        device=torch.device("cpu"),
+        dtype=torch.float32,
+        parallel=ParallelInfo(),
+        options=ModelOptions(activation_checkpointing=True),
+    )
     wrapped = [name for name, _ in model.named_parameters() if "_checkpoint_wrapped_module" in name]
     assert wrapped and any("lora_a" in name for name in wrapped)
     loaded = {k.replace("_checkpoint_wrapped_module.", ""): v for k, v in model.state_dict().items()}
     assert all(torch.equal(loaded[k], v) for k, v in base.items())
     with pytest.raises(ConfigError, match="does not match the LoRA model"):
-        build_model(cfg, LoRAFinetune(cfg, save_adapter_weights_only=False),
-                    {training.MODEL_KEY: {k: v for k, v in base.items() if "q_proj" not in k}},
-                    device=torch.device("cpu"), dtype=torch.float32, parallel=ParallelInfo(),
-                    options=ModelOptions(activation_checkpointing=True))
+        build_model(
+            cfg,
+            LoRAFinetune(cfg, save_adapter_weights_only=False),
+            {training.MODEL_KEY: {k: v for k, v in base.items() if "q_proj" not in k}},
+            device=torch.device("cpu"),
+            dtype=torch.float32,
+            parallel=ParallelInfo(),
+            options=ModelOptions(activation_checkpointing=True),
+        )

@@ -16,15 +16,15 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import config_error_ranks
 import pytest
+from recipe_runs import run_command, tune_run
 
 from adaptive_batching.config import loading
 from adaptive_batching.faults.preemption import PARENT_DEATH
-from recipe_runs import run_command, tune_run
 
 HERE = Path(__file__).parent
 
@@ -53,9 +53,22 @@ def test_a_config_error_is_said_once_at_any_number_of_ranks(ranks: int, tmp_path
     said_once(user, "tune run")
     assert config_error_ranks.verdict(ranks, user, 0.0)["ok"]  # the benchmark's 20 runs judge as this test does
     for attempt in range(LATE_RUNS):
-        late = run_command("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
-                                      str(HERE / "late_rank_zero_run.py"), "1", "adaptive_full_dpo",
-                                      "--config", "tiny_full_dpo", BAD], cwd=tmp_path, timeout=300)
+        late = run_command(
+            "module",
+            [
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc_per_node={ranks}",
+                str(HERE / "late_rank_zero_run.py"),
+                "1",
+                "adaptive_full_dpo",
+                "--config",
+                "tiny_full_dpo",
+                BAD,
+            ],
+            cwd=tmp_path,
+            timeout=300,
+        )
         said_once(late, f"late rank zero, run {attempt}")
 
 

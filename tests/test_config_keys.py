@@ -21,8 +21,9 @@ from adaptive_batching.core.packages import NEEDS, PIP
 from adaptive_batching.training.objectives import objective_for
 
 
-@pytest.mark.parametrize("name", ["tiny_full", "tiny_lora", "llama3_2_1b", "llama3_2_1b_lora", "llama3_8b",
-                                  "llama3_8b_lora"])
+@pytest.mark.parametrize(
+    "name", ["tiny_full", "tiny_lora", "llama3_2_1b", "llama3_2_1b_lora", "llama3_8b", "llama3_8b_lora"]
+)
 def test_shipped_configs_have_no_unread_keys(name: str) -> None:
     assert check_top_level_keys(OmegaConf.load(CONFIGS / f"{name}.yaml")) == []
 
@@ -32,12 +33,15 @@ def test_interpolation_only_keys_are_used() -> None:
     assert "assets_dir" in interpolated_keys(cfg) and "output_dir" in interpolated_keys(cfg)
 
 
-@pytest.mark.parametrize("override, typo, meant", [
-    ("use_max_batch_size=True", "use_max_batch_size", "use_maximum_batch_size"),
-    ("batch_increase_fn=null", "batch_increase_fn", "batch_increase_function"),
-    ("lr_scale=linear", "lr_scale", "lr_scaling"),
-    ("adaptive_batch.memory_budget=1GiB", "adaptive_batch", "adaptive_batching"),
-])
+@pytest.mark.parametrize(
+    "override, typo, meant",
+    [
+        ("use_max_batch_size=True", "use_max_batch_size", "use_maximum_batch_size"),
+        ("batch_increase_fn=null", "batch_increase_fn", "batch_increase_function"),
+        ("lr_scale=linear", "lr_scale", "lr_scaling"),
+        ("adaptive_batch.memory_budget=1GiB", "adaptive_batch", "adaptive_batching"),
+    ],
+)
 def test_a_near_miss_of_our_keys_is_refused_naming_the_key_meant(override: str, typo: str, meant: str) -> None:
     cfg = load_config("tiny_full", [override])
     with pytest.raises(ConfigError) as info:
@@ -45,18 +49,21 @@ def test_a_near_miss_of_our_keys_is_refused_naming_the_key_meant(override: str, 
     assert f"'{typo}'" in str(info.value) and f"did you mean '{meant}'" in str(info.value)
 
 
-@pytest.mark.parametrize("override, typo, meant", [
-    ("save_every_n_step=5", "save_every_n_step", "save_every_n_steps"),
-    ("gradient_accumulation_step=2", "gradient_accumulation_step", "gradient_accumulation_steps"),
-    ("enable_activation_checkpoint=True", "enable_activation_checkpoint", "enable_activation_checkpointing"),
-    ("max_steps_per_epochs=3", "max_steps_per_epochs", "max_steps_per_epoch"),
-    ("epoch=2", "epoch", "epochs"),
-    ("optimiser.lr=0.1", "optimiser", "optimizer"),
-    ("clip_grad=1.0", "clip_grad", "clip_grad_norm"),
-    ("fsdp_cpu_offloading=True", "fsdp_cpu_offloading", "fsdp_cpu_offload"),
-    ("kd_ration=0.5", "kd_ration", "kd_ratio"),
-    ("quantiser._component_=x", "quantiser", "quantizer"),
-])
+@pytest.mark.parametrize(
+    "override, typo, meant",
+    [
+        ("save_every_n_step=5", "save_every_n_step", "save_every_n_steps"),
+        ("gradient_accumulation_step=2", "gradient_accumulation_step", "gradient_accumulation_steps"),
+        ("enable_activation_checkpoint=True", "enable_activation_checkpoint", "enable_activation_checkpointing"),
+        ("max_steps_per_epochs=3", "max_steps_per_epochs", "max_steps_per_epoch"),
+        ("epoch=2", "epoch", "epochs"),
+        ("optimiser.lr=0.1", "optimiser", "optimizer"),
+        ("clip_grad=1.0", "clip_grad", "clip_grad_norm"),
+        ("fsdp_cpu_offloading=True", "fsdp_cpu_offloading", "fsdp_cpu_offload"),
+        ("kd_ration=0.5", "kd_ration", "kd_ratio"),
+        ("quantiser._component_=x", "quantiser", "quantizer"),
+    ],
+)
 def test_a_near_miss_of_a_torchtune_key_is_refused_naming_the_key_meant(override: str, typo: str, meant: str) -> None:
     """One rule for every key, so a misspelt torchtune key no longer runs without what it asked for (before,
     ``save_every_n_step=5`` was listed as ignored and no mid-epoch checkpoint was written)."""
@@ -72,7 +79,9 @@ def test_a_plus_key_is_refused_naming_the_key_meant() -> None:
     assert "+adaptive_batching" in cfg
     with pytest.raises(ConfigError) as info:
         validate_config(cfg)
-    assert "'+adaptive_batching'" in str(info.value) and "write adaptive_batching.keep_global_batch=True (without the '+')" in str(info.value)
+    assert "'+adaptive_batching'" in str(
+        info.value
+    ) and "write adaptive_batching.keep_global_batch=True (without the '+')" in str(info.value)
 
 
 def test_other_unread_keys_get_one_warning_line(base_cfg: DictConfig, caplog: pytest.LogCaptureFixture) -> None:
@@ -89,8 +98,9 @@ def test_distant_keys_are_not_near_misses() -> None:
     assert meant_key("use_maximum_batch") == "use_maximum_batch_size"
 
 
-def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: DictConfig,
-                                                                      caplog: pytest.LogCaptureFixture) -> None:
+def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(
+    base_cfg: DictConfig, caplog: pytest.LogCaptureFixture
+) -> None:
     """``save_every_n_epochs`` is one letter from a near miss of ``save_every_n_steps``, but a key torchtune reads
     (these recipes save every epoch anyway); a training key set to null asks for nothing."""
     cfg = modified(base_cfg, {"save_every_n_epochs": 1, "ac_mode": "selective", "quantizer": None})
@@ -100,29 +110,44 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(base_cfg: 
     assert lines == ["config keys not read by the recipes (ignored): ac_mode, save_every_n_epochs"]
 
 
-@pytest.mark.parametrize("override, line", [
-    ("quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
-     "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks for quantizing a "
-     "trained model (post-training quantization), which adaptive_full_finetune does not do yet; use torchtune's "
-     "quantize"),
-    ("kd_ratio=0.5",
-     "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
-     "does not do; use adaptive_knowledge_distillation"),
-    ("loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
-     "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for knowledge "
-     "distillation from a teacher model, which adaptive_full_finetune does not do; use "
-     "adaptive_knowledge_distillation"),
-    ("loss._component_=torchtune.rlhf.loss.RSOLoss",
-     "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
-     "and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo"),
-    ("dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
-     "config key 'dataset._component_' = 'torchtune.datasets.hh_rlhf_helpful_dataset' asks for preference "
-     "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do; use "
-     "adaptive_full_dpo"),
-    ("layer_dropout.prob=0.1",
-     "config key 'layer_dropout' asks for early-exit training (layer dropout, an early-exit loss), which "
-     "adaptive_full_finetune does not do yet; use torchtune's dev/early_exit_finetune_distributed"),
-])
+@pytest.mark.parametrize(
+    "override, line",
+    [
+        (
+            "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
+            "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks for quantizing a "
+            "trained model (post-training quantization), which adaptive_full_finetune does not do yet; use torchtune's "
+            "quantize",
+        ),
+        (
+            "kd_ratio=0.5",
+            "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
+            "does not do; use adaptive_knowledge_distillation",
+        ),
+        (
+            "loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
+            "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for knowledge "
+            "distillation from a teacher model, which adaptive_full_finetune does not do; use "
+            "adaptive_knowledge_distillation",
+        ),
+        (
+            "loss._component_=torchtune.rlhf.loss.RSOLoss",
+            "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
+            "and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo",
+        ),
+        (
+            "dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
+            "config key 'dataset._component_' = 'torchtune.datasets.hh_rlhf_helpful_dataset' asks for preference "
+            "optimisation (DPO) on chosen and rejected answers, which adaptive_full_finetune does not do; use "
+            "adaptive_full_dpo",
+        ),
+        (
+            "layer_dropout.prob=0.1",
+            "config key 'layer_dropout' asks for early-exit training (layer dropout, an early-exit loss), which "
+            "adaptive_full_finetune does not do yet; use torchtune's dev/early_exit_finetune_distributed",
+        ),
+    ],
+)
 def test_a_key_that_asks_for_other_training_is_refused_before_any_model_loads(override: str, line: str) -> None:
     """Refused first, before the keys are checked for near misses (``teacher_checkpointer`` is one of
     ``checkpointer``); a DPO key names the DPO recipe for the model's kind (full here)."""
@@ -158,8 +183,9 @@ def page_quotes() -> dict[str, str]:
     return {line.split("'")[1]: line for line in lines}
 
 
-def test_the_keys_page_quotes_the_codes_own_lines(monkeypatch: pytest.MonkeyPatch, assets: Path,
-                                                  tmp_path: Path) -> None:
+def test_the_keys_page_quotes_the_codes_own_lines(
+    monkeypatch: pytest.MonkeyPatch, assets: Path, tmp_path: Path
+) -> None:
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else real(name, *a))
     quoted = page_quotes()
@@ -178,12 +204,12 @@ def test_the_keys_page_quotes_the_codes_own_lines(monkeypatch: pytest.MonkeyPatc
 
 def test_the_keys_page_tables_name_every_training_key_objective_and_package() -> None:
     text = PAGE.read_text(encoding="utf-8")
-    training = text[text.index("| keys (any value but null) |"):text.index("### Components and optional packages")]
+    training = text[text.index("| keys (any value but null) |") : text.index("### Components and optional packages")]
     spans = set(re.findall(r"`([^`]+)`", training))
     assert set(TRAINING_KEYS) <= spans
     assert {recipe for objective in OBJECTIVES.values() for recipe in objective.torchtune} <= spans
     assert all(objective.what in training for objective in OBJECTIVES.values())
     assert all(name in training for name in [*DATASETS, "DPOLoss", "RSOLoss", "PPOLoss", "ForwardKLLoss"])
-    packages = text[text.index("| package | needed by |"):text.index("## The torchtune keys the recipes read")]
+    packages = text[text.index("| package | needed by |") : text.index("## The torchtune keys the recipes read")]
     assert set(re.findall(r"^\| `(\w+)` \|", packages, flags=re.M)) == set(PIP)
     assert all(f"`{component}`" in packages for component in NEEDS)

@@ -81,11 +81,19 @@ def test_home_path_is_expanded(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     assert resolve_config("~/mine.yaml").resolve() == (tmp_path / "mine.yaml").resolve()
 
 
-@pytest.mark.parametrize("name, close", [("no_such_config", None), ("no_such_config.yaml", None),
-                                         ("sub/tiny_full", "tiny_full"), ("./missing.yaml", None),
-                                         ("tiny_lor", "tiny_lora")])
-def test_an_unknown_config_names_the_folder_and_close_names(name: str, close: str | None, tmp_path: Path,
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "name, close",
+    [
+        ("no_such_config", None),
+        ("no_such_config.yaml", None),
+        ("sub/tiny_full", "tiny_full"),
+        ("./missing.yaml", None),
+        ("tiny_lor", "tiny_lora"),
+    ],
+)
+def test_an_unknown_config_names_the_folder_and_close_names(
+    name: str, close: str | None, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.chdir(tmp_path)
     with pytest.raises(FileNotFoundError) as info:
         resolve_config(name)
@@ -104,8 +112,13 @@ def test_an_unknown_config_names_the_folder_and_close_names(name: str, close: st
 def test_resolve_config_argument_separate_value() -> None:
     argv = ["recipe.py", "--config", "tiny_full", "batch_size=3", "~lr_scheduler"]
     out = resolve_config_argument(argv)
-    assert out == ["recipe.py", "--config", str(shipped_configs_dir() / "tiny_full.yaml"), "batch_size=3",
-                   "~lr_scheduler"]
+    assert out == [
+        "recipe.py",
+        "--config",
+        str(shipped_configs_dir() / "tiny_full.yaml"),
+        "batch_size=3",
+        "~lr_scheduler",
+    ]
     assert argv[2] == "tiny_full"  # the input is not modified
 
 
@@ -153,8 +166,15 @@ def run_parse(monkeypatch: pytest.MonkeyPatch, argv: list[str], body: Any = None
 def test_parse_applies_overrides_and_removals(monkeypatch: pytest.MonkeyPatch) -> None:
     exit_, captured = run_parse(
         monkeypatch,
-        ["x", "--config", "tiny_full", "batch_size=3", "~max_steps_per_epoch", "adaptive_batching.reprofile=false",
-         "lr_scheduler=None"],
+        [
+            "x",
+            "--config",
+            "tiny_full",
+            "batch_size=3",
+            "~max_steps_per_epoch",
+            "adaptive_batching.reprofile=false",
+            "lr_scheduler=None",
+        ],
     )
     assert exit_.code is None
     (cfg,) = captured
@@ -194,7 +214,8 @@ def test_parse_component_removal_is_refused_by_torchtune(monkeypatch: pytest.Mon
 
 def test_parse_equals_form_and_section_removal(monkeypatch: pytest.MonkeyPatch) -> None:
     exit_, captured = run_parse(
-        monkeypatch, ["x", "--config=tiny_lora.yaml", "~adaptive_batching", "epochs=1"],
+        monkeypatch,
+        ["x", "--config=tiny_lora.yaml", "~adaptive_batching", "epochs=1"],
         body=lambda cfg: validate_config(cfg) and 0,
     )
     assert exit_.code == 0
@@ -203,7 +224,9 @@ def test_parse_equals_form_and_section_removal(monkeypatch: pytest.MonkeyPatch) 
     assert cfg.epochs == 1
     assert cfg.model._component_ == "torchtune.models.llama3.lora_llama3"
     settings = validate_config(cfg)
-    assert {name: setting(settings, name) for name in KNOBS} == {name: typed(name, k.default) for name, k in KNOBS.items()}
+    assert {name: setting(settings, name) for name in KNOBS} == {
+        name: typed(name, k.default) for name, k in KNOBS.items()
+    }
 
 
 def test_parse_local_config_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -238,9 +261,9 @@ def test_real_validation_error_through_parse(monkeypatch: pytest.MonkeyPatch, ca
 
 
 @pytest.mark.parametrize("rank", ["0", "1"])
-def test_under_torchrun_rank_zero_says_a_config_error_and_the_others_wait(monkeypatch: pytest.MonkeyPatch,
-                                                                          capsys: pytest.CaptureFixture,
-                                                                          rank: str) -> None:
+def test_under_torchrun_rank_zero_says_a_config_error_and_the_others_wait(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture, rank: str
+) -> None:
     """Rank zero says the line and exits; another rank says nothing and waits for torchrun to end it (the wait
     itself: tests/test_config_error_ranks.py)."""
     waited: list[str] = []
@@ -292,10 +315,18 @@ def _cases(root: Path) -> dict[str, tuple[str, str, list[str], Path]]:
     )
     common = ["checkpointer.checkpoint_dir=/nonexistent/ckpt"]
     return {
-        "tiny_full": ("adaptive_full_finetune", "tiny_full",
-                      ["adaptive_batching.bogus=1", f"output_dir={full / 'out'}", *common], full),
-        "tiny_full.yaml": ("adaptive_full_finetune", "tiny_full.yaml",
-                           ["adaptive_batching.bogus=1", f"output_dir={full_yaml / 'out'}", *common], full_yaml),
+        "tiny_full": (
+            "adaptive_full_finetune",
+            "tiny_full",
+            ["adaptive_batching.bogus=1", f"output_dir={full / 'out'}", *common],
+            full,
+        ),
+        "tiny_full.yaml": (
+            "adaptive_full_finetune",
+            "tiny_full.yaml",
+            ["adaptive_batching.bogus=1", f"output_dir={full_yaml / 'out'}", *common],
+            full_yaml,
+        ),
         "custom": ("adaptive_lora_finetune", "./my_run.yaml", [f"output_dir={custom / 'out'}", *common], custom),
     }
 
@@ -305,14 +336,19 @@ def e2e_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[subpro
     """The recipe runs, each a ``tune run`` (recipe_runs.tune_run: forked from the test fork server)."""
     root = tmp_path_factory.mktemp("e2e")
     assert not str(root.resolve()).startswith(str(REPO))
-    return {name: (tune_run(recipe, config, overrides, cwd=cwd, timeout=180), cwd)
-            for name, (recipe, config, overrides, cwd) in _cases(root).items()}
+    return {
+        name: (tune_run(recipe, config, overrides, cwd=cwd, timeout=180), cwd)
+        for name, (recipe, config, overrides, cwd) in _cases(root).items()
+    }
 
 
 @pytest.mark.parametrize(
     "name, bad_key",
-    [("tiny_full", "adaptive_batching.bogus"), ("tiny_full.yaml", "adaptive_batching.bogus"),
-     ("custom", "adaptive_batching.memory_budgett")],
+    [
+        ("tiny_full", "adaptive_batching.bogus"),
+        ("tiny_full.yaml", "adaptive_batching.bogus"),
+        ("custom", "adaptive_batching.memory_budgett"),
+    ],
 )
 @pytest.mark.e2e
 def test_recipe_fails_at_validation(e2e_runs: dict, name: str, bad_key: str) -> None:

@@ -18,12 +18,14 @@ SAVES = ("batch_size=8", "save_every_n_steps=2")  # 5 steps per epoch: saves aft
 
 
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_killed_in_training_then_in_a_save_the_resumed_run_equals_the_whole_run(method: str, assets: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_killed_in_training_then_in_a_save_the_resumed_run_equals_the_whole_run(
+    method: str, assets: Path, tmp_path: Path
+) -> None:
     recipe, config = RECIPES[method]
     kill_step = random.Random(f"{method}-20261122").randint(3, 7)
     run = lambda name, fault, *extra: faulty_run(  # noqa: E731
-        tmp_path, name, fault, assets, *SAVES, *extra, recipe=recipe, config=config)
+        tmp_path, name, fault, assets, *SAVES, *extra, recipe=recipe, config=config
+    )
     ok(run("whole", {"phase": "none"}))
 
     part = f"output_dir={tmp_path / 'part'}"

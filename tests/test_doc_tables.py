@@ -10,8 +10,9 @@ from common import report  # the benchmarks folder is on sys.path (conftest.py)
 PAGE = "# Page\n\nabove\n\n<!-- table: speed -->\nold figures\n<!-- /table: speed -->\n\nbelow\n"
 
 
-def test_a_report_is_printed_and_published_as_markdown_between_its_markers(tmp_path: Path,
-                                                                            capsys: pytest.CaptureFixture) -> None:
+def test_a_report_is_printed_and_published_as_markdown_between_its_markers(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     (tmp_path / "page.md").write_text(PAGE)
     with report("speed", "page.md", docs=tmp_path):
         print("2 runs:")
@@ -21,7 +22,7 @@ def test_a_report_is_printed_and_published_as_markdown_between_its_markers(tmp_p
     assert "2 runs:\n| a | b |" in printed and "written to" in printed
     text = (tmp_path / "page.md").read_text()
     assert "old figures" not in text and text.startswith("# Page\n\nabove\n") and text.endswith("\n\nbelow\n")
-    body = text[text.index("<!-- table: speed -->"):text.index("<!-- /table: speed -->")]
+    body = text[text.index("<!-- table: speed -->") : text.index("<!-- /table: speed -->")]
     # a line right under a table would be read as one of its rows: each line outside a table is a paragraph
     assert "2 runs:\n\n| a | b |\n|---|---|\n| 1 | 2 |\n\nratio 1.5x\n" in body and "Measured by `" in body
 

@@ -51,9 +51,10 @@ import importlib.util
 import io
 import re
 import shlex
+from collections.abc import Iterator
 from functools import lru_cache
 from pathlib import Path
-from typing import Any, Iterator, Optional
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
@@ -125,7 +126,7 @@ def tables(text: str) -> list[tuple[list[str], list[list[str]]]]:
 
 def table_rows(text: str, header: list[str]) -> list[list[str]]:
     """The rows of the tables whose header starts with ``header``."""
-    return [row for head, rows in tables(text) if head[:len(header)] == header for row in rows]
+    return [row for head, rows in tables(text) if head[: len(header)] == header for row in rows]
 
 
 def as_yaml(value: Any) -> str:
@@ -175,9 +176,15 @@ def code_defaults() -> dict[str, set[str]]:
     found: dict[str, set[str]] = {}
     for path in [*sorted((ROOT / "adaptive_batching").rglob("*.py")), *sorted((ROOT / "recipes").glob("*.py"))]:
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "get"
-                    and _reads_cfg(node.func.value) and node.args and isinstance(node.args[0], ast.Constant)
-                    and isinstance(node.args[0].value, str)):
+            if not (
+                isinstance(node, ast.Call)
+                and isinstance(node.func, ast.Attribute)
+                and node.func.attr == "get"
+                and _reads_cfg(node.func.value)
+                and node.args
+                and isinstance(node.args[0], ast.Constant)
+                and isinstance(node.args[0].value, str)
+            ):
                 continue
             default = _value(node.args[1], _module_name(path)) if len(node.args) > 1 else None
             found.setdefault(node.args[0].value, set()).add(as_yaml(default))
@@ -207,9 +214,9 @@ def _null_passes(key: str) -> bool:
     return True
 
 
-def code_keys() -> dict[str, Optional[str]]:
+def code_keys() -> dict[str, str | None]:
     """Every key the code reads -> the default the page must give (None: ``required`` or a null the checks take)."""
-    keys: dict[str, Optional[str]] = {}
+    keys: dict[str, str | None] = {}
     defaults = code_defaults()
     for key in sorted((set(RECIPE_KEYS) | set(ADAPTIVE_KEYS) | set(defaults)) - {SECTION}):
         if _is_required(key):
@@ -234,7 +241,8 @@ def growth_arguments() -> dict[tuple[str, str], str]:
             if parameter.kind is parameter.KEYWORD_ONLY and parameter.name != "stats":
                 empty = parameter.default is inspect.Parameter.empty
                 found[(f"adaptive_batching.growth.{name}", parameter.name)] = (
-                    "required" if empty else as_yaml(parameter.default))
+                    "required" if empty else as_yaml(parameter.default)
+                )
     return found
 
 
@@ -267,14 +275,24 @@ def test_every_key_the_code_reads_is_on_the_keys_page_with_its_default() -> None
 
 
 def test_every_growth_function_argument_is_on_the_keys_page_with_its_default() -> None:
-    rows = {(default_cell(row[0]), default_cell(row[1])): default_cell(row[2])
-            for row in table_rows(KEYS_PAGE.read_text(encoding="utf-8"), ["`_component_`", "argument", "default"])}
-    problems = [f"{function} {argument}: " + ("no row" if (function, argument) not in rows
-                                               else f"the page says {rows[(function, argument)]!r}, the code {default!r}")
-                for (function, argument), default in growth_arguments().items()
-                if rows.get((function, argument)) != default]
-    problems += [f"{function} {argument}: on the page, not an argument" for function, argument in
-                 sorted(set(rows) - set(growth_arguments()))]
+    rows = {
+        (default_cell(row[0]), default_cell(row[1])): default_cell(row[2])
+        for row in table_rows(KEYS_PAGE.read_text(encoding="utf-8"), ["`_component_`", "argument", "default"])
+    }
+    problems = [
+        f"{function} {argument}: "
+        + (
+            "no row"
+            if (function, argument) not in rows
+            else f"the page says {rows[(function, argument)]!r}, the code {default!r}"
+        )
+        for (function, argument), default in growth_arguments().items()
+        if rows.get((function, argument)) != default
+    ]
+    problems += [
+        f"{function} {argument}: on the page, not an argument"
+        for function, argument in sorted(set(rows) - set(growth_arguments()))
+    ]
     assert not problems, "docs/config-keys.md disagrees with the growth functions:\n" + "\n".join(problems)
 
 
@@ -329,24 +347,26 @@ def torchtune_recipes() -> dict[str, set[str]]:
     return {recipe.name: {config.name for config in recipe.configs} for recipe in get_all_recipes()}
 
 
-def config_problem(name: str, created: set[str]) -> Optional[str]:
+def config_problem(name: str, created: set[str]) -> str | None:
     stem = name.removesuffix(".yaml")
     if ("/" not in stem and stem in shipped_config_names()) or name in stock_configs() or name in created:
         return None
     if (ROOT / name).is_file() or re.fullmatch(r"my_\w*\.yaml", Path(name).name) or PLACEHOLDER.fullmatch(name):
         return None
-    return (f"config {name!r} is neither ours, torchtune's, a file of this repository or made in the same block, "
-            "a user's my_*.yaml nor a placeholder")
+    return (
+        f"config {name!r} is neither ours, torchtune's, a file of this repository or made in the same block, "
+        "a user's my_*.yaml nor a placeholder"
+    )
 
 
-def config_path(name: str) -> Optional[Path]:
+def config_path(name: str) -> Path | None:
     stem = name.removesuffix(".yaml")
     if "/" not in stem and stem in shipped_config_names():
         return shipped_configs_dir() / f"{stem}.yaml"
     return stock_configs().get(name)
 
 
-def tune_run_problem(argv: list[str], created: set[str], mention: bool = False) -> Optional[str]:
+def tune_run_problem(argv: list[str], created: set[str], mention: bool = False) -> str | None:
     args = argv[2:]
     while args and args[0].startswith("-"):
         option = args.pop(0)
@@ -378,7 +398,7 @@ def subcommands() -> set[str]:
     return set(sub.choices)
 
 
-def ours_problem(argv: list[str], created: set[str], mention: bool) -> Optional[str]:
+def ours_problem(argv: list[str], created: set[str], mention: bool) -> str | None:
     if len(argv) < 2:
         return None if mention else "no subcommand"
     if argv[1] not in subcommands():
@@ -405,7 +425,7 @@ def ours_problem(argv: list[str], created: set[str], mention: bool) -> Optional[
     return None
 
 
-def doc_commands() -> Iterator[tuple[str, str, Optional[str]]]:
+def doc_commands() -> Iterator[tuple[str, str, str | None]]:
     """(page, command, problem) of every command on every page."""
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
@@ -414,8 +434,11 @@ def doc_commands() -> Iterator[tuple[str, str, Optional[str]]]:
             created: set[str] = set()
             for line in logical_lines(block):
                 for argv in commands(line):
-                    problem = (tune_run_problem(argv, created) if argv[0] == "tune"
-                               else ours_problem(argv, created, mention=False))
+                    problem = (
+                        tune_run_problem(argv, created)
+                        if argv[0] == "tune"
+                        else ours_problem(argv, created, mention=False)
+                    )
                     yield name, shlex.join(argv), problem
         for span in inline_spans(text):
             for argv in commands(span):
@@ -437,7 +460,8 @@ def test_every_command_in_the_docs_names_a_real_recipe_subcommand_and_config() -
 
 def test_the_command_parser_catches_wrong_commands() -> None:
     """The rules above, on commands that must fail and pass."""
-    def problem(line: str) -> Optional[str]:
+
+    def problem(line: str) -> str | None:
         argv = next(commands(line))
         return tune_run_problem(argv, set()) if argv[0] == "tune" else ours_problem(argv, set(), mention=False)
 
@@ -521,273 +545,436 @@ GPUS = "not run: 8 GPUs and the real weights; here the same recipe and config ch
 PUBLISH = "at its smallest size, without --publish (writing between a page's markers is test_doc_tables')"
 RUN_BY: dict[str, tuple[str, str]] = {
     # README.md
-    "make demo": ("tests/test_first_hour.py::demo", "its last step, the demo run; the install before it: "
-                  "test_the_two_readme_commands_are_makefile_targets checks the target"),
-    "make test": ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
-                  "the suite itself; the target is checked to exist"),
-    'make demo TORCH="torch==2.14.1"': ("tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
-                                       NO_NETWORK),
+    "make demo": (
+        "tests/test_first_hour.py::demo",
+        "its last step, the demo run; the install before it: "
+        "test_the_two_readme_commands_are_makefile_targets checks the target",
+    ),
+    "make test": (
+        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+        "the suite itself; the target is checked to exist",
+    ),
+    'make demo TORCH="torch==2.14.1"': (
+        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+        NO_NETWORK,
+    ),
     "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu": (
-        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets", NO_NETWORK),
+        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
+        NO_NETWORK,
+    ),
     "git clone <this repository's URL> adaptive-batching && cd adaptive-batching": (
         "tests/test_docs.py::test_the_readme_starts_with_the_two_commands_and_stays_short",
-        "not run: the suite runs in the clone"),
+        "not run: the suite runs in the clone",
+    ),
     "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": (
-        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        NO_NETWORK,
+    ),
     "pip install torch==2.13.0": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
     "pip install .": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
     "pip install wandb": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
-    'pip install "adaptive-batching[bnb]"': ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-                                            NO_NETWORK + "; the extra is checked to exist"),
-    'pip install ".[bench]"': ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-                               NO_NETWORK + "; the extra is checked to exist"),
+    'pip install "adaptive-batching[bnb]"': (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        NO_NETWORK + "; the extra is checked to exist",
+    ),
+    'pip install ".[bench]"': (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        NO_NETWORK + "; the extra is checked to exist",
+    ),
     "tune run adaptive_full_finetune --config llama3_1/8B_full use_maximum_batch_size=True "
     "adaptive_batching.keep_global_batch=True": (
         "tests/test_families.py::test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_resume",
         "smallest size: torchtune's stock full configs pointed at tiny weights, with "
-        "use_maximum_batch_size and keep_global_batch"),
+        "use_maximum_batch_size and keep_global_batch",
+    ),
     "adaptive-batching tiny-assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}, 50 samples"),
     "cd /tmp && tune run adaptive_full_finetune --config tiny_full": (
-        "tests/test_first_hour.py::demo", f"with {TINY} and a 96 MiB budget"),
-    "tune run adaptive_full_finetune --config tiny_full": ("tests/test_first_hour.py::demo",
-                                                           f"with {TINY} and a 96 MiB budget"),
+        "tests/test_first_hour.py::demo",
+        f"with {TINY} and a 96 MiB budget",
+    ),
+    "tune run adaptive_full_finetune --config tiny_full": (
+        "tests/test_first_hour.py::demo",
+        f"with {TINY} and a 96 MiB budget",
+    ),
     "tune run adaptive_full_finetune --config tiny_full metric_logger._component_=torchtune.training."
     "metric_logging.WandBLogger metric_logger.project=my-project": (
         "tests/test_first_hour.py::test_the_wandb_logger_without_wandb_is_one_line",
-        "as written (wandb is not installed here: the one line that says so)"),
-    "adaptive-batching profile --config tiny_full": ("tests/test_first_hour.py::demo",
-                                                     f"with {TINY} and a 96 MiB budget"),
-    "adaptive-batching plan --config tiny_full": ("tests/test_cli.py::test_plan_profiles_and_logs_the_plan_without_training",
-                                                  f"with {TINY}"),
+        "as written (wandb is not installed here: the one line that says so)",
+    ),
+    "adaptive-batching profile --config tiny_full": (
+        "tests/test_first_hour.py::demo",
+        f"with {TINY} and a 96 MiB budget",
+    ),
+    "adaptive-batching plan --config tiny_full": (
+        "tests/test_cli.py::test_plan_profiles_and_logs_the_plan_without_training",
+        f"with {TINY}",
+    ),
     "adaptive-batching estimate --config llama3_1/8B_full --device-memory 80GiB --world-size 8 --seq-len 4096": (
         "tests/test_first_hour.py::test_estimate_on_a_bf16_config_prints_no_warning",
         "smallest size: the tiny bf16 model at 2 ranks and 64 tokens (the 8B model at 2048 tokens: "
-        "test_stock_configs' test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib)"),
+        "test_stock_configs' test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib)",
+    ),
     "tune run --nproc_per_node 8 adaptive_full_finetune --config llama3_8b": (
         "tests/test_stock_configs.py::test_estimate_gives_each_shipped_real_model_config_a_micro_batch_on_80_gib",
         GPUS + " (its estimate on 80 GiB; 2 ranks: test_recipes' test_two_processes_match_one_process_with_"
-        "accumulation)"),
+        "accumulation)",
+    ),
     "tune run --nproc_per_node 8 --max-restarts 3 adaptive_lora_finetune --config llama3_8b_lora "
     "save_every_n_steps=200": (
         "tests/test_chaos.py::test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses",
-        GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)"),
+        GPUS + " (2 gloo ranks with --max-restarts and a save every few steps)",
+    ),
     # docs/qat.md
     "tune run adaptive_lora_finetune --config tiny_qat_lora": (
-        "tests/test_qat.py::chain", f"with {TINY}, 40 samples, a 256 MiB budget, through "
-        "tests/faulty_run.py (growth, an injected OOM, SIGTERM and a resume)"),
+        "tests/test_qat.py::chain",
+        f"with {TINY}, 40 samples, a 256 MiB budget, through "
+        "tests/faulty_run.py (growth, an injected OOM, SIGTERM and a resume)",
+    ),
     "tune run adaptive_lora_finetune --config llama3_2/1B_qat_lora use_maximum_batch_size=True": (
         "tests/test_qat.py::test_the_stock_qat_configs_validate_by_name_for_our_recipe_with_their_quantizer",
         "validated by name; the 1B weights are not on the test machine (a tune cp copy on the tiny model is "
-        "profiled: test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_steps)"),
+        "profiled: test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_steps)",
+    ),
     "tune cp quantization my_quantization.yaml": (
         "tests/test_qat.py::test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_same_quantizer",
-        "as written, in the QAT run's folder, then pointed at its checkpoint"),
+        "as written, in the QAT run's folder, then pointed at its checkpoint",
+    ),
     "tune run quantize --config my_quantization.yaml": (
         "tests/test_qat.py::test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_same_quantizer",
-        f"on the full QAT run's checkpoint of {TINY}"),
-    **{f"adaptive-batching profile --config my_qat.yaml {extra}adaptive_batching.memory_budget=8MiB "
-       "tokenizer.max_seq_len=64": ("tests/test_qat.py::stock_copy", "as written, on a tune cp copy of "
-                                    f"llama3_2/1B_qat_lora pointed at {TINY}; test_the_qat_pages_figures_are_what_its_"
-                                    "commands_print checks the page's table against them")
-       for extra in ("quantizer.groupsize=32 ", "quantizer=null ", "quantizer.groupsize=32 fake_quant_after_n_steps=100 ")},
+        f"on the full QAT run's checkpoint of {TINY}",
+    ),
+    **{
+        f"adaptive-batching profile --config my_qat.yaml {extra}adaptive_batching.memory_budget=8MiB "
+        "tokenizer.max_seq_len=64": (
+            "tests/test_qat.py::stock_copy",
+            "as written, on a tune cp copy of "
+            f"llama3_2/1B_qat_lora pointed at {TINY}; test_the_qat_pages_figures_are_what_its_"
+            "commands_print checks the page's table against them",
+        )
+        for extra in (
+            "quantizer.groupsize=32 ",
+            "quantizer=null ",
+            "quantizer.groupsize=32 fake_quant_after_n_steps=100 ",
+        )
+    },
     # docs/dpo.md
-    **{f"adaptive-batching profile --config {config} adaptive_batching.memory_budget=32MiB tokenizer.max_seq_len=64": (
-        "tests/test_dpo.py::dpo_figures", f"as written, with {TINY}; test_the_dpo_pages_profile_figures_are_what_its_"
-                                          "commands_print checks the page's figures against it")
-       for config in ("tiny_lora_dpo", "tiny_full_dpo")},
+    **{
+        f"adaptive-batching profile --config {config} adaptive_batching.memory_budget=32MiB tokenizer.max_seq_len=64": (
+            "tests/test_dpo.py::dpo_figures",
+            f"as written, with {TINY}; test_the_dpo_pages_profile_figures_are_what_its_"
+            "commands_print checks the page's figures against it",
+        )
+        for config in ("tiny_lora_dpo", "tiny_full_dpo")
+    },
     "tune run adaptive_lora_dpo --config tiny_lora_dpo": (
         "tests/test_dpo.py::test_a_profiled_dpo_run_trains_at_the_largest_micro_batch_of_pairs_that_fits",
-        f"with {TINY}, one step, profiled as the page's figure (32 MiB, 64 tokens: its cached profile)"),
+        f"with {TINY}, one step, profiled as the page's figure (32 MiB, 64 tokens: its cached profile)",
+    ),
     "tune run adaptive_lora_dpo --config llama3_1/8B_lora_dpo_single_device use_maximum_batch_size=True": (
         "tests/test_dpo.py::test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo",
-        "validated by name, with the override; the 8B weights are not on the test machine"),
+        "validated by name, with the override; the 8B weights are not on the test machine",
+    ),
     "tune run adaptive_full_dpo --config tiny_full_dpo": (
         "tests/test_full_dpo.py::parity_runs",
-        f"with {TINY}, 4 steps, shuffle off, through tests/full_dpo_parity_run.py (killed at step 2 and resumed)"),
+        f"with {TINY}, 4 steps, shuffle off, through tests/full_dpo_parity_run.py (killed at step 2 and resumed)",
+    ),
     "tune run --nproc_per_node 2 adaptive_full_dpo --config tiny_full_dpo use_maximum_batch_size=True": (
         "tests/test_full_dpo.py::test_two_ranks_profile_with_the_reference_sharded_and_train",
-        f"with {TINY}, a 128 MiB budget, 2 steps"),
+        f"with {TINY}, a 128 MiB budget, 2 steps",
+    ),
     # docs/distillation.md
     "adaptive-batching profile --config my_kd.yaml adaptive_batching.memory_budget=16MiB tokenizer.max_seq_len=64": (
-        "tests/test_kd.py::kd_figure", f"as written, on a tune cp copy of qwen2/1.5_to_0.5B_KD_lora_single_device pointed "
-                                       f"at {TINY}; test_the_pages_profile_figures_are_what_its_command_prints checks "
-                                       "the page's figures against it"),
+        "tests/test_kd.py::kd_figure",
+        f"as written, on a tune cp copy of qwen2/1.5_to_0.5B_KD_lora_single_device pointed "
+        f"at {TINY}; test_the_pages_profile_figures_are_what_its_command_prints checks "
+        "the page's figures against it",
+    ),
     "tune run adaptive_knowledge_distillation --config tiny_kd": (
-        "tests/test_kd.py::parity", f"with {TINY}, 4 steps, shuffle off, through tests/kd_parity_run.py (stopped by "
-        "SIGTERM at step 2 and resumed)"),
+        "tests/test_kd.py::parity",
+        f"with {TINY}, 4 steps, shuffle off, through tests/kd_parity_run.py (stopped by SIGTERM at step 2 and resumed)",
+    ),
     "tune run adaptive_knowledge_distillation --config qwen2/1.5_to_0.5B_KD_lora_single_device "
     "use_maximum_batch_size=True": (
         "tests/test_kd.py::test_the_stock_kd_configs_validate_by_name_for_adaptive_knowledge_distillation",
-        "validated by name, with the override; the Qwen2 weights are not on the test machine"),
+        "validated by name, with the override; the Qwen2 weights are not on the test machine",
+    ),
     "adaptive-batching cp qwen2/1.5_to_0.5B_KD_lora_distributed my_kd.yaml": (
-        "tests/test_kd.py::test_tune_cp_copies_a_stock_kd_config_and_ours_names_the_recipe", "as written"),
+        "tests/test_kd.py::test_tune_cp_copies_a_stock_kd_config_and_ours_names_the_recipe",
+        "as written",
+    ),
     "tune run --nproc_per_node 2 adaptive_knowledge_distillation --config my_kd.yaml use_maximum_batch_size=True": (
         "tests/test_kd.py::test_two_ranks_profile_a_stock_kd_copy_with_the_teacher_sharded_and_exit_cleanly",
-        f"a tune cp copy of llama3_2/8B_to_1B_KD_lora_distributed pointed at {TINY}, a 96 MiB budget, 2 steps"),
+        f"a tune cp copy of llama3_2/8B_to_1B_KD_lora_distributed pointed at {TINY}, a 96 MiB budget, 2 steps",
+    ),
     "tune run --nproc_per_node 8 adaptive_full_dpo --config llama3_1/8B_full_dpo use_maximum_batch_size=True": (
         "tests/test_full_dpo.py::test_the_stock_full_dpo_config_validates_by_name_for_adaptive_full_dpo",
-        GPUS + " (2 ranks: test_two_ranks_profile_with_the_reference_sharded_and_train)"),
+        GPUS + " (2 ranks: test_two_ranks_profile_with_the_reference_sharded_and_train)",
+    ),
     "tune run adaptive_lora_finetune --config tiny_lora": (
         "tests/test_first_hour.py::test_the_lora_and_qlora_starts_print_no_warning",
-        f"smallest size: {TINY}, one step"),
+        f"smallest size: {TINY}, one step",
+    ),
     "tune run --nproc_per_node 2 adaptive_full_finetune --config tiny_full": (
-        "tests/test_recipes.py::test_two_processes_match_one_process_with_accumulation", f"with {TINY}, fixed batch"),
+        "tests/test_recipes.py::test_two_processes_match_one_process_with_accumulation",
+        f"with {TINY}, fixed batch",
+    ),
     "adaptive-batching ls": ("tests/test_cli.py::test_ls_lists_recipes_and_their_configs", "as written"),
-    "adaptive-batching cp tiny_full my_run.yaml": ("tests/test_cli.py::test_cp_refuses_to_overwrite_without_force",
-                                                   "as written, to out.yaml"),
+    "adaptive-batching cp tiny_full my_run.yaml": (
+        "tests/test_cli.py::test_cp_refuses_to_overwrite_without_force",
+        "as written, to out.yaml",
+    ),
     "tune run adaptive_full_finetune --config my_run.yaml": (
         "tests/test_config_resolution.py::test_recipe_fails_at_validation",
-        "a copied config, my_run.yaml, run from its folder (with a misspelt key, refused)"),
+        "a copied config, my_run.yaml, run from its folder (with a misspelt key, refused)",
+    ),
     "adaptive-batching tiny-assets --model gemma2": (
-        "tests/test_families.py::family_assets", "write_family_assets, which the option calls, for each family"),
+        "tests/test_families.py::family_assets",
+        "write_family_assets, which the option calls, for each family",
+    ),
     # docs/benchmarks.md
-    "adaptive-batching tiny-assets --output-dir /tmp/gb/assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}"),
+    "adaptive-batching tiny-assets --output-dir /tmp/gb/assets": (
+        "tests/test_cli.py::test_tiny_assets",
+        f"into {TINY}",
+    ),
     "python benchmarks/estimate_stock_configs.py --only llama3_2/1B_full llama3/8B_full --seq-len 8192 --full-trace "
-    "--publish": ("tests/test_benchmarks.py::test_estimate_stock_configs_full_trace",
-                  PUBLISH + "; a 4-layer tiny config file in place of the two stock configs"),
+    "--publish": (
+        "tests/test_benchmarks.py::test_estimate_stock_configs_full_trace",
+        PUBLISH + "; a 4-layer tiny config file in place of the two stock configs",
+    ),
     "python benchmarks/estimate_stock_configs.py --seq-len 2048": (
-        "tests/test_benchmarks.py::test_estimate_stock_configs", "smallest size: --only one config, 256 tokens"),
+        "tests/test_benchmarks.py::test_estimate_stock_configs",
+        "smallest size: --only one config, 256 tokens",
+    ),
     "python benchmarks/growth_runs.py --assets /tmp/gb/assets --work /tmp/gb/full": (
-        "tests/test_benchmarks.py::test_growth_runs", "smallest size: 16 samples, one strategy"),
+        "tests/test_benchmarks.py::test_growth_runs",
+        "smallest size: 16 samples, one strategy",
+    ),
     "python benchmarks/growth_runs.py --from-json benchmarks/results/growth_runs.json --publish": (
-        "tests/test_benchmarks.py::test_growth_runs", "the analysis the runs end with (test_growth_runs.py: its parts)"),
+        "tests/test_benchmarks.py::test_growth_runs",
+        "the analysis the runs end with (test_growth_runs.py: its parts)",
+    ),
     "python benchmarks/growth_runs.py --from-json benchmarks/results/growth_runs.json --publish --out /tmp/gr": (
-        "tests/test_benchmarks.py::test_growth_runs", "the analysis the runs end with (test_growth_runs.py: its parts)"),
-    "python benchmarks/noise_scale_accuracy.py --publish": ("tests/test_benchmarks.py::test_noise_scale_accuracy",
-                                                          "smallest size: 1 seed"),
+        "tests/test_benchmarks.py::test_growth_runs",
+        "the analysis the runs end with (test_growth_runs.py: its parts)",
+    ),
+    "python benchmarks/noise_scale_accuracy.py --publish": (
+        "tests/test_benchmarks.py::test_noise_scale_accuracy",
+        "smallest size: 1 seed",
+    ),
     "python benchmarks/profiler_vs_peers.py --json benchmarks/results/profiler_vs_peers.json --publish": (
-        "tests/test_benchmarks.py::test_profiler_vs_peers", "smallest size: ours alone (the peers' searches take minutes)"),
-    **{f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} --publish": (
-        "tests/test_benchmarks.py::test_profiler_whole_process_limit", "smallest size: 1 repeat, the python launcher")
-       for extra in ("--tolerance 0.01", "--optimizer-in-bwd")},
+        "tests/test_benchmarks.py::test_profiler_vs_peers",
+        "smallest size: ours alone (the peers' searches take minutes)",
+    ),
+    **{
+        f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} --publish": (
+            "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+            "smallest size: 1 repeat, the python launcher",
+        )
+        for extra in ("--tolerance 0.01", "--optimizer-in-bwd")
+    },
     "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit",
-        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)"),
+        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
+    ),
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 --publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit",
-        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)"),
+        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
+    ),
     "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 20 --steps 40 --no-switch --publish": (
-        "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd", "smallest size: 2 steps, 1 repeat"),
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd",
+        "smallest size: 2 steps, 1 repeat",
+    ),
     "python benchmarks/recipe_vs_torchtune.py --repeats 12 --steps 100 --publish": (
-        "tests/test_benchmarks.py::test_recipe_vs_torchtune", "smallest size: 2 steps, 1 repeat"),
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune",
+        "smallest size: 2 steps, 1 repeat",
+    ),
     "python benchmarks/recipe_vs_torchtune.py --compile --warmup 20 --repeats 10 --steps 150 --no-switch --together "
     "--publish": ("tests/test_benchmarks.py::test_recipe_vs_torchtune_together", "smallest size: 2 steps, 1 repeat"),
     "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 20 --steps 25 --no-switch --publish": (
-        "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo", "smallest size: 2 steps, 1 repeat"),
+        "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
+        "smallest size: 2 steps, 1 repeat",
+    ),
     "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
-        "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)"),
+        "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)",
+    ),
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
-        "tests/test_benchmarks.py::test_step_overhead", "smallest size: 1 timed step, settings none and stop"),
+        "tests/test_benchmarks.py::test_step_overhead",
+        "smallest size: 1 timed step, settings none and stop",
+    ),
     "git clone <this repository's URL> /tmp/clone && cd /tmp/clone && time make demo": (
-        "tests/test_first_hour.py::demo", "its last step, the demo run; not in a fresh clone (the suite runs in one)"),
+        "tests/test_first_hour.py::demo",
+        "its last step, the demo run; not in a fresh clone (the suite runs in one)",
+    ),
     "git clone <this repository's URL> /tmp/clone && cd /tmp/clone && time CI=true bash .ci/run": (
         "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
-        "the suite itself; not in a fresh clone (the suite runs in one)"),
+        "the suite itself; not in a fresh clone (the suite runs in one)",
+    ),
     # docs/contributing.md
     "make clean": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", "the target exists"),
-    "make test-fast": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists",
-                       "the suite without its e2e tests; the target exists"),
-    "make install": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", NO_NETWORK),
-    **{f"python tests/behaviour_record.py {args}": (
+    "make test-fast": (
         "tests/test_docs.py::test_every_make_target_a_page_runs_exists",
-        "not run: it records every user-visible command (minutes); a tool for a change's author")
-       for args in ("record /tmp/before", "record /tmp/after", "compare /tmp/before /tmp/after")},
+        "the suite without its e2e tests; the target exists",
+    ),
+    "make install": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", NO_NETWORK),
+    **{
+        f"python tests/behaviour_record.py {args}": (
+            "tests/test_docs.py::test_every_make_target_a_page_runs_exists",
+            "not run: it records every user-visible command (minutes); a tool for a change's author",
+        )
+        for args in ("record /tmp/before", "record /tmp/after", "compare /tmp/before /tmp/after")
+    },
     # docs/elastic.md
     "tune run --nproc_per_node N adaptive_full_finetune --config CFG resume_from_checkpoint=True": (
         "tests/test_token_and_elastic_recipe.py::test_elastic_run_resumed_on_another_world_size_keeps_the_global_batch",
-        f"with {TINY}: saved at 2 ranks, resumed at 1"),
+        f"with {TINY}: saved at 2 ranks, resumed at 1",
+    ),
     # docs/estimates.md
     "pip install --no-deps torchvision==0.28.0": (
         "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-        "not run: the page quotes it as the check that torchvision does not load here"),
+        "not run: the page quotes it as the check that torchvision does not load here",
+    ),
     "python benchmarks/estimate_fidelity.py": (
         "tests/test_estimate_fidelity.py::test_every_row_names_each_key_once_and_a_real_source",
-        "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are tested"),
+        "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are tested",
+    ),
     # docs/fault-tolerance.md
-    "python benchmarks/chaos.py --runs 20 --publish": ("tests/test_chaos.py::reference",
-                                                      "smallest size: each fault kind once, in three two-rank runs"),
+    "python benchmarks/chaos.py --runs 20 --publish": (
+        "tests/test_chaos.py::reference",
+        "smallest size: each fault kind once, in three two-rank runs",
+    ),
     "python benchmarks/chaos.py --runs 20 --publish --json /tmp/chaos20.json": (
-        "tests/test_chaos.py::reference", "smallest size: each fault kind once, in three two-rank runs"),
-    **{f"python benchmarks/chaos.py --objective {objectives} --runs 20 --publish": (
-        "tests/test_chaos.py::test_each_objective_resumes_a_kill_with_the_uninterrupted_losses",
-        "smallest size: each objective once, an OOM then a kill, two ranks")
-       for objectives in ("lora_dpo,full_dpo,kd,qat", "kd,qat", "full_dpo", "qat")},
-    "python benchmarks/clean_exits.py --runs 100 --publish": ("tests/test_benchmarks.py::test_clean_exits",
-                                                             "smallest size: 1 run, one setting"),
-    "python benchmarks/clean_exits.py --mechanism": ("tests/test_benchmarks.py::test_clean_exits",
-                                                    "the same script; the mechanism is its own short run"),
+        "tests/test_chaos.py::reference",
+        "smallest size: each fault kind once, in three two-rank runs",
+    ),
+    **{
+        f"python benchmarks/chaos.py --objective {objectives} --runs 20 --publish": (
+            "tests/test_chaos.py::test_each_objective_resumes_a_kill_with_the_uninterrupted_losses",
+            "smallest size: each objective once, an OOM then a kill, two ranks",
+        )
+        for objectives in ("lora_dpo,full_dpo,kd,qat", "kd,qat", "full_dpo", "qat")
+    },
+    "python benchmarks/clean_exits.py --runs 100 --publish": (
+        "tests/test_benchmarks.py::test_clean_exits",
+        "smallest size: 1 run, one setting",
+    ),
+    "python benchmarks/clean_exits.py --mechanism": (
+        "tests/test_benchmarks.py::test_clean_exits",
+        "the same script; the mechanism is its own short run",
+    ),
     "tune run --nnodes 2 --node_rank 0 --nproc_per_node 8 --rdzv_backend c10d --rdzv_endpoint HOST:29500 "
     "adaptive_full_finetune --config llama3_8b": (
-        "tests/test_two_nodes.py::nodes", "two nodes of one gloo rank each on this machine, tiny model"),
+        "tests/test_two_nodes.py::nodes",
+        "two nodes of one gloo rank each on this machine, tiny model",
+    ),
     "srun --nodes 2 --ntasks-per-node 1 tune run --nnodes 2 --nproc_per_node 8 --rdzv_id $SLURM_JOB_ID "
     "--rdzv_backend c10d --rdzv_endpoint $(scontrol show hostnames $SLURM_JOB_NODELIST | head -n 1):29500 "
     "--signals-to-handle SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 adaptive_full_finetune --config llama3_8b": (
-        "tests/test_two_nodes.py::nodes", "no SLURM here: the same tune run of two nodes, tiny model"),
+        "tests/test_two_nodes.py::nodes",
+        "no SLURM here: the same tune run of two nodes, tiny model",
+    ),
     "tune run --nproc_per_node N --max-restarts R adaptive_full_finetune --config CFG": (
         "tests/test_chaos.py::test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losses",
-        f"2 ranks, {TINY}"),
+        f"2 ranks, {TINY}",
+    ),
     # docs/memory-savers.md
     "tune run adaptive_full_finetune --config llama3_2/1B_full_single_device": (
         "tests/test_memory_savers_recipe.py::test_a_stock_memory_saver_config_profiles_learns_and_resumes_exactly",
-        "smallest size: the stock config pointed at tiny weights"),
+        "smallest size: the stock config pointed at tiny weights",
+    ),
     # docs/models.md
     "adaptive-batching cp NAME file.yaml": (
-        "tests/test_stock_configs.py::test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it", "a stock name"),
+        "tests/test_stock_configs.py::test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it",
+        "a stock name",
+    ),
     "adaptive-batching tiny-assets [--output-dir /tmp/adaptive-batching/tiny] [--seed 0] [--num-samples 3000] "
     "[--model NAME]": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}, 50 samples"),
-    'tune download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct --ignore-patterns '
+    "tune download meta-llama/Llama-3.2-1B-Instruct --output-dir /tmp/Llama-3.2-1B-Instruct --ignore-patterns "
     '"original/consolidated.00.pth" --hf-token <HF_TOKEN>': (
         "tests/test_model_assets.py::test_the_overrides_point_the_shipped_configs_at_the_assets",
-        "not run: the model hub and a token; the random 1B checkpoint stands in for it"),
+        "not run: the model hub and a token; the random 1B checkpoint stands in for it",
+    ),
     "tune run --nproc_per_node 8 adaptive_lora_finetune --config llama3_2_1b_lora": (
-        "tests/test_validate_device.py::validation", GPUS + " (the validation script's LoRA phase, on CPU)"),
+        "tests/test_validate_device.py::validation",
+        GPUS + " (the validation script's LoRA phase, on CPU)",
+    ),
     # docs/preemption.md
     "SCRIPT #SBATCH --job-name=finetune --nodes=1 --gpus-per-node=8 --time=04:00:00": (
         "tests/test_preemption.py::test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run",
-        "the page's script, with SLURM's requeue played by the test"),
+        "the page's script, with SLURM's requeue played by the test",
+    ),
     "adaptive-batching status /checkpoints/run": (
         "tests/test_preemption.py::test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run",
-        "run by the script, on its output folder"),
+        "run by the script, on its output folder",
+    ),
     # docs/profiler.md
     "adaptive-batching estimate --config llama3_1/8B_qlora_single_device --device-memory 24GiB --seq-len 2048": (
         "tests/test_stock_configs.py::test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes",
-        "the estimate the command makes, in the test's process"),
+        "the estimate the command makes, in the test's process",
+    ),
     "adaptive-batching estimate --config tiny_full --device-memory 512MiB --fraction 1": (
-        "tests/test_profile_recipe.py::test_profile_and_estimate_commands", f"as written, with {TINY}"),
+        "tests/test_profile_recipe.py::test_profile_and_estimate_commands",
+        f"as written, with {TINY}",
+    ),
     "adaptive-batching profile --config tiny_full --json profile.json": (
-        "tests/test_profile_recipe.py::test_profile_and_estimate_commands", f"as written, with {TINY}"),
+        "tests/test_profile_recipe.py::test_profile_and_estimate_commands",
+        f"as written, with {TINY}",
+    ),
     # docs/validation.md
-    "SKIP=\"\" benchmarks/gpu_wheels.sh": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-                                          "not run: it downloads wheels for a GPU machine"),
-    "benchmarks/gpu_wheels.sh .whl 3.12": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-                                           "not run: it downloads wheels for a GPU machine"),
+    'SKIP="" benchmarks/gpu_wheels.sh': (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        "not run: it downloads wheels for a GPU machine",
+    ),
+    "benchmarks/gpu_wheels.sh .whl 3.12": (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        "not run: it downloads wheels for a GPU machine",
+    ),
     "python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site": (
-        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", "not run: a GPU machine's set-up"),
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        "not run: a GPU machine's set-up",
+    ),
     "DEADLINE=515 OUT=/tmp/out benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 --long-samples 1024 "
-    "--token-samples 600": ("tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
-                            "its order and deadline; the phases it calls run in tests/test_validate_device.py::validation"),
-    **{f"PART={part} DEADLINE={deadline} OUT=$OUT bash benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 "
-       "--long-samples 1024": ("tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
-                               "its parts, lanes and deadline; their phases run in tests/test_validate_device.py::validation")
-       for part, deadline in ((1, 450), (2, 230))},
+    "--token-samples 600": (
+        "tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
+        "its order and deadline; the phases it calls run in tests/test_validate_device.py::validation",
+    ),
+    **{
+        f"PART={part} DEADLINE={deadline} OUT=$OUT bash benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 "
+        "--long-samples 1024": (
+            "tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
+            "its parts, lanes and deadline; their phases run in tests/test_validate_device.py::validation",
+        )
+        for part, deadline in ((1, 450), (2, 230))
+    },
     "export PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True": (
-        "tests/test_validate_device.py::validation", "a setting for the GPU runs, not a run"),
+        "tests/test_validate_device.py::validation",
+        "a setting for the GPU runs, not a run",
+    ),
     "adaptive-batching tiny-assets --model llama3_2_1b": (
         "tests/test_model_assets.py::test_a_shrunk_copy_loads_through_the_checkpointer_and_the_builder",
-        "write_model_assets, which the option calls, at a shrunk size"),
-    **{command: ("tests/test_validate_device.py::validation",
-                 "smallest size on CPU: 3 steps, 2 trials, a few settings, 120 token samples")
-       for command in ("python benchmarks/validate_device.py", "time .venv/bin/python benchmarks/validate_device.py",
-                       "python benchmarks/validate_device.py --phase full",
-                       "python benchmarks/validate_device.py --workdir /tmp/regen",
-                       "python benchmarks/validate_device.py --workdir /tmp/regen --phase assets,estimate,oom",
-                       "python benchmarks/validate_device.py --phase assets",
-                       "python benchmarks/validate_device.py --phase lora",
-                       "python benchmarks/validate_device.py --phase qlora",
-                       "python benchmarks/validate_device.py --phase estimate,tokens,compile")},
-    "python benchmarks/validate_device.py --table": ("tests/test_validate_device.py::test_the_table_has_a_row_per_setting",
-                                                    "as written, on the fixture's JSON"),
+        "write_model_assets, which the option calls, at a shrunk size",
+    ),
+    **{
+        command: (
+            "tests/test_validate_device.py::validation",
+            "smallest size on CPU: 3 steps, 2 trials, a few settings, 120 token samples",
+        )
+        for command in (
+            "python benchmarks/validate_device.py",
+            "time .venv/bin/python benchmarks/validate_device.py",
+            "python benchmarks/validate_device.py --phase full",
+            "python benchmarks/validate_device.py --workdir /tmp/regen",
+            "python benchmarks/validate_device.py --workdir /tmp/regen --phase assets,estimate,oom",
+            "python benchmarks/validate_device.py --phase assets",
+            "python benchmarks/validate_device.py --phase lora",
+            "python benchmarks/validate_device.py --phase qlora",
+            "python benchmarks/validate_device.py --phase estimate,tokens,compile",
+        )
+    },
+    "python benchmarks/validate_device.py --table": (
+        "tests/test_validate_device.py::test_the_table_has_a_row_per_setting",
+        "as written, on the fixture's JSON",
+    ),
 }
 
 RUNS_A_PROGRAM = re.compile(r"(?:\S*/)?(?:python3? \S+\.py|tune run \S|adaptive-batching \S|make \S|pip install)")
@@ -813,8 +1000,12 @@ def shown_commands() -> dict[str, set[str]]:
                 if line and not line.startswith("#"):
                     found.setdefault(line, set()).add(name)
         for span in inline_spans(text):
-            mention = any(tune_run_problem(argv, set()) == "no recipe" if argv[0] == "tune"
-                          else ours_problem(argv, set(), mention=False) is not None for argv in commands(span))
+            mention = any(
+                tune_run_problem(argv, set()) == "no recipe"
+                if argv[0] == "tune"
+                else ours_problem(argv, set(), mention=False) is not None
+                for argv in commands(span)
+            )
             if RUNS_A_PROGRAM.match(span) and not mention:  # not a mention (``tune run``, ``adaptive-batching plan``)
                 found.setdefault(span.strip(), set()).add(name)
     return found
@@ -828,11 +1019,17 @@ def _function_exists(node: str) -> bool:
 
 def test_every_command_a_page_shows_is_run_by_a_named_test() -> None:
     shown = shown_commands()
-    problems = [f"{', '.join(sorted(pages))}: {command}\n    not in RUN_BY: name the test that runs it"
-                for command, pages in sorted(shown.items()) if command not in RUN_BY]
+    problems = [
+        f"{', '.join(sorted(pages))}: {command}\n    not in RUN_BY: name the test that runs it"
+        for command, pages in sorted(shown.items())
+        if command not in RUN_BY
+    ]
     problems += [f"RUN_BY: {command}\n    no page shows it (stale)" for command in sorted(set(RUN_BY) - set(shown))]
-    problems += [f"RUN_BY: {command}\n    no function {node}" for command, (node, _) in sorted(RUN_BY.items())
-                 if not _function_exists(node)]
+    problems += [
+        f"RUN_BY: {command}\n    no function {node}"
+        for command, (node, _) in sorted(RUN_BY.items())
+        if not _function_exists(node)
+    ]
     assert not problems, "commands in the docs without a test that runs them:\n" + "\n".join(problems)
     assert len(shown) > 80, f"too few commands found ({len(shown)}): is the extraction broken?"
 
@@ -842,8 +1039,12 @@ def test_every_pip_extra_a_page_installs_exists() -> None:
     import tomllib
 
     extras = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"])
-    named = {extra for command in shown_commands() if command.startswith("pip install")
-             for extra in re.findall(r"(?:\.|adaptive-batching)\[(\w+)\]", command)}
+    named = {
+        extra
+        for command in shown_commands()
+        if command.startswith("pip install")
+        for extra in re.findall(r"(?:\.|adaptive-batching)\[(\w+)\]", command)
+    }
     assert named and named <= extras, f"extras the docs install that pyproject.toml lacks: {sorted(named - extras)}"
 
 
@@ -867,30 +1068,51 @@ QUOTED = re.compile(r"(?:config error|profile error|out of memory|stopped|[A-Z]\
 QUOTED_BY: dict[str, tuple[str, str]] = {
     "config error: config key '": (
         "tests/test_docs.py::test_the_quoted_config_key_errors_are_the_codes_own_lines",
-        "the page's line, exactly, from the override in CONFIG_ERROR_OVERRIDES"),
-    **{f"config error: config key '{key}'": (
-        "tests/test_config_keys.py::test_the_keys_page_quotes_the_codes_own_lines", "the page's line, exactly")
-       for key in ("save_every_n_step", "quantizer", "metric_logger._component_", "optimizer._component_",
-                   "checkpointer.model_type", *RUN_INPUTS)},
+        "the page's line, exactly, from the override in CONFIG_ERROR_OVERRIDES",
+    ),
+    **{
+        f"config error: config key '{key}'": (
+            "tests/test_config_keys.py::test_the_keys_page_quotes_the_codes_own_lines",
+            "the page's line, exactly",
+        )
+        for key in (
+            "save_every_n_step",
+            "quantizer",
+            "metric_logger._component_",
+            "optimizer._component_",
+            "checkpointer.model_type",
+            *RUN_INPUTS,
+        )
+    },
     "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly": (
         "tests/test_token_and_elastic_recipe.py::test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model",
-        "a recipe run's last line"),
-    "config error: ...": ("tests/test_errors.py::test_a_recipe_reports_a_config_or_profile_error_in_one_line",
-                          "one line for a bad key"),
+        "a recipe run's last line",
+    ),
+    "config error: ...": (
+        "tests/test_errors.py::test_a_recipe_reports_a_config_or_profile_error_in_one_line",
+        "one line for a bad key",
+    ),
     "profile error: micro batch 1 does not fit the memory budget": (
-        "tests/test_errors.py::test_the_profile_command_reports_a_profile_error_in_one_line", "the command's last line"),
+        "tests/test_errors.py::test_the_profile_command_reports_a_profile_error_in_one_line",
+        "the command's last line",
+    ),
     "out of memory: a micro batch of 1 sample does not fit": (
         "tests/test_oom_recovery.py::test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resumes",
-        "a recipe run's line, with the save and the advice"),
+        "a recipe run's line, with the save and the advice",
+    ),
     "stopped: SIGTERM received by the end of optimizer step": (
-        "tests/test_preemption.py::test_a_signal_stops_after_the_step_it_came_in_and_saves_there", "the stop line"),
+        "tests/test_preemption.py::test_a_signal_stops_after_the_step_it_came_in_and_saves_there",
+        "the stop line",
+    ),
     "ImportError: No module named adaptive_full_finetune": (
         "tests/test_docs.py::test_every_command_a_page_shows_is_run_by_a_named_test",
         "not produced: torchtune's message from an environment without this project; the recipes' module names are "
-        "checked by test_every_command_in_the_docs_names_a_real_recipe_subcommand_and_config"),
+        "checked by test_every_command_in_the_docs_names_a_real_recipe_subcommand_and_config",
+    ),
     "RuntimeError: operator torchvision::nms does not exist": (
         "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-        "not produced: torchvision is not installed here; the page quotes a manual check"),
+        "not produced: torchvision is not installed here; the page quotes a manual check",
+    ),
 }
 
 
@@ -900,8 +1122,12 @@ def quoted_errors() -> dict[str, set[str]]:
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         name = page.relative_to(ROOT).as_posix()
-        lines = [line.strip() for lang, body in re.findall(r"^```([^\n]*)\n(.*?)^```", text, flags=re.M | re.S)
-                 if not lang.strip() for line in body.splitlines()]
+        lines = [
+            line.strip()
+            for lang, body in re.findall(r"^```([^\n]*)\n(.*?)^```", text, flags=re.M | re.S)
+            if not lang.strip()
+            for line in body.splitlines()
+        ]
         for quoted in [*lines, *inline_spans(text)]:
             if QUOTED.match(quoted):
                 found.setdefault(quoted, set()).add(name)
@@ -910,12 +1136,21 @@ def quoted_errors() -> dict[str, set[str]]:
 
 def test_every_error_a_page_quotes_is_produced_by_a_named_test() -> None:
     quoted = quoted_errors()
-    problems = [f"{', '.join(sorted(pages))}: {line}\n    not in QUOTED_BY: name the test that produces it"
-                for line, pages in sorted(quoted.items()) if not any(line.startswith(start) for start in QUOTED_BY)]
-    problems += [f"QUOTED_BY: {start}\n    no page quotes it (stale)" for start in QUOTED_BY
-                 if not any(line.startswith(start) for line in quoted)]
-    problems += [f"QUOTED_BY: {start}\n    no function {node}" for start, (node, _) in QUOTED_BY.items()
-                 if not _function_exists(node)]
+    problems = [
+        f"{', '.join(sorted(pages))}: {line}\n    not in QUOTED_BY: name the test that produces it"
+        for line, pages in sorted(quoted.items())
+        if not any(line.startswith(start) for start in QUOTED_BY)
+    ]
+    problems += [
+        f"QUOTED_BY: {start}\n    no page quotes it (stale)"
+        for start in QUOTED_BY
+        if not any(line.startswith(start) for line in quoted)
+    ]
+    problems += [
+        f"QUOTED_BY: {start}\n    no function {node}"
+        for start, (node, _) in QUOTED_BY.items()
+        if not _function_exists(node)
+    ]
     assert not problems, "errors the docs quote without a test that produces them:\n" + "\n".join(problems)
     assert len(quoted) >= 8, f"too few quoted errors found ({len(quoted)}): is the extraction broken?"
 
@@ -970,29 +1205,51 @@ def test_the_quoted_config_key_errors_are_the_codes_own_lines() -> None:
 # the test is looked at again.
 
 CHECKED_BY: dict[tuple[str, str], str] = {
-    ("docs/growth.md", "The metric is logged at every optimizer step from the 10th measured step of the run on"):
-        "tests/test_first_hour.py::test_the_noise_scale_appears_from_the_10th_step_with_2_or_more_micro_batches",
-    ("docs/growth.md", "counted over all epochs and across a resume (the count is in the checkpoint)"):
-        "tests/test_noise_scale_recipe.py::test_noise_scale_growth_decides_at_the_epoch_start_and_resumes_exactly",
-    ("docs/logs-and-metrics.md", "| `grad_norm` | with `clip_grad_norm` |"):
-        "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
-    ("docs/logs-and-metrics.md", "| `max_tokens` | with token budgets, instead of `micro_batch_size`"):
-        "tests/test_token_and_elastic_recipe.py::test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step",
-    ("docs/logs-and-metrics.md", "with `log_peak_memory_stats: true`, on CUDA"):
-        "tests/test_stock_configs.py::test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only",
-    ("docs/logs-and-metrics.md", "## The log, in order"):
-        "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
-    ("README.md", "A later run with the same set-up reads it from a cache instead of measuring again."):
-        "tests/test_profile_recipe.py::test_cache_hit_reprofile_stale_and_corrupt",
-    ("README.md", "a restart or a preemption resumes exactly where the last checkpoint was saved"):
-        "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
-    ("README.md", "Continue any stopped run with `resume_from_checkpoint=True`: it resumes at the exact step, "
-                  "inside an epoch too."):
-        "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
-    ("docs/fault-tolerance.md", "A new job (restart count 0) never resumes by itself"):
-        "tests/test_restart.py::test_a_new_job_or_another_jobs_checkpoint_is_not_resumed",
-    ("docs/fault-tolerance.md", "the recipe sees `TORCHELASTIC_RESTART_COUNT` > 0 and **resumes by itself**"):
-        "tests/test_restart.py::test_a_restart_of_this_job_resumes_its_checkpoint",
+    (
+        "docs/growth.md",
+        "The metric is logged at every optimizer step from the 10th measured step of the run on",
+    ): "tests/test_first_hour.py::test_the_noise_scale_appears_from_the_10th_step_with_2_or_more_micro_batches",
+    (
+        "docs/growth.md",
+        "counted over all epochs and across a resume (the count is in the checkpoint)",
+    ): "tests/test_noise_scale_recipe.py::test_noise_scale_growth_decides_at_the_epoch_start_and_resumes_exactly",
+    (
+        "docs/logs-and-metrics.md",
+        "| `grad_norm` | with `clip_grad_norm` |",
+    ): "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
+    (
+        "docs/logs-and-metrics.md",
+        "| `max_tokens` | with token budgets, instead of `micro_batch_size`",
+    ): "tests/test_token_and_elastic_recipe.py::test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step",
+    (
+        "docs/logs-and-metrics.md",
+        "with `log_peak_memory_stats: true`, on CUDA",
+    ): "tests/test_stock_configs.py::test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only",
+    (
+        "docs/logs-and-metrics.md",
+        "## The log, in order",
+    ): "tests/test_first_hour.py::test_the_demo_logs_in_the_order_and_with_the_metrics_the_logs_page_gives",
+    (
+        "README.md",
+        "A later run with the same set-up reads it from a cache instead of measuring again.",
+    ): "tests/test_profile_recipe.py::test_cache_hit_reprofile_stale_and_corrupt",
+    (
+        "README.md",
+        "a restart or a preemption resumes exactly where the last checkpoint was saved",
+    ): "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
+    (
+        "README.md",
+        "Continue any stopped run with `resume_from_checkpoint=True`: it resumes at the exact step, "
+        "inside an epoch too.",
+    ): "tests/test_preemption.py::test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses",
+    (
+        "docs/fault-tolerance.md",
+        "A new job (restart count 0) never resumes by itself",
+    ): "tests/test_restart.py::test_a_new_job_or_another_jobs_checkpoint_is_not_resumed",
+    (
+        "docs/fault-tolerance.md",
+        "the recipe sees `TORCHELASTIC_RESTART_COUNT` > 0 and **resumes by itself**",
+    ): "tests/test_restart.py::test_a_restart_of_this_job_resumes_its_checkpoint",
 }
 
 

@@ -21,8 +21,9 @@ from adaptive_batching.errors import ConfigError
 
 
 def spec(max_global_batch: int, micro_batches: list[int], max_ranks: int, **extra: Any) -> ElasticSpec:
-    return ElasticSpec.from_config({"max_global_batch": max_global_batch, "micro_batches": micro_batches,
-                                    "max_ranks": max_ranks, **extra})
+    return ElasticSpec.from_config(
+        {"max_global_batch": max_global_batch, "micro_batches": micro_batches, "max_ranks": max_ranks, **extra}
+    )
 
 
 def assert_invariant(choice: ElasticChoice) -> None:
@@ -80,7 +81,12 @@ def test_describe_and_largest_micro_batch() -> None:
     assert choice.describe() == "elastic: global batch 48 valid at 1, 2, 3, 4, 6 ranks (micro batches 2, 4, 8)"
     # per-rank share 48, 24, 16, 12, 8
     assert [choice.shape_for(w) for w in (1, 2, 3, 4, 6)] == [
-        BatchShape(8, 6, 1), BatchShape(8, 3, 2), BatchShape(8, 2, 3), BatchShape(4, 3, 4), BatchShape(8, 1, 6)]
+        BatchShape(8, 6, 1),
+        BatchShape(8, 3, 2),
+        BatchShape(8, 2, 3),
+        BatchShape(4, 3, 4),
+        BatchShape(8, 1, 6),
+    ]
     assert_invariant(choice)
     assert choose_global_batch(spec(48, [2, 4, 8], 6, prefer_larger=False)).global_batch == 24
 
@@ -104,11 +110,19 @@ def test_memory_cap_changes_the_choice() -> None:
     free = choose_global_batch(s)
     assert (free.global_batch, free.world_sizes) == (48, [1, 2, 3, 4])
     assert [free.shape_for(w) for w in (1, 2, 3, 4)] == [
-        BatchShape(8, 6, 1), BatchShape(8, 3, 2), BatchShape(8, 2, 3), BatchShape(3, 4, 4)]
+        BatchShape(8, 6, 1),
+        BatchShape(8, 3, 2),
+        BatchShape(8, 2, 3),
+        BatchShape(3, 4, 4),
+    ]
     capped = choose_global_batch(s, memory_cap=4)
     assert (capped.global_batch, capped.world_sizes) == (36, [1, 2, 3, 4])
     assert [capped.shape_for(w) for w in (1, 2, 3, 4)] == [
-        BatchShape(3, 12, 1), BatchShape(3, 6, 2), BatchShape(3, 4, 3), BatchShape(3, 3, 4)]
+        BatchShape(3, 12, 1),
+        BatchShape(3, 6, 2),
+        BatchShape(3, 4, 3),
+        BatchShape(3, 3, 4),
+    ]
     assert_invariant(free)
     assert_invariant(capped)
     assert choose_global_batch(spec(48, [3, 8], 4, prefer_larger=False)).global_batch == 24
@@ -166,15 +180,19 @@ def test_nothing_valid_is_a_config_error() -> None:
         choose_global_batch(spec(3, [4, 8], 2))
     with pytest.raises(ConfigError, match=r"micro batch 2 x 4 rank\(s\) = 8"):
         choose_global_batch(spec(6, [2], 8, min_ranks=4))
-    with pytest.raises(ConfigError, match=r"'adaptive_batching.elastic.micro_batches' = \[4, 8\] fits the memory "
-                                          r"cap of 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"'adaptive_batching.elastic.micro_batches' = \[4, 8\] fits the memory "
+        r"cap of 2",
+    ):
         choose_global_batch(spec(64, [4, 8], 2), memory_cap=2)
     with pytest.raises(ValueError, match="memory_cap"):
         choose_global_batch(spec(64, [4, 8], 2), memory_cap=0)
 
 
-def brute_force(max_global_batch: int, micro: list[int], lo: int, hi: int,
-                prefer_larger: bool) -> tuple[int, list[int]]:
+def brute_force(
+    max_global_batch: int, micro: list[int], lo: int, hi: int, prefer_larger: bool
+) -> tuple[int, list[int]]:
     """Straight from the definition, for small cases."""
     best: tuple[int, list[int]] = (0, [])
     for g in range(1, max_global_batch + 1):
@@ -184,9 +202,16 @@ def brute_force(max_global_batch: int, micro: list[int], lo: int, hi: int,
     return best
 
 
-@pytest.mark.parametrize("max_global_batch,micro,lo,hi", [
-    (100, [1, 2, 4], 1, 8), (97, [3, 5], 1, 6), (200, [2, 6, 7], 2, 12), (30, [4], 1, 3), (128, [8, 12, 16], 1, 16),
-])
+@pytest.mark.parametrize(
+    "max_global_batch,micro,lo,hi",
+    [
+        (100, [1, 2, 4], 1, 8),
+        (97, [3, 5], 1, 6),
+        (200, [2, 6, 7], 2, 12),
+        (30, [4], 1, 3),
+        (128, [8, 12, 16], 1, 16),
+    ],
+)
 @pytest.mark.parametrize("prefer_larger", [True, False])
 def test_matches_brute_force(max_global_batch: int, micro: list[int], lo: int, hi: int, prefer_larger: bool) -> None:
     choice = choose_global_batch(spec(max_global_batch, micro, hi, min_ranks=lo, prefer_larger=prefer_larger))
@@ -217,35 +242,51 @@ def test_spec_from_config() -> None:
 GOOD = {"max_global_batch": 64, "micro_batches": [2, 4], "max_ranks": 8}
 
 
-@pytest.mark.parametrize("change,message", [
-    ({"max_global_batch": None}, "'adaptive_batching.elastic.max_global_batch' is missing"),
-    ({"micro_batches": None}, "'adaptive_batching.elastic.micro_batches' is missing"),
-    ({"max_ranks": None}, "'adaptive_batching.elastic.max_ranks' is missing"),
-    ({"max_global_batch": -8}, "'adaptive_batching.elastic.max_global_batch' = -8 is invalid: "
-                               "expected an integer >= 1"),
-    ({"max_global_batch": 0}, "max_global_batch' = 0 is invalid: expected an integer >= 1"),
-    ({"max_global_batch": "64"}, "max_global_batch' = '64' is invalid: expected an integer >= 1"),
-    ({"max_global_batch": 64.0}, "max_global_batch' = 64.0 is invalid"),
-    ({"max_global_batch": True}, "max_global_batch' = True is invalid"),
-    ({"micro_batches": []}, "'adaptive_batching.elastic.micro_batches' = [] is invalid: expected a non-empty list "
-                            "of integers >= 1"),
-    ({"micro_batches": [2, 0]}, "micro_batches' = [2, 0] is invalid: expected a non-empty list of integers >= 1"),
-    ({"micro_batches": [2, -4]}, "micro_batches' = [2, -4] is invalid"),
-    ({"micro_batches": [2, 2.5]}, "micro_batches' = [2, 2.5] is invalid"),
-    ({"micro_batches": 4}, "micro_batches' = 4 is invalid: expected a non-empty list"),
-    ({"micro_batches": "2,4"}, "micro_batches' = '2,4' is invalid"),
-    ({"min_ranks": 0}, "'adaptive_batching.elastic.min_ranks' = 0 is invalid: expected an integer >= 1"),
-    ({"min_ranks": -1}, "min_ranks' = -1 is invalid"),
-    ({"max_ranks": -2}, "'adaptive_batching.elastic.max_ranks' = -2 is invalid: expected an integer >= "
-                        "adaptive_batching.elastic.min_ranks (1)"),
-    ({"min_ranks": 9}, "max_ranks' = 8 is invalid: expected an integer >= adaptive_batching.elastic.min_ranks (9)"),
-    ({"max_ranks": "8"}, "max_ranks' = '8' is invalid"),
-    ({"prefer_larger": "yes"}, "'adaptive_batching.elastic.prefer_larger' = 'yes' is invalid: expected true or false"),
-    ({"world_size": 4, "batch": 2}, "unknown config key(s) adaptive_batching.elastic.batch, "
-                                    "adaptive_batching.elastic.world_size; "
-                                    "known keys under 'adaptive_batching.elastic': "
-                                    "max_global_batch, micro_batches, min_ranks, max_ranks, prefer_larger"),
-])
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"max_global_batch": None}, "'adaptive_batching.elastic.max_global_batch' is missing"),
+        ({"micro_batches": None}, "'adaptive_batching.elastic.micro_batches' is missing"),
+        ({"max_ranks": None}, "'adaptive_batching.elastic.max_ranks' is missing"),
+        (
+            {"max_global_batch": -8},
+            "'adaptive_batching.elastic.max_global_batch' = -8 is invalid: expected an integer >= 1",
+        ),
+        ({"max_global_batch": 0}, "max_global_batch' = 0 is invalid: expected an integer >= 1"),
+        ({"max_global_batch": "64"}, "max_global_batch' = '64' is invalid: expected an integer >= 1"),
+        ({"max_global_batch": 64.0}, "max_global_batch' = 64.0 is invalid"),
+        ({"max_global_batch": True}, "max_global_batch' = True is invalid"),
+        (
+            {"micro_batches": []},
+            "'adaptive_batching.elastic.micro_batches' = [] is invalid: expected a non-empty list of integers >= 1",
+        ),
+        ({"micro_batches": [2, 0]}, "micro_batches' = [2, 0] is invalid: expected a non-empty list of integers >= 1"),
+        ({"micro_batches": [2, -4]}, "micro_batches' = [2, -4] is invalid"),
+        ({"micro_batches": [2, 2.5]}, "micro_batches' = [2, 2.5] is invalid"),
+        ({"micro_batches": 4}, "micro_batches' = 4 is invalid: expected a non-empty list"),
+        ({"micro_batches": "2,4"}, "micro_batches' = '2,4' is invalid"),
+        ({"min_ranks": 0}, "'adaptive_batching.elastic.min_ranks' = 0 is invalid: expected an integer >= 1"),
+        ({"min_ranks": -1}, "min_ranks' = -1 is invalid"),
+        (
+            {"max_ranks": -2},
+            "'adaptive_batching.elastic.max_ranks' = -2 is invalid: expected an integer >= "
+            "adaptive_batching.elastic.min_ranks (1)",
+        ),
+        ({"min_ranks": 9}, "max_ranks' = 8 is invalid: expected an integer >= adaptive_batching.elastic.min_ranks (9)"),
+        ({"max_ranks": "8"}, "max_ranks' = '8' is invalid"),
+        (
+            {"prefer_larger": "yes"},
+            "'adaptive_batching.elastic.prefer_larger' = 'yes' is invalid: expected true or false",
+        ),
+        (
+            {"world_size": 4, "batch": 2},
+            "unknown config key(s) adaptive_batching.elastic.batch, "
+            "adaptive_batching.elastic.world_size; "
+            "known keys under 'adaptive_batching.elastic': "
+            "max_global_batch, micro_batches, min_ranks, max_ranks, prefer_larger",
+        ),
+    ],
+)
 def test_validation_names_keys_and_allowed_values(change: dict[str, Any], message: str) -> None:
     node = {k: v for k, v in {**GOOD, **change}.items() if v is not None}
     with pytest.raises(ConfigError) as error:

@@ -18,6 +18,7 @@ from torch import nn
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.core.steps import StepMemory
+from adaptive_batching.estimate.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
 from adaptive_batching.estimate.prediction import (
     EXTRAPOLATED,
     FULL_TRACE,
@@ -26,15 +27,18 @@ from adaptive_batching.estimate.prediction import (
     predict,
     trace_steps,
 )
-from adaptive_batching.estimate.layer_timeline import PassStretch, decoder_layers, extrapolate_peak, repeats
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
 FOUR_LAYERS = {
-    "full, activation checkpointing": ("tiny_full.yaml",
-                                       ["model.num_layers=4", "enable_activation_checkpointing=True"]),
-    "LoRA": ("tiny_lora.yaml", ["model.num_layers=4", "model.apply_lora_to_mlp=False",
-                                "model.lora_attn_modules=[q_proj,v_proj]"]),
+    "full, activation checkpointing": (
+        "tiny_full.yaml",
+        ["model.num_layers=4", "enable_activation_checkpointing=True"],
+    ),
+    "LoRA": (
+        "tiny_lora.yaml",
+        ["model.num_layers=4", "model.apply_lora_to_mlp=False", "model.lora_attn_modules=[q_proj,v_proj]"],
+    ),
 }
 
 
@@ -46,12 +50,27 @@ def _segments(head: int, grads_per_layer: int) -> list[PassStretch]:
         PassStretch("forward 0", MiB, 2 * MiB, 2 * MiB),
         PassStretch("forward 1", 2 * MiB, 3 * MiB, 3 * MiB),
         PassStretch("forward 2", 3 * MiB, 4 * MiB, 4 * MiB + head),
-        PassStretch("backward 2", 4 * MiB, 4 * MiB + grads_per_layer - MiB, 4 * MiB + grads_per_layer,
-                grads_added=grads_per_layer),
-        PassStretch("backward 1", 3 * MiB + grads_per_layer, 2 * MiB + 2 * grads_per_layer, 3 * MiB + 2 * grads_per_layer,
-                grads_added=grads_per_layer),
-        PassStretch("backward 0", 2 * MiB + 2 * grads_per_layer, MiB + 3 * grads_per_layer, 2 * MiB + 3 * grads_per_layer,
-                grads_added=grads_per_layer),
+        PassStretch(
+            "backward 2",
+            4 * MiB,
+            4 * MiB + grads_per_layer - MiB,
+            4 * MiB + grads_per_layer,
+            grads_added=grads_per_layer,
+        ),
+        PassStretch(
+            "backward 1",
+            3 * MiB + grads_per_layer,
+            2 * MiB + 2 * grads_per_layer,
+            3 * MiB + 2 * grads_per_layer,
+            grads_added=grads_per_layer,
+        ),
+        PassStretch(
+            "backward 0",
+            2 * MiB + 2 * grads_per_layer,
+            MiB + 3 * grads_per_layer,
+            2 * MiB + 3 * grads_per_layer,
+            grads_added=grads_per_layer,
+        ),
     ]
 
 
@@ -131,6 +150,7 @@ def test_fake_steps_correct_a_fit_that_underestimates_larger_batches() -> None:
 def test_a_plateau_of_sharded_state_at_more_ranks_is_probed_past() -> None:
     """At 8 ranks a rank's step can stay flat for longer (Llama 3.3 70B, full: about 23 GiB up to 4 samples, then
     4.3 GiB a sample): the probes of the trace show no slope there, so more are measured at those ranks."""
+
     def measure(micro_batch: int, ranks: int = 1) -> StepMemory:
         activation = 100 * MiB * micro_batch if ranks == 1 else max(400 * MiB, 60 * MiB * micro_batch)
         return StepMemory(activation, 800 * MiB + activation, 900 * MiB, 800 * MiB)
@@ -160,8 +180,10 @@ def traces() -> dict[str, tuple]:
     for case, (name, overrides) in FOUR_LAYERS.items():
         cfg = load_config(str(CONFIGS / name), overrides)
         seq_len = int(cfg.tokenizer.max_seq_len)
-        result[case] = (trace_steps(cfg, method_for(cfg), seq_len=seq_len),
-                        trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=True))
+        result[case] = (
+            trace_steps(cfg, method_for(cfg), seq_len=seq_len),
+            trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=True),
+        )
     return result
 
 
@@ -191,15 +213,17 @@ def test_at_two_ranks_the_sharded_state_leaves_room_for_more_samples(traces: dic
     """FSDP shards weights, gradients and optimizer state (the full trace, an upper bound, divides the
     weights and optimizer state only); the extrapolation also adds the two layers FSDP gathers at a time."""
     fast, full = traces[case]
-    one, two, bound = (predict(t, device_memory_bytes=48 * MiB, world_size=n, verify=False)
-                       for t, n in ((fast, 1), (fast, 2), (full, 2)))
+    one, two, bound = (
+        predict(t, device_memory_bytes=48 * MiB, world_size=n, verify=False)
+        for t, n in ((fast, 1), (fast, 2), (full, 2))
+    )
     assert two.model_state_bytes < one.model_state_bytes and two.max_micro_batch >= one.max_micro_batch
     assert two.max_micro_batch >= bound.max_micro_batch
 
 
-def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, tmp_path: Path,
-                                                                  monkeypatch: pytest.MonkeyPatch,
-                                                                  capsys: pytest.CaptureFixture) -> None:
+def test_cli_says_which_method_ran_and_what_the_fake_steps_found(
+    traces: dict, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
     """The command and its flags reach ``trace_steps``, which answers with the fixture's traces of the
     same config (the tracing itself is compared above; ``tests/test_profile_recipe.py`` runs the
     command end to end); the extrapolated one verifies its prediction with 2 more fake steps."""
@@ -209,8 +233,16 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     fast, full = traces[case]
     asked = []
 
-    def recorded(cfg: object, method: object, *, seq_len: int, seq_len_source: str, exact: bool,
-                 max_probe: int, objective: object) -> StepTrace:
+    def recorded(
+        cfg: object,
+        method: object,
+        *,
+        seq_len: int,
+        seq_len_source: str,
+        exact: bool,
+        max_probe: int,
+        objective: object,
+    ) -> StepTrace:
         assert objective is None  # fine-tuning: the estimate's own step
         asked.append((exact, cfg.model.num_layers, method.name, seq_len, seq_len_source))
         return replace(full, measure=None) if exact else fast  # verifying the full trace costs seconds
@@ -218,8 +250,20 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     monkeypatch.setattr(estimate, "trace_steps", recorded)
     name, overrides = FOUR_LAYERS[case]
     out = tmp_path / "e.json"
-    argv = ["estimate", "--config", str(CONFIGS / name), "--device-memory", "512MiB", "--world-size", "2",
-            "--seq-len", "256", "--json", str(out), *overrides]
+    argv = [
+        "estimate",
+        "--config",
+        str(CONFIGS / name),
+        "--device-memory",
+        "512MiB",
+        "--world-size",
+        "2",
+        "--seq-len",
+        "256",
+        "--json",
+        str(out),
+        *overrides,
+    ]
     assert main(argv) == 0
     printed = capsys.readouterr().out
     assert "method: layer extrapolation (traced 3 of 4 layers; --full-trace traces all)" in printed
@@ -239,11 +283,14 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(traces: dict, t
     assert asked == [(False, 4, "full", 256, "--seq-len"), (True, 4, "full", 256, "--seq-len")]
 
 
-@pytest.mark.parametrize("argv, flag", [
-    (["--device-memory", "lots"], "--device-memory"),
-    (["--device-memory", "1GiB", "--fraction", "1.5"], "--fraction"),
-    (["--device-memory", "1GiB", "--world-size", "0"], "--world-size"),
-])
+@pytest.mark.parametrize(
+    "argv, flag",
+    [
+        (["--device-memory", "lots"], "--device-memory"),
+        (["--device-memory", "1GiB", "--fraction", "1.5"], "--fraction"),
+        (["--device-memory", "1GiB", "--world-size", "0"], "--world-size"),
+    ],
+)
 def test_cli_bad_input_names_the_flag(argv: list[str], flag: str, capsys: pytest.CaptureFixture) -> None:
     assert main(["estimate", "--config", str(CONFIGS / "tiny_full.yaml"), "--seq-len", "256", *argv]) == 2
     assert flag in capsys.readouterr().err
@@ -269,10 +316,25 @@ def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> N
 
     gib = 2**30
     steady, per_sample, optimizer_peak = 2 * gib, 16 * 2**20, 8 * gib
-    probes = {m: StepMemory(activation_bytes=m * per_sample, forward_backward_peak=steady + m * per_sample,
-                            optimizer_peak=optimizer_peak, steady_bytes=steady) for m in (1, 2, 4, 8, 16)}
-    trace = StepTrace(probes, seq_len=128, seq_len_source="given", cpu_offload=False, num_layers=2, traced_layers=2,
-                      method=EXTRAPOLATED, seconds=0.0)
+    probes = {
+        m: StepMemory(
+            activation_bytes=m * per_sample,
+            forward_backward_peak=steady + m * per_sample,
+            optimizer_peak=optimizer_peak,
+            steady_bytes=steady,
+        )
+        for m in (1, 2, 4, 8, 16)
+    }
+    trace = StepTrace(
+        probes,
+        seq_len=128,
+        seq_len_source="given",
+        cpu_offload=False,
+        num_layers=2,
+        traced_layers=2,
+        method=EXTRAPOLATED,
+        seconds=0.0,
+    )
     one = predict(trace, device_memory_bytes=4 * gib, fraction=1.0, world_size=1)
     eight = predict(trace, device_memory_bytes=4 * gib, fraction=1.0, world_size=8)
     assert one.optimizer_peak_bytes == optimizer_peak and one.max_micro_batch == 0

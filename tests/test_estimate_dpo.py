@@ -55,24 +55,45 @@ def test_repeats_of_a_dpo_pass_expand_the_middle_layer_of_each_forward_and_the_b
     assert repeats(3, 3, forwards=2) == [1] * 10 and repeats(3, 32) == [1, 1, 30, 1, 1, 30, 1]
 
 
-def test_a_dpo_config_is_estimated_and_says_its_samples_are_pairs(tmp_path: Path,
-                                                                  capsys: pytest.CaptureFixture) -> None:
+def test_a_dpo_config_is_estimated_and_says_its_samples_are_pairs(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     """Before: 'estimate does not model a DPO step yet' (exit 2)."""
-    argv = ["estimate", "--config", "tiny_lora_dpo", "--device-memory", "64MiB", "--seq-len", str(SEQ_LEN),
-            "--json", str(tmp_path / "e.json")]
+    argv = [
+        "estimate",
+        "--config",
+        "tiny_lora_dpo",
+        "--device-memory",
+        "64MiB",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--json",
+        str(tmp_path / "e.json"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "e.json").read_text())
-    assert out.startswith(f"predicted largest micro batch: {written['max_micro_batch']} "
-                          f"(pairs of {SEQ_LEN}-token sequences, 1 rank(s))")
+    assert out.startswith(
+        f"predicted largest micro batch: {written['max_micro_batch']} (pairs of {SEQ_LEN}-token sequences, 1 rank(s))"
+    )
     assert written["max_micro_batch"] >= 1 and written["objective"] == "lora_dpo" and written["reference_bytes"] == 0
-    assert (f"DPO (lora_dpo): a sample is a pair, chosen and rejected each {SEQ_LEN} tokens: the policy's forward "
-            "and backward on 2 x micro batch sequences") in out and "(the policy with its adapters off)" in out
+    assert (
+        f"DPO (lora_dpo): a sample is a pair, chosen and rejected each {SEQ_LEN} tokens: the policy's forward "
+        "and backward on 2 x micro batch sequences"
+    ) in out and "(the policy with its adapters off)" in out
 
 
 def test_a_dpo_config_the_recipe_refuses_is_refused_by_estimate(capsys: pytest.CaptureFixture) -> None:
-    argv = ["estimate", "--config", "tiny_lora_dpo", "--device-memory", "64MiB", "--seq-len", "16",
-            "dataset.packed=True"]
+    argv = [
+        "estimate",
+        "--config",
+        "tiny_lora_dpo",
+        "--device-memory",
+        "64MiB",
+        "--seq-len",
+        "16",
+        "dataset.packed=True",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: config key 'dataset.packed' = True") and "\n" not in err
@@ -87,8 +108,10 @@ class _Recorded:
     def watch(self, model: nn.Module, which: str) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             lora = next((m for m in module.modules() if hasattr(m, "disabled")), None)
-            self.calls.append((which, tuple(args[0].shape), torch.is_grad_enabled(),
-                               bool(lora is not None and lora.disabled)))
+            self.calls.append(
+                (which, tuple(args[0].shape), torch.is_grad_enabled(), bool(lora is not None and lora.disabled))
+            )
+
         return model.register_forward_pre_hook(hook)
 
 
@@ -97,8 +120,9 @@ class _RecordedLoRADPO(LoRADPO):
         super().__init__()
         self.recorded = recorded
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         handle = self.recorded.watch(model, "policy")
         try:
             return super().micro_loss(model, loss_fn, batch, activations)
@@ -111,8 +135,9 @@ class _RecordedFullDPO(FullDPO):
         super().__init__()
         self.recorded = recorded
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: Any
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         assert self.reference_model is not None
         handles = [self.recorded.watch(model, "policy"), self.recorded.watch(self.reference_model, "reference")]
         try:
@@ -126,22 +151,25 @@ class _RecordedFullDPO(FullDPO):
 def traces() -> dict[str, StepTrace]:
     """The tiny fine-tuning step, and the two DPO steps with every forward they run recorded (``recorded``)."""
     recorded = {name: _Recorded() for name in ("tiny_lora_dpo", "tiny_full_dpo")}
-    return {"tiny_lora": _trace("tiny_lora"),
-            "tiny_lora_dpo": _trace("tiny_lora_dpo", objective=_RecordedLoRADPO(recorded["tiny_lora_dpo"])),
-            "tiny_full_dpo": _trace("tiny_full_dpo", objective=_RecordedFullDPO(recorded["tiny_full_dpo"])),
-            "recorded": recorded}  # type: ignore[dict-item]
+    return {
+        "tiny_lora": _trace("tiny_lora"),
+        "tiny_lora_dpo": _trace("tiny_lora_dpo", objective=_RecordedLoRADPO(recorded["tiny_lora_dpo"])),
+        "tiny_full_dpo": _trace("tiny_full_dpo", objective=_RecordedFullDPO(recorded["tiny_full_dpo"])),
+        "recorded": recorded,
+    }  # type: ignore[dict-item]
 
 
 @pytest.mark.parametrize("name", ["tiny_lora_dpo", "tiny_full_dpo"])
 def test_each_traced_step_runs_the_reference_without_autograd_then_the_policy_on_both_sequences(
-        traces: dict[str, Any], name: str) -> None:
+    traces: dict[str, Any], name: str
+) -> None:
     trace, recorded = traces[name], traces["recorded"][name]
     assert trace.objective == name.removeprefix("tiny_")
     steps = len(recorded.calls) // 2
     assert steps >= len(trace.probes) and len(recorded.calls) == 2 * steps
     reference = ("policy", True) if name == "tiny_lora_dpo" else ("reference", False)
     for i in range(steps):
-        ref, policy = recorded.calls[2 * i:2 * i + 2]
+        ref, policy = recorded.calls[2 * i : 2 * i + 2]
         pairs = policy[1][0] // 2
         assert ref == (reference[0], (2 * pairs, SEQ_LEN), False, reference[1])
         assert policy == ("policy", (2 * pairs, SEQ_LEN), True, False)
@@ -161,7 +189,9 @@ def test_the_dpo_step_extrapolated_matches_the_full_trace(traces: dict[str, Any]
     for micro_batch, exact in full.probes.items():
         for field in ("activation_bytes", "forward_backward_peak", "optimizer_peak", "steady_bytes"):
             assert getattr(fast.probes[micro_batch], field) == pytest.approx(getattr(exact, field), rel=0.02), (
-                micro_batch, field)
+                micro_batch,
+                field,
+            )
 
 
 def test_full_dpo_counts_the_reference_weights_sharded_as_the_policy(traces: dict[str, StepTrace]) -> None:
@@ -175,8 +205,9 @@ def test_full_dpo_counts_the_reference_weights_sharded_as_the_policy(traces: dic
     assert dpo.resident_bytes == weights and finetune.resident_bytes == 0
     assert dpo.probes[1].steady_bytes - finetune.probes[1].steady_bytes == weights
     for ranks in (1, 2):
-        with_reference, without = (predict(t, device_memory_bytes=64 * MiB, world_size=ranks, verify=False)
-                                   for t in (dpo, finetune))
+        with_reference, without = (
+            predict(t, device_memory_bytes=64 * MiB, world_size=ranks, verify=False) for t in (dpo, finetune)
+        )
         assert with_reference.model_state_bytes - without.model_state_bytes == pytest.approx(weights / ranks, abs=1)
         assert with_reference.reference_bytes == weights // ranks
     assert "a frozen copy of the model" in predict(dpo, device_memory_bytes=64 * MiB, verify=False).describe()
@@ -185,8 +216,9 @@ def test_full_dpo_counts_the_reference_weights_sharded_as_the_policy(traces: dic
 class _NoReferenceForward(LoRADPO):
     """The LoRA DPO step without the reference's forward: the policy's own log-probabilities, detached, stand in."""
 
-    def _reference_log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                             activations: Any) -> torch.Tensor:
+    def _reference_log_probs(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: Any
+    ) -> torch.Tensor:
         return torch.zeros(tokens.size(0), dtype=torch.float32)
 
 
@@ -223,12 +255,20 @@ def _real_activation_bytes(name: str, micro_batch: int, *overrides: str) -> int:
     return real_activation_bytes(_cfg(name, *overrides), micro_batch, SEQ_LEN)
 
 
-@pytest.mark.parametrize("name, overrides", [
-    ("tiny_lora", ()), ("tiny_lora_dpo", ()), ("tiny_full_dpo", ()),
-    ("tiny_lora_dpo", (CHECKPOINTING,)), ("tiny_full_dpo", (CHECKPOINTING,))],
-    ids=["finetune", "lora_dpo", "full_dpo", "lora_dpo, checkpointing", "full_dpo, checkpointing"])
-def test_the_estimate_matches_a_real_cpu_step(traces: dict[str, StepTrace], name: str,
-                                              overrides: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    "name, overrides",
+    [
+        ("tiny_lora", ()),
+        ("tiny_lora_dpo", ()),
+        ("tiny_full_dpo", ()),
+        ("tiny_lora_dpo", (CHECKPOINTING,)),
+        ("tiny_full_dpo", (CHECKPOINTING,)),
+    ],
+    ids=["finetune", "lora_dpo", "full_dpo", "lora_dpo, checkpointing", "full_dpo, checkpointing"],
+)
+def test_the_estimate_matches_a_real_cpu_step(
+    traces: dict[str, StepTrace], name: str, overrides: tuple[str, ...]
+) -> None:
     """The fake, extrapolated step against the real one of the same tiny model, at the micro batches the estimate
     probed: each step's bytes and the bytes a sample (a pair) adds within the fine-tuning estimate's tolerance
     (5%; ``tiny_lora`` is the fine-tuning step, for comparison; on CPU they agree to a few bytes today), without
@@ -242,12 +282,21 @@ def test_merged_rows_take_the_place_of_their_configs_in_the_table_and_the_rest_i
     from estimate_stock_configs import FIDELITY, merged_page, merged_rows
 
     def row(name: str, micro_batch: int) -> dict[str, Any]:
-        return {"config": name, "model": "m", "method": "LoRA DPO", "savers": [], "seconds": 1.0,
-                "parameters": 10**9, "trainable": 10**7,
-                "micro_batch": {f"{gib}GiB/{n}": micro_batch for gib in (24, 40, 80) for n in (1, 8)}}
+        return {
+            "config": name,
+            "model": "m",
+            "method": "LoRA DPO",
+            "savers": [],
+            "seconds": 1.0,
+            "parameters": 10**9,
+            "trainable": 10**7,
+            "micro_batch": {f"{gib}GiB/{n}": micro_batch for gib in (24, 40, 80) for n in (1, 8)},
+        }
 
-    page = ("# t\n\nprose `a`\n\n1 of 2 configs estimated; the slowest took 1 s.\n\n| config | x |\n| --- | --- |\n"
-            "| `a/1` | old a |\n| `c/1` | not estimated: no | - |\n\nafter\n\n" + FIDELITY + "\n\n| `z` | kept |\n")
+    page = (
+        "# t\n\nprose `a`\n\n1 of 2 configs estimated; the slowest took 1 s.\n\n| config | x |\n| --- | --- |\n"
+        "| `a/1` | old a |\n| `c/1` | not estimated: no | - |\n\nafter\n\n" + FIDELITY + "\n\n| `z` | kept |\n"
+    )
     merged = merged_page(page, [row("b/1", 3), row("a/1", 5)], 2048)
     lines = merged.splitlines()
     table = [line for line in lines if line.startswith("| `")]

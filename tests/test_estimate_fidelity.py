@@ -30,8 +30,10 @@ def test_the_section_is_replaced_and_the_rest_of_the_page_kept() -> None:
     page = "# estimates\n\n| table |\n"
     once = fidelity.replace_section(page, fidelity.SECTION + "\n\nfirst\n")
     assert once == page + "\n" + fidelity.SECTION + "\n\nfirst\n"
-    assert fidelity.replace_section(once, fidelity.SECTION + "\n\nsecond\n") == \
-        page + "\n" + fidelity.SECTION + "\n\nsecond\n"
+    assert (
+        fidelity.replace_section(once, fidelity.SECTION + "\n\nsecond\n")
+        == page + "\n" + fidelity.SECTION + "\n\nsecond\n"
+    )
 
 
 def test_every_row_names_each_key_once_and_a_real_source() -> None:

@@ -32,11 +32,18 @@ MiB = 2**20
 SEQ_LEN = 32
 KD = ("model.num_layers=5", "teacher_model.num_layers=4")
 QAT_LORA = ("model.num_layers=5",)
-QAT_FULL = ("model.num_layers=5", "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
-            "quantizer.groupsize=32")
-CASES = {"kd": ("tiny_kd", KD), "qat_lora": ("tiny_qat_lora", QAT_LORA), "qat_full": ("tiny_full", QAT_FULL),
-         "qat_lora_bf16": ("tiny_qat_lora", (*QAT_LORA, "dtype=bf16")),  # the stock KD and QAT configs' dtype
-         "kd_bf16": ("tiny_kd", (*KD, "dtype=bf16"))}
+QAT_FULL = (
+    "model.num_layers=5",
+    "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer",
+    "quantizer.groupsize=32",
+)
+CASES = {
+    "kd": ("tiny_kd", KD),
+    "qat_lora": ("tiny_qat_lora", QAT_LORA),
+    "qat_full": ("tiny_full", QAT_FULL),
+    "qat_lora_bf16": ("tiny_qat_lora", (*QAT_LORA, "dtype=bf16")),  # the stock KD and QAT configs' dtype
+    "kd_bf16": ("tiny_kd", (*KD, "dtype=bf16")),
+}
 
 
 def _cfg(name: str, overrides: tuple[str, ...]) -> Any:
@@ -78,8 +85,17 @@ def test_repeats_of_a_kd_pass_expand_the_teacher_over_its_own_depth() -> None:
 
 def test_a_kd_config_is_estimated_with_its_teacher(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Before: 'config key 'teacher_model': estimate does not model knowledge distillation yet' (exit 2)."""
-    argv = ["estimate", "--config", "tiny_kd", "--device-memory", "64MiB", "--seq-len", str(SEQ_LEN),
-            "--json", str(tmp_path / "e.json")]
+    argv = [
+        "estimate",
+        "--config",
+        "tiny_kd",
+        "--device-memory",
+        "64MiB",
+        "--seq-len",
+        str(SEQ_LEN),
+        "--json",
+        str(tmp_path / "e.json"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "e.json").read_text())
@@ -88,8 +104,10 @@ def test_a_kd_config_is_estimated_with_its_teacher(tmp_path: Path, capsys: pytes
     assert written["objective"] == "kd" and written["reference_bytes"] == _weights(teacher)
     assert out.startswith(f"predicted largest micro batch: {written['max_micro_batch']} ({SEQ_LEN}-token samples, ")
     assert written["max_micro_batch"] >= 1
-    assert "KD: the student's forward and backward on the micro batch, and the teacher's forward on it without " \
-           "autograd" in out
+    assert (
+        "KD: the student's forward and backward on the micro batch, and the teacher's forward on it without "
+        "autograd" in out
+    )
 
 
 def test_kd_counts_the_teacher_weights_sharded_as_the_student(traces: dict[str, StepTrace]) -> None:
@@ -103,8 +121,9 @@ def test_kd_counts_the_teacher_weights_sharded_as_the_student(traces: dict[str, 
     assert kd.resident_bytes == weights and alone.resident_bytes == 0
     assert kd.probes[1].steady_bytes - alone.probes[1].steady_bytes == weights
     for ranks in (1, 2):
-        with_teacher, without = (predict(t, device_memory_bytes=64 * MiB, world_size=ranks, verify=False)
-                                 for t in (kd, alone))
+        with_teacher, without = (
+            predict(t, device_memory_bytes=64 * MiB, world_size=ranks, verify=False) for t in (kd, alone)
+        )
         assert with_teacher.model_state_bytes - without.model_state_bytes == pytest.approx(weights / ranks, abs=1)
         assert with_teacher.reference_bytes == weights // ranks
     for micro_batch in kd.probes:  # the teacher's forward and logits: more than the student's step alone
@@ -120,7 +139,9 @@ def test_the_kd_step_extrapolated_matches_the_full_trace(traces: dict[str, StepT
     for micro_batch, exact in full.probes.items():
         for field in ("activation_bytes", "forward_backward_peak", "optimizer_peak", "steady_bytes"):
             assert getattr(fast.probes[micro_batch], field) == pytest.approx(getattr(exact, field), rel=0.02), (
-                micro_batch, field)
+                micro_batch,
+                field,
+            )
 
 
 def test_fake_quantization_keeps_tensors_for_the_backward(traces: dict[str, StepTrace]) -> None:
@@ -130,14 +151,16 @@ def test_fake_quantization_keeps_tensors_for_the_backward(traces: dict[str, Step
         name, overrides = CASES[case]
         plain = _trace(name, (*overrides[:1], *off))
         qat = traces[case]
-        low, high = min(qat.probes), max(qat.probes)
+        low, _high = min(qat.probes), max(qat.probes)
         assert sorted(plain.probes)[:2] == sorted(qat.probes)[:2]
         for m in (low, sorted(qat.probes)[1]):
             assert qat.probes[m].activation_bytes > plain.probes[m].activation_bytes, (case, m)
         assert plain.quantization == "" and "fake-quantized" in qat.quantization
     text = predict(traces["qat_lora"], device_memory_bytes=64 * MiB, verify=False).describe()
-    assert "QAT: Int8DynActInt4WeightQATQuantizer (8da4w-qat, groupsize 32), 30 LoRA layers' frozen base weights " \
-           "and inputs fake-quantized; traced with fake quantization on" in text
+    assert (
+        "QAT: Int8DynActInt4WeightQATQuantizer (8da4w-qat, groupsize 32), 30 LoRA layers' frozen base weights "
+        "and inputs fake-quantized; traced with fake quantization on" in text
+    )
 
 
 def _real_activation_bytes(case: str, micro_batch: int) -> int:
@@ -177,8 +200,17 @@ def test_the_stock_table_names_kd_and_qat_configs_and_their_teacher() -> None:
 def test_the_issues_command_counts_the_8b_teacher(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     """Issue 38's command. Before: 2.76 GB of fixed bytes, the 1B student alone (and after 38.1, a one-line
     refusal); now the 8B teacher's bf16 weights (about 16 GB) count with the student's."""
-    argv = ["estimate", "--config", "llama3_2/8B_to_1B_KD_lora_single_device", "--device-memory", "80GiB",
-            "--seq-len", "2048", "--json", str(tmp_path / "e.json")]
+    argv = [
+        "estimate",
+        "--config",
+        "llama3_2/8B_to_1B_KD_lora_single_device",
+        "--device-memory",
+        "80GiB",
+        "--seq-len",
+        "2048",
+        "--json",
+        str(tmp_path / "e.json"),
+    ]
     assert main(argv) == 0
     out = capsys.readouterr().out
     written = json.loads((tmp_path / "e.json").read_text())

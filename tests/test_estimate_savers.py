@@ -18,8 +18,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
 from adaptive_batching.estimate.optimizer_state import BitsAndBytesStandIn, build_optimizer, stand_in_spec
+from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
 from adaptive_batching.training.methods import method_for
 
 MiB = 2**20
@@ -44,8 +44,11 @@ def _same_probes(fast: StepTrace, full: StepTrace) -> None:
 def in_bwd() -> dict[str, StepTrace]:
     """A tiny full fine-tune at 16 tokens (gradients weigh more than activations), with and without
     optimizer_in_bwd, and with it traced both ways."""
-    return {"plain": _trace([], seq_len=16), "fast": _trace(IN_BWD, seq_len=16),
-            "full": _trace(IN_BWD, seq_len=16, exact=True)}
+    return {
+        "plain": _trace([], seq_len=16),
+        "fast": _trace(IN_BWD, seq_len=16),
+        "full": _trace(IN_BWD, seq_len=16, exact=True),
+    }
 
 
 def test_optimizer_in_bwd_is_traced_the_same_both_ways(in_bwd: dict[str, StepTrace]) -> None:
@@ -80,15 +83,27 @@ def test_optimizer_in_bwd_at_more_ranks_shards_the_state(in_bwd: dict[str, StepT
     assert two.max_micro_batch >= one.max_micro_batch > 0 and two.optimizer_in_bwd
 
 
-@pytest.mark.parametrize("overrides, key", [
-    ([*IN_BWD, "gradient_accumulation_steps=4"], "optimizer_in_bwd"),
-    (["optimizer_in_bwd=True", "clip_grad_norm=1.0"], "optimizer_in_bwd"),
-    (["enable_activation_offloading=True"], "enable_activation_offloading"),
-])
-def test_combinations_torchtune_refuses_are_one_line_config_errors(overrides: list[str], key: str,
-                                                                   capsys: pytest.CaptureFixture) -> None:
-    argv = ["estimate", "--config", str(CONFIGS / "tiny_full.yaml"), "--device-memory", "1GiB", "--seq-len", "16",
-            *overrides]
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        ([*IN_BWD, "gradient_accumulation_steps=4"], "optimizer_in_bwd"),
+        (["optimizer_in_bwd=True", "clip_grad_norm=1.0"], "optimizer_in_bwd"),
+        (["enable_activation_offloading=True"], "enable_activation_offloading"),
+    ],
+)
+def test_combinations_torchtune_refuses_are_one_line_config_errors(
+    overrides: list[str], key: str, capsys: pytest.CaptureFixture
+) -> None:
+    argv = [
+        "estimate",
+        "--config",
+        str(CONFIGS / "tiny_full.yaml"),
+        "--device-memory",
+        "1GiB",
+        "--seq-len",
+        "16",
+        *overrides,
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"config error: config key '{key}'") and "\n" not in err
@@ -109,16 +124,19 @@ def _layers() -> nn.Module:
     return nn.Sequential(nn.Linear(64, 100), nn.Linear(100, 30), nn.Embedding(257, 16))
 
 
-@pytest.mark.parametrize("name", ["AdamW8bit", "PagedAdamW8bit", "Adam8bit", "PagedAdam8bit", "PagedAdamW",
-                                  "PagedAdam", "Lion8bit"])
+@pytest.mark.parametrize(
+    "name", ["AdamW8bit", "PagedAdamW8bit", "Adam8bit", "PagedAdam8bit", "PagedAdamW", "PagedAdam", "Lion8bit"]
+)
 def test_the_stand_in_keeps_bitsandbytes_state_at_its_real_size(name: str) -> None:
     """Per parameter of at least 4096 values: a uint8 tensor and a float32 absmax per 256 values for each moment;
     below it (and for 32-bit optimizers) float32 moments; one 256-entry quantile map per moment, shared."""
     model = _layers()
     component = f"bitsandbytes.optim.{name}"
     from omegaconf import OmegaConf
-    optimizer = build_optimizer(OmegaConf.create({"optimizer": {"_component_": component, "lr": 1e-3}}),
-                                list(model.parameters()))
+
+    optimizer = build_optimizer(
+        OmegaConf.create({"optimizer": {"_component_": component, "lr": 1e-3}}), list(model.parameters())
+    )
     assert isinstance(optimizer, BitsAndBytesStandIn)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -145,25 +163,37 @@ def test_a_parameter_of_exactly_min_8bit_size_values_keeps_8bit_state(min_8bit_s
     from omegaconf import OmegaConf
 
     at, below = nn.Parameter(torch.zeros(min_8bit_size)), nn.Parameter(torch.zeros(min_8bit_size - 1))
-    optimizer = build_optimizer(OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit",
-                                                                "min_8bit_size": min_8bit_size}}), [at, below])
+    optimizer = build_optimizer(
+        OmegaConf.create(
+            {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit", "min_8bit_size": min_8bit_size}}
+        ),
+        [at, below],
+    )
     for p in (at, below):
         p.grad = torch.zeros_like(p)
     optimizer.step()
     blocks = -(-min_8bit_size // 256)
     assert {k: (v.dtype, v.numel()) for k, v in optimizer.state[at].items() if k.startswith(("state", "absmax"))} == {
-        "state1": (torch.uint8, min_8bit_size), "state2": (torch.uint8, min_8bit_size),
-        "absmax1": (torch.float32, blocks), "absmax2": (torch.float32, blocks)}
+        "state1": (torch.uint8, min_8bit_size),
+        "state2": (torch.uint8, min_8bit_size),
+        "absmax1": (torch.float32, blocks),
+        "absmax2": (torch.float32, blocks),
+    }
     assert {k: (v.dtype, v.numel()) for k, v in optimizer.state[below].items() if isinstance(v, torch.Tensor)} == {
-        "state1": (torch.float32, min_8bit_size - 1), "state2": (torch.float32, min_8bit_size - 1)}
+        "state1": (torch.float32, min_8bit_size - 1),
+        "state2": (torch.float32, min_8bit_size - 1),
+    }
 
 
 def test_paged_state_is_that_of_parameters_of_100k_values() -> None:
     with FakeTensorMode():
         model = nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 8))  # 131,072 and 2,048 values
         from omegaconf import OmegaConf
-        optimizer = build_optimizer(OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}}),
-                                    list(model.parameters()))
+
+        optimizer = build_optimizer(
+            OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}}),
+            list(model.parameters()),
+        )
         for p in model.parameters():
             p.grad = torch.empty_like(p)
         optimizer.step()
@@ -178,8 +208,9 @@ def test_the_stand_in_matches_bitsandbytes_when_it_is_installed() -> None:
     for name in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
         model = _layers()
         real = getattr(bnb.optim, name)(model.parameters(), lr=1e-3)
-        stand_in = build_optimizer(OmegaConf.create({"optimizer": {"_component_": f"bitsandbytes.optim.{name}"}}),
-                                   list(model.parameters()))
+        stand_in = build_optimizer(
+            OmegaConf.create({"optimizer": {"_component_": f"bitsandbytes.optim.{name}"}}), list(model.parameters())
+        )
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
         with pytest.warns(UserWarning) if name.startswith("Paged") else _nothing():
@@ -206,8 +237,9 @@ def test_the_estimate_is_the_same_without_bitsandbytes(monkeypatch: pytest.Monke
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # `import bitsandbytes` now raises ImportError
     absent = predict(_trace(overrides, seq_len=16), device_memory_bytes=16 * MiB, verify=False)
     ignore = {"seconds"}
-    assert {k: v for k, v in installed.to_dict().items() if k not in ignore} == \
-        {k: v for k, v in absent.to_dict().items() if k not in ignore}
+    assert {k: v for k, v in installed.to_dict().items() if k not in ignore} == {
+        k: v for k, v in absent.to_dict().items() if k not in ignore
+    }
     assert installed.paged_state_bytes > 0 and installed.optimizer == "bitsandbytes.optim.PagedAdamW8bit"
     assert "counted as device memory" in installed.describe()
 
@@ -230,19 +262,34 @@ def test_the_stock_8b_paged_8bit_config_is_estimated(monkeypatch: pytest.MonkeyP
     room = card.budget_bytes - (card.model_state_bytes - card.paged_state_bytes)
     assert card.paged_state_evicted and card.max_micro_batch == card.max_micro_batch_paged_out >= 1
     assert card.model_state_bytes > card.budget_bytes and room >= card.bytes_per_sample
-    assert card.describe().startswith(f"predicted largest micro batch: {card.max_micro_batch} (2048-token samples, "
-                                      "1 rank(s), the paged optimizer state evicted)")
+    assert card.describe().startswith(
+        f"predicted largest micro batch: {card.max_micro_batch} (2048-token samples, "
+        "1 rank(s), the paged optimizer state evicted)"
+    )
     assert "the driver evicts its pages to host memory" in card.describe()
 
 
-@pytest.mark.parametrize("component, fragment", [
-    ("bitsandbytes.optim.SGD8bit", "cannot be estimated on fake tensors"),
-    ("torch.optim.LBFGS", "cannot step on fake tensors"),
-])
-def test_an_optimizer_that_cannot_run_on_fake_tensors_is_a_one_line_error(component: str, fragment: str,
-                                                                          capsys: pytest.CaptureFixture) -> None:
-    argv = ["estimate", "--config", str(CONFIGS / "tiny_full.yaml"), "--device-memory", "1GiB", "--seq-len", "16",
-            f"optimizer._component_={component}", "~optimizer.weight_decay"]
+@pytest.mark.parametrize(
+    "component, fragment",
+    [
+        ("bitsandbytes.optim.SGD8bit", "cannot be estimated on fake tensors"),
+        ("torch.optim.LBFGS", "cannot step on fake tensors"),
+    ],
+)
+def test_an_optimizer_that_cannot_run_on_fake_tensors_is_a_one_line_error(
+    component: str, fragment: str, capsys: pytest.CaptureFixture
+) -> None:
+    argv = [
+        "estimate",
+        "--config",
+        str(CONFIGS / "tiny_full.yaml"),
+        "--device-memory",
+        "1GiB",
+        "--seq-len",
+        "16",
+        f"optimizer._component_={component}",
+        "~optimizer.weight_decay",
+    ]
     assert main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("config error: config key 'optimizer._component_'") and fragment in err and "\n" not in err
@@ -261,22 +308,27 @@ def test_an_argument_the_bitsandbytes_optimizer_does_not_take_is_named() -> None
 @pytest.fixture(scope="module")
 def offloading() -> dict[str, StepTrace]:
     checkpointing = ["enable_activation_checkpointing=True"]
-    return {"checkpointing": _trace(checkpointing, seq_len=128),
-            "offloading": _trace([*checkpointing, "enable_activation_offloading=True"], seq_len=128),
-            "offloading, full trace": _trace([*checkpointing, "enable_activation_offloading=True"], seq_len=128,
-                                             exact=True)}
+    return {
+        "checkpointing": _trace(checkpointing, seq_len=128),
+        "offloading": _trace([*checkpointing, "enable_activation_offloading=True"], seq_len=128),
+        "offloading, full trace": _trace(
+            [*checkpointing, "enable_activation_offloading=True"], seq_len=128, exact=True
+        ),
+    }
 
 
 def test_activation_offloading_keeps_less_on_the_device_per_sample(offloading: dict[str, StepTrace]) -> None:
-    checkpointing, offloaded = (predict(offloading[k], device_memory_bytes=64 * MiB, verify=False)
-                                for k in ("checkpointing", "offloading"))
+    checkpointing, offloaded = (
+        predict(offloading[k], device_memory_bytes=64 * MiB, verify=False) for k in ("checkpointing", "offloading")
+    )
     assert offloaded.bytes_per_sample < checkpointing.bytes_per_sample
     assert offloaded.max_micro_batch >= checkpointing.max_micro_batch
     assert checkpointing.host_bytes == 0 and not checkpointing.activation_offloading
 
 
 def test_offloaded_activations_take_host_memory_that_grows_with_the_micro_batch(
-        offloading: dict[str, StepTrace]) -> None:
+    offloading: dict[str, StepTrace],
+) -> None:
     trace = offloading["offloading"]
     host = [trace.host_bytes[m] for m in sorted(trace.host_bytes)]
     assert len(host) >= 2 and all(a < b for a, b in zip(host, host[1:]))
@@ -296,10 +348,13 @@ class _CompiledTraces(dict):
     """tiny_lora at 64 tokens, traced when a test first asks: eager, and compiled (with or without activation
     checkpointing) extrapolated or traced in full; one module-wide trace each."""
 
-    CASES = {"eager": ([], False), "compiled": (["compile=True"], False),
-             "compiled, full trace": (["compile=True"], True),
-             "checkpointing": (["compile=True", "enable_activation_checkpointing=True"], False),
-             "checkpointing, full trace": (["compile=True", "enable_activation_checkpointing=True"], True)}
+    CASES = {
+        "eager": ([], False),
+        "compiled": (["compile=True"], False),
+        "compiled, full trace": (["compile=True"], True),
+        "checkpointing": (["compile=True", "enable_activation_checkpointing=True"], False),
+        "checkpointing, full trace": (["compile=True", "enable_activation_checkpointing=True"], True),
+    }
 
     def __missing__(self, case: str) -> StepTrace:
         extra, exact = self.CASES[case]
@@ -318,11 +373,14 @@ def test_compile_traces_a_compiled_step_that_keeps_less_a_sample(compiled_traces
     against inductor in ``test_compiled_fake.py``."""
     seq_len, vocab = 64, 1280  # tiny_lora's vocabulary
     eager, compiled = compiled_traces["eager"], compiled_traces["compiled"]
-    eager_sample, compiled_sample = (predict(t, device_memory_bytes=64 * MiB, verify=False).bytes_per_sample
-                                     for t in (eager, compiled))
+    eager_sample, compiled_sample = (
+        predict(t, device_memory_bytes=64 * MiB, verify=False).bytes_per_sample for t in (eager, compiled)
+    )
     assert eager_sample - compiled_sample > 4 * seq_len * vocab
-    assert compiled.savers.compile and "compile: a compiled step" in predict(
-        compiled, device_memory_bytes=64 * MiB, verify=False).describe()
+    assert (
+        compiled.savers.compile
+        and "compile: a compiled step" in predict(compiled, device_memory_bytes=64 * MiB, verify=False).describe()
+    )
     assert "compile: off" in predict(eager, device_memory_bytes=64 * MiB, verify=False).describe()
 
 

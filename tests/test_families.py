@@ -19,9 +19,16 @@ from adaptive_batching.profiling.profiler import preserved_training_state
 NAMES = list(FAMILIES)
 TEXT = "Describe a quiet river in the morning, then list three colours."
 # One full batch of the same 16 samples of at most 64 tokens per step, a constant LR: the loss must fall on it.
-FIXED_BATCH = ("dataset.split=train[:16]", "tokenizer.max_seq_len=64", "shuffle=False", "lr_scheduler=null",
-               "optimizer.lr=1e-2", "batch_increase_function=null", "adaptive_batching.keep_global_batch=True",
-               "max_steps_per_epoch=null")
+FIXED_BATCH = (
+    "dataset.split=train[:16]",
+    "tokenizer.max_seq_len=64",
+    "shuffle=False",
+    "lr_scheduler=null",
+    "optimizer.lr=1e-2",
+    "batch_increase_function=null",
+    "adaptive_batching.keep_global_batch=True",
+    "max_steps_per_epoch=null",
+)
 
 
 @pytest.fixture(scope="module")
@@ -74,11 +81,19 @@ def test_a_tied_embedding_comes_through_the_profilers_restore_bit_for_bit(name: 
 
 # Full fine-tuning runs torchtune's own config of the family (as `tune cp` copies it), pointed at the tiny model:
 # its optimizer, loss, dtype (bf16), activation checkpointing and every other key as torchtune ships them.
-STOCK_FULL = {"qwen2_5": "qwen2_5/0.5B_full_single_device", "gemma2": "gemma2/2B_full", "phi3": "phi3/mini_full",
-              "mistral": "mistral/7B_full"}
+STOCK_FULL = {
+    "qwen2_5": "qwen2_5/0.5B_full_single_device",
+    "gemma2": "gemma2/2B_full",
+    "phi3": "phi3/mini_full",
+    "mistral": "mistral/7B_full",
+}
 # The stock configs' batch (2 x accumulation) becomes the fixed batch of 16 samples.
-STOCK_BATCH = ("batch_size=16", "gradient_accumulation_steps=1", "use_maximum_batch_size=True",
-               "adaptive_batching.memory_budget=512MiB")
+STOCK_BATCH = (
+    "batch_size=16",
+    "gradient_accumulation_steps=1",
+    "use_maximum_batch_size=True",
+    "adaptive_batching.memory_budget=512MiB",
+)
 
 
 @pytest.fixture(scope="module")
@@ -89,19 +104,27 @@ def family_runs(family_assets: Path, tmp_path_factory: pytest.TempPathFactory) -
     runs: dict = {}
 
     def run(method: str, config: str, out: str, *overrides: str) -> str:
-        result = check(tune_run(f"adaptive_{method}_finetune", config, [
-            f"assets_dir={family_assets}", f"output_dir={root / out}", *FIXED_BATCH, *overrides], cwd=root))
+        result = check(
+            tune_run(
+                f"adaptive_{method}_finetune",
+                config,
+                [f"assets_dir={family_assets}", f"output_dir={root / out}", *FIXED_BATCH, *overrides],
+                cwd=root,
+            )
+        )
         return result.stdout + result.stderr
 
     def runs_of(name: str) -> dict:
         if name not in runs:
-            stock = stock_on_tiny(STOCK_FULL[name], f"tiny_{name}_full", family_assets, root / f"{name}-full",
-                                  root / f"{name}-full.yaml")
-            runs[name] = {"root": root,
-                          "full": run("full", str(stock), f"{name}-full", "epochs=3", *STOCK_BATCH),
-                          "lora": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=2"),
-                          "resumed": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=3",
-                                         "resume_from_checkpoint=True")}
+            stock = stock_on_tiny(
+                STOCK_FULL[name], f"tiny_{name}_full", family_assets, root / f"{name}-full", root / f"{name}-full.yaml"
+            )
+            runs[name] = {
+                "root": root,
+                "full": run("full", str(stock), f"{name}-full", "epochs=3", *STOCK_BATCH),
+                "lora": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=2"),
+                "resumed": run("lora", f"tiny_{name}_lora", f"{name}-lora", "epochs=3", "resume_from_checkpoint=True"),
+            }
         return runs[name]
 
     return {"of": runs_of}
@@ -109,7 +132,9 @@ def family_runs(family_assets: Path, tmp_path_factory: pytest.TempPathFactory) -
 
 @pytest.mark.e2e
 @pytest.mark.parametrize("name", NAMES)
-def test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_resume(name: str, family_runs: dict) -> None:
+def test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_resume(
+    name: str, family_runs: dict
+) -> None:
     runs = family_runs["of"](name)
     root = runs["root"]
     for method in ("full", "lora"):
@@ -125,9 +150,15 @@ def test_full_with_the_stock_config_and_lora_profile_learn_a_fixed_batch_and_res
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_a_tied_qwen_model_trains_with_lora_at_two_ranks(family_assets: Path, tmp_path: Path) -> None:
-    result = check(tune_run("adaptive_lora_finetune", "tiny_qwen2_5_lora", [
-        f"assets_dir={family_assets}", f"output_dir={tmp_path / 'run'}", *FIXED_BATCH, "epochs=2", "batch_size=8"],
-        cwd=tmp_path, nproc=2))
+    result = check(
+        tune_run(
+            "adaptive_lora_finetune",
+            "tiny_qwen2_5_lora",
+            [f"assets_dir={family_assets}", f"output_dir={tmp_path / 'run'}", *FIXED_BATCH, "epochs=2", "batch_size=8"],
+            cwd=tmp_path,
+            nproc=2,
+        )
+    )
     output = result.stdout + result.stderr
     assert "minimum over 2 ranks" in output and "Rank 1: finished at optimizer step 2" in output
     assert len(losses(tmp_path / "run" / "logs")) == 2

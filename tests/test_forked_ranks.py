@@ -9,7 +9,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from forked_ranks import run_forked_ranks
 from recipe_runs import check, run_command
 
 HERE = Path(__file__).resolve().parent
@@ -83,7 +82,8 @@ def test_ranks_run_autograd_after_their_caller_ran_a_deep_backward(tmp_path: Pat
 
 def test_a_run_forks_its_python_children_only_while_they_can_run_autograd(tmp_path: Path) -> None:
     (tmp_path / "probe.py").write_text("import sys\nprint('torch' in sys.modules)\n")
-    (tmp_path / "run.py").write_text(PYTHON_CHILDREN_AROUND_A_DEEP_BACKWARD.format(tests=str(HERE),
-                                                                                probe=str(tmp_path / "probe.py")))
+    (tmp_path / "run.py").write_text(
+        PYTHON_CHILDREN_AROUND_A_DEEP_BACKWARD.format(tests=str(HERE), probe=str(tmp_path / "probe.py"))
+    )
     result = check(run_command("script", [str(tmp_path / "run.py")], cwd=tmp_path, fork_python=True))
     assert json.loads(result.stdout) == ["True", "False"]  # forked, then a new interpreter

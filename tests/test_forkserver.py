@@ -37,8 +37,9 @@ def test_a_python_child_is_forked_with_its_own_argv_cwd_env_streams_handlers_and
     (tmp_path / "work").mkdir()
     (tmp_path / "parent.py").write_text(PARENT)
     (tmp_path / "work" / "child.py").write_text(CHILD)
-    parent = json.loads(check(run_command("script", [str(tmp_path / "parent.py")], cwd=tmp_path,
-                                          fork_python=True)).stdout)
+    parent = json.loads(
+        check(run_command("script", [str(tmp_path / "parent.py")], cwd=tmp_path, fork_python=True)).stdout
+    )
     child = json.loads(parent["out"])
     assert parent["code"] == 3 and parent["err"] == "to stderr\n" and child["stdin"] == "fed"
     assert child["argv"] == ["child.py", "a b", "c"] and child["cwd"] == str(tmp_path / "work")

@@ -19,37 +19,51 @@ def test_under_an_address_space_limit_the_same_command_runs_again_with_the_tunab
     assert pinned_from_start(env)
 
 
-@pytest.mark.parametrize("orig, argv", [
-    (["/venv/bin/python", "-u", "/r/adaptive_full_finetune.py", "--config", "c.yaml"],  # a torchrun worker
-     ["/r/adaptive_full_finetune.py", "--config", "c.yaml"]),
-    (["python", "-m", "adaptive_full_finetune", "--config", "c.yaml"],
-     ["/r/adaptive_full_finetune.py", "--config", "c.yaml"]),
-    (["/venv/bin/python", "/venv/bin/adaptive-batching", "profile", "--config", "c"],
-     ["adaptive-batching", "profile", "--config", "c"]),
-])
+@pytest.mark.parametrize(
+    "orig, argv",
+    [
+        (
+            ["/venv/bin/python", "-u", "/r/adaptive_full_finetune.py", "--config", "c.yaml"],  # a torchrun worker
+            ["/r/adaptive_full_finetune.py", "--config", "c.yaml"],
+        ),
+        (
+            ["python", "-m", "adaptive_full_finetune", "--config", "c.yaml"],
+            ["/r/adaptive_full_finetune.py", "--config", "c.yaml"],
+        ),
+        (
+            ["/venv/bin/python", "/venv/bin/adaptive-batching", "profile", "--config", "c"],
+            ["adaptive-batching", "profile", "--config", "c"],
+        ),
+    ],
+)
 def test_every_launcher_whose_command_line_ends_with_the_arguments(orig: list[str], argv: list[str]) -> None:
     restart = restart_for_glibc({}, argv, orig, address_space_limited=True)
     assert restart is not None and restart[0] == orig[1:]
 
 
-@pytest.mark.parametrize("env, limited", [
-    ({}, False),  # no ulimit -v: a reserved arena costs no resident memory
-    ({RESTARTED_ENV: "1"}, True),  # once only, even if glibc ignored the tunables
-    ({"GLIBC_TUNABLES": PINNED}, True),
-    ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.malloc.mmap_threshold=1048576"}, True),  # the user's own
-])
+@pytest.mark.parametrize(
+    "env, limited",
+    [
+        ({}, False),  # no ulimit -v: a reserved arena costs no resident memory
+        ({RESTARTED_ENV: "1"}, True),  # once only, even if glibc ignored the tunables
+        ({"GLIBC_TUNABLES": PINNED}, True),
+        ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=4:glibc.malloc.mmap_threshold=1048576"}, True),  # the user's own
+    ],
+)
 def test_no_restart_when_not_needed(env: dict[str, str], limited: bool) -> None:
     assert restart_for_glibc(env, ARGV, ORIG, address_space_limited=limited) is None
 
 
-@pytest.mark.parametrize("orig, argv", [
-    (["/venv/bin/python", "tests/forkserver.py"], ARGV),  # a process forked by another program
-    (ORIG, ["adaptive_full_finetune"]),  # no arguments to recognise the command by
-    (ARGV[1:], ARGV),  # the command line is only the arguments
-    (ORIG[:-1] + ["a=2"], ARGV),
-])
-def test_no_restart_when_running_the_command_again_might_run_something_else(orig: list[str],
-                                                                            argv: list[str]) -> None:
+@pytest.mark.parametrize(
+    "orig, argv",
+    [
+        (["/venv/bin/python", "tests/forkserver.py"], ARGV),  # a process forked by another program
+        (ORIG, ["adaptive_full_finetune"]),  # no arguments to recognise the command by
+        (ARGV[1:], ARGV),  # the command line is only the arguments
+        (ORIG[:-1] + ["a=2"], ARGV),
+    ],
+)
+def test_no_restart_when_running_the_command_again_might_run_something_else(orig: list[str], argv: list[str]) -> None:
     assert restart_for_glibc({}, argv, orig, address_space_limited=True) is None
 
 
@@ -57,8 +71,11 @@ def test_the_users_other_tunables_are_kept_and_a_setting_of_theirs_wins() -> Non
     user = "glibc.malloc.tcache_count=0:glibc.malloc.arena_max=2"
     _, env = restart_for_glibc({"GLIBC_TUNABLES": user}, ARGV, ORIG, address_space_limited=True)
     tunables = dict(item.split("=") for item in env["GLIBC_TUNABLES"].split(":"))
-    assert tunables == {"glibc.malloc.mmap_threshold": PINNED_TUNABLES["glibc.malloc.mmap_threshold"],
-                        "glibc.malloc.arena_max": "2", "glibc.malloc.tcache_count": "0"}
+    assert tunables == {
+        "glibc.malloc.mmap_threshold": PINNED_TUNABLES["glibc.malloc.mmap_threshold"],
+        "glibc.malloc.arena_max": "2",
+        "glibc.malloc.tcache_count": "0",
+    }
 
 
 KEPT = """
@@ -83,21 +100,26 @@ def test_a_run_that_does_not_profile_keeps_freed_tensors_memory_for_its_next_ste
     import subprocess
     import sys
 
-    free = {mode: int(subprocess.run([sys.executable, "-c", KEPT, mode], capture_output=True, text=True,
-                                     check=True).stdout) for mode in ("default", "reuse")}
+    free = {
+        mode: int(subprocess.run([sys.executable, "-c", KEPT, mode], capture_output=True, text=True, check=True).stdout)
+        for mode in ("default", "reuse")
+    }
     assert free["default"] < 2**20 and free["reuse"] >= 20 * 2**20, free
 
 
-@pytest.mark.parametrize("env, pinned, limit, reuses", [
-    ({}, False, None, True),
-    ({}, True, None, False),  # pinned for a profile or an out-of-memory recovery: the address space follows tensors
-    ({}, False, 2**34, False),  # under ulimit -v memory kept would count against the micro batch that fits
-    ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False, None, False),  # the user's own setting
-    ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, False, None, True),  # not malloc's
-])
-def test_freed_memory_is_kept_only_where_nothing_else_decides(env: dict[str, str], pinned: bool,
-                                                              limit: int | None, reuses: bool,
-                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize(
+    "env, pinned, limit, reuses",
+    [
+        ({}, False, None, True),
+        ({}, True, None, False),  # pinned for a profile or an out-of-memory recovery: the address space follows tensors
+        ({}, False, 2**34, False),  # under ulimit -v memory kept would count against the micro batch that fits
+        ({"GLIBC_TUNABLES": "glibc.malloc.trim_threshold=0"}, False, None, False),  # the user's own setting
+        ({"GLIBC_TUNABLES": "glibc.cpu.hwcaps=-AVX2"}, False, None, True),  # not malloc's
+    ],
+)
+def test_freed_memory_is_kept_only_where_nothing_else_decides(
+    env: dict[str, str], pinned: bool, limit: int | None, reuses: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     from adaptive_batching.runtime import memory
 
     monkeypatch.setattr(memory, "_pinned", pinned)

@@ -55,12 +55,16 @@ def test_linear_ramp_defaults_grow_every_epoch_from_the_second() -> None:
 
 
 def test_linear_ramp_every_start_and_exclusive_stop() -> None:
-    f = lambda e, c: linear_ramp(e, c, increment=4, every=2, start_epoch=2, stop_epoch=7)
+    def f(e, c):
+        return linear_ramp(e, c, increment=4, every=2, start_epoch=2, stop_epoch=7)
+
     assert increments(f, range(1, 10)) == [0, 4, 0, 4, 0, 4, 0, 0, 0]
 
 
 def test_linear_ramp_start_epoch_zero_counts_periods_from_the_first_epoch() -> None:
-    f = lambda e, c: linear_ramp(e, c, increment=-2, every=3, start_epoch=0)
+    def f(e, c):
+        return linear_ramp(e, c, increment=-2, every=3, start_epoch=0)
+
     assert increments(f, range(1, 8)) == [0, 0, -2, 0, 0, -2, 0]
 
 
@@ -79,12 +83,15 @@ def test_linear_ramp_rejects_bad_arguments_by_name(kwargs: dict, name: str) -> N
         linear_ramp(4, 16, **kwargs)
 
 
-@pytest.mark.parametrize("epoch, current, name", [(1.0, 16, "epoch"), (True, 16, "epoch"),
-                                                  (-1, 16, "epoch"), (1, 0, "current_batch_size")])
+@pytest.mark.parametrize(
+    "epoch, current, name", [(1.0, 16, "epoch"), (True, 16, "epoch"), (-1, 16, "epoch"), (1, 0, "current_batch_size")]
+)
 def test_shipped_functions_reject_a_bad_call(epoch, current, name: str) -> None:
-    for f in (lambda: linear_ramp(epoch, current, increment=1),
-              lambda: geometric(epoch, current),
-              lambda: step_increase(epoch, current, at_epochs=[1], increment=1)):
+    for f in (
+        lambda: linear_ramp(epoch, current, increment=1),
+        lambda: geometric(epoch, current),
+        lambda: step_increase(epoch, current, at_epochs=[1], increment=1),
+    ):
         with pytest.raises(ValueError, match=f": {name} must be an integer"):
             f()
 
@@ -99,16 +106,18 @@ def test_geometric_doubles_by_default() -> None:
 
 
 def test_geometric_rounds_halves_up_and_never_below_one() -> None:
-    assert geometric(1, 3, factor=1.5) == 2          # 4.5 -> 5
-    assert geometric(1, 5, factor=1.5) == 3          # 7.5 -> 8
-    assert geometric(1, 7, factor=1.3) == 2          # 9.1 -> 9
+    assert geometric(1, 3, factor=1.5) == 2  # 4.5 -> 5
+    assert geometric(1, 5, factor=1.5) == 3  # 7.5 -> 8
+    assert geometric(1, 7, factor=1.3) == 2  # 9.1 -> 9
     assert geometric(1, 10, factor=0.5) == -5
-    assert geometric(1, 1, factor=0.4) == 0          # 0.4 would be 0: stays 1
-    assert geometric(1, 3, factor=1.1) == 0          # 3.3 -> 3
+    assert geometric(1, 1, factor=0.4) == 0  # 0.4 would be 0: stays 1
+    assert geometric(1, 3, factor=1.1) == 0  # 3.3 -> 3
 
 
 def test_geometric_every_start_and_stop() -> None:
-    f = lambda e, c: geometric(e, c, factor=1.5, every=2, start_epoch=1, stop_epoch=5)
+    def f(e, c):
+        return geometric(e, c, factor=1.5, every=2, start_epoch=1, stop_epoch=5)
+
     assert increments(f, range(1, 7), current=16) == [8, 0, 8, 0, 0, 0]
 
 
@@ -129,20 +138,19 @@ def test_geometric_rejects_a_bad_every() -> None:
 
 
 def test_step_increase_binds_from_a_plain_dict() -> None:
-    f = load_increase_function({"_component_": "adaptive_batching.growth.step_increase",
-                                "at_epochs": [2, 4], "increment": [8, 16]})
+    f = load_increase_function(
+        {"_component_": "adaptive_batching.growth.step_increase", "at_epochs": [2, 4], "increment": [8, 16]}
+    )
     assert [f(e, 16) for e in range(1, 6)] == [0, 8, 0, 16, 0]
 
 
 def test_linear_ramp_binds_from_a_plain_dict() -> None:
-    f = load_increase_function({"_component_": "adaptive_batching.growth.linear_ramp",
-                                "increment": 4, "every": 2})
+    f = load_increase_function({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4, "every": 2})
     assert [f(e, 16) for e in range(1, 6)] == [4, 0, 4, 0, 4]
 
 
 def test_geometric_binds_from_a_plain_dict() -> None:
-    f = load_increase_function({"_component_": "adaptive_batching.growth.geometric",
-                                "factor": 1.5, "start_epoch": 2})
+    f = load_increase_function({"_component_": "adaptive_batching.growth.geometric", "factor": 1.5, "start_epoch": 2})
     assert [f(1, 16), f(2, 16), f(3, 24)] == [0, 8, 12]
 
 

@@ -18,10 +18,19 @@ from adaptive_batching.training.state import STATE_VERSION
 
 SAMPLES = 40
 # geometric x2 (the config's function) every 3 steps, from micro batch 2, under a budget that caps it.
-GROWING = ("use_maximum_batch_size=False", f"dataset.split=train[:{SAMPLES}]", "epochs=2", "max_steps_per_epoch=null",
-           "gradient_accumulation_steps=1", "batch_size=2", "adaptive_batching.growth_interval=3 steps",
-           "save_every_n_steps=4", "adaptive_batching.memory_budget=96MiB",
-           "batch_increase_function._component_=adaptive_batching.growth.geometric", "batch_increase_function.factor=2")
+GROWING = (
+    "use_maximum_batch_size=False",
+    f"dataset.split=train[:{SAMPLES}]",
+    "epochs=2",
+    "max_steps_per_epoch=null",
+    "gradient_accumulation_steps=1",
+    "batch_size=2",
+    "adaptive_batching.growth_interval=3 steps",
+    "save_every_n_steps=4",
+    "adaptive_batching.memory_budget=96MiB",
+    "batch_increase_function._component_=adaptive_batching.growth.geometric",
+    "batch_increase_function.factor=2",
+)
 
 
 @pytest.fixture(scope="module")
@@ -42,12 +51,23 @@ def grown(runs: Path, assets: Path) -> dict[str, str]:
     record = json.loads(record_file.read_text())
     record["files"]["recipe_state.pt"] = recipe_state.stat().st_size
     record_file.write_text(json.dumps(record))
-    older = faulty_run(runs, "older-resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'older'}",
-                       "resume_from_checkpoint=True")
+    older = faulty_run(
+        runs,
+        "older-resumed",
+        {},
+        assets,
+        *GROWING,
+        cache,
+        f"output_dir={runs / 'older'}",
+        "resume_from_checkpoint=True",
+    )
     assert older.returncode == 1
     outputs["older"] = older.stdout + older.stderr
-    outputs["resumed"] = ok(faulty_run(runs, "resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'killed'}",
-                                       "resume_from_checkpoint=True"))
+    outputs["resumed"] = ok(
+        faulty_run(
+            runs, "resumed", {}, assets, *GROWING, cache, f"output_dir={runs / 'killed'}", "resume_from_checkpoint=True"
+        )
+    )
     return outputs
 
 
@@ -63,7 +83,8 @@ def assert_every_sample_once(recorded: list[dict]) -> None:
 
 @pytest.mark.e2e
 def test_the_batch_grows_every_3_steps_inside_the_epoch_and_every_sample_is_trained_once(
-        grown: dict[str, str], runs: Path) -> None:
+    grown: dict[str, str], runs: Path
+) -> None:
     output = grown["straight"]
     assert "Growth period 1 (every 3 steps) after optimizer step 3: micro batch 2 -> 4" in output
     assert "for the rest of this epoch" in output
@@ -85,8 +106,9 @@ def test_the_batch_grows_every_3_steps_inside_the_epoch_and_every_sample_is_trai
 
 
 @pytest.mark.e2e
-def test_a_resume_after_an_in_epoch_switch_trains_the_same_samples_and_losses(grown: dict[str, str],
-                                                                                runs: Path) -> None:
+def test_a_resume_after_an_in_epoch_switch_trains_the_same_samples_and_losses(
+    grown: dict[str, str], runs: Path
+) -> None:
     assert "Resuming at step 8 of epoch 1 (optimizer step 8)" in grown["resumed"]
     before = [s for s in steps(runs, "killed") if s["step"] <= 8]
     assert_every_sample_once(before + steps(runs, "resumed"))
@@ -98,8 +120,10 @@ def test_a_resume_after_an_in_epoch_switch_trains_the_same_samples_and_losses(gr
 
 @pytest.mark.e2e
 def test_a_checkpoint_in_an_older_state_format_stops_the_resume_in_one_line(grown: dict[str, str]) -> None:
-    line = (f"config error: the checkpoint to resume holds adaptive state format version {STATE_VERSION - 1}, and "
-            f"this adaptive-batching reads version {STATE_VERSION} only: start a fresh output_dir, or resume it "
-            "with the adaptive-batching version that wrote it")
+    line = (
+        f"config error: the checkpoint to resume holds adaptive state format version {STATE_VERSION - 1}, and "
+        f"this adaptive-batching reads version {STATE_VERSION} only: start a fresh output_dir, or resume it "
+        "with the adaptive-batching version that wrote it"
+    )
     assert line in grown["older"].splitlines()
     assert "Traceback" not in grown["older"] and "Resuming at" not in grown["older"]

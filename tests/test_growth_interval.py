@@ -14,13 +14,16 @@ from adaptive_batching.growth.interval import GrowthInterval, parse_growth_inter
 from adaptive_batching.growth.schedule import grow_entry, plan_batches
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("epoch", GrowthInterval("epoch", 1)),
-    ("50 steps", GrowthInterval("steps", 50)),
-    ("1 step", GrowthInterval("steps", 1)),
-    ("  2000 samples ", GrowthInterval("samples", 2000)),
-    ("7sample", GrowthInterval("samples", 7)),
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("epoch", GrowthInterval("epoch", 1)),
+        ("50 steps", GrowthInterval("steps", 50)),
+        ("1 step", GrowthInterval("steps", 1)),
+        ("  2000 samples ", GrowthInterval("samples", 2000)),
+        ("7sample", GrowthInterval("samples", 7)),
+    ],
+)
 def test_interval_parsing(value: str, expected: GrowthInterval) -> None:
     assert parse_growth_interval(value) == expected
 
@@ -44,11 +47,13 @@ def test_periods_count_steps_or_samples_from_the_start_of_the_run() -> None:
 
 def test_an_interval_needs_a_growth_function_and_sample_count_batching(base_cfg: DictConfig) -> None:
     with pytest.raises(ConfigError, match="growth_interval.*batch_increase_function is null"):
-        validate_config(modified(base_cfg, {"adaptive_batching.growth_interval": "5 steps",
-                                            "batch_increase_function": None}))
+        validate_config(
+            modified(base_cfg, {"adaptive_batching.growth_interval": "5 steps", "batch_increase_function": None})
+        )
     with pytest.raises(ConfigError, match="growth_interval.*token-budget batching"):
-        validate_config(modified(base_cfg, {"adaptive_batching.growth_interval": "5 steps",
-                                            "adaptive_batching.max_tokens": 4096}))
+        validate_config(
+            modified(base_cfg, {"adaptive_batching.growth_interval": "5 steps", "adaptive_batching.max_tokens": 4096})
+        )
     settings = validate_config(modified(base_cfg, {"adaptive_batching.growth_interval": "64 samples"}))
     assert settings.growth.growth_interval == GrowthInterval("samples", 64)
     assert settings.growth.growth_interval.spelling == "64 samples"
@@ -57,14 +62,22 @@ def test_an_interval_needs_a_growth_function_and_sample_count_batching(base_cfg:
 def test_grow_entry_is_one_step_of_the_epoch_plan() -> None:
     """A boundary inside an epoch decides the batch exactly as an epoch start does."""
     for mode in ("skip", "accumulate"):
-        plan = plan_batches(epochs=4, start=3, accumulation=2, ranks=2, increase=lambda e, c: 4, memory_cap=9,
-                            grow_past_memory=mode)
+        plan = plan_batches(
+            epochs=4, start=3, accumulation=2, ranks=2, increase=lambda e, c: 4, memory_cap=9, grow_past_memory=mode
+        )
         entry = plan[0]
         for epoch in range(1, 4):
             entry = grow_entry(entry, 4, epoch=epoch, accumulation=2, ranks=2, memory_cap=9, grow_past_memory=mode)
             assert entry == plan[epoch]
-    capped = grow_entry(EpochBatch(0, 8, 0, BatchShape(8, 1, 1), "start", 9), 4, epoch=0, accumulation=1, ranks=1,
-                        memory_cap=9, grow_past_memory="skip")
+    capped = grow_entry(
+        EpochBatch(0, 8, 0, BatchShape(8, 1, 1), "start", 9),
+        4,
+        epoch=0,
+        accumulation=1,
+        ranks=1,
+        memory_cap=9,
+        grow_past_memory="skip",
+    )
     assert capped.shape == BatchShape(8, 1, 1) and capped.reason == "capped"
 
 

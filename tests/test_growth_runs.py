@@ -69,8 +69,10 @@ def test_summary_and_table() -> None:
     window = 16
     smooth = growth_runs.smooth_by_samples([r["loss"] for r in small["rows"]], [8] * 8, window)
     samples = growth_runs.cumulative([8] * 8)
-    targets = {"fixed small at 80%": growth_runs.value_at_samples(samples, smooth, 0.8 * 64),
-               "fixed small at 50%": growth_runs.value_at_samples(samples, smooth, 0.5 * 64)}
+    targets = {
+        "fixed small at 80%": growth_runs.value_at_samples(samples, smooth, 0.8 * 64),
+        "fixed small at 50%": growth_runs.value_at_samples(samples, smooth, 0.5 * 64),
+    }
     assert targets["fixed small at 80%"] == pytest.approx(1.95)  # first step reaching 51.2 samples: 7; (2.0 + 1.9) / 2
     assert targets["fixed small at 50%"] == pytest.approx(3.5)  # step 4: (4.0 + 3.0) / 2
     s = growth_runs.summarise(small, targets, window)
@@ -89,8 +91,10 @@ def test_summary_and_table() -> None:
 
 
 def test_growth_lines_are_split_off_progress_bars() -> None:
-    text = ("epoch 1/1:  3%|x| 4/40 [00:01, loss 7.1]Growth period 1 (every 4 steps) after optimizer step 4: "
-            "micro batch 8 -> 16\rEpoch switch 1 -> 2: micro batch 16 -> 16\nother line\n")
+    text = (
+        "epoch 1/1:  3%|x| 4/40 [00:01, loss 7.1]Growth period 1 (every 4 steps) after optimizer step 4: "
+        "micro batch 8 -> 16\rEpoch switch 1 -> 2: micro batch 16 -> 16\nother line\n"
+    )
     lines = growth_runs.split_log_lines(text)
     assert "Growth period 1 (every 4 steps) after optimizer step 4: micro batch 8 -> 16" in lines
     assert "Epoch switch 1 -> 2: micro batch 16 -> 16" in lines
@@ -117,8 +121,9 @@ def test_every_run_sees_the_same_samples_and_lr_rule() -> None:
 
 def _lr_at_samples(batch: int, lr: float, warmup: int, total_samples: int, steps: int) -> list[float]:
     opt = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))], lr=lr)
-    schedule = get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup,
-                                               num_training_steps=reference_steps(total_samples, batch))
+    schedule = get_cosine_schedule_with_warmup(
+        opt, num_warmup_steps=warmup, num_training_steps=reference_steps(total_samples, batch)
+    )
     driven = SampleDrivenLR(opt, [lr], schedule, reference_global_batch=batch, rule="sqrt")
     driven.set_global_batch(64)
     out = []

@@ -21,8 +21,13 @@ from adaptive_batching.growth.statistics import (
 
 
 def stats_for(noise: float | None, micro: int = 8, accumulation: int = 4, ranks: int = 2) -> dict:
-    return {"noise_scale": noise, "global_batch": micro * accumulation * ranks,
-            "micro_batch": micro, "accumulation": accumulation, "ranks": ranks}
+    return {
+        "noise_scale": noise,
+        "global_batch": micro * accumulation * ranks,
+        "micro_batch": micro,
+        "accumulation": accumulation,
+        "ranks": ranks,
+    }
 
 
 # --------------------------------------------------------------------------- #
@@ -44,12 +49,12 @@ def test_noise_scale_grows_by_at_most_max_factor_per_call() -> None:
 
 def test_noise_scale_keeps_a_batch_at_or_past_the_target() -> None:
     assert noise_scale(1, 8, stats=stats_for(128.0)) == 0  # target = current global
-    assert noise_scale(1, 8, stats=stats_for(20.0)) == 0   # target below it: no shrinking by default
+    assert noise_scale(1, 8, stats=stats_for(20.0)) == 0  # target below it: no shrinking by default
 
 
 def test_noise_scale_shrinks_only_when_allowed_and_by_at_most_max_factor() -> None:
     assert noise_scale(1, 8, stats=stats_for(96.0), allow_shrink=True) == -2  # 48/64 x 8 = 6
-    assert noise_scale(1, 8, stats=stats_for(8.0), allow_shrink=True) == -4   # bounded at 8 / 2
+    assert noise_scale(1, 8, stats=stats_for(8.0), allow_shrink=True) == -4  # bounded at 8 / 2
     assert noise_scale(1, 1, stats=stats_for(0.0, micro=1), allow_shrink=True) == 0  # never below 1
 
 
@@ -64,11 +69,18 @@ def test_noise_scale_waits_for_a_measurement() -> None:
     assert noise_scale(1, 8, stats=stats_for(None)) == 0
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    ({"fraction": 0}, "fraction"), ({"fraction": math.nan}, "fraction"), ({"max_factor": 0.5}, "max_factor"),
-    ({"allow_shrink": "yes"}, "allow_shrink"), ({"stats": {"noise_scale": 10.0}}, "global_batch"),
-    ({"stats": {"noise_scale": -1.0, "global_batch": 8}}, "noise_scale"), ({"stats": [1, 2]}, "mapping"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"fraction": 0}, "fraction"),
+        ({"fraction": math.nan}, "fraction"),
+        ({"max_factor": 0.5}, "max_factor"),
+        ({"allow_shrink": "yes"}, "allow_shrink"),
+        ({"stats": {"noise_scale": 10.0}}, "global_batch"),
+        ({"stats": {"noise_scale": -1.0, "global_batch": 8}}, "noise_scale"),
+        ({"stats": [1, 2]}, "mapping"),
+    ],
+)
 def test_noise_scale_refuses_bad_settings_and_stats_by_name(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         noise_scale(1, 8, **kwargs)
@@ -85,8 +97,9 @@ def test_noise_scale_plans_no_growth_before_training() -> None:
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("lr_decay, steps", [(1.3, 0), (1.0, 0), (0.51, 0), (0.5, 1), (0.3, 1),
-                                             (0.25, 2), (0.2, 2), (0.1, 3)])
+@pytest.mark.parametrize(
+    "lr_decay, steps", [(1.3, 0), (1.0, 0), (0.51, 0), (0.5, 1), (0.3, 1), (0.25, 2), (0.2, 2), (0.1, 3)]
+)
 def test_seesaw_counts_the_halvings_since_the_last_doubling(lr_decay, steps) -> None:
     assert seesaw_doublings(lr_decay) == steps
     assert seesaw(2, 8, stats={"lr_decay": lr_decay}) == 8 * 2**steps - 8
@@ -97,14 +110,20 @@ def test_seesaw_counts_a_halving_reached_in_floating_point() -> None:
 
 
 def test_seesaw_with_another_factor_and_a_cap_per_call() -> None:
-    assert seesaw(1, 10, stats={"lr_decay": 0.6}, factor=1.5) == 5     # 1/1.5 = 0.667 crossed
+    assert seesaw(1, 10, stats={"lr_decay": 0.6}, factor=1.5) == 5  # 1/1.5 = 0.667 crossed
     assert seesaw(1, 8, stats={"lr_decay": 0.1}, max_steps=1) == 8
-    assert seesaw(1, 8) == 0                                          # no stats: the plan
+    assert seesaw(1, 8) == 0  # no stats: the plan
 
 
-@pytest.mark.parametrize("kwargs, name", [({"stats": {"lr_decay": 0.0}}, "lr_decay"),
-                                          ({"stats": {}}, "lr_decay"), ({"factor": 1.0}, "factor"),
-                                          ({"max_steps": 0}, "max_steps")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"stats": {"lr_decay": 0.0}}, "lr_decay"),
+        ({"stats": {}}, "lr_decay"),
+        ({"factor": 1.0}, "factor"),
+        ({"max_steps": 0}, "max_steps"),
+    ],
+)
 def test_seesaw_refuses_bad_settings_and_stats_by_name(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         seesaw(1, 8, **kwargs)
@@ -140,8 +159,11 @@ def test_seesaw_replaces_each_halving_by_a_doubling_and_sqrt2_on_the_lr() -> Non
         lr = shape(consumed) * lr_factor(global_batch, reference, "sqrt")
         # Seesaw: where the schedule alone would have halved n times, the LR is sqrt(2)**n higher
         assert lr / shape(consumed) == pytest.approx(math.sqrt(2) ** halvings(consumed))
-    expected = {e: 2.0 ** (halvings(e * epoch_samples) - halvings((e - 1) * epoch_samples))
-                for e in range(1, 16) if halvings(e * epoch_samples) > halvings((e - 1) * epoch_samples)}
+    expected = {
+        e: 2.0 ** (halvings(e * epoch_samples) - halvings((e - 1) * epoch_samples))
+        for e in range(1, 16)
+        if halvings(e * epoch_samples) > halvings((e - 1) * epoch_samples)
+    }
     assert growth == expected
     assert 4.0 in growth.values()  # the cosine's tail halves twice within one epoch
     assert micro == 4 * 2 ** halvings(15 * epoch_samples)
@@ -170,23 +192,34 @@ class Callable_:
         return 0 if stats is None else 5
 
 
-@pytest.mark.parametrize("fn, expected", [
-    (two_args, False), (lambda e, c: 0, False), (kwargs_only, False), (max, False),
-    (wants_stats, True), (noise_scale, True), (seesaw, True), (Callable_(), True),
-    (functools.partial(noise_scale, fraction=0.25), True),
-    (functools.partial(functools.partial(seesaw, factor=4.0), max_steps=2), True),
-    (functools.partial(linear_ramp, increment=4), False),
-])
+@pytest.mark.parametrize(
+    "fn, expected",
+    [
+        (two_args, False),
+        (lambda e, c: 0, False),
+        (kwargs_only, False),
+        (max, False),
+        (wants_stats, True),
+        (noise_scale, True),
+        (seesaw, True),
+        (Callable_(), True),
+        (functools.partial(noise_scale, fraction=0.25), True),
+        (functools.partial(functools.partial(seesaw, factor=4.0), max_steps=2), True),
+        (functools.partial(linear_ramp, increment=4), False),
+    ],
+)
 def test_accepts_stats_reads_the_signature(fn, expected) -> None:
     assert accepts_stats(fn) is expected
 
 
 def test_accepts_stats_sees_through_config_partials() -> None:
-    assert accepts_stats(load_increase_function(
-        {"_component_": "adaptive_batching.growth.noise_scale", "fraction": 0.25}))
+    assert accepts_stats(
+        load_increase_function({"_component_": "adaptive_batching.growth.noise_scale", "fraction": 0.25})
+    )
     assert accepts_stats(load_increase_function("adaptive_batching.growth.seesaw"))
-    assert not accepts_stats(load_increase_function(
-        {"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4}))
+    assert not accepts_stats(
+        load_increase_function({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4})
+    )
 
 
 def test_call_increase_passes_stats_only_where_accepted() -> None:

@@ -33,4 +33,3 @@ def test_the_agents_death_signalled_17_times_stops_the_worker_once(tmp_path: Pat
     result = run_command("script", [str(tmp_path / "worker.py")], cwd=tmp_path, env=env, timeout=180)
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.strip() == "True True the torchrun agent's death seen by the end of optimizer step 4"
-

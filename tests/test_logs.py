@@ -41,7 +41,9 @@ def _logged_beside_a_bar(name: str, make_handler) -> str:  # type: ignore[no-unt
 def test_a_log_line_is_written_with_the_bar_cleared_and_the_bar_drawn_again_after() -> None:
     text = _logged_beside_a_bar("test_logs.beside_bars", logs._BesideProgressBars)
     lines = screen_lines(text)
-    assert "Step 1: fake quantization on" in lines and "stopped: SIGTERM received by the end of optimizer step 2" in lines
+    assert (
+        "Step 1: fake quantization on" in lines and "stopped: SIGTERM received by the end of optimizer step 2" in lines
+    )
     assert lines_inside_a_bar(text) == []
     assert [line for line in lines if line][-1].startswith("epoch 1/1:  50%|")  # the bar goes on after each line
 

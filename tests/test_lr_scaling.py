@@ -20,10 +20,18 @@ def cosine(opt: torch.optim.Optimizer, total: int, warmup: int = 4) -> torch.opt
     return get_cosine_schedule_with_warmup(opt, num_warmup_steps=warmup, num_training_steps=total)
 
 
-@pytest.mark.parametrize("rule,batch,reference,expected", [
-    ("linear", 32, 8, 4.0), ("sqrt", 32, 8, 2.0), ("none", 32, 8, 1.0),
-    ("linear", 4, 8, 0.5), ("sqrt", 2, 8, 0.5), ("sqrt", 8, 8, 1.0), ("linear", 86, 16, 86 / 16),
-])
+@pytest.mark.parametrize(
+    "rule,batch,reference,expected",
+    [
+        ("linear", 32, 8, 4.0),
+        ("sqrt", 32, 8, 2.0),
+        ("none", 32, 8, 1.0),
+        ("linear", 4, 8, 0.5),
+        ("sqrt", 2, 8, 0.5),
+        ("sqrt", 8, 8, 1.0),
+        ("linear", 86, 16, 86 / 16),
+    ],
+)
 def test_factor(rule: str, batch: int, reference: int, expected: float) -> None:
     assert lr_factor(batch, reference, rule) == pytest.approx(expected)
 
@@ -35,10 +43,17 @@ def test_factor_rejects_bad_input() -> None:
         lr_factor(0, 8, "linear")
 
 
-@pytest.mark.parametrize("component,rule", [
-    ("torch.optim.AdamW", "sqrt"), ("torch.optim.Adam", "sqrt"), ("bitsandbytes.optim.PagedAdamW8bit", "sqrt"),
-    ("torchao.optim.AdamW8bit", "sqrt"), ("torch.optim.SGD", "linear"), ("torch.optim.Adagrad", "sqrt"),
-])
+@pytest.mark.parametrize(
+    "component,rule",
+    [
+        ("torch.optim.AdamW", "sqrt"),
+        ("torch.optim.Adam", "sqrt"),
+        ("bitsandbytes.optim.PagedAdamW8bit", "sqrt"),
+        ("torchao.optim.AdamW8bit", "sqrt"),
+        ("torch.optim.SGD", "linear"),
+        ("torch.optim.Adagrad", "sqrt"),
+    ],
+)
 def test_default_rule(component: str, rule: str) -> None:
     assert default_rule(component) == rule
 
@@ -125,8 +140,9 @@ def test_peak_shape_follows_the_warmup_then_holds() -> None:
     assert lr.peak_shape == pytest.approx(1.0)
     assert lr.schedule_shape() < 0.5
     fresh_opt = optimizer(1e-3)
-    fresh = SampleDrivenLR(fresh_opt, [1e-3], cosine(fresh_opt, total=40, warmup=8), reference_global_batch=8,
-                           rule="sqrt")
+    fresh = SampleDrivenLR(
+        fresh_opt, [1e-3], cosine(fresh_opt, total=40, warmup=8), reference_global_batch=8, rule="sqrt"
+    )
     fresh.load_state_dict(lr.state_dict())
     assert fresh.peak_shape == lr.peak_shape
 

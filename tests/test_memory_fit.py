@@ -43,8 +43,9 @@ def test_point_order_does_not_matter_and_repeats_keep_the_highest_peak() -> None
     assert (fit.fixed_bytes, fit.bytes_per_sample) == pytest.approx((2 * GB, 1.5 * GB))
 
 
-@pytest.mark.parametrize("batches, used", [((1, 2, 4, 8, 16), (8, 16)), ((1, 2, 4, 8, 16, 32), (8, 16, 32)),
-                                           ((1, 2, 3, 4, 6, 7), (6, 7))])
+@pytest.mark.parametrize(
+    "batches, used", [((1, 2, 4, 8, 16), (8, 16)), ((1, 2, 4, 8, 16, 32), (8, 16, 32)), ((1, 2, 3, 4, 6, 7), (6, 7))]
+)
 def test_plateau_points_are_left_out(batches: tuple[int, ...], used: tuple[int, ...]) -> None:
     fit = fit_memory(points(plateau_curve, batches))
     assert fit.points_used == used
@@ -76,8 +77,9 @@ def test_noisy_plateau_with_a_matching_tolerance(seed: int) -> None:
     assert max_micro_batch_under(fit, 80 * GB) == pytest.approx(52, rel=0.03)
 
 
-@pytest.mark.parametrize("batches, more", [((1,), True), ((1, 2), True), ((1, 2, 4), True), ((1, 2, 4, 8), True),
-                                           ((1, 2, 4, 8, 16), False)])
+@pytest.mark.parametrize(
+    "batches, more", [((1,), True), ((1, 2), True), ((1, 2, 4), True), ((1, 2, 4, 8), True), ((1, 2, 4, 8, 16), False)]
+)
 def test_needs_more_points_until_two_lie_above_the_plateau(batches: tuple[int, ...], more: bool) -> None:
     assert needs_more_points(points(plateau_curve, batches)) is more
 
@@ -139,8 +141,13 @@ def test_a_plateau_point_on_the_line_is_the_corner_where_they_meet() -> None:
     """Gemma 2B at 2048 tokens (fake steps): the gradients set the peak at 1 and 2 samples, the logits from 2
     on, and the point at 2 lies on the line as well as on the plateau. More probes cannot change that."""
     gib = 2**30
-    points = [MemoryPoint(1, 20.64 * gib), MemoryPoint(2, 20.72 * gib), MemoryPoint(4, 27.43 * gib),
-              MemoryPoint(8, 40.84 * gib), MemoryPoint(16, 67.66 * gib)]
+    points = [
+        MemoryPoint(1, 20.64 * gib),
+        MemoryPoint(2, 20.72 * gib),
+        MemoryPoint(4, 27.43 * gib),
+        MemoryPoint(8, 40.84 * gib),
+        MemoryPoint(16, 67.66 * gib),
+    ]
     fit = fit_memory(points)
     assert fit.bytes_per_sample == pytest.approx(3.3525 * gib, rel=0.01)
     assert fit.predict(1) == pytest.approx(20.64 * gib, rel=0.01)  # the plateau

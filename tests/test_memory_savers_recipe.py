@@ -31,10 +31,20 @@ STOCK = {
 # One batch of the same 8 samples of at most 64 tokens per step (one step per epoch), a constant LR: the loss must
 # fall on it. The profiler sets the micro batch: its search stops at the 16 samples of the data set, well inside the
 # budget (keep_global_batch: 8 fit in one, so no accumulation); activation offloading is CUDA only, as in torchtune.
-RUN = ("dataset.split=train[:16]", "tokenizer.max_seq_len=64", "shuffle=False", "lr_scheduler=null",
-       "optimizer.lr=1e-3", "batch_size=8", "batch_increase_function=null", "use_maximum_batch_size=True",
-       "adaptive_batching.keep_global_batch=True", "adaptive_batching.memory_budget=512MiB", "max_steps_per_epoch=1",
-       "enable_activation_offloading=False")
+RUN = (
+    "dataset.split=train[:16]",
+    "tokenizer.max_seq_len=64",
+    "shuffle=False",
+    "lr_scheduler=null",
+    "optimizer.lr=1e-3",
+    "batch_size=8",
+    "batch_increase_function=null",
+    "use_maximum_batch_size=True",
+    "adaptive_batching.keep_global_batch=True",
+    "adaptive_batching.memory_budget=512MiB",
+    "max_steps_per_epoch=1",
+    "enable_activation_offloading=False",
+)
 
 
 @pytest.fixture(scope="module")
@@ -55,10 +65,21 @@ def stock_runs(tmp_path_factory: pytest.TempPathFactory, assets: Path) -> dict:
             full = check(tune_run("adaptive_full_finetune", str(copy), [*RUN, cache, "epochs=3"], cwd=root))
             resumed_dir = root / f"{name}-resumed"
             shutil.copytree(root / name, resumed_dir, ignore=shutil.ignore_patterns("epoch_2"))
-            resumed = check(tune_run("adaptive_full_finetune", str(copy), [
-                *RUN, cache, "epochs=3", f"output_dir={resumed_dir}", "resume_from_checkpoint=True"], cwd=root))
-            runs[stock] = {"dir": root / name, "resumed_dir": resumed_dir, "copy": copy,
-                           "full": full.stdout + full.stderr, "resumed": resumed.stdout + resumed.stderr}
+            resumed = check(
+                tune_run(
+                    "adaptive_full_finetune",
+                    str(copy),
+                    [*RUN, cache, "epochs=3", f"output_dir={resumed_dir}", "resume_from_checkpoint=True"],
+                    cwd=root,
+                )
+            )
+            runs[stock] = {
+                "dir": root / name,
+                "resumed_dir": resumed_dir,
+                "copy": copy,
+                "full": full.stdout + full.stderr,
+                "resumed": resumed.stdout + resumed.stderr,
+            }
         return runs[stock]
 
     return {"of": runs_of}
@@ -87,19 +108,44 @@ def test_a_stock_memory_saver_config_profiles_learns_and_resumes_exactly(stock: 
 
 
 def faulty(tmp: Path, name: str, fault: str, assets: Path, *overrides: str):
-    return run_command("script", [str(HERE / "faulty_run.py"), fault, str(tmp / f"{name}-"), "adaptive_full_finetune",
-                                  "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}",
-                                  *IN_BWD_TINY, *overrides], cwd=tmp)
+    return run_command(
+        "script",
+        [
+            str(HERE / "faulty_run.py"),
+            fault,
+            str(tmp / f"{name}-"),
+            "adaptive_full_finetune",
+            "--config",
+            "tiny_full",
+            f"assets_dir={assets}",
+            f"output_dir={tmp / name}",
+            *IN_BWD_TINY,
+            *overrides,
+        ],
+        cwd=tmp,
+    )
 
 
-IN_BWD_TINY = ("optimizer_in_bwd=True", "clip_grad_norm=null", "gradient_accumulation_steps=1",
-               "adaptive_batching.grow_past_memory=skip", "use_maximum_batch_size=False",
-               "batch_increase_function=null", "batch_size=4", "dataset.split=train[:24]", "tokenizer.max_seq_len=96",
-               "epochs=1", "max_steps_per_epoch=null", "save_every_n_steps=1", "shuffle=False")
+IN_BWD_TINY = (
+    "optimizer_in_bwd=True",
+    "clip_grad_norm=null",
+    "gradient_accumulation_steps=1",
+    "adaptive_batching.grow_past_memory=skip",
+    "use_maximum_batch_size=False",
+    "batch_increase_function=null",
+    "batch_size=4",
+    "dataset.split=train[:24]",
+    "tokenizer.max_seq_len=96",
+    "epochs=1",
+    "max_steps_per_epoch=null",
+    "save_every_n_steps=1",
+    "shuffle=False",
+)
 
 
 def test_an_oom_after_the_backward_stepped_part_of_the_model_stops_and_a_stop_signal_saves(
-        tmp_path: Path, assets: Path) -> None:
+    tmp_path: Path, assets: Path
+) -> None:
     # The embedding's gradient comes last: every other parameter has been stepped when it fails.
     failed = faulty(tmp_path, "run", '{"phase": "embedding_backward", "from_step": 3, "to_step": 3}', assets)
     output = failed.stdout + failed.stderr
@@ -109,17 +155,31 @@ def test_an_oom_after_the_backward_stepped_part_of_the_model_stops_and_a_stop_si
     # The saved run goes on from optimizer step 2 exactly as a run that never failed.
     clean = faulty(tmp_path, "clean", '{"phase": "none"}', assets, "max_steps_per_epoch=4")
     assert clean.returncode == 0, clean.stderr[-3000:]
-    resumed = faulty(tmp_path, "run", '{"phase": "none"}', assets, "max_steps_per_epoch=4",
-                     "resume_from_checkpoint=True")
+    resumed = faulty(
+        tmp_path, "run", '{"phase": "none"}', assets, "max_steps_per_epoch=4", "resume_from_checkpoint=True"
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "(optimizer step 2)" in resumed.stdout + resumed.stderr
     assert losses(tmp_path / "run" / "logs")[-2:] == losses(tmp_path / "clean" / "logs")[-2:]
     # A stop signal after optimizer step 2 saves it and exits 75; the resumed run goes on as the clean one.
-    preempted = faulty(tmp_path, "stopped", '{"signal": "SIGTERM", "signal_at": 2}', assets, "max_steps_per_epoch=4",
-                       "save_every_n_steps=null")
+    preempted = faulty(
+        tmp_path,
+        "stopped",
+        '{"signal": "SIGTERM", "signal_at": 2}',
+        assets,
+        "max_steps_per_epoch=4",
+        "save_every_n_steps=null",
+    )
     assert preempted.returncode == 75, preempted.stderr[-3000:]
-    again = faulty(tmp_path, "stopped", '{"phase": "none"}', assets, "max_steps_per_epoch=4", "save_every_n_steps=null",
-                   "resume_from_checkpoint=True")
+    again = faulty(
+        tmp_path,
+        "stopped",
+        '{"phase": "none"}',
+        assets,
+        "max_steps_per_epoch=4",
+        "save_every_n_steps=null",
+        "resume_from_checkpoint=True",
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert losses(tmp_path / "stopped" / "logs") == losses(tmp_path / "clean" / "logs")
 
@@ -127,11 +187,21 @@ def test_an_oom_after_the_backward_stepped_part_of_the_model_stops_and_a_stop_si
 @pytest.mark.multiprocess
 def test_two_ranks_step_inside_the_backward_under_fsdp2_and_resume_exactly(tmp_path: Path, assets: Path) -> None:
     common = [f"assets_dir={assets}", *IN_BWD_TINY, "save_every_n_steps=null", "epochs=2", "max_steps_per_epoch=2"]
-    check(tune_run("adaptive_full_finetune", "tiny_full", [*common, f"output_dir={tmp_path / 'run'}"], cwd=tmp_path,
-                   nproc=2))
+    check(
+        tune_run(
+            "adaptive_full_finetune", "tiny_full", [*common, f"output_dir={tmp_path / 'run'}"], cwd=tmp_path, nproc=2
+        )
+    )
     shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("epoch_1"))
-    resumed = check(tune_run("adaptive_full_finetune", "tiny_full", [
-        *common, f"output_dir={tmp_path / 'resumed'}", "resume_from_checkpoint=True"], cwd=tmp_path, nproc=2))
+    resumed = check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from_checkpoint=True"],
+            cwd=tmp_path,
+            nproc=2,
+        )
+    )
     assert "Resuming at the end of epoch 1 (optimizer step 2)" in resumed.stdout + resumed.stderr
     straight, again = weights(tmp_path / "run" / "epoch_1"), weights(tmp_path / "resumed" / "epoch_1")
     assert all(torch.equal(straight[key], again[key]) for key in straight)
@@ -143,8 +213,14 @@ def test_lora_steps_its_adapters_inside_the_backward_and_resumes_exactly(tmp_pat
     common = [f"assets_dir={assets}", *IN_BWD_TINY, "save_every_n_steps=null", "epochs=2", "max_steps_per_epoch=2"]
     check(tune_run("adaptive_lora_finetune", "tiny_lora", [*common, f"output_dir={tmp_path / 'run'}"], cwd=tmp_path))
     shutil.copytree(tmp_path / "run", tmp_path / "resumed", ignore=shutil.ignore_patterns("epoch_1"))
-    resumed = check(tune_run("adaptive_lora_finetune", "tiny_lora", [
-        *common, f"output_dir={tmp_path / 'resumed'}", "resume_from_checkpoint=True"], cwd=tmp_path))
+    resumed = check(
+        tune_run(
+            "adaptive_lora_finetune",
+            "tiny_lora",
+            [*common, f"output_dir={tmp_path / 'resumed'}", "resume_from_checkpoint=True"],
+            cwd=tmp_path,
+        )
+    )
     assert "Resuming at the end of epoch 1 (optimizer step 2)" in resumed.stdout + resumed.stderr
     straight, again = weights(tmp_path / "run" / "epoch_1"), weights(tmp_path / "resumed" / "epoch_1")
     assert any("lora" in key for key in straight)

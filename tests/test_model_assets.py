@@ -38,8 +38,17 @@ def test_the_1b_arguments_are_torchtunes_llama3_2_1b() -> None:
 def test_the_1b_checkpoint_has_the_hf_llama_keys_and_shapes() -> None:
     args = model_args("llama3_2_1b")
     hf = hf_state_dict(build_random_model(args, device="meta"), args)
-    per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-                 "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    per_layer = [
+        "self_attn.q_proj",
+        "self_attn.k_proj",
+        "self_attn.v_proj",
+        "self_attn.o_proj",
+        "mlp.gate_proj",
+        "mlp.up_proj",
+        "mlp.down_proj",
+        "input_layernorm",
+        "post_attention_layernorm",
+    ]
     expected = {"model.embed_tokens.weight", "model.norm.weight"}
     expected |= {f"model.layers.{i}.{name}.weight" for i in range(16) for name in per_layer}
     assert set(hf) == expected  # tied: no lm_head.weight, as in the real Llama 3.2 1B files
@@ -56,8 +65,12 @@ def test_a_shrunk_copy_loads_through_the_checkpointer_and_the_builder(tmp_path) 
     assert paths == ModelAssetPaths.from_root(tmp_path, "llama3_2_1b")
     with safe_open(str(paths.model_dir / "model.safetensors"), "pt") as f:
         assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
-    checkpointer = FullModelHFCheckpointer(checkpoint_dir=str(paths.model_dir), checkpoint_files=["model.safetensors"],
-                                           model_type="LLAMA3_2", output_dir=str(tmp_path / "out"))
+    checkpointer = FullModelHFCheckpointer(
+        checkpoint_dir=str(paths.model_dir),
+        checkpoint_files=["model.safetensors"],
+        model_type="LLAMA3_2",
+        output_dir=str(tmp_path / "out"),
+    )
     loaded = checkpointer.load_checkpoint()["model"]
     args = model_args("llama3_2_1b", SHRUNK)
     model = llama3_2(**args)

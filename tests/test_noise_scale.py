@@ -15,15 +15,24 @@ import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import run_forked_ranks
+from noise_scale_accuracy import (  # benchmarks/ is on sys.path (conftest.py)
+    MICRO,
+    RANKS,
+    SIGMA,
+    STEPS,
+    D,
+    draw,
+    per_rank_noise_scale,
+    relative_errors,
+    run_single_process,
+    true_noise_scale,
+    unit_delta,
+)
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared_grad_norm, two_batch_estimates
-
-from noise_scale_accuracy import (  # benchmarks/ is on sys.path (conftest.py)
-    D, MICRO, RANKS, SIGMA, STEPS, draw, per_rank_noise_scale, relative_errors, run_single_process,
-    true_noise_scale, unit_delta)
 
 TOLERANCE = 0.15
 
@@ -36,8 +45,10 @@ TOLERANCE = 0.15
 def test_all_micro_batches_as_small_batches_track_the_true_noise_scale() -> None:
     truth, values = run_single_process(0, steps=400, accumulation=8, micro=32, decay=0.95, first_only=False)
     errors = relative_errors(truth, values[100:])
-    print(f"1 process, per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
-          f"error final {errors[-1]:.3f} max over steps 100-400 {max(errors):.3f}")
+    print(
+        f"1 process, per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
+        f"error final {errors[-1]:.3f} max over steps 100-400 {max(errors):.3f}"
+    )
     assert max(errors) < TOLERANCE
 
 
@@ -46,8 +57,10 @@ def test_first_micro_batch_only_tracks_it_with_a_longer_average() -> None:
     # so a 0.99 decay; unbiased all the same.
     truth, values = run_single_process(1, steps=1000, accumulation=8, micro=64, decay=0.99, first_only=True)
     errors = relative_errors(truth, values[500:])
-    print(f"1 process, first micro batch only: truth {truth:.1f}, final {values[-1]:.1f}, "
-          f"error final {errors[-1]:.3f} max over steps 500-1000 {max(errors):.3f}")
+    print(
+        f"1 process, first micro batch only: truth {truth:.1f}, final {values[-1]:.1f}, "
+        f"error final {errors[-1]:.3f} max over steps 500-1000 {max(errors):.3f}"
+    )
     assert errors[-1] < TOLERANCE
     assert sum(errors) / len(errors) < TOLERANCE
 
@@ -79,10 +92,8 @@ def test_value_is_the_ratio_of_the_averages_not_the_average_of_the_ratios() -> N
     assert value == pytest.approx(ratio_of_emas)
     assert abs(value - ema_of_ratios) > 0.5
     # each average is bias-corrected on its own: the weighted mean of what was fed
-    assert estimator.gradient_sq_norm == pytest.approx(
-        sum(w * g for w, (g, _) in zip(weights, pairs)) / sum(weights))
-    assert estimator.trace_sigma == pytest.approx(
-        sum(w * t for w, (_, t) in zip(weights, pairs)) / sum(weights))
+    assert estimator.gradient_sq_norm == pytest.approx(sum(w * g for w, (g, _) in zip(weights, pairs)) / sum(weights))
+    assert estimator.trace_sigma == pytest.approx(sum(w * t for w, (_, t) in zip(weights, pairs)) / sum(weights))
 
 
 def test_no_value_before_warm_up_then_one() -> None:
@@ -118,8 +129,10 @@ def test_sizes_must_be_positive_and_ordered(small, big) -> None:
         NoiseScaleEstimator().update(1.0, small, 1.0, big)
 
 
-@pytest.mark.parametrize("kwargs, name", [({"decay": 1.0}, "decay"), ({"decay": -0.1}, "decay"),
-                                          ({"warmup": 0}, "warmup"), ({"warmup": 2.0}, "warmup")])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [({"decay": 1.0}, "decay"), ({"decay": -0.1}, "decay"), ({"warmup": 0}, "warmup"), ({"warmup": 2.0}, "warmup")],
+)
 def test_bad_settings_are_refused_by_name(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         NoiseScaleEstimator(**kwargs)
@@ -127,8 +140,7 @@ def test_bad_settings_are_refused_by_name(kwargs, name) -> None:
 
 def test_state_dict_round_trip_continues_identically() -> None:
     gen = torch.Generator().manual_seed(3)
-    stream = [(float(torch.rand((), generator=gen)) * 4, float(torch.rand((), generator=gen)) * 90)
-              for _ in range(30)]
+    stream = [(float(torch.rand((), generator=gen)) * 4, float(torch.rand((), generator=gen)) * 90) for _ in range(30)]
     first, second = NoiseScaleEstimator(decay=0.9, warmup=5), NoiseScaleEstimator(decay=0.9, warmup=5)
     for g2, trace in stream[:12]:
         feed(first, g2 + 1.0, trace)
@@ -160,6 +172,7 @@ def test_squared_grad_norm_sums_all_gradients_and_skips_missing_ones() -> None:
 # --------------------------------------------------------------------------- #
 # Two ranks (gloo)
 # --------------------------------------------------------------------------- #
+
 
 class _Regression(torch.nn.Module):
     """``x . w + z . v``: ``v`` has an odd size, so FSDP2 shards it unevenly."""
@@ -207,8 +220,10 @@ def _fsdp_checks(rank: int, world: int) -> dict:
         big_full = torch.cat([p.grad.full_tensor() for p in model.parameters()])
         out[f"step{step}"] = {
             "first_is_rank_average": torch.allclose(first_full, pooled / world, rtol=1e-4, atol=1e-4),
-            "s_small": s_small, "s_small_ref": float((pooled / float(packed[2])).pow(2).sum()),
-            "s_big": float(packed[1]), "s_big_ref": float(big_full.pow(2).sum()),
+            "s_small": s_small,
+            "s_small_ref": float((pooled / float(packed[2])).pow(2).sum()),
+            "s_big": float(packed[1]),
+            "s_big_ref": float(big_full.pow(2).sum()),
         }
         for p in model.parameters():
             p.grad = None
@@ -238,15 +253,18 @@ def _worker(rank: int, world: int, store: str, out_dir: str) -> None:
 
 @pytest.mark.multiprocess
 def test_two_ranks_track_the_true_noise_scale_and_fsdp_norms_are_exact(tmp_path: Path) -> None:
-    run_forked_ranks(_worker, (RANKS, str(tmp_path / "store"), str(tmp_path)), RANKS, seconds=180,
-                     what="the 2-rank noise scale run")
+    run_forked_ranks(
+        _worker, (RANKS, str(tmp_path / "store"), str(tmp_path)), RANKS, seconds=180, what="the 2-rank noise scale run"
+    )
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(RANKS)]
     values = results[0]["values"]
     assert values == results[1]["values"]  # every rank holds the same estimate
     truth = true_noise_scale(D, SIGMA, unit_delta(D, seed=7))
     errors = relative_errors(truth, values[100:])
-    print(f"{RANKS} ranks, per rank per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
-          f"error final {errors[-1]:.3f} max over steps 100-{STEPS} {max(errors):.3f}")
+    print(
+        f"{RANKS} ranks, per rank per micro batch: truth {truth:.1f}, final {values[-1]:.1f}, "
+        f"error final {errors[-1]:.3f} max over steps 100-{STEPS} {max(errors):.3f}"
+    )
     assert max(errors) < TOLERANCE
     for result in results:
         fsdp = result["fsdp"]

@@ -6,8 +6,9 @@ objective's check, ``check_inputs``), with torchtune's own override parsing (``l
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import pytest
 from omegaconf import DictConfig, OmegaConf
@@ -29,14 +30,22 @@ RECIPES: dict[str, tuple[str, Callable[[DictConfig], None]]] = {
     "adaptive_knowledge_distillation": ("kd", check_kd),
 }
 # Our tiny config of each objective, and the recipe that runs it.
-TINY = {"tiny_full": "adaptive_full_finetune", "tiny_lora": "adaptive_lora_finetune",
-        "tiny_qat_lora": "adaptive_lora_finetune",
-        "tiny_lora_dpo": "adaptive_lora_dpo", "tiny_full_dpo": "adaptive_full_dpo",
-        "tiny_kd": "adaptive_knowledge_distillation"}
+TINY = {
+    "tiny_full": "adaptive_full_finetune",
+    "tiny_lora": "adaptive_lora_finetune",
+    "tiny_qat_lora": "adaptive_lora_finetune",
+    "tiny_lora_dpo": "adaptive_lora_dpo",
+    "tiny_full_dpo": "adaptive_full_dpo",
+    "tiny_kd": "adaptive_knowledge_distillation",
+}
 # torchtune 0.6.1's stock configs of the objectives ours train: DPO, KD and QAT.
-STOCK = {config.name: path for recipe in get_all_recipes()
-         if recipe.name.startswith(("lora_dpo", "full_dpo", "knowledge_distillation", "qat_"))
-         for config in recipe.configs if (path := stock_configs([recipe.name])[config.name]).is_file()}
+STOCK = {
+    config.name: path
+    for recipe in get_all_recipes()
+    if recipe.name.startswith(("lora_dpo", "full_dpo", "knowledge_distillation", "qat_"))
+    for config in recipe.configs
+    if (path := stock_configs([recipe.name])[config.name]).is_file()
+}
 # Nodes that null switches off (the run goes without): the LR schedule, QAT's quantizer, the torch profiler, growth.
 OFF_WHEN_NULL = {"lr_scheduler", "quantizer", "profiler", "batch_increase_function"}
 # Node arguments that are written, not read (the run makes them).
@@ -106,27 +115,32 @@ def test_every_node_of_our_configs_set_to_null_is_one_line_naming_it(name: str, 
             off.add(node)
             continue
         line = refusal(nulled, TINY[name])
-        assert line.startswith(f"config key '{node}' is null") or line.startswith(f"config key '{node}' is missing"), \
-            (node, line)
+        assert line.startswith(f"config key '{node}' is null") or line.startswith(f"config key '{node}' is missing"), (
+            node,
+            line,
+        )
     assert off == OFF_WHEN_NULL & set(nodes)
 
 
 @pytest.mark.parametrize("name", sorted(TINY))
-def test_every_path_of_our_configs_that_is_not_there_is_one_line_naming_it(name: str, assets: Path,
-                                                                         tmp_path: Path) -> None:
+def test_every_path_of_our_configs_that_is_not_there_is_one_line_naming_it(
+    name: str, assets: Path, tmp_path: Path
+) -> None:
     cfg = with_override(name, assets, tmp_path)
     paths = dict(path_arguments(cfg))
     checkpointers = [node for node in ("checkpointer", "ref_checkpointer", "teacher_checkpointer") if node in cfg]
-    assert {"tokenizer.path", "dataset.data_files"} | {f"{c}.checkpoint_dir" for c in checkpointers} \
-        | {f"{c}.checkpoint_files" for c in checkpointers} <= set(paths)
+    assert {"tokenizer.path", "dataset.data_files"} | {f"{c}.checkpoint_dir" for c in checkpointers} | {
+        f"{c}.checkpoint_files" for c in checkpointers
+    } <= set(paths)
     for key, missing in paths.items():
         line = refusal(modified_value(cfg, key, missing), TINY[name])
         assert line.startswith(f"config key '{key}'"), (key, line)
         assert "no such" in line or "which is not in" in line, line
     for checkpointer in checkpointers:
         line = refusal(modified_value(cfg, f"{checkpointer}.model_type", "LLAMA9"), TINY[name])
-        assert line.startswith(f"config key '{checkpointer}.model_type' = 'LLAMA9' is invalid: expected one of "
-                               "torchtune's model types: "), line
+        assert line.startswith(
+            f"config key '{checkpointer}.model_type' = 'LLAMA9' is invalid: expected one of torchtune's model types: "
+        ), line
 
 
 def modified_value(cfg: DictConfig, key: str, value: Any) -> DictConfig:
@@ -138,20 +152,26 @@ def modified_value(cfg: DictConfig, key: str, value: Any) -> DictConfig:
 def test_the_issues_lines(assets: Path, tmp_path: Path) -> None:
     """Before: AttributeError: 'NoneType' object has no attribute 'split' (a null teacher), torchtune's
     ValueError: No file with name (a wrong teacher file), each a traceback after the student was built."""
-    assert refusal(with_override("tiny_kd", assets, tmp_path, "teacher_checkpointer=null"),
-                   "adaptive_knowledge_distillation") == (
+    assert refusal(
+        with_override("tiny_kd", assets, tmp_path, "teacher_checkpointer=null"), "adaptive_knowledge_distillation"
+    ) == (
         "config key 'teacher_checkpointer' is null: adaptive_knowledge_distillation needs a checkpointer pointing at "
-        "the teacher's weights")
-    assert refusal(with_override("tiny_kd", assets, tmp_path, "teacher_model=null"),
-                   "adaptive_knowledge_distillation").startswith("config key 'teacher_model' is null: ")
+        "the teacher's weights"
+    )
+    assert refusal(
+        with_override("tiny_kd", assets, tmp_path, "teacher_model=null"), "adaptive_knowledge_distillation"
+    ).startswith("config key 'teacher_model' is null: ")
     wrong_file = "teacher_checkpointer.checkpoint_files=[nothere.safetensors]"
     line = refusal(with_override("tiny_kd", assets, tmp_path, wrong_file), "adaptive_knowledge_distillation")
-    assert line == (f"config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is not in "
-                    f"{assets}/model; it holds config.json, model.safetensors")
+    assert line == (
+        f"config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is not in "
+        f"{assets}/model; it holds config.json, model.safetensors"
+    )
     for name in ("tiny_lora_dpo", "tiny_full_dpo"):
         for key in ("checkpointer", "ref_checkpointer") if name == "tiny_full_dpo" else ("checkpointer",):
-            line = refusal(with_override(name, assets, tmp_path, f"{key}.checkpoint_files=[nothere.safetensors]"),
-                           TINY[name])
+            line = refusal(
+                with_override(name, assets, tmp_path, f"{key}.checkpoint_files=[nothere.safetensors]"), TINY[name]
+            )
             assert line.startswith(f"config key '{key}.checkpoint_files' names 'nothere.safetensors'"), line
 
 
@@ -174,24 +194,43 @@ def test_every_node_of_torchtunes_dpo_kd_and_qat_configs_set_to_null_is_one_line
 DATA = "data/{}_tiny.json"
 
 
-@pytest.mark.parametrize("name, data, line", [
-    ("tiny_full", "preference",
-     "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction': "
-     "torchtune.datasets.alpaca_dataset reads the columns 'instruction', 'input', 'output' and the data has "
-     "'chosen', 'rejected'; give data with those columns, or map them with dataset.column_map"),
-    ("tiny_qat_lora", "preference",
-     "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction'"),
-    ("tiny_kd", "preference", "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no "
-     "column 'instruction'"),
-    ("tiny_lora_dpo", "alpaca",
-     "config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column 'chosen': "
-     "torchtune.datasets.preference_dataset reads the columns 'chosen', 'rejected' and the data has 'input', "
-     "'instruction', 'output'; give data with those columns, or map them with dataset.column_map"),
-    ("tiny_full_dpo", "alpaca", "config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no "
-     "column 'chosen'"),
-])
-def test_a_data_set_without_the_builders_columns_is_one_line_naming_both(name: str, data: str, line: str,
-                                                                         assets: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "name, data, line",
+    [
+        (
+            "tiny_full",
+            "preference",
+            "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction': "
+            "torchtune.datasets.alpaca_dataset reads the columns 'instruction', 'input', 'output' and the data has "
+            "'chosen', 'rejected'; give data with those columns, or map them with dataset.column_map",
+        ),
+        (
+            "tiny_qat_lora",
+            "preference",
+            "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction'",
+        ),
+        (
+            "tiny_kd",
+            "preference",
+            "config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column 'instruction'",
+        ),
+        (
+            "tiny_lora_dpo",
+            "alpaca",
+            "config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column 'chosen': "
+            "torchtune.datasets.preference_dataset reads the columns 'chosen', 'rejected' and the data has 'input', "
+            "'instruction', 'output'; give data with those columns, or map them with dataset.column_map",
+        ),
+        (
+            "tiny_full_dpo",
+            "alpaca",
+            "config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column 'chosen'",
+        ),
+    ],
+)
+def test_a_data_set_without_the_builders_columns_is_one_line_naming_both(
+    name: str, data: str, line: str, assets: Path, tmp_path: Path
+) -> None:
     """Before: KeyError: 'chosen' at DPO's first step (with the profiler on, while the tokens were counted);
     KeyError: 'instruction' for KD given the preference file."""
     cfg = with_override(name, assets, tmp_path, f"dataset.data_files={assets / DATA.format(data)}")
@@ -201,33 +240,49 @@ def test_a_data_set_without_the_builders_columns_is_one_line_naming_both(name: s
 def test_a_column_map_that_maps_the_columns_reads_them(assets: Path, tmp_path: Path) -> None:
     """The check reads through the builder's own column map: mapped columns pass, a wrong map names the column."""
     columns = "{chosen: chosen, rejected: rejected}"
-    before_any_model(with_override("tiny_lora_dpo", assets, tmp_path, f"dataset.column_map={columns}"),
-                     "adaptive_lora_dpo")
-    line = refusal(with_override("tiny_lora_dpo", assets, tmp_path, "dataset.column_map={chosen: better}"),
-                   "adaptive_lora_dpo")
-    assert line == "config key 'dataset': ValueError: Expected a key of 'rejected' in column_map but found " \
-                   "dict_keys(['chosen'])."  # torchtune's own check of the map: before, a traceback at its build
-    line = refusal(with_override("tiny_lora_dpo", assets, tmp_path,
-                                 "dataset.column_map={chosen: better, rejected: rejected}"), "adaptive_lora_dpo")
-    assert line.startswith(f"config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no "
-                           "column 'better': torchtune.datasets.preference_dataset reads the columns 'better', "
-                           "'rejected' and the data has 'chosen', 'rejected'"), line
+    before_any_model(
+        with_override("tiny_lora_dpo", assets, tmp_path, f"dataset.column_map={columns}"), "adaptive_lora_dpo"
+    )
+    line = refusal(
+        with_override("tiny_lora_dpo", assets, tmp_path, "dataset.column_map={chosen: better}"), "adaptive_lora_dpo"
+    )
+    assert (
+        line == "config key 'dataset': ValueError: Expected a key of 'rejected' in column_map but found "
+        "dict_keys(['chosen'])."
+    )  # torchtune's own check of the map: before, a traceback at its build
+    line = refusal(
+        with_override("tiny_lora_dpo", assets, tmp_path, "dataset.column_map={chosen: better, rejected: rejected}"),
+        "adaptive_lora_dpo",
+    )
+    assert line.startswith(
+        f"config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no "
+        "column 'better': torchtune.datasets.preference_dataset reads the columns 'better', "
+        "'rejected' and the data has 'chosen', 'rejected'"
+    ), line
 
 
 @pytest.mark.parametrize("name", ["tiny_lora_dpo", "tiny_full_dpo"])
 def test_a_data_set_of_single_answers_is_refused_by_dpo(name: str, assets: Path, tmp_path: Path) -> None:
-    cfg = with_override(name, assets, tmp_path, "dataset._component_=torchtune.datasets.alpaca_dataset",
-                        f"dataset.data_files={assets / DATA.format('alpaca')}")
+    cfg = with_override(
+        name,
+        assets,
+        tmp_path,
+        "dataset._component_=torchtune.datasets.alpaca_dataset",
+        f"dataset.data_files={assets / DATA.format('alpaca')}",
+    )
     assert refusal(cfg, TINY[name]) == (
         "config key 'dataset._component_' = 'torchtune.datasets.alpaca_dataset' gives one answer per sample; "
-        f"{TINY[name]} trains on pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives")
+        f"{TINY[name]} trains on pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives"
+    )
 
 
-def test_a_packed_data_set_is_read_unpacked_and_a_resumed_runs_weights_are_the_resumes(assets: Path,
-                                                                                      tmp_path: Path) -> None:
+def test_a_packed_data_set_is_read_unpacked_and_a_resumed_runs_weights_are_the_resumes(
+    assets: Path, tmp_path: Path
+) -> None:
     """Packing would tokenize the whole set: the first sample is read as the builder reads it unpacked."""
-    cfg = with_override("tiny_full", assets, tmp_path, "dataset.packed=True",
-                        f"dataset.data_files={assets / DATA.format('preference')}")
+    cfg = with_override(
+        "tiny_full", assets, tmp_path, "dataset.packed=True", f"dataset.data_files={assets / DATA.format('preference')}"
+    )
     assert "has no column 'instruction'" in refusal(cfg, "adaptive_full_finetune")
     cfg = with_override("tiny_full", assets, tmp_path, "checkpointer.checkpoint_files=[nothere.safetensors]")
     check_inputs(cfg, "finetune", resume=True)
@@ -241,25 +296,40 @@ def test_what_streaming_cannot_read_is_read_as_the_run_builds_it(assets: Path, t
         cfg = with_override("tiny_full", assets, tmp_path, f"dataset.split={split}")
         before_any_model(cfg, "adaptive_full_finetune")
     assert refusal(with_override("tiny_full", assets, tmp_path, "dataset.split=nope"), "adaptive_full_finetune") == (
-        "config key 'dataset': ValueError: Unknown split \"nope\". Should be one of ['train'].")
+        "config key 'dataset': ValueError: Unknown split \"nope\". Should be one of ['train']."
+    )
 
 
-@pytest.mark.parametrize("builder, missing, columns, mapped_by", [
-    ("instruct_dataset", "input", "'input', 'output'", "column_map"),
-    ("chat_dataset dataset.conversation_column=conversations dataset.conversation_style=sharegpt", "conversations",
-     "'conversations'", "conversation_column"),
-    ("text_completion_dataset", "text", "'text'", "column"),
-])
-def test_each_fine_tuning_builder_names_its_columns_and_how_to_map_them(builder: str, missing: str, columns: str,
-                                                                        mapped_by: str, assets: Path,
-                                                                        tmp_path: Path) -> None:
+@pytest.mark.parametrize(
+    "builder, missing, columns, mapped_by",
+    [
+        ("instruct_dataset", "input", "'input', 'output'", "column_map"),
+        (
+            "chat_dataset dataset.conversation_column=conversations dataset.conversation_style=sharegpt",
+            "conversations",
+            "'conversations'",
+            "conversation_column",
+        ),
+        ("text_completion_dataset", "text", "'text'", "column"),
+    ],
+)
+def test_each_fine_tuning_builder_names_its_columns_and_how_to_map_them(
+    builder: str, missing: str, columns: str, mapped_by: str, assets: Path, tmp_path: Path
+) -> None:
     component, *more = builder.split()
-    cfg = with_override("tiny_full", assets, tmp_path, f"dataset._component_=torchtune.datasets.{component}", *more,
-                        f"dataset.data_files={assets / DATA.format('preference')}")
+    cfg = with_override(
+        "tiny_full",
+        assets,
+        tmp_path,
+        f"dataset._component_=torchtune.datasets.{component}",
+        *more,
+        f"dataset.data_files={assets / DATA.format('preference')}",
+    )
     assert refusal(cfg, "adaptive_full_finetune") == (
         f"config key 'dataset': the first sample of {assets}/data/preference_tiny.json has no column '{missing}': "
         f"torchtune.datasets.{component} reads the columns {columns} and the data has 'chosen', 'rejected'; give "
-        f"data with those columns, or map them with dataset.{mapped_by}")
+        f"data with those columns, or map them with dataset.{mapped_by}"
+    )
 
 
 @pytest.mark.parametrize("name", ["tiny_kd", "tiny_full_dpo"])
@@ -271,7 +341,8 @@ def test_a_checkpointers_output_inside_its_weights_folder_is_one_line(name: str,
     assert refusal(cfg, TINY[name]) == (
         f"config key '{key}.output_dir' = '{assets}/model/out' is its checkpoint_dir '{assets}/model' or inside it, "
         "which torchtune refuses (it copies the folder's files into the output); write the run's checkpoints "
-        "elsewhere")
+        "elsewhere"
+    )
 
 
 def test_a_null_part_of_a_list_of_data_sets_is_one_line_naming_it(assets: Path, tmp_path: Path) -> None:
@@ -279,6 +350,7 @@ def test_a_null_part_of_a_list_of_data_sets_is_one_line_naming_it(assets: Path, 
     cfg = modified_value(cfg, "dataset", [OmegaConf.to_container(cfg.dataset), None])
     assert refusal(cfg, "adaptive_full_finetune") == (
         "config key 'dataset[1]' is null: it is inside a node the recipes build, which builds it too; give it a "
-        "'_component_' or remove it")
+        "'_component_' or remove it"
+    )
     cfg = modified_value(cfg, "dataset", [OmegaConf.to_container(cfg.dataset[0]), {"_component_": None}])
     assert refusal(cfg, "adaptive_full_finetune").startswith("config key 'dataset[1]' is null: ")

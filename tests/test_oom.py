@@ -42,12 +42,18 @@ CHILD = textwrap.dedent(f"""
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="needs Linux /proc")
 def test_a_real_cpu_allocation_failure_is_an_oom_and_the_process_recovers() -> None:
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
-    child = subprocess.run([sys.executable, "-c", CHILD], capture_output=True, text=True, timeout=120,
-                           env=env, cwd=Path(__file__).resolve().parents[1])
+    child = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        cwd=Path(__file__).resolve().parents[1],
+    )
     assert child.returncode == 0, child.stderr[-3000:]
     lines = [line for line in child.stdout.splitlines() if line.startswith("REPORT ")]
     assert lines, child.stdout[-3000:] + child.stderr[-3000:]
-    report = json.loads(lines[-1][len("REPORT "):])
+    report = json.loads(lines[-1][len("REPORT ") :])
     assert report["oom"] is True, report
     assert "DefaultCPUAllocator: can't allocate memory" in report["message"], report
     assert report["recovered"] == 1024 * 1024
@@ -67,15 +73,18 @@ OOMS = [
     torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.10 GiB total capacity)"),
     torch.cuda.OutOfMemoryError("anything"),
     MemoryError(),
-    RuntimeError("[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
-                 "you tried to allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)"),
+    RuntimeError(
+        "[enforce fail at alloc_cpu.cpp:117] data. DefaultCPUAllocator: can't allocate memory: "
+        "you tried to allocate 17179869184 bytes. Error code 12 (Cannot allocate memory)"
+    ),
     RuntimeError("CUDA out of memory. Tried to allocate 20.00 MiB"),
     RuntimeError("CUDA error: out of memory\nCUDA kernel errors might be asynchronously reported"),
     RuntimeError("MPS backend out of memory (MPS allocated: 17.00 GB, other allocations: 1.00 GB)"),
     RuntimeError("XPU out of memory. Tried to allocate 1.00 GiB"),
     RuntimeError("HIP out of memory. Tried to allocate 1.00 GiB"),
-    RuntimeError("cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a "
-                 "non-contiguous input."),
+    RuntimeError(
+        "cuDNN error: CUDNN_STATUS_NOT_SUPPORTED. This error may appear if you passed in a non-contiguous input."
+    ),
     RuntimeError("CUDA error: CUBLAS_STATUS_ALLOC_FAILED when calling `cublasCreate(handle)`"),
     RuntimeError("cuDNN error: CUDNN_STATUS_ALLOC_FAILED"),
 ]
@@ -114,6 +123,7 @@ def test_an_oom_wrapped_one_level_is_recognised() -> None:
 
 def test_an_unrelated_error_raised_while_handling_an_oom_is_not_an_oom() -> None:
     """A bug in the OOM handling (here a KeyError) must surface, not be retried as another OOM."""
+
     def bug_in_handler() -> None:
         try:
             raise torch.OutOfMemoryError("CUDA out of memory")

@@ -14,8 +14,9 @@ import random
 import re
 import subprocess
 from collections import Counter
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import pytest
 import torch
@@ -39,8 +40,14 @@ from adaptive_batching.runtime.distributed import ParallelInfo
 
 HERE = Path(__file__).parent
 SAMPLES = 40
-COMMON = ("use_maximum_batch_size=False", "batch_increase_function=null", f"dataset.split=train[:{SAMPLES}]",
-          "epochs=2", "max_steps_per_epoch=null", "gradient_accumulation_steps=1")
+COMMON = (
+    "use_maximum_batch_size=False",
+    "batch_increase_function=null",
+    f"dataset.split=train[:{SAMPLES}]",
+    "epochs=2",
+    "max_steps_per_epoch=null",
+    "gradient_accumulation_steps=1",
+)
 
 
 # ---------------------------------------------------------------- the pure parts
@@ -119,16 +126,39 @@ def test_a_peer_out_of_memory_counts_as_out_of_memory() -> None:
 
 
 # ---------------------------------------------------------------- recipe runs
-def faulty_run(tmp: Path, name: str, fault: dict[str, Any], assets: Path, *overrides: str,
-               recipe: str = "adaptive_full_finetune", config: str = "tiny_full", nproc: Optional[int] = None,
-               timeout: int = 600, launcher: Sequence[str] = (),
-               env: Optional[dict[str, str]] = None) -> subprocess.CompletedProcess:
+def faulty_run(
+    tmp: Path,
+    name: str,
+    fault: dict[str, Any],
+    assets: Path,
+    *overrides: str,
+    recipe: str = "adaptive_full_finetune",
+    config: str = "tiny_full",
+    nproc: int | None = None,
+    timeout: int = 600,
+    launcher: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+) -> subprocess.CompletedProcess:
     """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``;
     ``env``: variables set on top of this process's."""
-    how = ("script", []) if nproc is None else \
-        ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher])
-    argv = [*how[1], str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), recipe,
-            "--config", config, f"assets_dir={assets}", f"output_dir={tmp / name}", *COMMON, *overrides]
+    how = (
+        ("script", [])
+        if nproc is None
+        else ("module", ["torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *launcher])
+    )
+    argv = [
+        *how[1],
+        str(HERE / "faulty_run.py"),
+        json.dumps(fault),
+        str(tmp / f"{name}-"),
+        recipe,
+        "--config",
+        config,
+        f"assets_dir={assets}",
+        f"output_dir={tmp / name}",
+        *COMMON,
+        *overrides,
+    ]
     return run_command(how[0], argv, cwd=tmp, timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
@@ -181,13 +211,17 @@ RANDOM_STEP = random.Random(20261122).randint(2, 10)
 @pytest.mark.e2e
 @pytest.mark.parametrize("phase, step", [("forward", RANDOM_STEP), ("backward", 7), ("embedding_backward", 9)])
 def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run(
-        phase: str, step: int, runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    phase: str, step: int, runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]
+) -> None:
     name = f"oom-{phase}"
     output = ok(faulty_run(runs, name, {"phase": phase, "from_step": step, "above": 4}, assets, "batch_size=8"))
-    assert re.search(rf"Out of memory at micro batch 8 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} "
-                     rf"\(optimizer step {step}\) \(injected: .*out of memory \(rank 0\)\): running the same 8 "
-                     r"samples again as micro batch 4 x accumulation 2 x 1 rank\(s\); global batch 8 and LR "
-                     r"unchanged; micro batch capped at 4 for the rest of the run", output), output[-3000:]
+    assert re.search(
+        rf"Out of memory at micro batch 8 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} "
+        rf"\(optimizer step {step}\) \(injected: .*out of memory \(rank 0\)\): running the same 8 "
+        r"samples again as micro batch 4 x accumulation 2 x 1 rank\(s\); global batch 8 and LR "
+        r"unchanged; micro batch capped at 4 for the rest of the run",
+        output,
+    ), output[-3000:]
     rows = read_metrics(runs / name / "logs")
     assert [r["step"] for r in rows] == list(range(1, 11))
     assert [r["micro_batch_size"] for r in rows] == [8] * (step - 1) + [4] * (11 - step)
@@ -199,11 +233,15 @@ def test_an_oom_mid_epoch_retries_the_step_in_halves_and_matches_the_smaller_run
 
 @pytest.mark.e2e
 def test_an_oom_in_the_optimizer_step_is_retried_with_the_same_gradients(
-        runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
-    output = ok(faulty_run(runs, "oom-optimizer", {"phase": "optimizer", "from_step": 4, "times": 1}, assets,
-                           "batch_size=8"))
-    assert "Out of memory in the optimizer step of optimizer step 4: memory released, the optimizer step " \
-           "retried with the same gradients" in output
+    runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]
+) -> None:
+    output = ok(
+        faulty_run(runs, "oom-optimizer", {"phase": "optimizer", "from_step": 4, "times": 1}, assets, "batch_size=8")
+    )
+    assert (
+        "Out of memory in the optimizer step of optimizer step 4: memory released, the optimizer step "
+        "retried with the same gradients" in output
+    )
     rows = read_metrics(runs / "oom-optimizer" / "logs")
     assert [r["micro_batch_size"] for r in rows] == [8] * 10
     assert_every_sample_once_per_epoch(samples_per_epoch(runs, "oom-optimizer"))
@@ -211,10 +249,19 @@ def test_an_oom_in_the_optimizer_step_is_retried_with_the_same_gradients(
 
 
 @pytest.mark.e2e
-def test_growing_back_after_clean_steps(runs: Path, assets: Path,
-                                        smaller_from_the_start: dict[str, torch.Tensor]) -> None:
-    output = ok(faulty_run(runs, "grow-back", {"phase": "forward", "from_step": 2, "to_step": 2, "above": 4},
-                           assets, "batch_size=8", "adaptive_batching.oom_grow_back_after=3"))
+def test_growing_back_after_clean_steps(
+    runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]
+) -> None:
+    output = ok(
+        faulty_run(
+            runs,
+            "grow-back",
+            {"phase": "forward", "from_step": 2, "to_step": 2, "above": 4},
+            assets,
+            "batch_size=8",
+            "adaptive_batching.oom_grow_back_after=3",
+        )
+    )
     assert "Growing back after 3 clean steps: micro batch 4 -> 8 (cap lifted)" in output
     rows = read_metrics(runs / "grow-back" / "logs")
     assert [r["micro_batch_size"] for r in rows] == [8] + [4] * 3 + [8] * 6
@@ -224,26 +271,44 @@ def test_growing_back_after_clean_steps(runs: Path, assets: Path,
 
 @pytest.mark.e2e
 def test_without_oom_recovery_the_error_is_raised(runs: Path, assets: Path) -> None:
-    result = faulty_run(runs, "no-recovery", {"phase": "forward", "from_step": 2, "above": 4}, assets,
-                        "batch_size=8", "adaptive_batching.oom_recovery=False")
+    result = faulty_run(
+        runs,
+        "no-recovery",
+        {"phase": "forward", "from_step": 2, "above": 4},
+        assets,
+        "batch_size=8",
+        "adaptive_batching.oom_recovery=False",
+    )
     assert result.returncode != 0
     assert "OutOfMemoryError: injected: forward out of memory" in result.stderr
 
 
 @pytest.mark.e2e
 def test_when_one_sample_does_not_fit_the_run_stops_with_a_checkpoint_that_resumes(
-        runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]) -> None:
+    runs: Path, assets: Path, smaller_from_the_start: dict[str, torch.Tensor]
+) -> None:
     stopped = faulty_run(runs, "stop", {"phase": "forward", "from_step": 3, "above": 0}, assets, "batch_size=8")
     assert stopped.returncode == 1
-    assert "out of memory: a micro batch of 1 sample does not fit in memory in step 3 of epoch 1 (optimizer " \
-           "step 3) (injected: forward out of memory (rank 0)); saved the checkpoint of optimizer step 2 in" \
-           in stopped.stderr
+    assert (
+        "out of memory: a micro batch of 1 sample does not fit in memory in step 3 of epoch 1 (optimizer "
+        "step 3) (injected: forward out of memory (rank 0)); saved the checkpoint of optimizer step 2 in"
+        in stopped.stderr
+    )
     assert "resume_from_checkpoint=True" in stopped.stderr
     assert "Traceback" not in stopped.stderr
     shrinks = re.findall(r"Out of memory at micro batch (\d+) in step 3 of epoch 1", stopped.stdout + stopped.stderr)
     assert shrinks == ["8", "4", "2"]  # then 1 sample fails too
-    resumed = ok(faulty_run(runs, "stop-resumed", {"phase": "none"}, assets, "batch_size=8",
-                            f"output_dir={runs / 'stop'}", "resume_from_checkpoint=True"))
+    resumed = ok(
+        faulty_run(
+            runs,
+            "stop-resumed",
+            {"phase": "none"},
+            assets,
+            "batch_size=8",
+            f"output_dir={runs / 'stop'}",
+            "resume_from_checkpoint=True",
+        )
+    )
     assert "Resuming at step 2 of epoch 1 (optimizer step 2)" in resumed
     rows = read_metrics(runs / "stop" / "logs")
     assert [r["step"] for r in rows] == list(range(1, 11))
@@ -268,24 +333,39 @@ def test_a_real_cpu_oom_mid_epoch_under_an_address_space_limit(tmp_path: Path, a
     data.write_text(json.dumps(ordered[:32] + ordered[-32:]))
     limited = ("batch_size=16", "epochs=1", f"dataset.data_files={data}", "dataset.split=train", "shuffle=False")
     output = ok(faulty_run(tmp_path, "limited", {"room_mib": 80}, assets, *limited))
-    shrinks = re.findall(r"Out of memory at micro batch (\d+) in step (\d) of epoch 1 \(optimizer step \d\) "
-                         r"\(.*DefaultCPUAllocator: can't allocate memory", output)
+    shrinks = re.findall(
+        r"Out of memory at micro batch (\d+) in step (\d) of epoch 1 \(optimizer step \d\) "
+        r"\(.*DefaultCPUAllocator: can't allocate memory",
+        output,
+    )
     assert shrinks, output[-3000:]
     assert int(shrinks[0][1]) >= 2  # mid-epoch: the short first step fitted
     final = int(re.search(r"finished at optimizer step 4, micro batch (\d+)", output).group(1))
     assert final < 16
     counts = Counter(i for step in json.loads((tmp_path / "limited-rank0.json").read_text()) for i in step["samples"])
     assert sorted(counts) == list(range(64)) and set(counts.values()) == {1}
-    ok(faulty_run(tmp_path, "small", {"phase": "none"}, assets, *limited, f"batch_size={final}",
-                  f"gradient_accumulation_steps={16 // final}"))
+    ok(
+        faulty_run(
+            tmp_path,
+            "small",
+            {"phase": "none"},
+            assets,
+            *limited,
+            f"batch_size={final}",
+            f"gradient_accumulation_steps={16 // final}",
+        )
+    )
     assert_close_weights(final_weights(tmp_path / "limited", 0), final_weights(tmp_path / "small", 0))
 
 
 # ---------------------------------------------------------------- two ranks, OOM on one
 @pytest.fixture(scope="module")
 def two_rank_reference(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
-    ok(faulty_run(runs, "two-reference", {"phase": "none"}, assets, "batch_size=2", "gradient_accumulation_steps=2",
-                  nproc=2))
+    ok(
+        faulty_run(
+            runs, "two-reference", {"phase": "none"}, assets, "batch_size=2", "gradient_accumulation_steps=2", nproc=2
+        )
+    )
     return final_weights(runs / "two-reference")
 
 
@@ -293,14 +373,27 @@ def two_rank_reference(runs: Path, assets: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.e2e
 @pytest.mark.parametrize("phase, step", [("forward", 2), ("backward", 4), ("embedding_backward", 8)])
 def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
-        phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]) -> None:
+    phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]
+) -> None:
     name = f"two-{phase}"
     # Steps 2 and 4 fall in the default window (the first 4 steps); step 8 (epoch 2, same micro batch) needs a longer one.
     window = [] if step <= 4 else [f"adaptive_batching.guard_steps={step}"]
-    output = ok(faulty_run(runs, name, {"phase": phase, "from_step": step, "above": 2, "rank": 1}, assets,
-                           "batch_size=4", *window, nproc=2, timeout=300))
-    assert f"Out of memory at micro batch 4 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} " \
-           f"(optimizer step {step}) (rank 0: another rank ran out of memory in this step)" in output
+    output = ok(
+        faulty_run(
+            runs,
+            name,
+            {"phase": phase, "from_step": step, "above": 2, "rank": 1},
+            assets,
+            "batch_size=4",
+            *window,
+            nproc=2,
+            timeout=300,
+        )
+    )
+    assert (
+        f"Out of memory at micro batch 4 in step {(step - 1) % 5 + 1} of epoch {(step - 1) // 5 + 1} "
+        f"(optimizer step {step}) (rank 0: another rank ran out of memory in this step)" in output
+    )
     assert "Rank 0: finished at optimizer step 10, micro batch 2" in output
     assert "Rank 1: finished at optimizer step 10, micro batch 2" in output
     assert_every_sample_once_per_epoch(samples_per_epoch(runs, name))
@@ -327,21 +420,26 @@ def restart_trajectory(tmp: Path, name: str, resumed_from: int) -> dict[int, Cou
 @pytest.mark.multiprocess
 @pytest.mark.e2e
 def test_an_oom_outside_the_window_restarts_two_ranks_and_resumes_under_the_cut(
-        runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]) -> None:
+    runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]
+) -> None:
     """Rank 1 runs out of memory at step 7 (epoch 2, past the 4-step window): it records the cut, names the resume
     command a job without restarts continues with, and exits; torchrun restarts both ranks, they resume from the
     complete checkpoint of step 6 at micro batch 2 and finish. The result equals the run at micro batch 2 from the
     start, as each in-place recovery's above does (one in epoch 2 under a window long enough to hold it:
     embedding_backward-8)."""
-    restarted = ok(faulty_run(runs, "restarted", OOM_AT_7, assets, *TWO_RANKS, nproc=2, timeout=400,
-                              launcher=["--max-restarts=1"]))
+    restarted = ok(
+        faulty_run(runs, "restarted", OOM_AT_7, assets, *TWO_RANKS, nproc=2, timeout=400, launcher=["--max-restarts=1"])
+    )
     # Once in a fresh-clone suite (2026-11-27) the first attempt ended before step 7 for another reason and the clean
     # restart trained through: show how the first attempt ended if it happens again.
-    assert "outside the guard window" in restarted and "torchrun restart 1 of job" in restarted, \
+    assert "outside the guard window" in restarted and "torchrun restart 1 of job" in restarted, (
         restarted[:4000] + "\n[...]\n" + restarted[-1500:]
+    )
     # the stop line is the same with or without --max-restarts: without, the job ends there
-    assert "Recorded the cut (micro batch 2)" in restarted and "otherwise continue with resume_from_checkpoint=True, " \
-        "which resumes under the same cut" in restarted
+    assert (
+        "Recorded the cut (micro batch 2)" in restarted
+        and "otherwise continue with resume_from_checkpoint=True, which resumes under the same cut" in restarted
+    )
     assert "Resuming at step 1 of epoch 2 (optimizer step 6)" in restarted
     assert "Resuming under the cut recorded after an out-of-memory error at optimizer step 7" in restarted
     assert "Rank 1: finished at optimizer step 10, micro batch 2" in restarted
@@ -363,9 +461,21 @@ def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(r
     """Rank 1 alone runs out of memory in every trial above 20 samples: rank 0 abandons those trials
     too (no wait in a collective), and both ranks settle on the same micro batch, at most 20. The 160MiB
     budget holds ~28 on rank 0 (~90 at the config's 512MiB: larger trials, the same paths)."""
-    output = ok(faulty_run(runs, "two-profile", {"phase": "forward", "above": 20, "rank": 1}, assets,
-                           "use_maximum_batch_size=True", "adaptive_batching.memory_budget=160MiB",
-                           "dataset.split=train[:200]", "epochs=1", "max_steps_per_epoch=2", nproc=2, timeout=300))
+    output = ok(
+        faulty_run(
+            runs,
+            "two-profile",
+            {"phase": "forward", "above": 20, "rank": 1},
+            assets,
+            "use_maximum_batch_size=True",
+            "adaptive_batching.memory_budget=160MiB",
+            "dataset.split=train[:200]",
+            "epochs=1",
+            "max_steps_per_epoch=2",
+            nproc=2,
+            timeout=300,
+        )
+    )
     trials = re.findall(r"^(?:warmup|probe|verify)\s+(\d+)\s+\S+\s+(ok|OOM)\s", output, flags=re.M)
     assert {int(n) for n, fits in trials if fits == "OOM"} and all(int(n) > 20 for n, fits in trials if fits == "OOM")
     assert max(int(n) for n, fits in trials if fits == "ok") == 20
@@ -378,10 +488,14 @@ def test_profiling_on_two_ranks_with_an_oom_on_one_rank_agrees_without_hanging(r
 def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it(runs: Path, assets: Path) -> None:
     """Profiled at 128MiB (chosen micro batch ~20), step 2 runs out of memory above 11 samples: capped at half."""
     cache, above = runs / "writeback-cache", 11
-    profiled = ("use_maximum_batch_size=True", "adaptive_batching.memory_budget=128MiB",
-                f"adaptive_batching.cache_dir={cache}", "epochs=1", "dataset.split=train[:40]")
-    first = ok(faulty_run(runs, "writeback-1", {"phase": "forward", "from_step": 2, "above": above}, assets,
-                          *profiled))
+    profiled = (
+        "use_maximum_batch_size=True",
+        "adaptive_batching.memory_budget=128MiB",
+        f"adaptive_batching.cache_dir={cache}",
+        "epochs=1",
+        "dataset.split=train[:40]",
+    )
+    first = ok(faulty_run(runs, "writeback-1", {"phase": "forward", "from_step": 2, "above": above}, assets, *profiled))
     chosen = int(re.search(r"chosen micro batch (\d+);", first).group(1))
     cap = (chosen + 1) // 2
     assert cap <= above < chosen  # step 2 (of micro batch chosen) runs out of memory, and the first halving fits
@@ -399,11 +513,27 @@ def test_the_cap_is_written_to_the_profile_cache_so_the_next_run_starts_under_it
 def test_the_cap_is_kept_across_a_resume(runs: Path, assets: Path) -> None:
     """Capped at 4 by an OOM in step 3, killed after step 7, resumed from the step-6 save without any
     fault: the resumed run keeps micro batch 4 (as a config can no longer tell)."""
-    killed = faulty_run(runs, "cap-resume", {"phase": "forward", "from_step": 3, "to_step": 3, "above": 4,
-                                             "kill_after": 7}, assets, "batch_size=8", "save_every_n_steps=2")
+    killed = faulty_run(
+        runs,
+        "cap-resume",
+        {"phase": "forward", "from_step": 3, "to_step": 3, "above": 4, "kill_after": 7},
+        assets,
+        "batch_size=8",
+        "save_every_n_steps=2",
+    )
     assert killed.returncode != 0
-    resumed = ok(faulty_run(runs, "cap-resume-2", {}, assets, "batch_size=8", "save_every_n_steps=2",
-                            f"output_dir={runs / 'cap-resume'}", "resume_from_checkpoint=True"))
+    resumed = ok(
+        faulty_run(
+            runs,
+            "cap-resume-2",
+            {},
+            assets,
+            "batch_size=8",
+            "save_every_n_steps=2",
+            f"output_dir={runs / 'cap-resume'}",
+            "resume_from_checkpoint=True",
+        )
+    )
     assert "Resuming at step 1 of epoch 2 (optimizer step 6); micro batch capped at 4 after an earlier OOM" in resumed
     rows = read_metrics(runs / "cap-resume" / "logs")
     assert [r["micro_batch_size"] for r in rows] == [8, 8] + [4] * 8

@@ -4,7 +4,8 @@ single-device configs ask; with torch's AdamW and bitsandbytes' 8-bit and paged 
 from __future__ import annotations
 
 import copy
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -37,8 +38,12 @@ def small_model() -> nn.Module:
 
 
 def tensors(state: dict[str, Any]) -> dict[tuple[int, str], torch.Tensor]:
-    return {(index, key): value for index, entry in state["state"].items() for key, value in entry.items()
-            if torch.is_tensor(value)}
+    return {
+        (index, key): value
+        for index, entry in state["state"].items()
+        for key, value in entry.items()
+        if torch.is_tensor(value)
+    }
 
 
 def in_backward(model: nn.Module, build: Callable) -> InBackwardOptimizer:
@@ -95,8 +100,11 @@ def test_an_lr_set_on_it_reaches_every_parameters_optimizer() -> None:
 def test_a_state_saved_without_it_is_refused_in_one_line() -> None:
     model = small_model()
     plain = torch.optim.AdamW(model.parameters())
-    with pytest.raises(ValueError, match=r"1 param group\(s\); with optimizer_in_bwd=True there is one per trainable "
-                                         r"parameter \(4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"1 param group\(s\); with optimizer_in_bwd=True there is one per trainable "
+        r"parameter \(4\)",
+    ):
         in_backward(model, BUILDS["AdamW"]).load_state_dict(plain.state_dict())
 
 
@@ -140,29 +148,44 @@ def test_the_loss_is_divided_by_the_steps_tokens_before_the_backward_that_steps(
     step_tokens = torch.tensor(0)
     gradients.normalise(model, step_tokens)
     assert int(step_tokens) == 4
-    plain = gradients_for(torch.optim.SGD(reference.parameters(), lr=1.0), StepGuard(ONE_RANK, torch.device("cpu")),
-                          ONE_RANK)
+    plain = gradients_for(
+        torch.optim.SGD(reference.parameters(), lr=1.0), StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK
+    )
     assert isinstance(plain, AfterBackward) and plain.retries_out_of_memory
 
 
 # ---------------------------------------------------------------- what does not go with it
-IN_BWD = {"optimizer_in_bwd": True, "gradient_accumulation_steps": 1, "clip_grad_norm": None,
-          "adaptive_batching.grow_past_memory": "skip"}
+IN_BWD = {
+    "optimizer_in_bwd": True,
+    "gradient_accumulation_steps": 1,
+    "clip_grad_norm": None,
+    "adaptive_batching.grow_past_memory": "skip",
+}
 
 
-@pytest.mark.parametrize("updates, names", [
-    ({"gradient_accumulation_steps": 2}, ("'optimizer_in_bwd' = True", "gradient_accumulation_steps=1")),
-    ({"clip_grad_norm": 1.0}, ("'optimizer_in_bwd' = True", "clip_grad_norm=null")),
-    ({"adaptive_batching.grow_past_memory": "accumulate"}, ("'adaptive_batching.grow_past_memory' = 'accumulate'",
-                                                           "'optimizer_in_bwd' = True")),
-    ({"adaptive_batching.max_tokens": 512}, ("'adaptive_batching.max_tokens' = 512", "'optimizer_in_bwd' = True")),
-    ({"batch_increase_function": None, "adaptive_batching.elastic": {
-        "max_global_batch": 64, "micro_batches": [8, 16], "max_ranks": 2}},
-     ("'adaptive_batching.elastic'", "'optimizer_in_bwd' = True")),
-    ({"optimizer_in_bwd": "yes"}, ("'optimizer_in_bwd' = 'yes' is invalid", "true, false or null")),
-])
+@pytest.mark.parametrize(
+    "updates, names",
+    [
+        ({"gradient_accumulation_steps": 2}, ("'optimizer_in_bwd' = True", "gradient_accumulation_steps=1")),
+        ({"clip_grad_norm": 1.0}, ("'optimizer_in_bwd' = True", "clip_grad_norm=null")),
+        (
+            {"adaptive_batching.grow_past_memory": "accumulate"},
+            ("'adaptive_batching.grow_past_memory' = 'accumulate'", "'optimizer_in_bwd' = True"),
+        ),
+        ({"adaptive_batching.max_tokens": 512}, ("'adaptive_batching.max_tokens' = 512", "'optimizer_in_bwd' = True")),
+        (
+            {
+                "batch_increase_function": None,
+                "adaptive_batching.elastic": {"max_global_batch": 64, "micro_batches": [8, 16], "max_ranks": 2},
+            },
+            ("'adaptive_batching.elastic'", "'optimizer_in_bwd' = True"),
+        ),
+        ({"optimizer_in_bwd": "yes"}, ("'optimizer_in_bwd' = 'yes' is invalid", "true, false or null")),
+    ],
+)
 def test_what_needs_accumulation_or_clipping_is_refused_in_one_line_naming_both_keys(
-        base_cfg: DictConfig, updates: dict, names: tuple) -> None:
+    base_cfg: DictConfig, updates: dict, names: tuple
+) -> None:
     with pytest.raises(ConfigError) as error:
         validate_config(modified(base_cfg, {**IN_BWD, **updates}))
     message = str(error.value)
@@ -174,40 +197,74 @@ def test_the_config_validates_with_it_and_says_so(base_cfg: DictConfig) -> None:
     assert not validate_config(base_cfg).optimizer_in_bwd
 
 
-@pytest.mark.parametrize("updates, says", [
-    ({"device": "cpu", "enable_activation_checkpointing": True}, "needs device=cuda"),
-    ({"device": "cuda", "enable_activation_checkpointing": False}, "needs enable_activation_checkpointing=True"),
-])
-def test_activation_offloading_is_refused_as_torchtune_refuses_it(base_cfg: DictConfig, updates: dict,
-                                                                   says: str) -> None:
+@pytest.mark.parametrize(
+    "updates, says",
+    [
+        ({"device": "cpu", "enable_activation_checkpointing": True}, "needs device=cuda"),
+        ({"device": "cuda", "enable_activation_checkpointing": False}, "needs enable_activation_checkpointing=True"),
+    ],
+)
+def test_activation_offloading_is_refused_as_torchtune_refuses_it(
+    base_cfg: DictConfig, updates: dict, says: str
+) -> None:
     with pytest.raises(ConfigError, match=says):
         validate_config(modified(base_cfg, {"enable_activation_offloading": True, **updates}))
 
 
 def test_keep_global_batch_that_needs_accumulation_names_both_keys(base_cfg: DictConfig) -> None:
-    settings = validate_config(modified(base_cfg, {**IN_BWD, "use_maximum_batch_size": True,
-                                                   "batch_increase_function": None,
-                                                   "adaptive_batching.keep_global_batch": True}))
-    with pytest.raises(ConfigError, match=r"keep_global_batch' = True and 'optimizer_in_bwd' = True: the config's "
-                                          r"global batch 32 needs 32 samples per forward .* above the profiled micro "
-                                          r"batch 20"):
-        starting_batch(settings.growth, None, BatchShape(32, 1, 1), 1, 20, use_maximum_batch_size=True,
-                       optimizer_in_bwd=settings.optimizer_in_bwd)
-    start = starting_batch(settings.growth, None, BatchShape(16, 1, 1), 1, 20,
-                           use_maximum_batch_size=True, optimizer_in_bwd=settings.optimizer_in_bwd)
+    settings = validate_config(
+        modified(
+            base_cfg,
+            {
+                **IN_BWD,
+                "use_maximum_batch_size": True,
+                "batch_increase_function": None,
+                "adaptive_batching.keep_global_batch": True,
+            },
+        )
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"keep_global_batch' = True and 'optimizer_in_bwd' = True: the config's "
+        r"global batch 32 needs 32 samples per forward .* above the profiled micro "
+        r"batch 20",
+    ):
+        starting_batch(
+            settings.growth,
+            None,
+            BatchShape(32, 1, 1),
+            1,
+            20,
+            use_maximum_batch_size=True,
+            optimizer_in_bwd=settings.optimizer_in_bwd,
+        )
+    start = starting_batch(
+        settings.growth,
+        None,
+        BatchShape(16, 1, 1),
+        1,
+        20,
+        use_maximum_batch_size=True,
+        optimizer_in_bwd=settings.optimizer_in_bwd,
+    )
     assert (start.micro_batch, start.accumulation) == (16, 1)
 
 
-def test_an_optimizer_from_a_package_not_installed_names_the_pip_install(base_cfg: DictConfig,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_an_optimizer_from_a_package_not_installed_names_the_pip_install(
+    base_cfg: DictConfig, monkeypatch: pytest.MonkeyPatch
+) -> None:
     import importlib.util
 
     real = importlib.util.find_spec
-    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a))
+    monkeypatch.setattr(
+        importlib.util, "find_spec", lambda name, *a: None if name == "bitsandbytes" else real(name, *a)
+    )
     with pytest.raises(ConfigError) as error:
         validate_config(modified(base_cfg, {"optimizer._component_": "bitsandbytes.optim.PagedAdamW8bit"}))
-    assert str(error.value) == ("config key 'optimizer._component_' = 'bitsandbytes.optim.PagedAdamW8bit' needs "
-                                "bitsandbytes, which is not installed: pip install \"adaptive-batching[bnb]\"")
+    assert str(error.value) == (
+        "config key 'optimizer._component_' = 'bitsandbytes.optim.PagedAdamW8bit' needs "
+        'bitsandbytes, which is not installed: pip install "adaptive-batching[bnb]"'
+    )
 
 
 def test_every_forward_runs_inside_the_activations_context_and_the_loss_outside_it() -> None:
@@ -239,9 +296,18 @@ def test_every_forward_runs_inside_the_activations_context_and_the_loss_outside_
             return self.embed(tokens)
 
     model = Model()
-    runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), Loss(),
-                        StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK, torch.device("cpu"), clip_grad_norm=None,
-                        oom_recovery=True, where=lambda: (1, None, "."), activations=Recording())
+    runner = StepRunner(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Loss(),
+        StepGuard(ONE_RANK, torch.device("cpu")),
+        ONE_RANK,
+        torch.device("cpu"),
+        clip_grad_norm=None,
+        oom_recovery=True,
+        where=lambda: (1, None, "."),
+        activations=Recording(),
+    )
     tokens = torch.randint(0, 10, (2, 5))
     runner.forward_backward({"tokens": tokens, "labels": tokens.clone()})
     assert entered == ["enter", "forward", "exit", "loss"]

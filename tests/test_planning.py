@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import pytest
 import torch
@@ -21,9 +22,15 @@ def settings(use_max: bool = False, fn: Any = None, **values: Any) -> AdaptiveSe
 
 
 def starting_batch(settings: AdaptiveSettings, reference: BatchShape, ranks: int, profiled: Any) -> Any:
-    return plan.starting_batch(settings.growth, settings.elastic, reference, ranks, profiled,
-                               use_maximum_batch_size=settings.use_maximum_batch_size,
-                               optimizer_in_bwd=settings.optimizer_in_bwd)
+    return plan.starting_batch(
+        settings.growth,
+        settings.elastic,
+        reference,
+        ranks,
+        profiled,
+        use_maximum_batch_size=settings.use_maximum_batch_size,
+        optimizer_in_bwd=settings.optimizer_in_bwd,
+    )
 
 
 def test_the_profiled_micro_batch_starts_the_plan_and_the_lr_follows_it() -> None:
@@ -41,7 +48,8 @@ def test_the_profiled_micro_batch_starts_the_plan_and_the_lr_follows_it() -> Non
 
 
 def test_keeping_the_global_batch_starts_at_the_profiled_micro_batch_with_the_rest_as_accumulation(
-        said: Callable[[], list[str]]) -> None:
+    said: Callable[[], list[str]],
+) -> None:
     start = starting_batch(settings(use_max=True, keep_global_batch=True), BatchShape(4, 4, 1), 1, 8)
     assert start.micro_batch * start.accumulation == 16 and start.micro_batch <= 8 and start.memory_cap is None
     assert "Keeping the config's global batch 16" in said()[0]
@@ -69,7 +77,7 @@ def test_growth_periods_inside_epochs_change_the_batch_from_there_on_and_survive
 
 
 def test_a_statistics_reading_function_decides_at_the_epoch_start_and_the_decision_is_saved() -> None:
-    seen: list[Optional[float]] = []
+    seen: list[float | None] = []
 
     def grow(epoch: int, current: int, *, stats: Any = None) -> int:
         seen.append(None if stats is None else stats.get("noise_scale"))

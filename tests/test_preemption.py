@@ -12,15 +12,15 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from recipe_runs import losses, unclean_exit
 from test_oom_recovery import faulty_run, ok
 
-from adaptive_batching.faults import checkpoints
 from adaptive_batching.errors import Preempted
+from adaptive_batching.faults import checkpoints
 from adaptive_batching.faults.checkpoints import STOPPED_FILE, run_status
 from adaptive_batching.faults.preemption import EXIT_CODE, Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo
@@ -40,8 +40,9 @@ def stopped(result: subprocess.CompletedProcess, signal_name: str) -> int:
     assert unclean_exit(result) is None, unclean_exit(result)
     (line,) = [line for line in result.stderr.splitlines() if line.startswith("stopped: ")]
     step = int(re.search(r"after optimizer step (\d+)", line).group(1))
-    assert line.startswith(f"stopped: {signal_name} received by the end of optimizer step {step}; stopped after "
-                           f"optimizer step {step} ")
+    assert line.startswith(
+        f"stopped: {signal_name} received by the end of optimizer step {step}; stopped after optimizer step {step} "
+    )
     assert "resume_from_checkpoint=True" in line
     return step
 
@@ -53,7 +54,11 @@ def test_the_flag_is_set_by_the_signal_and_the_handler_put_back() -> None:
     try:
         assert not stop.end_step(1)
         signal.raise_signal(signal.SIGUSR1)
-        assert stop.received == signal.SIGUSR1 and stop.end_step(2) and stop.signal_name == "SIGUSR1 received by the end of optimizer step 2"
+        assert (
+            stop.received == signal.SIGUSR1
+            and stop.end_step(2)
+            and stop.signal_name == "SIGUSR1 received by the end of optimizer step 2"
+        )
         assert stop.end_step(3) and stop.seen_at == 2  # the step it was first seen at stays in the stop line
     finally:
         stop.uninstall()
@@ -78,8 +83,10 @@ def test_each_rank_says_its_stop_line_in_one_write(monkeypatch: pytest.MonkeyPat
     stop.received, stop.seen_at = signal.SIGUSR1, 2
     with pytest.raises(Preempted):
         stop.stop("after optimizer step 2", "saved step 2")
-    assert writes == ["stopped: SIGUSR1 received by the end of optimizer step 2; stopped after optimizer step 2: saved "
-                      "step 2. Continue with resume_from_checkpoint=True (a torchrun restart resumes by itself)\n"]
+    assert writes == [
+        "stopped: SIGUSR1 received by the end of optimizer step 2; stopped after optimizer step 2: saved "
+        "step 2. Continue with resume_from_checkpoint=True (a torchrun restart resumes by itself)\n"
+    ]
 
 
 def forked(target: Callable[[], None], cwd: Path, env: dict[str, str] | None = None) -> int:
@@ -176,11 +183,13 @@ def test_a_signal_another_thread_took_stops_at_the_steps_end(tmp_path: Path) -> 
 def launcher(worker: Callable[[], None]) -> Callable[[], None]:
     """A launcher with 17 threads that forks ``worker`` and waits: the kernel sends the parent-death signal once per
     thread of the dying parent."""
+
     def launch() -> None:
         for _ in range(16):
             threading.Thread(target=time.sleep, args=(600,), daemon=True).start()
         forked(worker, Path.cwd(), {"RANK": "0", "WORLD_SIZE": "1"})
         time.sleep(600)
+
     return launch
 
 
@@ -215,8 +224,9 @@ def test_the_launchers_death_stops_a_worker_once_however_often_the_kernel_signal
     while not (tmp_path / "stopped").exists() and time.monotonic() < started + 60:
         time.sleep(0.01)
     assert (tmp_path / "stopped").exists(), (tmp_path / "stderr").read_text()
-    assert re.fullmatch(r"the torchrun agent's death seen by the end of optimizer step \d+",
-                        (tmp_path / "stopped").read_text())
+    assert re.fullmatch(
+        r"the torchrun agent's death seen by the end of optimizer step \d+", (tmp_path / "stopped").read_text()
+    )
 
 
 @pytest.fixture(scope="module")
@@ -225,8 +235,9 @@ def chain(assets: Path, runs: Path) -> dict[str, object]:
     SIGUSR1 after step 13 (epoch 2), resumed to the end."""
     whole = ok(faulty_run(runs, "whole", {}, assets, *SAVE_EVERY_2))
     first = faulty_run(runs, "chain", {"signal": "SIGTERM", "signal_at": 3}, assets, *SAVE_EVERY_2)
-    second = faulty_run(runs, "chain", {"signal": "SIGUSR1", "signal_at": 13}, assets, *SAVE_EVERY_2,
-                        "resume_from_checkpoint=True")
+    second = faulty_run(
+        runs, "chain", {"signal": "SIGUSR1", "signal_at": 13}, assets, *SAVE_EVERY_2, "resume_from_checkpoint=True"
+    )
     last = ok(faulty_run(runs, "chain", {}, assets, *SAVE_EVERY_2, "resume_from_checkpoint=True"))
     return {"whole": whole, "first": first, "second": second, "last": last}
 
@@ -234,7 +245,9 @@ def chain(assets: Path, runs: Path) -> dict[str, object]:
 @pytest.mark.e2e
 def test_a_signal_stops_after_the_step_it_came_in_and_saves_there(chain: dict) -> None:
     assert stopped(chain["first"], "SIGTERM") == 3
-    assert "Saved the checkpoint of step 3 of epoch 1 (optimizer step 3)" in chain["first"].stdout + chain["first"].stderr
+    assert (
+        "Saved the checkpoint of step 3 of epoch 1 (optimizer step 3)" in chain["first"].stdout + chain["first"].stderr
+    )
     assert stopped(chain["second"], "SIGUSR1") == 13
     assert "Resuming at step 3 of epoch 1 (optimizer step 3)" in chain["second"].stdout + chain["second"].stderr
     assert "Resuming at step 3 of epoch 2 (optimizer step 13)" in chain["last"]
@@ -247,10 +260,12 @@ def test_the_resumed_runs_train_every_step_once_with_the_uninterrupted_losses(ch
 
 
 @pytest.mark.e2e
-def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(assets: Path, runs: Path,
-                                                                          chain: dict) -> None:
-    killed = faulty_run(runs, "twice", {"signal": "SIGTERM", "signal_at": 3, "again_in_save": True}, assets,
-                        *SAVE_EVERY_2)
+def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(
+    assets: Path, runs: Path, chain: dict
+) -> None:
+    killed = faulty_run(
+        runs, "twice", {"signal": "SIGTERM", "signal_at": 3, "again_in_save": True}, assets, *SAVE_EVERY_2
+    )
     assert killed.returncode in (-signal.SIGTERM, 128 + signal.SIGTERM), killed.stderr[-3000:]
     latest = checkpoints.latest_complete_checkpoint(runs / "twice")
     assert latest is not None and latest.name == "epoch_0"
@@ -263,8 +278,8 @@ def test_a_second_signal_inside_the_save_leaves_the_last_complete_checkpoint(ass
 def documented_slurm_script() -> str:
     """The SLURM script of docs/preemption.md, as written there."""
     page = (Path(__file__).parent.parent / "docs" / "preemption.md").read_text()
-    section = page[page.index("## SLURM"):]
-    return section[section.index("```bash\n") + len("```bash\n"):section.index("\n```", section.index("```bash"))]
+    section = page[page.index("## SLURM") :]
+    return section[section.index("```bash\n") + len("```bash\n") : section.index("\n```", section.index("```bash"))]
 
 
 def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Callable[[], subprocess.CompletedProcess]:
@@ -280,26 +295,51 @@ def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Cal
     # tune itself, its torchrun workers forked from it with everything imported (tests/forkserver.py) instead of
     # two fresh interpreters per job: the script, its signals and torchrun's agent are unchanged. Real workers'
     # start and exit: tests/test_two_nodes.py.
-    (bin_dir / "tune").write_text(f"#!{sys.executable}\nimport sys\nfrom forkserver import fork_torchrun_workers, "
-                                  "preload\npreload()\nfork_torchrun_workers()\nfrom torchtune._cli.tune import "
-                                  "main\nsys.argv[0] = 'tune'\nsys.exit(main())\n")
+    (bin_dir / "tune").write_text(
+        f"#!{sys.executable}\nimport sys\nfrom forkserver import fork_torchrun_workers, "
+        "preload\npreload()\nfork_torchrun_workers()\nfrom torchtune._cli.tune import "
+        "main\nsys.argv[0] = 'tune'\nsys.exit(main())\n"
+    )
     (bin_dir / "tune").chmod(0o755)
-    run = ["faulty_run", f"'{json.dumps(fault)}'", f"{tmp_path}/rec-", "adaptive_full_finetune", "--config",
-           "tiny_full", f"assets_dir={assets}", "output_dir=$OUT", *SAVE_EVERY_2, "batch_size=2",
-           "use_maximum_batch_size=False", "batch_increase_function=null", "dataset.split=train[:40]", "epochs=2",
-           "max_steps_per_epoch=null", *overrides]
+    run = [
+        "faulty_run",
+        f"'{json.dumps(fault)}'",
+        f"{tmp_path}/rec-",
+        "adaptive_full_finetune",
+        "--config",
+        "tiny_full",
+        f"assets_dir={assets}",
+        "output_dir=$OUT",
+        *SAVE_EVERY_2,
+        "batch_size=2",
+        "use_maximum_batch_size=False",
+        "batch_increase_function=null",
+        "dataset.split=train[:40]",
+        "epochs=2",
+        "max_steps_per_epoch=null",
+        *overrides,
+    ]
     script = documented_slurm_script()
-    for old, new in (("OUT=/checkpoints/run", f"OUT={out}"), ("--nproc_per_node 8", "--nproc_per_node 2"),
-                     ("adaptive_full_finetune --config llama3_8b output_dir=$OUT", " ".join(run))):
+    for old, new in (
+        ("OUT=/checkpoints/run", f"OUT={out}"),
+        ("--nproc_per_node 8", "--nproc_per_node 2"),
+        ("adaptive_full_finetune --config llama3_8b output_dir=$OUT", " ".join(run)),
+    ):
         assert old in script, f"the documented script changed: {old!r} is gone"
         script = script.replace(old, new)
     (tmp_path / "job.sh").write_text("export SCRIPT_PID=$$\n" + script)
-    env = dict(os.environ, PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}", SLURM_JOB_ID="42",
-               OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).parent))
+    env = dict(
+        os.environ,
+        PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
+        SLURM_JOB_ID="42",
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=str(Path(__file__).parent),
+    )
 
     def job() -> subprocess.CompletedProcess:
-        return subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=600)
+        return subprocess.run(
+            ["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
+        )
 
     return job
 
@@ -311,9 +351,11 @@ def stubbed_slurm_job(tmp_path: Path, *, scontrol_exit: int = 0) -> Callable[[st
     script's own logic, in a few milliseconds. Returns ``job(status, code)``: one job whose run ends so."""
     bin_dir, state = tmp_path / "bin", tmp_path / "state"
     bin_dir.mkdir()
-    stubs = {"scontrol": f'echo "$@" >> {tmp_path}/scontrol_calls\nexit {scontrol_exit}',
-             "tune": f'echo "$@" >> {tmp_path}/tune_calls\nprintf "%s\\n" "$END_STATUS" > {state}\nexit $END_CODE',
-             "adaptive-batching": f'cat {state} 2>/dev/null || echo "none: no complete checkpoint in $2"'}
+    stubs = {
+        "scontrol": f'echo "$@" >> {tmp_path}/scontrol_calls\nexit {scontrol_exit}',
+        "tune": f'echo "$@" >> {tmp_path}/tune_calls\nprintf "%s\\n" "$END_STATUS" > {state}\nexit $END_CODE',
+        "adaptive-batching": f'cat {state} 2>/dev/null || echo "none: no complete checkpoint in $2"',
+    }
     for name, body in stubs.items():
         (bin_dir / name).write_text(f"#!/bin/sh\n{body}\n")
         (bin_dir / name).chmod(0o755)
@@ -322,10 +364,12 @@ def stubbed_slurm_job(tmp_path: Path, *, scontrol_exit: int = 0) -> Callable[[st
     (tmp_path / "job.sh").write_text(script.replace("OUT=/checkpoints/run", f"OUT={tmp_path / 'run'}"))
 
     def job(status: str, code: int) -> subprocess.CompletedProcess:
-        env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42", END_STATUS=status,
-                   END_CODE=str(code))
-        return subprocess.run(["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True,
-                              text=True, timeout=60)
+        env = dict(
+            os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID="42", END_STATUS=status, END_CODE=str(code)
+        )
+        return subprocess.run(
+            ["bash", str(tmp_path / "job.sh")], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60
+        )
 
     return job
 
@@ -336,17 +380,28 @@ STOPPED = "stopped: SIGUSR1 received; stopped while profiling, before any step t
 NOTHING = "none: no complete checkpoint in run"
 
 
-@pytest.mark.parametrize("status, code, exit_code, requeues", [
-    (FINISHED, 0, 0, 0),  # finished: 0, so SLURM marks the job COMPLETED (the page's script once exited 1 here)
-    (RESUMABLE, EXIT_CODE, 0, 1),  # stopped after a save: requeued
-    (STOPPED, EXIT_CODE, 0, 1),  # stopped before its first checkpoint: requeued, to start over
-    (RESUMABLE, 1, 0, 1),  # a crash after a save: requeued, to go on from the disk
-    (NOTHING, 1, 1, 0),  # broken, nothing to resume: the run's exit code, FAILED
-    (NOTHING, 0, 1, 0),  # nothing to resume though the run said 0: still a failure
-], ids=["finished", "stopped-after-a-save", "stopped-before-a-checkpoint", "crashed-after-a-save", "broken",
-        "broken-though-exit-0"])
+@pytest.mark.parametrize(
+    "status, code, exit_code, requeues",
+    [
+        (FINISHED, 0, 0, 0),  # finished: 0, so SLURM marks the job COMPLETED (the page's script once exited 1 here)
+        (RESUMABLE, EXIT_CODE, 0, 1),  # stopped after a save: requeued
+        (STOPPED, EXIT_CODE, 0, 1),  # stopped before its first checkpoint: requeued, to start over
+        (RESUMABLE, 1, 0, 1),  # a crash after a save: requeued, to go on from the disk
+        (NOTHING, 1, 1, 0),  # broken, nothing to resume: the run's exit code, FAILED
+        (NOTHING, 0, 1, 0),  # nothing to resume though the run said 0: still a failure
+    ],
+    ids=[
+        "finished",
+        "stopped-after-a-save",
+        "stopped-before-a-checkpoint",
+        "crashed-after-a-save",
+        "broken",
+        "broken-though-exit-0",
+    ],
+)
 def test_the_documented_slurm_scripts_exit_code_tells_how_the_job_ended(
-        tmp_path: Path, status: str, code: int, exit_code: int, requeues: int) -> None:
+    tmp_path: Path, status: str, code: int, exit_code: int, requeues: int
+) -> None:
     job = stubbed_slurm_job(tmp_path)
     result = job(status, code)
     assert result.returncode == exit_code, result.stderr
@@ -367,23 +422,30 @@ def test_the_documented_slurm_script_fails_when_its_requeue_fails(tmp_path: Path
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_the_documented_slurm_script_requeues_a_job_stopped_while_profiling_and_one_stopped_mid_run(
-        assets: Path, tmp_path: Path) -> None:
+    assets: Path, tmp_path: Path
+) -> None:
     """The script as the docs show it, at 2 ranks on CPU with a stub scontrol; SIGUSR1 to the script as SLURM's
     --signal=B:USR1 sends it (torchrun passes it to both ranks). First during the profile: the job stops with
     nothing saved, status says stopped, the script requeues it. The requeued job starts over, and the signal comes
     again after optimizer step 1: it saves, status says resumable, the script requeues it. The third run resumes
     and finishes; every step is logged once."""
     out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
-    job = slurm_job(tmp_path, assets, {"signal": "SIGUSR1", "signal_in": "profile", "once": True, "signal_at": 1,
-                                       "to": "env:SCRIPT_PID", "rank": 0},
-                    "use_maximum_batch_size=True", "adaptive_batching.memory_budget=64MiB")
+    job = slurm_job(
+        tmp_path,
+        assets,
+        {"signal": "SIGUSR1", "signal_in": "profile", "once": True, "signal_at": 1, "to": "env:SCRIPT_PID", "rank": 0},
+        "use_maximum_batch_size=True",
+        "adaptive_batching.memory_budget=64MiB",
+    )
     first = job()
     assert "stopped while profiling, before any step trained" in first.stderr, first.stderr[-3000:]
     assert first.returncode == 0, first.stderr[-3000:]  # requeued: not a failed job
     assert run_status(out).startswith("stopped: SIGUSR1 received") and calls.read_text() == "requeue 42\n"
     second = job()
-    assert f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 " \
-           "received" in second.stderr, second.stderr[-3000:]
+    assert (
+        f"resume_from_checkpoint=True: no checkpoint in {out}, the run was stopped before its first one (SIGUSR1 "
+        "received" in second.stderr
+    ), second.stderr[-3000:]
     assert "SIGUSR1 received by the end of optimizer step" in second.stderr and unclean_exit(second) is None
     assert second.returncode == 0, second.stderr[-3000:]
     # Both ranks stopped at one place (after a step, or at the epoch's end: the profile may pick 2 steps an epoch),

@@ -30,8 +30,15 @@ TOLERANCE = KNOBS["search_tolerance"].default  # the search stops within it of t
 
 
 def profiled(assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> tuple[str, dict]:
-    result = check(tune_run("adaptive_full_finetune", "tiny_full",
-                            [f"assets_dir={assets}", f"output_dir={out}", *overrides], cwd=out.parent, nproc=nproc))
+    result = check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [f"assets_dir={assets}", f"output_dir={out}", *overrides],
+            cwd=out.parent,
+            nproc=nproc,
+        )
+    )
     return result.stdout + result.stderr, json.loads((out / "profile" / "profile.json").read_text())
 
 
@@ -62,22 +69,27 @@ def test_profile_reports_and_trains_at_the_chosen_micro_batch(profiled_run: tupl
     assert max(t["micro_batch"] for t in ok) == report["max_micro_batch"]
     budget = BUDGET_MIB * 2**20
     assert report["budget_bytes"] == budget and all(t["peak_bytes"] <= budget for t in ok)
-    assert any(not t["ok"] and t["micro_batch"] <= report["max_micro_batch"] * (1 + TOLERANCE) + 1
-               for t in report["trials"])
+    assert any(
+        not t["ok"] and t["micro_batch"] <= report["max_micro_batch"] * (1 + TOLERANCE) + 1 for t in report["trials"]
+    )
     assert "phase   micro batch  peak GiB  fits  seconds" in output
     assert (out / "profile" / "profile.png").stat().st_size > 10_000
     # The run forked its plot child from the test's fork server (forkserver.ALWAYS_FORKED); the command the recipe
     # runs, in a new interpreter as a user's run starts it, draws the same report.
     redrawn = out.parent / "redrawn.png"
-    subprocess.run([sys.executable, "-m", "adaptive_batching.profiling.plot", str(out / "profile" / "profile.json"),
-                    str(redrawn)], check=True, timeout=120)
+    subprocess.run(
+        [sys.executable, "-m", "adaptive_batching.profiling.plot", str(out / "profile" / "profile.json"), str(redrawn)],
+        check=True,
+        timeout=120,
+    )
     assert redrawn.stat().st_size > 10_000
     rows = read_metrics(out / "logs")
     assert [r["micro_batch_size"] for r in rows] == [report["micro_batch"]] * 3
 
 
-def test_cache_hit_reprofile_stale_and_corrupt(profiled_run: tuple[Path, str, dict], tmp_path: Path,
-                                               assets: Path) -> None:
+def test_cache_hit_reprofile_stale_and_corrupt(
+    profiled_run: tuple[Path, str, dict], tmp_path: Path, assets: Path
+) -> None:
     first_out, _, first = profiled_run
     out = tmp_path / "run"
     out.mkdir()
@@ -100,9 +112,23 @@ def test_profiling_leaves_no_trace(profiled_run: tuple[Path, str, dict], assets:
     """A profiled run trains exactly like an unprofiled run at the same micro batch (same LR)."""
     out, _, report = profiled_run
     plain = tmp_path / "plain"
-    check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={plain}", *FIXED_BATCH_SIZE, *SAME_LR, SEQ,
-                    f"batch_size={report['micro_batch']}", "epochs=1", "max_steps_per_epoch=3"], cwd=tmp_path))
+    check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [
+                f"assets_dir={assets}",
+                f"output_dir={plain}",
+                *FIXED_BATCH_SIZE,
+                *SAME_LR,
+                SEQ,
+                f"batch_size={report['micro_batch']}",
+                "epochs=1",
+                "max_steps_per_epoch=3",
+            ],
+            cwd=tmp_path,
+        )
+    )
     assert losses(out / "logs") == losses(plain / "logs")
 
 
@@ -112,9 +138,20 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     with a budget far above it, real ``DefaultCPUAllocator`` errors stop the trials. Either way the
     micro batch it chooses then trains under the same limit."""
     result = run_command(
-        "script", [str(HERE / "limited_run.py"), "200", "tiny_full", f"assets_dir={assets}",
-                   f"output_dir={tmp_path / 'run'}", f"adaptive_batching.memory_budget={budget}",
-                   "adaptive_batching.memory_fraction=1.0", "epochs=1", "max_steps_per_epoch=2"], cwd=tmp_path)
+        "script",
+        [
+            str(HERE / "limited_run.py"),
+            "200",
+            "tiny_full",
+            f"assets_dir={assets}",
+            f"output_dir={tmp_path / 'run'}",
+            f"adaptive_batching.memory_budget={budget}",
+            "adaptive_batching.memory_fraction=1.0",
+            "epochs=1",
+            "max_steps_per_epoch=2",
+        ],
+        cwd=tmp_path,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     summary = json.loads(result.stdout.strip().splitlines()[-1])
     report = summary["profile"]
@@ -140,20 +177,37 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
 
 
 @pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
-def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start(ranks: int, assets: Path,
-                                                                                   tmp_path: Path) -> None:
+def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start(
+    ranks: int, assets: Path, tmp_path: Path
+) -> None:
     """A user's ``ulimit -v`` and ``tune run``, as a shell starts it (not forked from the test's server,
     whose command line is another program's): the recipe runs its own command again once per rank (each
     torchrun worker before it joins the process group), with ``GLIBC_TUNABLES`` set, then profiles and trains.
     At 2 ranks, both train at the micro batch of the one profile, whose budget is the minimum over the ranks."""
     launcher = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
-    command = [TUNE, "run", *launcher, "adaptive_full_finetune", "--config", "tiny_full", f"assets_dir={assets}",
-               f"output_dir={tmp_path / 'run'}", *SHORT, "adaptive_batching.memory_budget=96MiB",
-               "dataset.split=train[:16]", SEQ]  # the profile's search stops at the 16 samples: short trials
+    command = [
+        TUNE,
+        "run",
+        *launcher,
+        "adaptive_full_finetune",
+        "--config",
+        "tiny_full",
+        f"assets_dir={assets}",
+        f"output_dir={tmp_path / 'run'}",
+        *SHORT,
+        "adaptive_batching.memory_budget=96MiB",
+        "dataset.split=train[:16]",
+        SEQ,
+    ]  # the profile's search stops at the 16 samples: short trials
     env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", RESTARTED_ENV)}
-    result = subprocess.run(["bash", "-c", f"ulimit -v {16 * 2**20} && exec {shlex.join(command)}"], cwd=tmp_path,
-                            env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}, capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        ["bash", "-c", f"ulimit -v {16 * 2**20} && exec {shlex.join(command)}"],
+        cwd=tmp_path,
+        env={**env, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     output = result.stdout + result.stderr
     assert result.returncode == 0, output[-4000:]
     assert output.count("this process starts again with GLIBC_TUNABLES=") == ranks
@@ -162,8 +216,11 @@ def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start
     assert output.index("starts again") < output.index("pinned from process start") < output.index("finished at")
     assert output.count("finished at optimizer step 1") == ranks
     report = json.loads((tmp_path / "run" / "profile" / "profile.json").read_text())
-    finals = [line.split("micro batch ")[1].split(",")[0] for line in output.splitlines()
-              if "finished at optimizer step" in line]
+    finals = [
+        line.split("micro batch ")[1].split(",")[0]
+        for line in output.splitlines()
+        if "finished at optimizer step" in line
+    ]
     assert finals == [str(report["micro_batch"])] * ranks
     assert ("minimum over 2 ranks" in report["budget_source"]) == (ranks == 2)
 
@@ -171,13 +228,28 @@ def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start
 def test_profile_and_estimate_commands(assets: Path, tmp_path: Path) -> None:
     """``estimate`` (fake tensors, no real memory) against ``profile`` (real steps), same 512MiB budget."""
     common = [f"assets_dir={assets}", f"output_dir={tmp_path / 'run'}"]
-    profile = run_command("cli", ["profile", "--config", "tiny_full", "--json", str(tmp_path / "p.json"), *common],
-                          cwd=tmp_path)
+    profile = run_command(
+        "cli", ["profile", "--config", "tiny_full", "--json", str(tmp_path / "p.json"), *common], cwd=tmp_path
+    )
     assert profile.returncode == 0, profile.stderr[-3000:]
     assert (profile.stdout + profile.stderr).count("largest micro batch that ran") == 1  # the table, once
     real = json.loads((tmp_path / "p.json").read_text())["max_micro_batch"]
-    estimate = run_command("cli", ["estimate", "--config", "tiny_full", "--device-memory", "512MiB",
-                                   "--fraction", "1.0", "--json", str(tmp_path / "e.json"), *common], cwd=tmp_path)
+    estimate = run_command(
+        "cli",
+        [
+            "estimate",
+            "--config",
+            "tiny_full",
+            "--device-memory",
+            "512MiB",
+            "--fraction",
+            "1.0",
+            "--json",
+            str(tmp_path / "e.json"),
+            *common,
+        ],
+        cwd=tmp_path,
+    )
     assert estimate.returncode == 0, estimate.stderr[-3000:]
     predicted = json.loads((tmp_path / "e.json").read_text())["max_micro_batch"]
     assert abs(predicted - real) <= 0.05 * real, (predicted, real)

@@ -21,8 +21,17 @@ MIB = 2**20
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."
 
 
-def simulated_step(*, steady: int, fixed: int, per_sample: int, optimizer_peak: int, capacity: int,
-                   noise: float = 0.0, seed: int = 0, small_batch_extra: dict[int, int] | None = None):
+def simulated_step(
+    *,
+    steady: int,
+    fixed: int,
+    per_sample: int,
+    optimizer_peak: int,
+    capacity: int,
+    noise: float = 0.0,
+    seed: int = 0,
+    small_batch_extra: dict[int, int] | None = None,
+):
     """A step whose forward/backward peak is steady + fixed + per_sample x b (+ ``small_batch_extra[b]``);
     real OOM above ``capacity``."""
     rng = random.Random(seed)
@@ -52,10 +61,10 @@ def test_finds_the_largest_micro_batch_in_few_steps(capacity_share: float) -> No
     max_steps = 4 + 2 + 2 * math.ceil(math.log2(max(1.0, error / KNOBS["search_tolerance"].default)))
     budget = Budget(4096 * MIB, "test")
     capacity = int(budget.bytes * capacity_share)
-    step, calls = simulated_step(steady=300 * MIB, fixed=40 * MIB, per_sample=9 * MIB, optimizer_peak=500 * MIB,
-                                 capacity=capacity)
-    result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.05, round_to="none",
-                                  upper_limit=10_000)
+    step, calls = simulated_step(
+        steady=300 * MIB, fixed=40 * MIB, per_sample=9 * MIB, optimizer_peak=500 * MIB, capacity=capacity
+    )
+    result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.05, round_to="none", upper_limit=10_000)
     best = true_max(300 * MIB, 40 * MIB, 9 * MIB, min(capacity, budget.bytes))
     assert 0.97 * best <= result.max_micro_batch <= best
     assert result.trial_steps == len(calls) == len(set(calls))
@@ -79,8 +88,9 @@ def test_reserved_memory_and_allocator_retries_count_against_the_budget(judged_b
         if judged_by == "reserved":
             reserved = int(allocated * (1.0 if b < trouble_from else 2.0))
             return StepMemory(activation, allocated, 500 * MIB, steady, reserved_peak=reserved)
-        return StepMemory(activation, allocated, 500 * MIB, steady, reserved_peak=allocated,
-                          alloc_retries=int(b >= trouble_from))
+        return StepMemory(
+            activation, allocated, 500 * MIB, steady, reserved_peak=allocated, alloc_retries=int(b >= trouble_from)
+        )
 
     result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.0, round_to="none", upper_limit=10_000)
     assert trouble_from * 0.97 <= result.max_micro_batch < trouble_from
@@ -95,8 +105,9 @@ def test_reserved_memory_and_allocator_retries_count_against_the_budget(judged_b
 def test_optimizer_peak_does_not_distort_the_slope() -> None:
     """At small batches the optimizer step sets the peak; the fit uses the activation part only."""
     budget = Budget(2048 * MIB, "test")
-    step, _ = simulated_step(steady=600 * MIB, fixed=10 * MIB, per_sample=5 * MIB, optimizer_peak=1200 * MIB,
-                             capacity=budget.bytes)
+    step, _ = simulated_step(
+        steady=600 * MIB, fixed=10 * MIB, per_sample=5 * MIB, optimizer_peak=1200 * MIB, capacity=budget.bytes
+    )
     result = find_max_micro_batch(step, budget, seq_len=128, safety_margin=0.0, round_to="none", upper_limit=10_000)
     best = true_max(600 * MIB, 10 * MIB, 5 * MIB, budget.bytes)
     assert result.estimate == best
@@ -109,8 +120,14 @@ def test_the_far_probe_corrects_a_slope_measured_on_few_samples() -> None:
     2 and 4), so the first estimate is 6% high; the far probe at an eighth of it brings the estimate within 1%,
     and verification then takes 2 steps."""
     budget = Budget(1600 * MIB, "test")
-    step, calls = simulated_step(steady=0, fixed=int(0.9 * MIB), per_sample=int(5.47 * MIB), optimizer_peak=0,
-                                 capacity=budget.bytes, small_batch_extra={2: int(0.65 * MIB)})
+    step, calls = simulated_step(
+        steady=0,
+        fixed=int(0.9 * MIB),
+        per_sample=int(5.47 * MIB),
+        optimizer_peak=0,
+        capacity=budget.bytes,
+        small_batch_extra={2: int(0.65 * MIB)},
+    )
     result = find_max_micro_batch(step, budget, seq_len=256, safety_margin=0.0, round_to="none", upper_limit=10_000)
     best = true_max(0, int(0.9 * MIB), int(5.47 * MIB), budget.bytes)
     first_estimate = 311  # the line through micro batches 2 and 4
@@ -124,10 +141,16 @@ def test_the_far_probe_corrects_a_slope_measured_on_few_samples() -> None:
 def test_noisy_measurements_never_exceed_the_true_maximum() -> None:
     budget = Budget(4096 * MIB, "test")
     for seed in range(10):
-        step, _ = simulated_step(steady=200 * MIB, fixed=50 * MIB, per_sample=7 * MIB, optimizer_peak=300 * MIB,
-                                 capacity=budget.bytes, noise=0.01, seed=seed)
-        result = find_max_micro_batch(step, budget, seq_len=64, safety_margin=0.0, round_to="none",
-                                      upper_limit=10_000)
+        step, _ = simulated_step(
+            steady=200 * MIB,
+            fixed=50 * MIB,
+            per_sample=7 * MIB,
+            optimizer_peak=300 * MIB,
+            capacity=budget.bytes,
+            noise=0.01,
+            seed=seed,
+        )
+        result = find_max_micro_batch(step, budget, seq_len=64, safety_margin=0.0, round_to="none", upper_limit=10_000)
         assert result.max_micro_batch <= true_max(200 * MIB, 50 * MIB, int(7 * MIB * 0.99), budget.bytes) + 1
         assert result.max_micro_batch >= 0.95 * true_max(200 * MIB, 50 * MIB, 7 * MIB, budget.bytes)
 
@@ -135,8 +158,7 @@ def test_noisy_measurements_never_exceed_the_true_maximum() -> None:
 def test_the_upper_limit_caps_the_search() -> None:
     budget = Budget(4096 * MIB, "test")
     step, calls = simulated_step(steady=1, fixed=1, per_sample=MIB, optimizer_peak=1, capacity=budget.bytes)
-    result = find_max_micro_batch(step, budget, seq_len=8, safety_margin=0.0, round_to="power_of_two",
-                                  upper_limit=100)
+    result = find_max_micro_batch(step, budget, seq_len=8, safety_margin=0.0, round_to="power_of_two", upper_limit=100)
     assert max(calls) <= 100
     assert result.max_micro_batch == 100 and result.micro_batch == 64
 
@@ -180,8 +202,9 @@ def test_other_errors_are_not_swallowed() -> None:
 def test_ranks_agree_on_the_smallest_outcome() -> None:
     """An agreement that fails a trial on another rank (e.g. its OOM) makes this rank fail it too."""
     budget = Budget(4096 * MIB, "test")
-    step, _ = simulated_step(steady=100 * MIB, fixed=10 * MIB, per_sample=4 * MIB, optimizer_peak=1,
-                             capacity=budget.bytes)
+    step, _ = simulated_step(
+        steady=100 * MIB, fixed=10 * MIB, per_sample=4 * MIB, optimizer_peak=1, capacity=budget.bytes
+    )
     other_rank_max = 960  # this rank alone would reach (4096 - 110) // 4 = 996
 
     def agree(ok: bool, values):
@@ -193,8 +216,9 @@ def test_ranks_agree_on_the_smallest_outcome() -> None:
         agree.sizes.append(b)
         return step(b)
 
-    result = find_max_micro_batch(tracked_step, budget, seq_len=64, safety_margin=0.0, round_to="none",
-                                  upper_limit=10_000, agree=agree)
+    result = find_max_micro_batch(
+        tracked_step, budget, seq_len=64, safety_margin=0.0, round_to="none", upper_limit=10_000, agree=agree
+    )
     assert 0.97 * other_rank_max <= result.max_micro_batch <= other_rank_max
 
 

@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 from doc_figures import agrees, overrides, profiled, quoted
+from omegaconf import OmegaConf
 from progress_lines import lines_inside_a_bar, screen_lines
 from recipe_runs import FIXED_BATCH_SIZE, check, read_metrics, run_command, tune_run
 from test_oom_recovery import faulty_run, ok
@@ -32,7 +32,7 @@ from adaptive_batching.config.objectives import recipe_for_model
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.training.hooks import TrainerHooks
-from adaptive_batching.training.methods import FullFinetune, LoRAFinetune, method_for
+from adaptive_batching.training.methods import FullFinetune, method_for
 from adaptive_batching.training.quantization import (
     FakeQuantizedLoRALinear,
     FakeQuantSteps,
@@ -48,9 +48,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 HERE = Path(__file__).parent
 CONFIGS = HERE.parent / "configs"
 QAT_QUANTIZER = "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer"
-STOCK_QAT = {"llama2/7B_qat_full": "adaptive_full_finetune", "llama3/8B_qat_full": "adaptive_full_finetune",
-             "llama3/8B_qat_lora": "adaptive_lora_finetune", "llama3_1/8B_qat_lora": "adaptive_lora_finetune",
-             "llama3_2/1B_qat_lora": "adaptive_lora_finetune", "llama3_2/3B_qat_lora": "adaptive_lora_finetune"}
+STOCK_QAT = {
+    "llama2/7B_qat_full": "adaptive_full_finetune",
+    "llama3/8B_qat_full": "adaptive_full_finetune",
+    "llama3/8B_qat_lora": "adaptive_lora_finetune",
+    "llama3_1/8B_qat_lora": "adaptive_lora_finetune",
+    "llama3_2/1B_qat_lora": "adaptive_lora_finetune",
+    "llama3_2/3B_qat_lora": "adaptive_lora_finetune",
+}
 
 
 # ---------------------------------------------------------------- config: accepted by name, refused in one line
@@ -67,23 +72,36 @@ def test_the_stock_qat_configs_validate_by_name_for_our_recipe_with_their_quanti
 
 def test_the_dpo_recipes_refuse_a_quantizer_naming_the_fine_tuning_recipes() -> None:
     cfg = load_config("tiny_lora_dpo", [f"quantizer._component_={QAT_QUANTIZER}"])
-    with pytest.raises(ConfigError, match=r"^config key 'quantizer' = '.+QATQuantizer' asks for quantization-aware "
-                                          r"training, which adaptive_lora_dpo does not do; use adaptive_full_finetune "
-                                          r"or adaptive_lora_finetune$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config key 'quantizer' = '.+QATQuantizer' asks for quantization-aware "
+        r"training, which adaptive_lora_dpo does not do; use adaptive_full_finetune "
+        r"or adaptive_lora_finetune$",
+    ):
         validate_config(cfg, "adaptive_lora_dpo")
 
 
-@pytest.mark.parametrize("overrides, line", [
-    (["fake_quant_after_n_steps=3"], "config key 'fake_quant_after_n_steps' = 3 needs config key 'quantizer' (a QAT "
-     "quantizer: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer or Int4WeightOnlyQATQuantizer); "
-     "without one nothing is fake-quantized"),
-    ([f"quantizer._component_={QAT_QUANTIZER}", "fake_quant_after_n_steps=-1"],
-     "config key 'fake_quant_after_n_steps' = -1: a whole number of optimizer steps >= 0, or null (fake "
-     "quantization on from the first step)"),
-    ([f"quantizer._component_={QAT_QUANTIZER}", "quantizer.group_size=32"],
-     "config key 'quantizer': TypeError: Int8DynActInt4WeightQATQuantizer.__init__() got an unexpected keyword "
-     "argument 'group_size'"),
-])
+@pytest.mark.parametrize(
+    "overrides, line",
+    [
+        (
+            ["fake_quant_after_n_steps=3"],
+            "config key 'fake_quant_after_n_steps' = 3 needs config key 'quantizer' (a QAT "
+            "quantizer: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer or Int4WeightOnlyQATQuantizer); "
+            "without one nothing is fake-quantized",
+        ),
+        (
+            [f"quantizer._component_={QAT_QUANTIZER}", "fake_quant_after_n_steps=-1"],
+            "config key 'fake_quant_after_n_steps' = -1: a whole number of optimizer steps >= 0, or null (fake "
+            "quantization on from the first step)",
+        ),
+        (
+            [f"quantizer._component_={QAT_QUANTIZER}", "quantizer.group_size=32"],
+            "config key 'quantizer': TypeError: Int8DynActInt4WeightQATQuantizer.__init__() got an unexpected keyword "
+            "argument 'group_size'",
+        ),
+    ],
+)
 def test_bad_qat_keys_are_one_line_before_any_model_loads(overrides: list[str], line: str) -> None:
     cfg = load_config("tiny_full", overrides)
     validate_config(cfg, "adaptive_full_finetune")
@@ -95,8 +113,11 @@ def test_bad_qat_keys_are_one_line_before_any_model_loads(overrides: list[str], 
 def test_a_post_training_quantizer_is_refused_naming_torchtunes_quantize() -> None:
     ptq = "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer"
     cfg = load_config("tiny_lora", [ptq])
-    with pytest.raises(ConfigError, match=r"asks for quantizing a trained model \(post-training quantization\), "
-                                          r"which adaptive_lora_finetune does not do yet; use torchtune's quantize$"):
+    with pytest.raises(
+        ConfigError,
+        match=r"asks for quantizing a trained model \(post-training quantization\), "
+        r"which adaptive_lora_finetune does not do yet; use torchtune's quantize$",
+    ):
         validate_config(cfg, "adaptive_lora_finetune")
 
 
@@ -116,11 +137,17 @@ def test_lora_qat_fake_quantizes_each_lora_layers_base_path_and_a_groupsize_that
     swapped = [m for m in model.modules() if isinstance(m, FakeQuantizedLoRALinear)]
     assert len(swapped) == method.swapped == 12  # q, v, output_proj, w1, w2, w3 of 2 layers, as the config asks
     assert all(m.weight_fake_quantizer.config.group_size == 32 for m in swapped)
-    assert {n for n, p in model.named_parameters() if p.requires_grad} == \
-           {n for n, m in model.named_modules() if isinstance(m, FakeQuantizedLoRALinear) for n in
-            (f"{n}.lora_a.weight", f"{n}.lora_b.weight")}
-    with pytest.raises(ConfigError, match=r"^config key 'quantizer.groupsize' = 128: it must divide every adapted "
-                                          r"layer's input size, and 64 is not a multiple of it$"):
+    assert {n for n, p in model.named_parameters() if p.requires_grad} == {
+        n
+        for n, m in model.named_modules()
+        if isinstance(m, FakeQuantizedLoRALinear)
+        for n in (f"{n}.lora_a.weight", f"{n}.lora_b.weight")
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"^config key 'quantizer.groupsize' = 128: it must divide every adapted "
+        r"layer's input size, and 64 is not a multiple of it$",
+    ):
         _meta_model("tiny_qat_lora", ["quantizer.groupsize=128"])
 
 
@@ -135,11 +162,19 @@ def test_the_lora_layer_is_torchtunes_qat_lora_step_on_torchaos_fake_quantizers(
     quantizer = Int8DynActInt4WeightQATQuantizer(groupsize=32)
     lora = LoRALinear(64, 48, rank=4, alpha=8.0)
     torch.nn.init.normal_(lora.lora_b.weight)
-    qat = FakeQuantizedLoRALinear(64, 48, 4, 8.0, 0.0, quantizer.get_activation_fake_quantize_config(),
-                                  quantizer.get_weight_fake_quantize_config())
+    qat = FakeQuantizedLoRALinear(
+        64,
+        48,
+        4,
+        8.0,
+        0.0,
+        quantizer.get_activation_fake_quantize_config(),
+        quantizer.get_weight_fake_quantize_config(),
+    )
     qat.load_state_dict(lora.state_dict())
-    base = FakeQuantizedLinear(64, 48, False, quantizer.get_activation_fake_quantize_config(),
-                               quantizer.get_weight_fake_quantize_config())
+    base = FakeQuantizedLinear(
+        64, 48, False, quantizer.get_activation_fake_quantize_config(), quantizer.get_weight_fake_quantize_config()
+    )
     base.weight = lora.weight
     x = torch.randn(3, 5, 64)
     adapters = 2.0 * lora.lora_b(lora.lora_a(x))
@@ -168,12 +203,18 @@ def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_trainin
     inner = _Recorder()
     hooks = step_hooks(method, inner)
     assert isinstance(hooks, FakeQuantSteps) and step_hooks(FullFinetune(), inner) is inner
-    trainer = type("T", (), {"global_step": 0, "parts": type("P", (), {"model": model})(),
-                             "settings": type("S", (), {"needs_profile": True})()})()
+    trainer = type(
+        "T",
+        (),
+        {
+            "global_step": 0,
+            "parts": type("P", (), {"model": model})(),
+            "settings": type("S", (), {"needs_profile": True})(),
+        },
+    )()
     hooks.after_setup(trainer)
     states = []
-    for event, step in (("trial", 4), ("step", 0), ("step", 1), ("trial", 8), ("step", 1), ("step", 2),
-                        ("step", 3)):
+    for event, step in (("trial", 4), ("step", 0), ("step", 1), ("trial", 8), ("step", 1), ("step", 2), ("step", 3)):
         trainer.global_step = step
         hooks.before_trial(step) if event == "trial" else hooks.before_step(trainer, [])
         states.append({q.enabled for q in fake_quantizers(model)})
@@ -182,7 +223,8 @@ def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_trainin
 
 
 def test_the_qat_line_is_the_trainers_and_names_the_trials_only_when_the_run_profiles(
-        caplog: pytest.LogCaptureFixture) -> None:
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """``estimate`` builds the model through ``configure`` and runs no trial: configure says nothing. The trainer's
     set-up says the line, with the trials only when the run profiles (``adaptive-batching estimate`` prints its
     own QAT line)."""
@@ -191,21 +233,41 @@ def test_the_qat_line_is_the_trainers_and_names_the_trials_only_when_the_run_pro
     assert not [r for r in caplog.records if "Quantization-aware training" in r.getMessage()]
     said = []
     for profiles in (True, False):
-        trainer = type("T", (), {"global_step": 0, "parts": type("P", (), {"model": model})(),
-                                 "settings": type("S", (), {"needs_profile": profiles})()})()
+        trainer = type(
+            "T",
+            (),
+            {
+                "global_step": 0,
+                "parts": type("P", (), {"model": model})(),
+                "settings": type("S", (), {"needs_profile": profiles})(),
+            },
+        )()
         caplog.clear()
         with caplog.at_level("INFO"):
             step_hooks(method, _Recorder()).after_setup(trainer)
         said += [r.getMessage() for r in caplog.records if "Quantization-aware training" in r.getMessage()]
-    start = ("Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers' "
-             "frozen base weights and inputs fake-quantized, off for the first 2 optimizer steps, then on")
+    start = (
+        "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers' "
+        "frozen base weights and inputs fake-quantized, off for the first 2 optimizer steps, then on"
+    )
     assert said == [f"{start}; the profiler's trial steps run with it on", start]
 
 
 # ---------------------------------------------------------------- full QAT against a step built by hand
-FULL = ("epochs=1", "max_steps_per_epoch=2", "batch_size=4", "shuffle=False", "lr_scheduler=null",
-        "clip_grad_norm=null", "optimizer.lr=1e-3", "dataset.split=train[:8]", f"quantizer._component_={QAT_QUANTIZER}",
-        "quantizer.groupsize=32", "metric_logger._component_=dpo_parity_run.ExactDiskLogger", *FIXED_BATCH_SIZE)
+FULL = (
+    "epochs=1",
+    "max_steps_per_epoch=2",
+    "batch_size=4",
+    "shuffle=False",
+    "lr_scheduler=null",
+    "clip_grad_norm=null",
+    "optimizer.lr=1e-3",
+    "dataset.split=train[:8]",
+    f"quantizer._component_={QAT_QUANTIZER}",
+    "quantizer.groupsize=32",
+    "metric_logger._component_=dpo_parity_run.ExactDiskLogger",
+    *FIXED_BATCH_SIZE,
+)
 
 
 def _by_hand(assets: Path) -> tuple[list[float], dict[str, torch.Tensor], torch.nn.Module]:
@@ -230,10 +292,14 @@ def _by_hand(assets: Path) -> tuple[list[float], dict[str, torch.Tensor], torch.
     optimizer = config.instantiate(cfg.optimizer, model.parameters())
     losses = []
     for step in range(2):
-        batch = padded_collate_sft([dataset[i] for i in range(4 * step, 4 * step + 4)], padding_idx=tokenizer.pad_id,
-                                   ignore_idx=CROSS_ENTROPY_IGNORE_IDX)
-        labels = torch.hstack((batch["labels"][..., 1:], torch.full_like(batch["labels"][..., :1],
-                                                                          CROSS_ENTROPY_IGNORE_IDX)))
+        batch = padded_collate_sft(
+            [dataset[i] for i in range(4 * step, 4 * step + 4)],
+            padding_idx=tokenizer.pad_id,
+            ignore_idx=CROSS_ENTROPY_IGNORE_IDX,
+        )
+        labels = torch.hstack(
+            (batch["labels"][..., 1:], torch.full_like(batch["labels"][..., :1], CROSS_ENTROPY_IGNORE_IDX))
+        )
         tokens = (labels != CROSS_ENTROPY_IGNORE_IDX).sum()
         loss = loss_fn(model(batch["tokens"]), labels) * tokens  # qat_distributed's sum, then gradients / tokens
         loss.backward()
@@ -247,16 +313,23 @@ def _by_hand(assets: Path) -> tuple[list[float], dict[str, torch.Tensor], torch.
 @pytest.fixture(scope="module")
 def full(assets: Path, runs: Path) -> dict[str, Any]:
     out = runs / "full"
-    result = check(tune_run("adaptive_full_finetune", "tiny_full", [f"assets_dir={assets}", f"output_dir={out}",
-                                                                     *FULL], cwd=HERE))
+    result = check(
+        tune_run("adaptive_full_finetune", "tiny_full", [f"assets_dir={assets}", f"output_dir={out}", *FULL], cwd=HERE)
+    )
     return {"output": result.stdout + result.stderr, "rows": read_metrics(out / "logs"), "out": out}
 
 
 def _saved(out: Path, assets: Path) -> dict[str, torch.Tensor]:
     from torchtune import config, training
 
-    cfg = load_config("tiny_full", [f"assets_dir={assets}", f"checkpointer.checkpoint_dir={out / 'epoch_0'}",
-                                    "checkpointer.checkpoint_files=[model-00001-of-00001.safetensors]"])
+    cfg = load_config(
+        "tiny_full",
+        [
+            f"assets_dir={assets}",
+            f"checkpointer.checkpoint_dir={out / 'epoch_0'}",
+            "checkpointer.checkpoint_files=[model-00001-of-00001.safetensors]",
+        ],
+    )
     return config.instantiate(cfg.checkpointer, should_load_recipe_state=False).load_checkpoint()[training.MODEL_KEY]
 
 
@@ -266,8 +339,10 @@ def test_full_qat_logs_the_hand_built_torchao_steps_losses_and_saves_its_weights
     the losses of both steps and every saved weight. The checkpoint is the plain model (the fake-quantized linear
     layers add no weights), as torchtune's QAT recipes save it."""
     losses, weights, model = _by_hand(assets)
-    assert "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 15 linear " \
-           "layers fake-quantized, on from the first step" in full["output"]
+    assert (
+        "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 15 linear "
+        "layers fake-quantized, on from the first step" in full["output"]
+    )
     # The same float32 losses: ours logs their token sum / tokens in float64, by hand float32's quotient.
     assert [row["loss"] for row in full["rows"]] == pytest.approx(losses, rel=1e-7, abs=0)
     saved = _saved(full["out"], assets)
@@ -286,8 +361,9 @@ def test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_
     cfg = OmegaConf.load(out / "my_quantization.yaml")
     cfg.output_dir, cfg.device, cfg.dtype = str(out / "quantized"), "cpu", "fp32"
     cfg.model = OmegaConf.to_container(load_config("tiny_full").model)
-    cfg.checkpointer.update(checkpoint_dir=str(out / "epoch_0"), checkpoint_files=["model-00001-of-00001.safetensors"],
-                            model_type="LLAMA3")
+    cfg.checkpointer.update(
+        checkpoint_dir=str(out / "epoch_0"), checkpoint_files=["model-00001-of-00001.safetensors"], model_type="LLAMA3"
+    )
     cfg.quantizer = {"_component_": QAT_QUANTIZER, "groupsize": 32}
     OmegaConf.save(cfg, out / "my_quantization.yaml")
     result = check(run_command("tune", ["run", "quantize", "--config", "my_quantization.yaml"], cwd=out))
@@ -300,11 +376,18 @@ def test_tune_run_quantize_converts_the_qat_checkpoint_to_int8_weights_with_the_
 # ---------------------------------------------------------------- growth, OOM, SIGTERM and resume with LoRA QAT
 QAT = {"recipe": "adaptive_lora_finetune", "config": "tiny_qat_lora"}
 SAMPLES, AFTER, STOP_AT = 40, 4, 3
-GROWING = (f"dataset.split=train[:{SAMPLES}]", "batch_size=2", "lr_scheduler=null",
-           "adaptive_batching.growth_interval=3 steps", "batch_increase_function.factor=2",
-           "batch_increase_function._component_=adaptive_batching.growth.geometric",
-           "adaptive_batching.memory_budget=256MiB", "save_every_n_steps=4", f"fake_quant_after_n_steps={AFTER}",
-           "metric_logger._component_=dpo_parity_run.ExactDiskLogger")
+GROWING = (
+    f"dataset.split=train[:{SAMPLES}]",
+    "batch_size=2",
+    "lr_scheduler=null",
+    "adaptive_batching.growth_interval=3 steps",
+    "batch_increase_function.factor=2",
+    "batch_increase_function._component_=adaptive_batching.growth.geometric",
+    "adaptive_batching.memory_budget=256MiB",
+    "save_every_n_steps=4",
+    f"fake_quant_after_n_steps={AFTER}",
+    "metric_logger._component_=dpo_parity_run.ExactDiskLogger",
+)
 OOM_AT_7 = {"phase": "forward", "from_step": 7, "to_step": 7, "above": 4}
 EXACT = ("loss", "lr", "gradient_accumulation_steps", "global_batch_size", "micro_batch_size")
 
@@ -312,25 +395,42 @@ EXACT = ("loss", "lr", "gradient_accumulation_steps", "global_batch_size", "micr
 @pytest.fixture(scope="module")
 def chain(assets: Path, runs: Path) -> dict[str, Any]:
     """Uninterrupted; stopped by SIGTERM after step 3 (fake quantization still off); resumed."""
+
     def run(name: str, fault: dict, *more: str) -> Any:
         return faulty_run(runs, name, fault, assets, *GROWING, *more, **QAT)
 
     straight = ok(run("straight", OOM_AT_7, f"adaptive_batching.cache_dir={runs}/straight-cache"))
-    first = run("chain", {**OOM_AT_7, "signal": "SIGTERM", "signal_at": STOP_AT},
-                f"adaptive_batching.cache_dir={runs}/chain-cache")
-    resumed = ok(run("resumed", OOM_AT_7, f"output_dir={runs / 'chain'}",
-                     f"adaptive_batching.cache_dir={runs}/chain-cache", "resume_from_checkpoint=True"))
+    first = run(
+        "chain",
+        {**OOM_AT_7, "signal": "SIGTERM", "signal_at": STOP_AT},
+        f"adaptive_batching.cache_dir={runs}/chain-cache",
+    )
+    resumed = ok(
+        run(
+            "resumed",
+            OOM_AT_7,
+            f"output_dir={runs / 'chain'}",
+            f"adaptive_batching.cache_dir={runs}/chain-cache",
+            "resume_from_checkpoint=True",
+        )
+    )
     return {"straight": straight, "first": first, "resumed": resumed}
 
 
 @pytest.mark.e2e
-def test_lora_qat_grows_recovers_from_an_oom_and_switches_fake_quantization_on_at_step_4(chain: dict,
-                                                                                        runs: Path) -> None:
+def test_lora_qat_grows_recovers_from_an_oom_and_switches_fake_quantization_on_at_step_4(
+    chain: dict, runs: Path
+) -> None:
     output = chain["straight"]
-    assert "12 LoRA layers' frozen base weights and inputs fake-quantized, off for the first 4 optimizer steps, " \
-           "then on; the profiler's trial steps run with it on" in output
-    assert output.index("Profiler report") < output.index("Step 0: fake quantization off, on from step 4") < \
-           output.index("Step 4: fake quantization on")
+    assert (
+        "12 LoRA layers' frozen base weights and inputs fake-quantized, off for the first 4 optimizer steps, "
+        "then on; the profiler's trial steps run with it on" in output
+    )
+    assert (
+        output.index("Profiler report")
+        < output.index("Step 0: fake quantization off, on from step 4")
+        < output.index("Step 4: fake quantization on")
+    )
     assert "Growth period 1 (every 3 steps) after optimizer step 3: micro batch 2 -> 4" in output
     assert "Out of memory at micro batch 8 in step 7 of epoch 1" in output
     rows = read_metrics(runs / "straight" / "logs")
@@ -360,7 +460,7 @@ def test_the_fake_quantization_growth_oom_and_stop_lines_never_land_inside_the_p
     (core/logs.py clears the bar first), and the bar goes on after it."""
     first = chain["first"].stdout + chain["first"].stderr
     for output in (chain["straight"], first):
-        lines = screen_lines(output)
+        screen_lines(output)
         assert lines_inside_a_bar(output) == [], lines_inside_a_bar(output)
     assert "Step 4: fake quantization on" in screen_lines(chain["straight"])
     assert any(line.startswith("Growth period 1 (every 3 steps)") for line in screen_lines(chain["straight"]))
@@ -368,8 +468,10 @@ def test_the_fake_quantization_growth_oom_and_stop_lines_never_land_inside_the_p
 
 
 # ---------------------------------------------------------------- a stock QAT config by name, profiled: docs/qat.md
-QAT_FIGURES = r"\| (QAT \(`quantizer.groupsize=32`\)|plain LoRA \(`quantizer=null`\)|QAT with `fake_quant_after_n_steps=100`) " \
-              r"\| ([^|]+) \| (\d+) \|"
+QAT_FIGURES = (
+    r"\| (QAT \(`quantizer.groupsize=32`\)|plain LoRA \(`quantizer=null`\)|QAT with `fake_quant_after_n_steps=100`) "
+    r"\| ([^|]+) \| (\d+) \|"
+)
 
 
 @pytest.fixture(scope="module")
@@ -396,8 +498,19 @@ def stock_copy(assets: Path, runs: Path) -> dict[str, Any]:
     assert len(commands) == 3, commands
     outputs = []
     for command in commands:
-        result = check(run_command("cli", ["profile", "--config", str(copy), *overrides(command),
-                                           f"adaptive_batching.cache_dir={folder / 'cache'}"], cwd=folder))
+        result = check(
+            run_command(
+                "cli",
+                [
+                    "profile",
+                    "--config",
+                    str(copy),
+                    *overrides(command),
+                    f"adaptive_batching.cache_dir={folder / 'cache'}",
+                ],
+                cwd=folder,
+            )
+        )
         outputs.append(result.stdout + result.stderr)
     return {"commands": commands, "outputs": outputs, "out": folder / "out"}
 
@@ -407,12 +520,17 @@ def test_a_tune_cp_copy_of_the_stock_1b_qat_lora_config_profiles_fake_quantized_
     """The first command of docs/qat.md: fake-quantized trial steps on the copy, with one override
     (``quantizer.groupsize=32``) besides the budget and the length."""
     command, output = stock_copy["commands"][0], stock_copy["outputs"][0]
-    assert [word for word in overrides(command) if not word.startswith(("adaptive_batching.", "tokenizer."))] == \
-           ["quantizer.groupsize=32"]
-    (line,) = re.findall(r"^Quantization-aware training \(.*$", (HERE.parent / "docs" / "qat.md").read_text(), flags=re.M)
-    assert line == "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA " \
-                   "layers' frozen base weights and inputs fake-quantized, on from the first step; the profiler's " \
-                   "trial steps run with it on"
+    assert [word for word in overrides(command) if not word.startswith(("adaptive_batching.", "tokenizer."))] == [
+        "quantizer.groupsize=32"
+    ]
+    (line,) = re.findall(
+        r"^Quantization-aware training \(.*$", (HERE.parent / "docs" / "qat.md").read_text(), flags=re.M
+    )
+    assert (
+        line == "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA "
+        "layers' frozen base weights and inputs fake-quantized, on from the first step; the profiler's "
+        "trial steps run with it on"
+    )
     assert line in output  # docs/qat.md's example line: the copy's model is tiny_qat_lora's
     report = json.loads((stock_copy["out"] / "profile" / "profile.json").read_text())
     assert report["seq_len"] == 64 and report["micro_batch"] >= 1

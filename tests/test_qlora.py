@@ -60,8 +60,11 @@ def test_nf4_weights_load_into_a_model_with_or_without_activation_checkpointing(
     ``load_state_dict`` reports missing inside the wrapper, so only the adapters are left missing."""
     from torchtune import modules
 
-    checkpoint = {k: v.get_original_weight() if isinstance(v, NF4Tensor) else v
-                  for k, v in qlora_model().state_dict().items() if "lora_" not in k}
+    checkpoint = {
+        k: v.get_original_weight() if isinstance(v, NF4Tensor) else v
+        for k, v in qlora_model().state_dict().items()
+        if "lora_" not in k
+    }
     model = qlora_model()
     if checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
@@ -107,9 +110,21 @@ def qlora_assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def qlora_run(assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> str:
-    result = check(tune_run("adaptive_lora_finetune", "tiny_qlora", [
-        f"assets_dir={assets}", f"output_dir={out}", "max_steps_per_epoch=2", "adaptive_batching.memory_budget=128MiB",
-        *overrides], cwd=out.parent, nproc=nproc))
+    result = check(
+        tune_run(
+            "adaptive_lora_finetune",
+            "tiny_qlora",
+            [
+                f"assets_dir={assets}",
+                f"output_dir={out}",
+                "max_steps_per_epoch=2",
+                "adaptive_batching.memory_budget=128MiB",
+                *overrides,
+            ],
+            cwd=out.parent,
+            nproc=nproc,
+        )
+    )
     return result.stdout + result.stderr
 
 
@@ -145,14 +160,20 @@ def test_qlora_profiles_trains_saves_and_resumes_exactly(one_process: dict) -> N
 
 @pytest.mark.e2e
 def test_the_saved_adapter_loads_back_through_torchtunes_checkpointer_and_peft_format(
-        one_process: dict, qlora_assets: Path) -> None:
+    one_process: dict, qlora_assets: Path
+) -> None:
     """torchtune 0.6.1 loads an adapter when it resumes: paths relative to the run's folder."""
     run = one_process["root"] / "run"
     folder = run / "epoch_1"
     checkpointer = training.FullModelHFCheckpointer(
-        checkpoint_dir=str(qlora_assets / "tiny_qlora"), checkpoint_files=["model.safetensors"],
-        adapter_checkpoint="epoch_1/adapter_model.pt", recipe_checkpoint="epoch_1/recipe_state.pt",
-        output_dir=str(run), model_type="LLAMA3", should_load_recipe_state=True)
+        checkpoint_dir=str(qlora_assets / "tiny_qlora"),
+        checkpoint_files=["model.safetensors"],
+        adapter_checkpoint="epoch_1/adapter_model.pt",
+        recipe_checkpoint="epoch_1/recipe_state.pt",
+        output_dir=str(run),
+        model_type="LLAMA3",
+        should_load_recipe_state=True,
+    )
     loaded = checkpointer.load_checkpoint()
     model = qlora_model()
     model.load_state_dict(loaded[training.MODEL_KEY], strict=False)
@@ -160,8 +181,12 @@ def test_the_saved_adapter_loads_back_through_torchtunes_checkpointer_and_peft_f
     assert not [key for key in missing if "lora" in key]  # every adapter weight came from the checkpoint
     adapter = loaded[training.ADAPTER_KEY]
     peft = load_file(folder / "adapter_model.safetensors")
-    expected = tune_to_peft_adapter_weights(adapter, num_heads=TINY_QLORA_ARGS["num_heads"],
-                                            num_kv_heads=TINY_QLORA_ARGS["num_kv_heads"], dim=TINY_QLORA_ARGS["embed_dim"])
+    expected = tune_to_peft_adapter_weights(
+        adapter,
+        num_heads=TINY_QLORA_ARGS["num_heads"],
+        num_kv_heads=TINY_QLORA_ARGS["num_kv_heads"],
+        dim=TINY_QLORA_ARGS["embed_dim"],
+    )
     assert peft.keys() == expected.keys() and all(torch.equal(peft[k], expected[k]) for k in peft)
     assert (folder / "adapter_config.json").is_file()
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch
@@ -17,14 +17,27 @@ RECIPES = {"full": ("adaptive_full_finetune", "tiny_full"), "lora": ("adaptive_l
 
 def run(method: str, assets: Path, out: Path, *overrides: str, nproc: int | None = None) -> Path:
     recipe, config = RECIPES[method]
-    check(tune_run(recipe, config, [f"assets_dir={assets}", f"output_dir={out}", *FIXED_BATCH_SIZE,
-                                    *overrides], cwd=out.parent, nproc=nproc))
+    check(
+        tune_run(
+            recipe,
+            config,
+            [f"assets_dir={assets}", f"output_dir={out}", *FIXED_BATCH_SIZE, *overrides],
+            cwd=out.parent,
+            nproc=nproc,
+        )
+    )
     return out
 
 
 # A fixed batch of the first 8 samples, seen at every step.
-FIXED_BATCH = ("dataset.split=train[:8]", "batch_size=8", "max_steps_per_epoch=1", "shuffle=False",
-               "lr_scheduler=null", "clip_grad_norm=null")
+FIXED_BATCH = (
+    "dataset.split=train[:8]",
+    "batch_size=8",
+    "max_steps_per_epoch=1",
+    "shuffle=False",
+    "lr_scheduler=null",
+    "clip_grad_norm=null",
+)
 
 
 OVERFIT_LR = {"full": "3e-3", "lora": "3e-2"}
@@ -37,8 +50,14 @@ def overfit(assets: Path, runs: Path) -> Callable[[str], Path]:
 
     def of(method: str) -> Path:
         if method not in done:
-            done[method] = run(method, assets, runs / f"overfit-{method}", *FIXED_BATCH, "epochs=25",
-                               f"optimizer.lr={OVERFIT_LR[method]}")
+            done[method] = run(
+                method,
+                assets,
+                runs / f"overfit-{method}",
+                *FIXED_BATCH,
+                "epochs=25",
+                f"optimizer.lr={OVERFIT_LR[method]}",
+            )
         return done[method]
 
     return of
@@ -62,11 +81,17 @@ def test_lora_trains_only_the_adapter(assets: Path, overfit: Callable[[str], Pat
     assert adapter and all("lora" in k for k in adapter)
     assert any(v.abs().sum() > 0 for k, v in adapter.items() if "lora_b" in k), "lora_b never trained"
     # Modules without an adapter are unchanged; adapted projections moved.
-    for key in ("model.embed_tokens.weight", "model.norm.weight", "lm_head.weight",
-                "model.layers.0.self_attn.k_proj.weight", "model.layers.1.input_layernorm.weight"):
+    for key in (
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+        "lm_head.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.1.input_layernorm.weight",
+    ):
         assert torch.equal(base[key], merged[key]), key
-    assert not torch.equal(base["model.layers.0.self_attn.q_proj.weight"],
-                           merged["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        base["model.layers.0.self_attn.q_proj.weight"], merged["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_lora_adapter_only_save(assets: Path, tmp_path: Path) -> None:
@@ -94,21 +119,31 @@ def one_rank_accumulating(assets: Path, runs: Path) -> Callable[[str], Path]:
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("method", ["full", "lora"])
-def test_two_processes_match_one_process_with_accumulation(method: str, assets: Path, tmp_path: Path,
-                                                           one_rank_accumulating: Callable[[str], Path]) -> None:
+def test_two_processes_match_one_process_with_accumulation(
+    method: str, assets: Path, tmp_path: Path, one_rank_accumulating: Callable[[str], Path]
+) -> None:
     """2 ranks x micro batch 4 see the same global batches as 1 rank x micro 4 x accumulation 2."""
     two = tmp_path / "two"
-    result = check(tune_run(RECIPES[method][0], RECIPES[method][1],
-                            [f"assets_dir={assets}", f"output_dir={two}", *FIXED_BATCH_SIZE, *ACCUMULATING],
-                            cwd=tmp_path, nproc=2))
+    result = check(
+        tune_run(
+            RECIPES[method][0],
+            RECIPES[method][1],
+            [f"assets_dir={assets}", f"output_dir={two}", *FIXED_BATCH_SIZE, *ACCUMULATING],
+            cwd=tmp_path,
+            nproc=2,
+        )
+    )
     one = one_rank_accumulating(method)
     two_rows, one_rows = read_metrics(two / "logs"), read_metrics(one / "logs")
     assert [r["global_batch_size"] for r in two_rows] == [8.0] * 4
     assert [r["global_batch_size"] for r in one_rows] == [8.0] * 4
     assert [r["gradient_accumulation_steps"] for r in one_rows] == [2.0] * 4
     assert [r["loss"] for r in two_rows] == pytest.approx([r["loss"] for r in one_rows], rel=1e-4)
-    finals = [line.split("last loss ")[1] for line in (result.stdout + result.stderr).splitlines()
-              if "finished at optimizer step" in line]
+    finals = [
+        line.split("last loss ")[1]
+        for line in (result.stdout + result.stderr).splitlines()
+        if "finished at optimizer step" in line
+    ]
     assert len(finals) == 2 and finals[0] == finals[1], finals
     assert (two / "epoch_0").is_dir()
 
@@ -116,8 +151,12 @@ def test_two_processes_match_one_process_with_accumulation(method: str, assets: 
 # LoRA runs with activation checkpointing: its wrapped layers once made the adapter's checkpoint unloadable.
 @pytest.mark.parametrize("method", ["full", "lora"])
 def test_resume_after_an_epoch_reproduces_the_uninterrupted_run(method: str, assets: Path, tmp_path: Path) -> None:
-    common = ("batch_size=4", "max_steps_per_epoch=5", "lr_scheduler=null",
-              *(["enable_activation_checkpointing=True"] if method == "lora" else []))
+    common = (
+        "batch_size=4",
+        "max_steps_per_epoch=5",
+        "lr_scheduler=null",
+        *(["enable_activation_checkpointing=True"] if method == "lora" else []),
+    )
     whole = run(method, assets, tmp_path / "whole", *common, "epochs=2")
     part = run(method, assets, tmp_path / "part", *common, "epochs=1")
     run(method, assets, part, *common, "epochs=2", "resume_from_checkpoint=True")
@@ -127,9 +166,18 @@ def test_resume_after_an_epoch_reproduces_the_uninterrupted_run(method: str, ass
 
 
 def test_packed_dataset_with_activation_checkpointing_and_tensorboard(assets: Path, tmp_path: Path) -> None:
-    out = run("full", assets, tmp_path / "run", "dataset.packed=True", "tokenizer.max_seq_len=256",
-              "batch_size=2", "epochs=1", "max_steps_per_epoch=3", "enable_activation_checkpointing=True",
-              "metric_logger._component_=torchtune.training.metric_logging.TensorBoardLogger")
+    out = run(
+        "full",
+        assets,
+        tmp_path / "run",
+        "dataset.packed=True",
+        "tokenizer.max_seq_len=256",
+        "batch_size=2",
+        "epochs=1",
+        "max_steps_per_epoch=3",
+        "enable_activation_checkpointing=True",
+        "metric_logger._component_=torchtune.training.metric_logging.TensorBoardLogger",
+    )
     assert list((out / "logs").rglob("events.out.tfevents.*"))
 
 
@@ -153,8 +201,14 @@ def test_metrics_are_logged_with_their_names(one_rank_accumulating: Callable[[st
     rows = read_metrics(one_rank_accumulating("full") / "logs")
     assert len(rows) == 4
     for row in rows:
-        assert {"loss", "lr", "micro_batch_size", "gradient_accumulation_steps", "global_batch_size",
-                "tokens_per_second_per_gpu"} <= set(row)
+        assert {
+            "loss",
+            "lr",
+            "micro_batch_size",
+            "gradient_accumulation_steps",
+            "global_batch_size",
+            "tokens_per_second_per_gpu",
+        } <= set(row)
         assert (row["micro_batch_size"], row["gradient_accumulation_steps"], row["global_batch_size"]) == (4, 2, 8)
         assert row["tokens_per_second_per_gpu"] > 0
 

@@ -21,7 +21,9 @@ from adaptive_batching.config.settings import KNOBS
 
 ROOT = Path(__file__).resolve().parent.parent
 TOP_FOLDERS = ("adaptive_batching", "benchmarks", "configs", "docs", "recipes", "tests", ".ci")
-PATH = re.compile(r"(?<![\w/.-])((?:%s)/[\w./<>{},-]*[\w>}])" % "|".join(re.escape(folder) for folder in TOP_FOLDERS))
+PATH = re.compile(
+    r"(?<![\w/.-])((?:{})/[\w./<>{{}},-]*[\w>}}])".format("|".join(re.escape(folder) for folder in TOP_FOLDERS))
+)
 MODULE = re.compile(r"(?<![\w.])adaptive_batching(?:\.\w+)+(?![\w=])")
 THIS = "tests/test_repo_paths.py"
 TEMPLATE = re.compile(r"[<{]|\b[A-Z]{3,}\b|[-_][A-Z]{3,}")  # <device>, {full,lora}, chaos-OBJECTIVE, tiny_NAME

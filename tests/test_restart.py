@@ -69,8 +69,9 @@ def complete_checkpoint(output_dir: Path, job: str | None, step: int = 6, name: 
     folder.mkdir(parents=True)
     (folder / "recipe_state.pt").write_bytes(b"x")
     (folder / "model-00001-of-00001.safetensors").write_bytes(b"w")
-    (folder / MARKER).write_text(json.dumps({"complete": True, "global_step": step, "job_id": job,
-                                             "files": {"recipe_state.pt": 1}}))
+    (folder / MARKER).write_text(
+        json.dumps({"complete": True, "global_step": step, "job_id": job, "files": {"recipe_state.pt": 1}})
+    )
 
 
 def test_a_restart_of_this_job_resumes_its_checkpoint(tmp_path: Path) -> None:
@@ -80,12 +81,15 @@ def test_a_restart_of_this_job_resumes_its_checkpoint(tmp_path: Path) -> None:
     assert resume and "torchrun restart 1 of job job-a" in why and "(optimizer step 6)" in why
 
 
-@pytest.mark.parametrize("env, expected", [
-    ({}, ""),  # a first start: never resumes by surprise
-    ({restart.RESTART_COUNT: "0", restart.RUN_ID: "job-a"}, ""),
-    ({restart.RESTART_COUNT: "2", restart.RUN_ID: "job-b"}, "written by job 'job-a', not this job 'job-b'"),
-    ({restart.RESTART_COUNT: "1"}, "not this job None"),
-])
+@pytest.mark.parametrize(
+    "env, expected",
+    [
+        ({}, ""),  # a first start: never resumes by surprise
+        ({restart.RESTART_COUNT: "0", restart.RUN_ID: "job-a"}, ""),
+        ({restart.RESTART_COUNT: "2", restart.RUN_ID: "job-b"}, "written by job 'job-a', not this job 'job-b'"),
+        ({restart.RESTART_COUNT: "1"}, "not this job None"),
+    ],
+)
 def test_a_new_job_or_another_jobs_checkpoint_is_not_resumed(tmp_path: Path, env: dict, expected: str) -> None:
     complete_checkpoint(tmp_path, "job-a")
     resume, why = restart.resume_after_restart(tmp_path, env)
@@ -99,6 +103,7 @@ def test_a_restart_resumes_its_own_latest_checkpoint_beside_an_older_jobs_later_
     resume, why = restart.resume_after_restart(tmp_path, {restart.RESTART_COUNT: "1", restart.RUN_ID: "job-b"})
     assert resume and "epoch_0" in why and "(optimizer step 2)" in why
     from adaptive_batching.faults.checkpoints import latest_complete_checkpoint
+
     assert latest_complete_checkpoint(tmp_path).name == "epoch_1"
     assert latest_complete_checkpoint(tmp_path, "job-b").name == "epoch_0"
 
@@ -135,8 +140,19 @@ def test_the_recorded_cut_is_adopted_only_where_it_cuts_deeper(tmp_path: Path) -
 def test_one_process_under_torchrun_takes_the_same_restart_path(runs: Path, assets: Path) -> None:
     """``--nproc_per_node 1``: the process group exists, so the window rules and the restart apply too."""
     fault = {"phase": "forward", "from_step": 7, "to_step": 7, "above": 4}
-    output = ok(faulty_run(runs, "single", fault, assets, "batch_size=8", "save_every_n_steps=2", nproc=1,
-                           timeout=400, launcher=["--max-restarts=1"]))
+    output = ok(
+        faulty_run(
+            runs,
+            "single",
+            fault,
+            assets,
+            "batch_size=8",
+            "save_every_n_steps=2",
+            nproc=1,
+            timeout=400,
+            launcher=["--max-restarts=1"],
+        )
+    )
     assert "outside the guard window" in output and "torchrun restart 1 of job" in output
     assert "Rank 0: finished at optimizer step 10, micro batch 4" in output
     steps = [s for s in json.loads((runs / "single-rank0.json").read_text()) if s["step"] <= 6]

@@ -86,9 +86,7 @@ def test_remainder_step_gives_short_ranks_empty_micro_batches() -> None:
     # 7 samples, micro 3, acc 3, 3 ranks: shares 3, 2, 2 -> one micro batch each.
     assert make(7, 3, 3, 0, 3).step_layout() == [1]
     # 13 samples, micro 2, acc 4, 2 ranks: 16 per step -> shares 7, 6 -> 4 micro batches, last one short.
-    assert rank_batches(13, 2, 4, 2, shuffle=False) == [
-        [[0, 1], [2, 3], [4, 5], [6]], [[7, 8], [9, 10], [11, 12], []]
-    ]
+    assert rank_batches(13, 2, 4, 2, shuffle=False) == [[[0, 1], [2, 3], [4, 5], [6]], [[7, 8], [9, 10], [11, 12], []]]
 
 
 def test_empty_dataset_has_no_steps() -> None:
@@ -155,9 +153,18 @@ def test_max_steps_truncates_the_epoch() -> None:
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"dataset_size": -1}, {"micro_batch": 0}, {"accumulation": 0}, {"world_size": 0},
-        {"rank": 2}, {"rank": -1}, {"epoch": -1}, {"max_steps": 0},
-        {"split": 0}, {"split": 3}, {"start_step": -1}, {"start_step": 6},
+        {"dataset_size": -1},
+        {"micro_batch": 0},
+        {"accumulation": 0},
+        {"world_size": 0},
+        {"rank": 2},
+        {"rank": -1},
+        {"epoch": -1},
+        {"max_steps": 0},
+        {"split": 0},
+        {"split": 3},
+        {"start_step": -1},
+        {"start_step": 6},
     ],
 )
 def test_invalid_arguments_raise(kwargs: dict) -> None:
@@ -171,16 +178,16 @@ def test_invalid_arguments_raise(kwargs: dict) -> None:
 # ---------------------------------------------------------------- split after an out-of-memory error
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("micro, acc, split", [(8, 1, 2), (7, 2, 3), (5, 3, 5), (87, 1, 2), (4, 2, 4)])
-def test_split_serves_the_same_samples_per_step_in_smaller_pieces(micro: int, acc: int, split: int,
-                                                                  world: int) -> None:
+def test_split_serves_the_same_samples_per_step_in_smaller_pieces(micro: int, acc: int, split: int, world: int) -> None:
     g = micro * acc * world
     for n in (2 * g, 2 * g + 1, 3 * g - 1, 1):
         for rank in range(world):
             whole, cut = make(n, micro, acc, rank, world), make(n, micro, acc, rank, world, split=split)
             assert cut.step_layout() == [count * split for count in whole.step_layout()]
             assert cut.piece_size == -(-micro // split)
-            for step, pieces in zip(split_steps(list(whole), whole.step_layout()),
-                                    split_steps(list(cut), cut.step_layout())):
+            for step, pieces in zip(
+                split_steps(list(whole), whole.step_layout()), split_steps(list(cut), cut.step_layout())
+            ):
                 assert [i for piece in pieces for i in piece] == [i for batch in step for i in batch]
                 assert all(len(piece) <= cut.piece_size for piece in pieces)
                 sizes = [len(piece) for piece in pieces if piece]
@@ -200,7 +207,7 @@ def test_start_step_begins_the_first_iteration_at_that_step(start: int) -> None:
     whole = make(27, 3, 2, 0, 2, split=2)
     layout = whole.step_layout()
     later = make(27, 3, 2, 0, 2, split=2, start_step=start)
-    assert list(later) == list(whole)[sum(layout[:start]):]
+    assert list(later) == list(whole)[sum(layout[:start]) :]
     assert list(later) == list(whole)  # the next iteration is the whole epoch again
 
 
@@ -273,8 +280,18 @@ def test_sampler_state_round_trip_without_a_loader() -> None:
     iterator = iter(sampler)
     [next(iterator) for _ in range(3)]
     state = pickle.loads(pickle.dumps(sampler.state_dict()))
-    assert state == {"epoch": 1, "yielded": 3, "dataset_size": 40, "micro_batch": 3, "accumulation": 2, "split": 1,
-                     "world_size": 2, "seed": 7, "shuffle": True, "first_sample": 0}
+    assert state == {
+        "epoch": 1,
+        "yielded": 3,
+        "dataset_size": 40,
+        "micro_batch": 3,
+        "accumulation": 2,
+        "split": 1,
+        "world_size": 2,
+        "seed": 7,
+        "shuffle": True,
+        "first_sample": 0,
+    }
     fresh = make(40, 3, 2, 1, 2)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -320,8 +337,7 @@ def test_loader_state_is_the_position_of_the_iterator_just_made() -> None:
 )
 def test_a_state_from_another_layout_is_refused(changed: dict) -> None:
     args = {"n": 40, "micro": 3, "acc": 2, "world": 2, "seed": 7, "shuffle": True} | changed
-    other = make(args["n"], args["micro"], args["acc"], 0, args["world"],
-                 seed=args["seed"], shuffle=args["shuffle"])
+    other = make(args["n"], args["micro"], args["acc"], 0, args["world"], seed=args["seed"], shuffle=args["shuffle"])
     saved = loader_over(40, 3, 2, 0, 2)
     iterator = iter(saved)
     next(iterator)
@@ -349,10 +365,18 @@ def sft_samples() -> list[dict[str, list[int]]]:
 
 def packed_samples(seq_len: int = 4) -> list[dict[str, torch.Tensor]]:
     return [
-        {"tokens": torch.tensor([5, 6, 7, 8]), "labels": torch.tensor([5, 6, 7, 8]),
-         "input_pos": torch.tensor([0, 1, 0, 1]), "seq_lens": torch.tensor([2, 2])},
-        {"tokens": torch.tensor([9, 10, 11, 0]), "labels": torch.tensor([9, 10, 11, IGNORE]),
-         "input_pos": torch.tensor([0, 1, 2, 3]), "seq_lens": torch.tensor([3, 1])},
+        {
+            "tokens": torch.tensor([5, 6, 7, 8]),
+            "labels": torch.tensor([5, 6, 7, 8]),
+            "input_pos": torch.tensor([0, 1, 0, 1]),
+            "seq_lens": torch.tensor([2, 2]),
+        },
+        {
+            "tokens": torch.tensor([9, 10, 11, 0]),
+            "labels": torch.tensor([9, 10, 11, IGNORE]),
+            "input_pos": torch.tensor([0, 1, 2, 3]),
+            "seq_lens": torch.tensor([3, 1]),
+        },
     ]
 
 
@@ -390,10 +414,11 @@ def test_empty_micro_batch_adds_no_loss_and_no_tokens() -> None:
         labels = F.pad(batch["labels"][..., 1:], (0, 1), value=IGNORE)  # shifted as in the recipes
         logits = torch.randn(*labels.shape, vocab, generator=generator)
         tokens = int((labels != IGNORE).sum())
-        summed = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1),
-                                 ignore_index=IGNORE, reduction="sum")
-        chunked = sum(loss_fn.compute_cross_entropy(c.reshape(-1, vocab), l.reshape(-1))
-                      for c, l in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1)))
+        summed = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
+        chunked = sum(
+            loss_fn.compute_cross_entropy(c.reshape(-1, vocab), l.reshape(-1))
+            for c, l in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1))
+        )
         assert torch.allclose(summed, chunked)
         if batch["tokens"].numel() == 1:
             assert tokens == 0 and summed.item() == 0.0
@@ -411,13 +436,32 @@ def test_loader_with_empty_micro_batches_yields_real_batches() -> None:
     assert all((b["labels"] != IGNORE).any() for b in batches[:-1])
 
 
-@pytest.mark.parametrize("size,micro,accumulation,world,max_steps", [
-    (100, 4, 2, 2, None), (96, 4, 3, 2, None), (7, 3, 1, 3, None), (100, 4, 2, 2, 5), (100, 4, 2, 2, 13),
-])
-def test_epoch_extent_matches_the_sampler(size: int, micro: int, accumulation: int, world: int,
-                                          max_steps: int | None) -> None:
-    samplers = [StepBatchSampler(size, micro_batch=micro, accumulation=accumulation, rank=r, world_size=world,
-                                 shuffle=True, seed=3, max_steps=max_steps) for r in range(world)]
+@pytest.mark.parametrize(
+    "size,micro,accumulation,world,max_steps",
+    [
+        (100, 4, 2, 2, None),
+        (96, 4, 3, 2, None),
+        (7, 3, 1, 3, None),
+        (100, 4, 2, 2, 5),
+        (100, 4, 2, 2, 13),
+    ],
+)
+def test_epoch_extent_matches_the_sampler(
+    size: int, micro: int, accumulation: int, world: int, max_steps: int | None
+) -> None:
+    samplers = [
+        StepBatchSampler(
+            size,
+            micro_batch=micro,
+            accumulation=accumulation,
+            rank=r,
+            world_size=world,
+            shuffle=True,
+            seed=3,
+            max_steps=max_steps,
+        )
+        for r in range(world)
+    ]
     seen = sum(len(batch) for sampler in samplers for batch in sampler)
     steps, samples = epoch_extent(size, micro * accumulation * world, max_steps)
     assert steps == samplers[0].steps
@@ -445,13 +489,15 @@ def test_the_step_layout_is_computed_once_per_epoch() -> None:
 # ---------------------------------------------------------------- growth inside an epoch
 @pytest.mark.parametrize("world", [1, 2])
 @pytest.mark.parametrize("cut_after", [1, 2, 3])
-def test_a_sampler_from_first_sample_continues_the_epoch_so_every_sample_is_seen_once(world: int,
-                                                                                         cut_after: int) -> None:
+def test_a_sampler_from_first_sample_continues_the_epoch_so_every_sample_is_seen_once(
+    world: int, cut_after: int
+) -> None:
     """The batch grows after ``cut_after`` steps: a new, larger sampler starts at the samples the old one served."""
     n, small = 37, make(37, 2, 1, 0, world, epoch=3)
     served = sum(small.samples_in_step(i) for i in range(cut_after))
-    before = [split_steps(list(make(n, 2, 1, r, world, epoch=3)), small.step_layout())[:cut_after]
-              for r in range(world)]
+    before = [
+        split_steps(list(make(n, 2, 1, r, world, epoch=3)), small.step_layout())[:cut_after] for r in range(world)
+    ]
     after = rank_batches(n, 5, 2, world, epoch=3, first_sample=served)
     per_rank = [[b for step in before[r] for b in step] + after[r] for r in range(world)]
     assert_covers_once(per_rank, n)

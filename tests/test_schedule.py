@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import textwrap
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 
@@ -19,7 +20,8 @@ USER_MODULE = "ab_schedule_user_fns"
 @pytest.fixture
 def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """An importable module of user-written increase functions (and things that are not)."""
-    (tmp_path / f"{USER_MODULE}.py").write_text(textwrap.dedent("""
+    (tmp_path / f"{USER_MODULE}.py").write_text(
+        textwrap.dedent("""
         def plus_four(epoch, current_batch_size):
             return 4
 
@@ -30,7 +32,8 @@ def user_module(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
             return 1
 
         NOT_A_FUNCTION = 42
-    """))
+    """)
+    )
     monkeypatch.syspath_prepend(str(tmp_path))
     return USER_MODULE
 
@@ -47,11 +50,25 @@ class Recorder:
         return self.increments.get(epoch, 0)
 
 
-def plan(increase: Callable | None, *, epochs: int, start: int, accumulation: int = 1,
-         ranks: int = 1, cap: int | None = None, mode: str = "skip") -> list[EpochBatch]:
-    return plan_batches(epochs=epochs, start=start, accumulation=accumulation,
-                        ranks=ranks, increase=increase, memory_cap=cap,
-                        grow_past_memory=mode)
+def plan(
+    increase: Callable | None,
+    *,
+    epochs: int,
+    start: int,
+    accumulation: int = 1,
+    ranks: int = 1,
+    cap: int | None = None,
+    mode: str = "skip",
+) -> list[EpochBatch]:
+    return plan_batches(
+        epochs=epochs,
+        start=start,
+        accumulation=accumulation,
+        ranks=ranks,
+        increase=increase,
+        memory_cap=cap,
+        grow_past_memory=mode,
+    )
 
 
 def micro(p: list[EpochBatch]) -> list[int]:
@@ -114,8 +131,7 @@ def test_a_function_taking_one_argument_is_refused(user_module: str, path: str) 
 
 
 def test_an_unknown_keyword_is_refused_with_the_known_ones() -> None:
-    msg = config_error({"_component_": "adaptive_batching.growth.linear_ramp",
-                        "increment": 4, "evrey": 2})
+    msg = config_error({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4, "evrey": 2})
     assert msg.startswith("config key 'batch_increase_function'")
     assert "'evrey'" in msg
     assert "['increment', 'every', 'start_epoch', 'stop_epoch']" in msg
@@ -171,12 +187,16 @@ def test_step_growth_applies_and_the_function_sees_each_new_size() -> None:
 
 
 def test_linear_ramp_growth() -> None:
-    f = lambda e, c: linear_ramp(e, c, increment=4, every=2)
+    def f(e, c):
+        return linear_ramp(e, c, increment=4, every=2)
+
     assert micro(plan(f, epochs=6, start=8)) == [8, 12, 12, 16, 16, 20]
 
 
 def test_geometric_growth() -> None:
-    f = lambda e, c: geometric(e, c, factor=1.5)
+    def f(e, c):
+        return geometric(e, c, factor=1.5)
+
     assert micro(plan(f, epochs=5, start=3)) == [3, 5, 8, 12, 18]
 
 
@@ -203,18 +223,17 @@ def test_accumulate_realises_sizes_past_the_cap_with_rounded_accumulation() -> N
     assert [b.requested for b in p] == [86, 172, 128, 129, 129, 40]
     assert [b.shape for b in p] == [
         BatchShape(86, 3, 2),
-        BatchShape(86, 6, 2),   # 172 / 86 = 2
-        BatchShape(86, 3, 2),   # 128 / 86 = 1.49 -> 1
-        BatchShape(86, 6, 2),   # 129 / 86 = 1.5 -> 2, halves up
+        BatchShape(86, 6, 2),  # 172 / 86 = 2
+        BatchShape(86, 3, 2),  # 128 / 86 = 1.49 -> 1
+        BatchShape(86, 6, 2),  # 129 / 86 = 1.5 -> 2, halves up
         BatchShape(86, 6, 2),
-        BatchShape(40, 3, 2),   # back under the cap: the configured accumulation
+        BatchShape(40, 3, 2),  # back under the cap: the configured accumulation
     ]
     assert [b.shape.global_batch for b in p] == [516, 1032, 516, 1032, 1032, 240]
     assert reasons(p) == ["start", "accumulated", "capped", "accumulated", "unchanged", "function"]
 
 
-@pytest.mark.parametrize("start, k", [(87, 1), (128, 1), (129, 2), (172, 2), (214, 2), (215, 3),
-                                      (300, 3), (301, 4)])
+@pytest.mark.parametrize("start, k", [(87, 1), (128, 1), (129, 2), (172, 2), (214, 2), (215, 3), (300, 3), (301, 4)])
 def test_accumulate_rounds_requested_over_cap_to_the_nearest_integer(start: int, k: int) -> None:
     b = plan(None, epochs=1, start=start, accumulation=2, cap=86, mode="accumulate")[0]
     assert b.shape == BatchShape(86, 2 * k, 1)
@@ -252,33 +271,38 @@ def test_a_shipped_function_loaded_from_a_dict_plans_with_a_cap() -> None:
 # --------------------------------------------------------------------------- #
 
 
-@pytest.mark.parametrize("value, shown", [(8.0, "8.0 (float)"), (True, "True (bool)"),
-                                          (None, "None (NoneType)"), ("8", "'8' (str)")])
+@pytest.mark.parametrize(
+    "value, shown", [(8.0, "8.0 (float)"), (True, "True (bool)"), (None, "None (NoneType)"), ("8", "'8' (str)")]
+)
 def test_a_non_integer_increment_is_refused_naming_the_epoch(value: Any, shown: str) -> None:
     with pytest.raises(ConfigError) as info:
         plan(Recorder({2: value}), epochs=4, start=16)
     msg = str(info.value)
-    assert msg.startswith("config key 'batch_increase_function' called at epoch 2 (0-based) "
-                          "with current batch size 16")
+    assert msg.startswith("config key 'batch_increase_function' called at epoch 2 (0-based) with current batch size 16")
     assert f"returned {shown}" in msg
 
 
 def test_an_increment_taking_the_batch_below_one_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"at epoch 1 \(0-based\) with current batch size 16 "
-                                          r"returned -16: the batch size would be 0"):
+    with pytest.raises(
+        ConfigError,
+        match=r"at epoch 1 \(0-based\) with current batch size 16 "
+        r"returned -16: the batch size would be 0",
+    ):
         plan(Recorder({1: -16}), epochs=2, start=16)
 
 
 def test_a_function_that_raises_is_reported_with_the_epoch() -> None:
-    f = load_increase_function({"_component_": "adaptive_batching.growth.linear_ramp",
-                                "increment": 4, "every": 0})
+    f = load_increase_function({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 4, "every": 0})
     with pytest.raises(ConfigError, match=r"at epoch 1 .* raised ValueError: linear_ramp: every"):
         plan(f, epochs=3, start=16)
 
 
 def test_an_unknown_grow_past_memory_is_refused() -> None:
-    with pytest.raises(ConfigError, match=r"^config key 'adaptive_batching.grow_past_memory' = "
-                                          r"'grow' is invalid: expected skip \| accumulate"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^config key 'adaptive_batching.grow_past_memory' = "
+        r"'grow' is invalid: expected skip \| accumulate",
+    ):
         plan(None, epochs=2, start=8, cap=4, mode="grow")
 
 
@@ -295,12 +319,10 @@ def test_bad_plan_arguments_are_value_errors() -> None:
 
 
 def test_describe_plan_has_a_header_and_the_numbers_of_each_epoch() -> None:
-    p = plan(Recorder({1: 86, 2: -100}), epochs=3, start=86, accumulation=3, ranks=2,
-             cap=86, mode="accumulate")
+    p = plan(Recorder({1: 86, 2: -100}), epochs=3, start=86, accumulation=3, ranks=2, cap=86, mode="accumulate")
     lines = describe_plan(p)
     assert len(lines) == 4
-    for column in ("epoch (1-based)", "requested", "micro batch", "accumulation", "ranks",
-                   "global batch", "reason"):
+    for column in ("epoch (1-based)", "requested", "micro batch", "accumulation", "ranks", "global batch", "reason"):
         assert column in lines[0]
     rows = [line.split() for line in lines[1:]]
     assert rows == [
@@ -314,15 +336,14 @@ def test_describe_plan_has_a_header_and_the_numbers_of_each_epoch() -> None:
 def test_epoch_switch_reason_for_each_kind_of_switch() -> None:
     skip = plan(Recorder({1: 8, 2: 2, 3: 0}), epochs=4, start=80, cap=86)
     assert epoch_switch_reason(skip[0], skip[1]) == (
-        "function returned +8 (80 -> 88), capped at micro batch 86 (memory): "
-        "not applied, micro batch stays 80")
+        "function returned +8 (80 -> 88), capped at micro batch 86 (memory): not applied, micro batch stays 80"
+    )
     assert epoch_switch_reason(skip[1], skip[2]) == "function returned +2"
     assert epoch_switch_reason(skip[2], skip[3]) == "function returned 0: unchanged"
-    acc = plan(Recorder({1: 8, 2: 90}), epochs=3, start=80, accumulation=1, cap=86,
-               mode="accumulate")
+    acc = plan(Recorder({1: 8, 2: 90}), epochs=3, start=80, accumulation=1, cap=86, mode="accumulate")
     assert epoch_switch_reason(acc[0], acc[1]) == (
-        "function returned +8; realised as micro batch 86 x 1 accumulation "
-        "(requested 88 is above the memory cap 86)")
+        "function returned +8; realised as micro batch 86 x 1 accumulation (requested 88 is above the memory cap 86)"
+    )
     assert epoch_switch_reason(acc[1], acc[2]) == (
-        "function returned +90; realised as micro batch 86 x 2 accumulation "
-        "(requested 178 is above the memory cap 86)")
+        "function returned +90; realised as micro batch 86 x 2 accumulation (requested 178 is above the memory cap 86)"
+    )

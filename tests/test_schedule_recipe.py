@@ -40,20 +40,37 @@ def growth(component: str, **kwargs: Any) -> dict[str, Any]:
     return {"batch_increase_function": {"_component_": f"adaptive_batching.growth.{component}", **kwargs}}
 
 
-def run(method: str, config: Path, assets: Path, out: Path, cache: Path, *overrides: str,
-        nproc: int | None = None) -> str:
-    result = check(tune_run(RECIPES[method][0], str(config),
-                            [f"assets_dir={assets}", f"output_dir={out}", f"adaptive_batching.cache_dir={cache}",
-                             *overrides], cwd=out.parent, nproc=nproc))
+def run(
+    method: str, config: Path, assets: Path, out: Path, cache: Path, *overrides: str, nproc: int | None = None
+) -> str:
+    result = check(
+        tune_run(
+            RECIPES[method][0],
+            str(config),
+            [f"assets_dir={assets}", f"output_dir={out}", f"adaptive_batching.cache_dir={cache}", *overrides],
+            cwd=out.parent,
+            nproc=nproc,
+        )
+    )
     return result.stdout + result.stderr
 
 
 def test_growth_plan_switch_lines_and_scaled_lr(assets: Path, profile_cache: Path, tmp_path: Path) -> None:
     """Batch 4 growing by 4 each epoch, linear LR rule, cosine schedule over consumed samples."""
-    config = config_file(tmp_path, "full", {
-        **growth("linear_ramp", increment=4), "use_maximum_batch_size": False, "batch_size": 4, "epochs": 3,
-        "max_steps_per_epoch": 4, "lr_scaling": "linear", "lr_scheduler.num_warmup_steps": 3, **SHARED_BUDGET,
-    })
+    config = config_file(
+        tmp_path,
+        "full",
+        {
+            **growth("linear_ramp", increment=4),
+            "use_maximum_batch_size": False,
+            "batch_size": 4,
+            "epochs": 3,
+            "max_steps_per_epoch": 4,
+            "lr_scaling": "linear",
+            "lr_scheduler.num_warmup_steps": 3,
+            **SHARED_BUDGET,
+        },
+    )
     output = run("full", config, assets, tmp_path / "run", profile_cache)
     rows = read_metrics(tmp_path / "run" / "logs")
     assert [r["micro_batch_size"] for r in rows] == [4] * 4 + [8] * 4 + [12] * 4
@@ -79,14 +96,22 @@ def _one_param_optimizer() -> Any:
 
 
 @pytest.mark.parametrize("rule", ["skip", "accumulate"])
-def test_memory_cap_with_and_without_accumulate(rule: str, assets: Path, profile_cache: Path,
-                                                tmp_path: Path) -> None:
+def test_memory_cap_with_and_without_accumulate(rule: str, assets: Path, profile_cache: Path, tmp_path: Path) -> None:
     """A 40 MiB budget caps the micro batch near 6; growth of +8 per epoch passes it at once."""
-    config = config_file(tmp_path, "full", {
-        **growth("linear_ramp", increment=8), "use_maximum_batch_size": False, "batch_size": 4, "epochs": 3,
-        "max_steps_per_epoch": 2, "adaptive_batching.memory_budget": "40MiB",
-        "adaptive_batching.grow_past_memory": rule, "adaptive_batching.round_to": "none",
-    })
+    config = config_file(
+        tmp_path,
+        "full",
+        {
+            **growth("linear_ramp", increment=8),
+            "use_maximum_batch_size": False,
+            "batch_size": 4,
+            "epochs": 3,
+            "max_steps_per_epoch": 2,
+            "adaptive_batching.memory_budget": "40MiB",
+            "adaptive_batching.grow_past_memory": rule,
+            "adaptive_batching.round_to": "none",
+        },
+    )
     output = run("full", config, assets, tmp_path / "run", profile_cache)
     import json
 
@@ -106,22 +131,44 @@ def test_memory_cap_with_and_without_accumulate(rule: str, assets: Path, profile
 
 # LoRA's exact mid-epoch resume is covered by test_crash_safety; growth across the resume is method-independent.
 @pytest.mark.parametrize("method", ["full"])
-def test_mid_epoch_resume_reproduces_the_uninterrupted_run(method: str, assets: Path, profile_cache: Path,
-                                                           tmp_path: Path) -> None:
+def test_mid_epoch_resume_reproduces_the_uninterrupted_run(
+    method: str, assets: Path, profile_cache: Path, tmp_path: Path
+) -> None:
     """Killed after optimizer step 7 (inside epoch 2), resumed from the step-6 checkpoint: every
     step's loss, LR and batch shape equal the uninterrupted run's, bit for bit."""
-    config = config_file(tmp_path, method, {
-        **growth("step_increase", at_epochs=[1, 2], increment=[2, 3]), "use_maximum_batch_size": False,
-        "batch_size": 3, "gradient_accumulation_steps": 2, "epochs": 3, "max_steps_per_epoch": 4,
-        "save_every_n_steps": 3, "lr_scaling": "sqrt", "lr_scheduler.num_warmup_steps": 2, **SHARED_BUDGET,
-    })
+    config = config_file(
+        tmp_path,
+        method,
+        {
+            **growth("step_increase", at_epochs=[1, 2], increment=[2, 3]),
+            "use_maximum_batch_size": False,
+            "batch_size": 3,
+            "gradient_accumulation_steps": 2,
+            "epochs": 3,
+            "max_steps_per_epoch": 4,
+            "save_every_n_steps": 3,
+            "lr_scaling": "sqrt",
+            "lr_scheduler.num_warmup_steps": 2,
+            **SHARED_BUDGET,
+        },
+    )
     whole = tmp_path / "whole"
     run(method, config, assets, whole, profile_cache)
     part = tmp_path / "part"
     crashed = run_command(
-        "script", [str(HERE / "crashing_run.py"), "7", RECIPES[method][0], "--config", str(config),
-                   f"assets_dir={assets}", f"output_dir={part}", f"adaptive_batching.cache_dir={profile_cache}"],
-        cwd=tmp_path)
+        "script",
+        [
+            str(HERE / "crashing_run.py"),
+            "7",
+            RECIPES[method][0],
+            "--config",
+            str(config),
+            f"assets_dir={assets}",
+            f"output_dir={part}",
+            f"adaptive_batching.cache_dir={profile_cache}",
+        ],
+        cwd=tmp_path,
+    )
     assert crashed.returncode == 17, crashed.stderr[-3000:]
     assert len(read_metrics(part / "logs")) == 7
     output = run(method, config, assets, part, profile_cache, "resume_from_checkpoint=True")
@@ -138,14 +185,33 @@ def test_mid_epoch_resume_reproduces_the_uninterrupted_run(method: str, assets: 
 def test_two_ranks_cover_an_uneven_epoch_like_one_rank(assets: Path, tmp_path: Path) -> None:
     """9 samples, global batch 8: the last step has 1 sample, so one of the 2 ranks gets an empty
     micro batch. The losses match 1 rank with accumulation 2 on the same 9 samples."""
-    common = ("use_maximum_batch_size=False", "batch_increase_function=null", "dataset.split=train[:9]",
-              "batch_size=4", "epochs=2", "max_steps_per_epoch=null", "lr_scheduler=null")
+    common = (
+        "use_maximum_batch_size=False",
+        "batch_increase_function=null",
+        "dataset.split=train[:9]",
+        "batch_size=4",
+        "epochs=2",
+        "max_steps_per_epoch=null",
+        "lr_scheduler=null",
+    )
     two, one = tmp_path / "two", tmp_path / "one"
-    check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={two}", *common], cwd=tmp_path, nproc=2))
-    check(tune_run("adaptive_full_finetune", "tiny_full",
-                   [f"assets_dir={assets}", f"output_dir={one}", *common, "gradient_accumulation_steps=2"],
-                   cwd=tmp_path))
+    check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [f"assets_dir={assets}", f"output_dir={two}", *common],
+            cwd=tmp_path,
+            nproc=2,
+        )
+    )
+    check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [f"assets_dir={assets}", f"output_dir={one}", *common, "gradient_accumulation_steps=2"],
+            cwd=tmp_path,
+        )
+    )
     two_rows, one_rows = read_metrics(two / "logs"), read_metrics(one / "logs")
     assert len(two_rows) == len(one_rows) == 4  # 2 steps per epoch: 8 samples, then 1
     assert all(math.isfinite(r["loss"]) for r in two_rows)
@@ -155,14 +221,26 @@ def test_two_ranks_cover_an_uneven_epoch_like_one_rank(assets: Path, tmp_path: P
 def test_keep_global_batch_trains_like_the_configs_batch(assets: Path, profile_cache: Path, tmp_path: Path) -> None:
     """The profiled micro batch with the accumulation that keeps batch_size x accumulation: same steps, same LR,
     same losses as the config's 4 x 4 (only the summation order differs)."""
-    common = {"batch_size": 4, "gradient_accumulation_steps": 4, "epochs": 1, "max_steps_per_epoch": 3,
-              "batch_increase_function": None, **SHARED_BUDGET}
+    common = {
+        "batch_size": 4,
+        "gradient_accumulation_steps": 4,
+        "epochs": 1,
+        "max_steps_per_epoch": 3,
+        "batch_increase_function": None,
+        **SHARED_BUDGET,
+    }
     kept = tmp_path / "kept"
-    output = run("full", config_file(tmp_path, "full", {**common, "adaptive_batching.keep_global_batch": True}),
-                 assets, kept, profile_cache)
+    output = run(
+        "full",
+        config_file(tmp_path, "full", {**common, "adaptive_batching.keep_global_batch": True}),
+        assets,
+        kept,
+        profile_cache,
+    )
     plain = tmp_path / "plain"
-    run("full", config_file(tmp_path, "full", {**common, "use_maximum_batch_size": False}), assets, plain,
-        profile_cache)
+    run(
+        "full", config_file(tmp_path, "full", {**common, "use_maximum_batch_size": False}), assets, plain, profile_cache
+    )
     assert "Keeping the config's global batch 16: micro batch 16 x accumulation 1 x 1 rank(s)" in output
     kept_rows, plain_rows = read_metrics(kept / "logs"), read_metrics(plain / "logs")
     assert [r["micro_batch_size"] for r in kept_rows] == [16] * 3

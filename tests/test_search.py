@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 import random
+from collections.abc import Callable
 from fractions import Fraction
-from typing import Callable
 
 import pytest
 
@@ -36,8 +36,12 @@ def check(result: SearchResult, true_max: int, max_steps: int) -> None:
 
 
 TRUE_MAXIMA = [1, 2, 3, 7, 10, 33, 50, 100, 371, 1000, 4099]
-NEAR = {"exact": lambda t: t, "5% low": lambda t: math.floor(t * 0.95), "20% low": lambda t: math.floor(t * 0.8),
-        "30% high": lambda t: math.ceil(t * 1.3)}
+NEAR = {
+    "exact": lambda t: t,
+    "5% low": lambda t: math.floor(t * 0.95),
+    "20% low": lambda t: math.floor(t * 0.8),
+    "30% high": lambda t: math.ceil(t * 1.3),
+}
 FAR = {"2x high": lambda t: 2 * t, "from 1": lambda t: 1}
 
 
@@ -149,30 +153,41 @@ def test_a_trial_for_another_size_is_refused() -> None:
         search_max_micro_batch(lambda b: Trial(8, True, None, 0.0, "verify"), 7)
 
 
-@pytest.mark.parametrize("kwargs", [{"start": 0}, {"start": 3, "max_steps": 0}, {"start": 3, "tolerance": -0.1},
-                                    {"start": 3, "upper_limit": 0}, {"start": 2.5}])
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"start": 0},
+        {"start": 3, "max_steps": 0},
+        {"start": 3, "tolerance": -0.1},
+        {"start": 3, "upper_limit": 0},
+        {"start": 2.5},
+    ],
+)
 def test_bad_arguments_are_refused(kwargs: dict) -> None:
     with pytest.raises(ValueError):
         search_max_micro_batch(up_to(10), **kwargs)
 
 
-@pytest.mark.parametrize("max_ok, margin, round_to, expected", [
-    (100, 0.05, "none", 95),
-    (100, 0.05, "power_of_two", 64),
-    (100, 0.05, "multiple_of_8", 88),
-    (100, 0.0, "power_of_two", 64),
-    (128, 0.0, "power_of_two", 128),
-    (5, 0.05, "multiple_of_8", 4),
-    (5, 0.05, "power_of_two", 4),
-    (1, 0.05, "none", 1),
-    (1, 0.05, "power_of_two", 1),
-    (1, 0.05, "multiple_of_8", 1),
-    (0, 0.05, "none", 0),
-    (0, 0.05, "power_of_two", 0),
-    (0, 0.05, "multiple_of_8", 0),
-    (20, 0.05, "multiple_of_1", 19),
-    (100, 0.07, "none", 93),
-])
+@pytest.mark.parametrize(
+    "max_ok, margin, round_to, expected",
+    [
+        (100, 0.05, "none", 95),
+        (100, 0.05, "power_of_two", 64),
+        (100, 0.05, "multiple_of_8", 88),
+        (100, 0.0, "power_of_two", 64),
+        (128, 0.0, "power_of_two", 128),
+        (5, 0.05, "multiple_of_8", 4),
+        (5, 0.05, "power_of_two", 4),
+        (1, 0.05, "none", 1),
+        (1, 0.05, "power_of_two", 1),
+        (1, 0.05, "multiple_of_8", 1),
+        (0, 0.05, "none", 0),
+        (0, 0.05, "power_of_two", 0),
+        (0, 0.05, "multiple_of_8", 0),
+        (20, 0.05, "multiple_of_1", 19),
+        (100, 0.07, "none", 93),
+    ],
+)
 def test_choose_micro_batch(max_ok: int, margin: float, round_to: str, expected: int) -> None:
     assert choose_micro_batch(max_ok, margin, round_to) == expected
 

@@ -11,8 +11,11 @@ import pytest
 
 from adaptive_batching.batching.sequence_lengths import data_files_digest, lengths_cache_file, sequence_lengths
 
-KEY = {"dataset": {"source": "json", "data_files": "train.json"}, "tokenizer": {"max_seq_len": 64},
-       "data_files": "abc123"}
+KEY = {
+    "dataset": {"source": "json", "data_files": "train.json"},
+    "tokenizer": {"max_seq_len": 64},
+    "data_files": "abc123",
+}
 
 
 class CountingDataset:
@@ -64,11 +67,18 @@ def test_another_key_or_dataset_size_measures_again(tmp_path: Path, change: str)
 
 @pytest.mark.parametrize(
     "content",
-    ["{not json", "[1, 2, 3]", json.dumps({"schema": 1, "key": "x", "lengths": [1, "a", 3]}),
-     "KEYED:[1, 2]", "KEYED:[1, -2, 3]", "NOT-UTF8"],
+    [
+        "{not json",
+        "[1, 2, 3]",
+        json.dumps({"schema": 1, "key": "x", "lengths": [1, "a", 3]}),
+        "KEYED:[1, 2]",
+        "KEYED:[1, -2, 3]",
+        "NOT-UTF8",
+    ],
 )
 def test_a_corrupt_or_stale_file_is_ignored_with_a_warning_and_rewritten(
-        tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture) -> None:
+    tmp_path: Path, content: str, caplog: pytest.LogCaptureFixture
+) -> None:
     sequence_lengths(CountingDataset([3, 1, 4]), cache_dir=tmp_path, key_parts=KEY)
     path = only_file(tmp_path)
     if content.startswith("KEYED:"):
@@ -87,8 +97,7 @@ def test_a_corrupt_or_stale_file_is_ignored_with_a_warning_and_rewritten(
     assert json.loads(path.read_text())["lengths"] == [3, 1, 4]
 
 
-def test_a_file_for_another_key_under_the_same_name_is_stale(tmp_path: Path,
-                                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_a_file_for_another_key_under_the_same_name_is_stale(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     sequence_lengths(CountingDataset([3, 1, 4]), cache_dir=tmp_path, key_parts=KEY)
     path = only_file(tmp_path)
     record = json.loads(path.read_text())
@@ -129,8 +138,9 @@ def test_data_files_digest_hashes_contents_in_order(tmp_path: Path) -> None:
     b.write_bytes(b"hello")
     c.write_bytes(b"hello")
     digest = data_files_digest([a, str(b)])
-    expected = hashlib.sha256((3_000_000).to_bytes(8, "little") + b"x" * 3_000_000
-                              + (5).to_bytes(8, "little") + b"hello").hexdigest()
+    expected = hashlib.sha256(
+        (3_000_000).to_bytes(8, "little") + b"x" * 3_000_000 + (5).to_bytes(8, "little") + b"hello"
+    ).hexdigest()
     assert digest == expected
     assert data_files_digest([a, c]) == digest  # names do not count
     assert data_files_digest([b, a]) != digest

@@ -64,20 +64,39 @@ def test_validation_does_not_modify_config(base_cfg: DictConfig) -> None:
 def test_optional_recipe_keys_may_be_absent(base_cfg: DictConfig) -> None:
     cfg = modified(
         base_cfg,
-        {k: DELETE for k in ("gradient_accumulation_steps", "max_steps_per_epoch", "seed", "clip_grad_norm",
-                             "dtype", "compile", "shuffle", "use_maximum_batch_size",
-                             "batch_increase_function", "lr_scaling", "adaptive_batching")},
+        {
+            k: DELETE
+            for k in (
+                "gradient_accumulation_steps",
+                "max_steps_per_epoch",
+                "seed",
+                "clip_grad_norm",
+                "dtype",
+                "compile",
+                "shuffle",
+                "use_maximum_batch_size",
+                "batch_increase_function",
+                "lr_scaling",
+                "adaptive_batching",
+            )
+        },
     )
     settings = validate_config(cfg)
-    assert {name: setting(settings, name) for name in KNOBS} == {name: typed(name, k.default) for name, k in KNOBS.items()}
+    assert {name: setting(settings, name) for name in KNOBS} == {
+        name: typed(name, k.default) for name, k in KNOBS.items()
+    }
 
 
 def test_each_sections_own_defaults_are_the_documented_ones(base_cfg: DictConfig) -> None:
     """A config without the section gets each section's own defaults, through their written form (KNOBS, the docs
     table's) and back."""
     settings = validate_config(modified(base_cfg, {"adaptive_batching": DELETE}))
-    assert (settings.profiler, settings.batching, settings.faults, settings.elastic) == \
-        (ProfilerSettings(), BatchingSettings(), FaultSettings(), None)
+    assert (settings.profiler, settings.batching, settings.faults, settings.elastic) == (
+        ProfilerSettings(),
+        BatchingSettings(),
+        FaultSettings(),
+        None,
+    )
     assert dataclasses.replace(settings.growth, increase=None, lr_scaling="sqrt") == GrowthSettings()
 
 
@@ -120,72 +139,203 @@ ALL_KNOBS = tuple(KNOBS)
 BAD_INPUTS = [
     # (id, updates, key named in the message, the value's repr or None, fragments of what is allowed)
     ("unknown_knob", {"adaptive_batching.bogus": 1}, "adaptive_batching.bogus", None, ALL_KNOBS),
-    ("misspelt_knob", {"adaptive_batching.memory_budgett": "12GiB"}, "adaptive_batching.memory_budgett", None,
-     ALL_KNOBS),
+    (
+        "misspelt_knob",
+        {"adaptive_batching.memory_budgett": "12GiB"},
+        "adaptive_batching.memory_budgett",
+        None,
+        ALL_KNOBS,
+    ),
     ("use_max_string", {"use_maximum_batch_size": "yes"}, "'use_maximum_batch_size'", "'yes'", ("true or false",)),
     ("batch_size_zero", {"batch_size": 0}, "'batch_size'", "0", ("an integer >= 1",)),
     ("batch_size_float", {"batch_size": 2.5}, "'batch_size'", "2.5", ("an integer >= 1",)),
-    ("grad_accum_negative", {"gradient_accumulation_steps": -1}, "'gradient_accumulation_steps'", "-1",
-     ("an integer >= 1",)),
+    (
+        "grad_accum_negative",
+        {"gradient_accumulation_steps": -1},
+        "'gradient_accumulation_steps'",
+        "-1",
+        ("an integer >= 1",),
+    ),
     ("epochs_bool", {"epochs": True}, "'epochs'", "True", ("an integer >= 1",)),
     ("seed_negative", {"seed": -3}, "'seed'", "-3", ("null or an integer >= 0",)),
     ("clip_zero", {"clip_grad_norm": 0}, "'clip_grad_norm'", "0", ("null or a number > 0",)),
     ("dtype", {"dtype": "fp16x"}, "'dtype'", "'fp16x'", ("fp32 | bf16",)),
     ("lr_scaling", {"lr_scaling": "cubic"}, "'lr_scaling'", "'cubic'", ("linear | sqrt | none",)),
-    ("round_to_zero", {"adaptive_batching.round_to": "multiple_of_0"}, "'adaptive_batching.round_to'",
-     "'multiple_of_0'", ("power_of_two", "multiple_of_N", "none")),
-    ("round_to_nearest", {"adaptive_batching.round_to": "nearest"}, "'adaptive_batching.round_to'", "'nearest'",
-     ("power_of_two", "multiple_of_N", "none")),
-    ("memory_budget", {"adaptive_batching.memory_budget": "12 gigs"}, "'adaptive_batching.memory_budget'",
-     "'12 gigs'", ("'12GiB'", "'500MB'")),
-    ("memory_fraction_big", {"adaptive_batching.memory_fraction": 1.5}, "'adaptive_batching.memory_fraction'",
-     "1.5", ("(0, 1]",)),
-    ("memory_fraction_zero", {"adaptive_batching.memory_fraction": 0}, "'adaptive_batching.memory_fraction'",
-     "0", ("(0, 1]",)),
-    ("search_tolerance_negative", {"adaptive_batching.search_tolerance": -0.01},
-     "'adaptive_batching.search_tolerance'", "-0.01", ("[0, 0.25]",)),
-    ("search_tolerance_string", {"adaptive_batching.search_tolerance": "2%"},
-     "'adaptive_batching.search_tolerance'", "'2%'", ("[0, 0.25]",)),
-    ("oom_recovery_string", {"adaptive_batching.oom_recovery": "on"}, "'adaptive_batching.oom_recovery'",
-     "'on'", ("true or false",)),
-    ("stop_signals_sigint", {"adaptive_batching.stop_signals": ["SIGINT"]}, "'adaptive_batching.stop_signals'",
-     "['SIGINT']", ("SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT", "[] turns it off")),
-    ("stop_signals_string", {"adaptive_batching.stop_signals": "SIGTERM"}, "'adaptive_batching.stop_signals'",
-     "'SIGTERM'", ("a list of distinct signal names",)),
-    ("oom_grow_back_zero", {"adaptive_batching.oom_grow_back_after": 0}, "'adaptive_batching.oom_grow_back_after'",
-     "0", ("null or an integer >= 1",)),
-    ("max_tokens_bad", {"adaptive_batching.max_tokens": "lots"}, "'adaptive_batching.max_tokens'", "'lots'",
-     ("'auto'", "an integer >= 1")),
-    ("max_tokens_auto_without_profiler", {"adaptive_batching.max_tokens": "auto", "use_maximum_batch_size": False},
-     "'adaptive_batching.max_tokens'", "'auto'", ("use_maximum_batch_size=True",)),
-    ("max_tokens_packed", {"adaptive_batching.max_tokens": 4096, "dataset.packed": True},
-     "'adaptive_batching.max_tokens'", "4096", ("unpacked dataset",)),
-    ("picking_order_alone", {"adaptive_batching.picking_order": "seqlen"}, "'adaptive_batching.picking_order'",
-     "'seqlen'", ("adaptive_batching.max_tokens",)),
-    ("min_over_max", {"adaptive_batching.max_tokens": 4096, "adaptive_batching.min_batch_size": 8,
-                      "adaptive_batching.max_batch_size": 4}, "'adaptive_batching.min_batch_size'", "8",
-     ("min <= max",)),
-    ("elastic_missing", {"adaptive_batching.elastic": {"max_global_batch": 64}},
-     "'adaptive_batching.elastic.micro_batches'", None, ("missing",)),
-    ("elastic_with_growth", {"adaptive_batching.elastic": {"max_global_batch": 64, "micro_batches": [2],
-                                                           "max_ranks": 4}},
-     "'adaptive_batching.elastic'", None, ("batch_increase_function",)),
-    ("section_not_mapping", {"adaptive_batching": [1, 2]}, "'adaptive_batching'", "[1, 2]",
-     ("a mapping",) + ALL_KNOBS),
+    (
+        "round_to_zero",
+        {"adaptive_batching.round_to": "multiple_of_0"},
+        "'adaptive_batching.round_to'",
+        "'multiple_of_0'",
+        ("power_of_two", "multiple_of_N", "none"),
+    ),
+    (
+        "round_to_nearest",
+        {"adaptive_batching.round_to": "nearest"},
+        "'adaptive_batching.round_to'",
+        "'nearest'",
+        ("power_of_two", "multiple_of_N", "none"),
+    ),
+    (
+        "memory_budget",
+        {"adaptive_batching.memory_budget": "12 gigs"},
+        "'adaptive_batching.memory_budget'",
+        "'12 gigs'",
+        ("'12GiB'", "'500MB'"),
+    ),
+    (
+        "memory_fraction_big",
+        {"adaptive_batching.memory_fraction": 1.5},
+        "'adaptive_batching.memory_fraction'",
+        "1.5",
+        ("(0, 1]",),
+    ),
+    (
+        "memory_fraction_zero",
+        {"adaptive_batching.memory_fraction": 0},
+        "'adaptive_batching.memory_fraction'",
+        "0",
+        ("(0, 1]",),
+    ),
+    (
+        "search_tolerance_negative",
+        {"adaptive_batching.search_tolerance": -0.01},
+        "'adaptive_batching.search_tolerance'",
+        "-0.01",
+        ("[0, 0.25]",),
+    ),
+    (
+        "search_tolerance_string",
+        {"adaptive_batching.search_tolerance": "2%"},
+        "'adaptive_batching.search_tolerance'",
+        "'2%'",
+        ("[0, 0.25]",),
+    ),
+    (
+        "oom_recovery_string",
+        {"adaptive_batching.oom_recovery": "on"},
+        "'adaptive_batching.oom_recovery'",
+        "'on'",
+        ("true or false",),
+    ),
+    (
+        "stop_signals_sigint",
+        {"adaptive_batching.stop_signals": ["SIGINT"]},
+        "'adaptive_batching.stop_signals'",
+        "['SIGINT']",
+        ("SIGTERM, SIGUSR1, SIGUSR2, SIGHUP, SIGQUIT", "[] turns it off"),
+    ),
+    (
+        "stop_signals_string",
+        {"adaptive_batching.stop_signals": "SIGTERM"},
+        "'adaptive_batching.stop_signals'",
+        "'SIGTERM'",
+        ("a list of distinct signal names",),
+    ),
+    (
+        "oom_grow_back_zero",
+        {"adaptive_batching.oom_grow_back_after": 0},
+        "'adaptive_batching.oom_grow_back_after'",
+        "0",
+        ("null or an integer >= 1",),
+    ),
+    (
+        "max_tokens_bad",
+        {"adaptive_batching.max_tokens": "lots"},
+        "'adaptive_batching.max_tokens'",
+        "'lots'",
+        ("'auto'", "an integer >= 1"),
+    ),
+    (
+        "max_tokens_auto_without_profiler",
+        {"adaptive_batching.max_tokens": "auto", "use_maximum_batch_size": False},
+        "'adaptive_batching.max_tokens'",
+        "'auto'",
+        ("use_maximum_batch_size=True",),
+    ),
+    (
+        "max_tokens_packed",
+        {"adaptive_batching.max_tokens": 4096, "dataset.packed": True},
+        "'adaptive_batching.max_tokens'",
+        "4096",
+        ("unpacked dataset",),
+    ),
+    (
+        "picking_order_alone",
+        {"adaptive_batching.picking_order": "seqlen"},
+        "'adaptive_batching.picking_order'",
+        "'seqlen'",
+        ("adaptive_batching.max_tokens",),
+    ),
+    (
+        "min_over_max",
+        {
+            "adaptive_batching.max_tokens": 4096,
+            "adaptive_batching.min_batch_size": 8,
+            "adaptive_batching.max_batch_size": 4,
+        },
+        "'adaptive_batching.min_batch_size'",
+        "8",
+        ("min <= max",),
+    ),
+    (
+        "elastic_missing",
+        {"adaptive_batching.elastic": {"max_global_batch": 64}},
+        "'adaptive_batching.elastic.micro_batches'",
+        None,
+        ("missing",),
+    ),
+    (
+        "elastic_with_growth",
+        {"adaptive_batching.elastic": {"max_global_batch": 64, "micro_batches": [2], "max_ranks": 4}},
+        "'adaptive_batching.elastic'",
+        None,
+        ("batch_increase_function",),
+    ),
+    ("section_not_mapping", {"adaptive_batching": [1, 2]}, "'adaptive_batching'", "[1, 2]", ("a mapping",) + ALL_KNOBS),
     ("missing_model", {"model": DELETE}, "'model'", None, ("missing",)),
     ("missing_batch_size", {"batch_size": DELETE}, "'batch_size'", None, ("missing",)),
-    ("increase_fn_empty", {"batch_increase_function": ""}, "'batch_increase_function'", "''",
-     ("dotted path", "_component_")),
-    ("increase_fn_int", {"batch_increase_function": 5}, "'batch_increase_function'", "5",
-     ("dotted path", "_component_")),
-    ("increase_fn_bad_component", {"batch_increase_function": {"_component_": 5}},
-     "'batch_increase_function._component_'", "5", ("dotted path",)),
-    ("increase_fn_no_component", {"batch_increase_function": {"factor": 2}}, "'batch_increase_function'",
-     "{'factor': 2}", ("_component_",)),
-    ("memory_budget_inf", {"adaptive_batching.memory_budget": float("inf")}, "'adaptive_batching.memory_budget'",
-     "inf", ("'12GiB'",)),
-    ("memory_budget_huge", {"adaptive_batching.memory_budget": "9" * 400 + "GiB"},
-     "'adaptive_batching.memory_budget'", None, ("'12GiB'",)),
+    (
+        "increase_fn_empty",
+        {"batch_increase_function": ""},
+        "'batch_increase_function'",
+        "''",
+        ("dotted path", "_component_"),
+    ),
+    (
+        "increase_fn_int",
+        {"batch_increase_function": 5},
+        "'batch_increase_function'",
+        "5",
+        ("dotted path", "_component_"),
+    ),
+    (
+        "increase_fn_bad_component",
+        {"batch_increase_function": {"_component_": 5}},
+        "'batch_increase_function._component_'",
+        "5",
+        ("dotted path",),
+    ),
+    (
+        "increase_fn_no_component",
+        {"batch_increase_function": {"factor": 2}},
+        "'batch_increase_function'",
+        "{'factor': 2}",
+        ("_component_",),
+    ),
+    (
+        "memory_budget_inf",
+        {"adaptive_batching.memory_budget": float("inf")},
+        "'adaptive_batching.memory_budget'",
+        "inf",
+        ("'12GiB'",),
+    ),
+    (
+        "memory_budget_huge",
+        {"adaptive_batching.memory_budget": "9" * 400 + "GiB"},
+        "'adaptive_batching.memory_budget'",
+        None,
+        ("'12GiB'",),
+    ),
     ("section_false", {"adaptive_batching": False}, "'adaptive_batching'", "False", ("a mapping",)),
     ("section_empty_list", {"adaptive_batching": []}, "'adaptive_batching'", "[]", ("a mapping",)),
 ]
@@ -207,8 +357,10 @@ def test_bad_input_names_key_and_allowed_values(
 
 def test_a_misspelt_knob_gets_the_knob_meant_by_the_rule_of_the_top_level_keys(base_cfg: DictConfig) -> None:
     message = config_error(modified(base_cfg, {"adaptive_batching.memory_budgett": "12GiB"}))
-    assert message.startswith("unknown config key(s) adaptive_batching.memory_budgett; did you mean "
-                              "'adaptive_batching.memory_budget'? known keys under 'adaptive_batching': ")
+    assert message.startswith(
+        "unknown config key(s) adaptive_batching.memory_budgett; did you mean "
+        "'adaptive_batching.memory_budget'? known keys under 'adaptive_batching': "
+    )
     assert "did you mean" not in config_error(modified(base_cfg, {"adaptive_batching.bogus": 1}))
 
 
@@ -259,8 +411,13 @@ def test_non_default_samples_cover_every_knob() -> None:
 def test_each_knob_non_default(base_cfg: DictConfig, name: str) -> None:
     value = NON_DEFAULT_VALID[name]
     assert value != KNOBS[name].default
-    companions = {"adaptive_batching.max_tokens": 4096} if name in TOKEN_BUDGET_COMPANIONS else \
-        {"batch_increase_function": None} if name in ("elastic", "keep_global_batch") else {}
+    companions = (
+        {"adaptive_batching.max_tokens": 4096}
+        if name in TOKEN_BUDGET_COMPANIONS
+        else {"batch_increase_function": None}
+        if name in ("elastic", "keep_global_batch")
+        else {}
+    )
     cfg = modified(base_cfg, {f"adaptive_batching.{name}": value, **companions})
     assert setting(validate_config(cfg), name) == typed(name, value)
 
@@ -323,8 +480,9 @@ def test_parse_bytes(text: Any, expected: int) -> None:
     assert type(result) is int
 
 
-@pytest.mark.parametrize("value", ["abc", "-1GB", 0, -5, True, False, "", "12 gigs", "12G", "0GiB",
-                                   0.5, "0.5B", float("inf"), float("nan")])
+@pytest.mark.parametrize(
+    "value", ["abc", "-1GB", 0, -5, True, False, "", "12 gigs", "12G", "0GiB", 0.5, "0.5B", float("inf"), float("nan")]
+)
 def test_parse_bytes_rejects(value: Any) -> None:
     with pytest.raises(ValueError):
         parse_bytes(value)
@@ -375,13 +533,16 @@ def test_growth_function_from_a_component_node(base_cfg: DictConfig) -> None:
     assert [settings.batch_increase_function(e, 8) for e in (1, 2)] == [4, 0]
 
 
-@pytest.mark.parametrize("value, expected", [
-    ("no_such_module.grow", "could not be imported"),
-    ({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 2, "speed": 3}, "speed"),
-    ("adaptive_batching.growth", "callable"),
-    ("math.sqrt", "batch_increase_function"),
-    ("test_settings.shrink_to_zero", "epoch 1"),  # returns a batch of 0 at the second epoch
-])
+@pytest.mark.parametrize(
+    "value, expected",
+    [
+        ("no_such_module.grow", "could not be imported"),
+        ({"_component_": "adaptive_batching.growth.linear_ramp", "increment": 2, "speed": 3}, "speed"),
+        ("adaptive_batching.growth", "callable"),
+        ("math.sqrt", "batch_increase_function"),
+        ("test_settings.shrink_to_zero", "epoch 1"),  # returns a batch of 0 at the second epoch
+    ],
+)
 def test_growth_function_errors_name_the_key(base_cfg: DictConfig, value: Any, expected: str) -> None:
     message = config_error(modified(base_cfg, {"batch_increase_function": value, "epochs": 2}))
     assert "'batch_increase_function" in message and expected in message, message
@@ -397,8 +558,7 @@ def test_lr_scheduler_must_be_lambda_based(base_cfg: DictConfig) -> None:
     cfg = modified(base_cfg, {"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.StepLR", "step_size": 2}})
     message = config_error(cfg)
     assert "'lr_scheduler" in message
-    step = modified(base_cfg, {"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.LambdaLR",
-                                                "lr_lambda": 3}})
+    step = modified(base_cfg, {"lr_scheduler": {"_component_": "torch.optim.lr_scheduler.LambdaLR", "lr_lambda": 3}})
     assert "'lr_scheduler'" in config_error(step)
     off = modified(base_cfg, {"lr_scheduler": {"_component_": None}})
     validate_config(off)
@@ -409,12 +569,17 @@ def test_save_every_n_steps_is_checked(base_cfg: DictConfig, value: Any) -> None
     assert "'save_every_n_steps'" in config_error(modified(base_cfg, {"save_every_n_steps": value}))
 
 
-@pytest.mark.parametrize("updates, message", [
-    ({"use_maximum_batch_size": False, "batch_increase_function": None}, "set use_maximum_batch_size=True"),
-    ({}, "cannot be combined with batch_increase_function"),
-    ({"batch_increase_function": None, "adaptive_batching.max_tokens": 4096},
-     "cannot be combined with adaptive_batching.max_tokens"),
-])
+@pytest.mark.parametrize(
+    "updates, message",
+    [
+        ({"use_maximum_batch_size": False, "batch_increase_function": None}, "set use_maximum_batch_size=True"),
+        ({}, "cannot be combined with batch_increase_function"),
+        (
+            {"batch_increase_function": None, "adaptive_batching.max_tokens": 4096},
+            "cannot be combined with adaptive_batching.max_tokens",
+        ),
+    ],
+)
 def test_keep_global_batch_refuses_what_it_cannot_honour(base_cfg: DictConfig, updates: dict, message: str) -> None:
     error = config_error(modified(base_cfg, {"adaptive_batching.keep_global_batch": True, **updates}))
     assert "adaptive_batching.keep_global_batch" in error and message in error

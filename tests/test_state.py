@@ -3,8 +3,9 @@ stood included, and a state in another format version stops the resume in one li
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -48,9 +49,15 @@ def test_progress_comes_back_where_it_was_saved_inside_an_epoch() -> None:
 
 
 def adaptive_state(version: Any = STATE_VERSION) -> dict[str, Any]:
-    return {"version": version, "progress": {"global_step": 12, "epoch": 1, "step_in_epoch": 5},
-            "feed": {"ranks": 1, "span": None}, "plan": {"grown": None}, "lr": {"consumed_samples": 40},
-            "noise_scale": None, "profile": {"result": None, "ranks": 1}}
+    return {
+        "version": version,
+        "progress": {"global_step": 12, "epoch": 1, "step_in_epoch": 5},
+        "feed": {"ranks": 1, "span": None},
+        "plan": {"grown": None},
+        "lr": {"consumed_samples": 40},
+        "noise_scale": None,
+        "profile": {"result": None, "ranks": 1},
+    }
 
 
 def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], torch.optim.Optimizer]:
@@ -60,14 +67,22 @@ def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], torc
     saved_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2)).sum().backward()
     saved_optimizer.step()
-    checkpoint = {training.SEED_KEY: 7, training.OPT_KEY: saved_optimizer.state_dict(),
-                  checkpointing.ADAPTIVE_KEY: state}
+    checkpoint = {
+        training.SEED_KEY: 7,
+        training.OPT_KEY: saved_optimizer.state_dict(),
+        checkpointing.ADAPTIVE_KEY: state,
+    }
     owner = type("Owner", (), {"saved_lr": None})()
-    parts = {"progress": Progress(), "feed": Feed(), "plan": Recorded(), "lr": PendingState(owner, "saved_lr"),
-             "noise_scale": Recorded(), "profile": Recorded()}
+    parts = {
+        "progress": Progress(),
+        "feed": Feed(),
+        "plan": Recorded(),
+        "lr": PendingState(owner, "saved_lr"),
+        "noise_scale": Recorded(),
+        "profile": Recorded(),
+    }
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    checkpoints = Checkpoints(None, None, ParallelInfo(), torch.device("cpu"), total_epochs=3,
-                              max_steps_per_epoch=None)
+    checkpoints = Checkpoints(None, None, ParallelInfo(), torch.device("cpu"), total_epochs=3, max_steps_per_epoch=None)
     seed = checkpoints.restore(checkpoint, seed=7, parts=parts, model=model, optimizer=optimizer, output_dir=tmp_path)
     assert seed == 7
     return {**parts, "saved_lr": owner.saved_lr}, optimizer
@@ -90,9 +105,11 @@ def test_a_state_in_another_format_version_fails_in_one_line_naming_both(version
     if version is None:
         del state["version"]  # written before the state recorded its version: version 1
     saved = 1 if version is None else version
-    expected = (f"the checkpoint to resume holds adaptive state format version {saved}, and this adaptive-batching "
-                f"reads version {STATE_VERSION} only: start a fresh output_dir, or resume it with the "
-                "adaptive-batching version that wrote it")
+    expected = (
+        f"the checkpoint to resume holds adaptive state format version {saved}, and this adaptive-batching "
+        f"reads version {STATE_VERSION} only: start a fresh output_dir, or resume it with the "
+        "adaptive-batching version that wrote it"
+    )
     with pytest.raises(ConfigError) as raised:
         read_state(state)
     assert str(raised.value) == expected

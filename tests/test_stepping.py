@@ -29,8 +29,9 @@ class Loss(nn.Module):
     ignore_index = -100
 
     def forward(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-        return nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
-                                           ignore_index=self.ignore_index)
+        return nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=self.ignore_index
+        )
 
 
 def micro_batch(seed: int) -> dict[str, torch.Tensor]:
@@ -40,9 +41,17 @@ def micro_batch(seed: int) -> dict[str, torch.Tensor]:
 
 def test_the_last_loss_stays_without_its_saved_tensors_until_the_next_micro_batch() -> None:
     model = Model()
-    runner = StepRunner(model, torch.optim.SGD(model.parameters(), lr=0.1), Loss(),
-                        StepGuard(ONE_RANK, torch.device("cpu")), ONE_RANK, torch.device("cpu"), clip_grad_norm=None,
-                        oom_recovery=True, where=lambda: (1, None, "."))
+    runner = StepRunner(
+        model,
+        torch.optim.SGD(model.parameters(), lr=0.1),
+        Loss(),
+        StepGuard(ONE_RANK, torch.device("cpu")),
+        ONE_RANK,
+        torch.device("cpu"),
+        clip_grad_norm=None,
+        oom_recovery=True,
+        where=lambda: (1, None, "."),
+    )
     assert runner.last_loss is None
     loss, _ = runner.forward_backward(micro_batch(0))
     held = runner.last_loss

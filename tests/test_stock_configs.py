@@ -27,28 +27,59 @@ from adaptive_batching.training.stepping import StepStats, step_metrics
 STOCK = stock_configs(FINETUNE_RECIPES)
 # torchtune 0.6.1's single-device full fine-tunes update weights inside the backward (no gradients kept).
 OPTIMIZER_IN_BACKWARD = {
-    "code_llama2/7B_full_low_memory", "llama2/7B_full_low_memory", "llama3/8B_full_single_device",
-    "llama3_1/8B_full_single_device", "llama3_2/1B_full_single_device", "llama3_2/3B_full_single_device",
-    "mistral/7B_full_low_memory", "phi3/mini_full_low_memory", "phi4/14B_full_low_memory",
-    "qwen2/1.5B_full_single_device", "qwen2/7B_full_single_device", "qwen2_5/1.5B_full_single_device",
-    "qwen2_5/3B_full_single_device", "qwen2_5/7B_full_single_device",
+    "code_llama2/7B_full_low_memory",
+    "llama2/7B_full_low_memory",
+    "llama3/8B_full_single_device",
+    "llama3_1/8B_full_single_device",
+    "llama3_2/1B_full_single_device",
+    "llama3_2/3B_full_single_device",
+    "mistral/7B_full_low_memory",
+    "phi3/mini_full_low_memory",
+    "phi4/14B_full_low_memory",
+    "qwen2/1.5B_full_single_device",
+    "qwen2/7B_full_single_device",
+    "qwen2_5/1.5B_full_single_device",
+    "qwen2_5/3B_full_single_device",
+    "qwen2_5/7B_full_single_device",
 }
 # Every stock config of torchtune 0.6.1 whose file its wheel ships (the registry also names
 # llama2/7B_full_early_exit, whose file it lacks), with the recipe it names.
-EVERY_STOCK = {config.name: (recipe.name, stock_configs([recipe.name])[config.name])
-               for recipe in get_all_recipes() for config in recipe.configs
-               if stock_configs([recipe.name])[config.name].is_file()}
+EVERY_STOCK = {
+    config.name: (recipe.name, stock_configs([recipe.name])[config.name])
+    for recipe in get_all_recipes()
+    for config in recipe.configs
+    if stock_configs([recipe.name])[config.name].is_file()
+}
 # The other recipes that train: each of their configs is refused, naming the recipe.
-OTHER_TRAINING = {"qat_distributed", "qat_lora_finetune_distributed", "knowledge_distillation_single_device",
-                  "knowledge_distillation_distributed", "lora_dpo_single_device", "lora_dpo_distributed",
-                  "full_dpo_distributed", "ppo_full_finetune_single_device",
-                  "dev/lora_finetune_distributed_multi_dataset", "quantize"}
+OTHER_TRAINING = {
+    "qat_distributed",
+    "qat_lora_finetune_distributed",
+    "knowledge_distillation_single_device",
+    "knowledge_distillation_distributed",
+    "lora_dpo_single_device",
+    "lora_dpo_distributed",
+    "full_dpo_distributed",
+    "ppo_full_finetune_single_device",
+    "dev/lora_finetune_distributed_multi_dataset",
+    "quantize",
+}
 VISION = {name for name in STOCK if name.startswith("llama3_2_vision/")}
-SHIPPED_REAL = ("llama3_8b", "llama3_8b_lora", "llama3_2_1b", "llama3_2_1b_lora", "qwen2_5_7b_lora", "llama3_1_8b_qlora")
+SHIPPED_REAL = (
+    "llama3_8b",
+    "llama3_8b_lora",
+    "llama3_2_1b",
+    "llama3_2_1b_lora",
+    "qwen2_5_7b_lora",
+    "llama3_1_8b_qlora",
+)
 # A shipped config that is torchtune's but for keys no trace reads (the batching's, logging's, where output goes):
 # its steps are the stock config's, traced once for both tests that estimate it.
-SAME_STEPS = {"llama3_1_8b_qlora": ("llama3_1/8B_qlora_single_device", {
-    "adaptive_batching", "use_maximum_batch_size", "output_dir", "profiler", "enable_activation_offloading"})}
+SAME_STEPS = {
+    "llama3_1_8b_qlora": (
+        "llama3_1/8B_qlora_single_device",
+        {"adaptive_batching", "use_maximum_batch_size", "output_dir", "profiler", "enable_activation_offloading"},
+    )
+}
 
 
 def test_the_registry_has_torchtunes_121_full_lora_and_qlora_configs() -> None:
@@ -75,9 +106,12 @@ def test_every_stock_config_validates_and_the_optimizer_in_backward_ones_say_so(
     in_backward = set()
     for name, path in STOCK.items():
         if name in VISION and importlib.util.find_spec("torchvision") is None:
-            with pytest.raises(ConfigError, match=r"^config key 'model._component_' = 'torchtune.models.llama3_2_vision"
-                                                  r"\.[a-z0-9_]+' needs torchvision, which is not installed: "
-                                                  r"pip install torchvision$"):
+            with pytest.raises(
+                ConfigError,
+                match=r"^config key 'model._component_' = 'torchtune.models.llama3_2_vision"
+                r"\.[a-z0-9_]+' needs torchvision, which is not installed: "
+                r"pip install torchvision$",
+            ):
                 validate_config(OmegaConf.load(path))
         elif validate_config(OmegaConf.load(path)).optimizer_in_bwd:
             in_backward.add(name)
@@ -89,8 +123,10 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
     """DPO, KD, QAT, PPO, post-training quantization and multi-data-set configs, given to a recipe of ours that
     does not train so: one line naming the key, what it asks for and the recipe that does it (ours if one does, else
     torchtune's)."""
-    pattern = re.compile(rf"config key '[\w.\[\]]+'( = [^ ]+)?( \(with [^)]+\))? asks for (?P<what>.+), which "
-                         rf"{recipe} does not do(?: yet; use torchtune's (?P<recipes>[\w/, ]+)|; use (?P<ours>\w+))")
+    pattern = re.compile(
+        rf"config key '[\w.\[\]]+'( = [^ ]+)?( \(with [^)]+\))? asks for (?P<what>.+), which "
+        rf"{recipe} does not do(?: yet; use torchtune's (?P<recipes>[\w/, ]+)|; use (?P<ours>\w+))"
+    )
     trained = {stock for objective in OURS[recipe] for stock in OBJECTIVES[objective].torchtune}
     refused = {}
     for name, (stock_recipe, path) in EVERY_STOCK.items():
@@ -113,12 +149,18 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
     assert "qat" in OURS[recipe] or refused["llama3_2/1B_qat_lora"] == OBJECTIVES["qat"].what
 
 
-@pytest.mark.parametrize("name, line", [
-    ("mistral/7B_full_ppo_low_memory", "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
-     "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
-     "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
-     "ppo_full_finetune_single_device"),
-])
+@pytest.mark.parametrize(
+    "name, line",
+    [
+        (
+            "mistral/7B_full_ppo_low_memory",
+            "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
+            "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
+            "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
+            "ppo_full_finetune_single_device",
+        ),
+    ],
+)
 def test_the_refusal_names_the_keys_and_the_recipe(name: str, line: str) -> None:
     """The recipe named is the one of ours that runs the config (LoRA for a LoRA model), as ``cp`` says."""
     with pytest.raises(ConfigError) as error:
@@ -128,7 +170,7 @@ def test_the_refusal_names_the_keys_and_the_recipe(name: str, line: str) -> None
 
 def test_the_configs_of_recipes_that_do_not_train_are_refused_for_what_they_lack() -> None:
     """Generation and evaluation configs have no data set to train on."""
-    for name, (stock_recipe, path) in EVERY_STOCK.items():
+    for _name, (stock_recipe, path) in EVERY_STOCK.items():
         if "generate" in stock_recipe or stock_recipe == "eleuther_eval":
             with pytest.raises(ConfigError, match=r"^config key '\w+' is missing$"):
                 validate_config(OmegaConf.load(path))
@@ -138,17 +180,37 @@ def test_estimate_traces_a_stock_dpo_config(capsys: pytest.CaptureFixture) -> No
     """The issue's command (issue 37.5). Before: a one-line refusal ('estimate does not model a DPO step yet'), and
     before that AttributeError: 'DPOLoss' object has no attribute 'ignore_index'. The DPO step itself is tested on
     tiny models in test_estimate_dpo.py."""
-    assert main(["estimate", "--config", "llama3_1/8B_lora_dpo_single_device", "--device-memory", "80GiB",
-                 "--seq-len", "2048"]) == 0
+    assert (
+        main(
+            [
+                "estimate",
+                "--config",
+                "llama3_1/8B_lora_dpo_single_device",
+                "--device-memory",
+                "80GiB",
+                "--seq-len",
+                "2048",
+            ]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     pairs = int(out.split("predicted largest micro batch: ", 1)[1].split(" ", 1)[0])
-    assert pairs >= 1 and out.startswith(f"predicted largest micro batch: {pairs} (pairs of 2048-token sequences, "
-                                         "1 rank(s))")
+    assert pairs >= 1 and out.startswith(
+        f"predicted largest micro batch: {pairs} (pairs of 2048-token sequences, 1 rank(s))"
+    )
     assert "DPO (lora_dpo): a sample is a pair" in out and "(the policy with its adapters off)" in out
 
 
-@pytest.mark.parametrize("name", ["qwen2/1.5_to_0.5B_KD_lora_single_device", "qwen2/1.5_to_0.5B_KD_lora_distributed",
-                                  "llama3_2/8B_to_1B_KD_lora_single_device", "llama3_2/8B_to_1B_KD_lora_distributed"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "qwen2/1.5_to_0.5B_KD_lora_single_device",
+        "qwen2/1.5_to_0.5B_KD_lora_distributed",
+        "llama3_2/8B_to_1B_KD_lora_single_device",
+        "llama3_2/8B_to_1B_KD_lora_distributed",
+    ],
+)
 def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(name: str) -> None:
     """The 4 stock KD configs validate by name for adaptive_knowledge_distillation (the recipe that runs them, as
     ``cp`` says); a fine-tuning recipe refuses them naming it (issue 38.1)."""
@@ -164,7 +226,8 @@ def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(name: str)
     assert str(error.value) == (
         f"config key 'teacher_model' = '{teacher}' (with 'teacher_checkpointer', 'kd_loss', 'kd_ratio') asks for "
         "knowledge distillation from a teacher model, which adaptive_lora_finetune does not do; use "
-        "adaptive_knowledge_distillation")
+        "adaptive_knowledge_distillation"
+    )
 
 
 def test_stock_names_resolve_as_tune_run_resolves_them(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -178,7 +241,9 @@ def test_stock_names_resolve_as_tune_run_resolves_them(tmp_path: Path, monkeypat
         resolve_config("llama3_1/8B_ful")
 
 
-def test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+def test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
     assert main(["cp", "llama3_1/8B_lora_single_device", str(tmp_path / "mine.yaml")]) == 0
     assert (tmp_path / "mine.yaml").read_text() == STOCK["llama3_1/8B_lora_single_device"].read_text()
     assert f"Run it with: tune run adaptive_lora_finetune --config {tmp_path / 'mine.yaml'}" in capsys.readouterr().out
@@ -190,7 +255,8 @@ def test_cp_copies_a_stock_config_and_names_the_recipe_that_runs_it(tmp_path: Pa
 
 
 def test_estimate_takes_a_stock_name_and_asks_for_the_length_its_data_cannot_give(
-        capsys: pytest.CaptureFixture) -> None:
+    capsys: pytest.CaptureFixture,
+) -> None:
     """The stock configs' tokenizer files are not here, so the worst case cannot come from the data."""
     assert main(["estimate", "--config", "llama3_2/1B_lora_single_device", "--device-memory", "24GiB"]) == 2
     error = capsys.readouterr().err
@@ -198,16 +264,19 @@ def test_estimate_takes_a_stock_name_and_asks_for_the_length_its_data_cannot_giv
     assert "--seq-len N" in error and error.count("\n") == 1
 
 
-def test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def test_log_peak_memory_stats_adds_torchtunes_memory_statistics_on_cuda_only(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(stepping.memory, "peak_memory_gb", lambda device: None if device.type == "cpu" else 1.5)
-    monkeypatch.setattr(stepping.training, "get_memory_stats",
-                        lambda device: {"peak_memory_active": 1.0, "peak_memory_alloc": 1.5, "peak_memory_reserved": 2.0})
+    monkeypatch.setattr(
+        stepping.training,
+        "get_memory_stats",
+        lambda device: {"peak_memory_active": 1.0, "peak_memory_alloc": 1.5, "peak_memory_reserved": 2.0},
+    )
     stats = StepStats(loss=1.0, tokens=10, seconds=1.0, samples=4)
 
     def metrics(device: str, on: bool) -> dict[str, float]:
-        return step_metrics(stats, lr=1e-3, accumulation=1, ranks=1, device=torch.device(device), batching={},
-                            peak_memory_stats=on)
+        return step_metrics(
+            stats, lr=1e-3, accumulation=1, ranks=1, device=torch.device(device), batching={}, peak_memory_stats=on
+        )
 
     assert "peak_memory_reserved" not in metrics("cpu", True) and "peak_memory_gb" not in metrics("cpu", True)
     assert "peak_memory_reserved" not in metrics("cuda", False)
@@ -224,7 +293,7 @@ def test_the_shipped_real_model_configs_profile_and_say_how_their_batch_adapts(n
     assert why in text
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _trace_2048(name: str) -> Any:
     """The config's fine-tuning steps traced on fake tensors at 2048-token samples, once a module: predictions for
     several devices share one trace (``StepTrace``)."""

@@ -7,8 +7,8 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from recipe_runs import check, run_command, unclean_exit
@@ -36,8 +36,10 @@ MOMENTS = {  # where the signal lands: the fault (tests/faulty_run.py) and the o
 
 def resume_line(output_dir: Path, why: str) -> str:
     """The one line ``resume_from_checkpoint=True`` logs on a folder stopped before its first checkpoint."""
-    return (f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its first one "
-            f"({why}): starting from the beginning (what it cached, token counts or profile, is reused)")
+    return (
+        f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its first one "
+        f"({why}): starting from the beginning (what it cached, token counts or profile, is reused)"
+    )
 
 
 def fake_checkpoint(output_dir: Path, epoch: int, *, epochs_run: int, total_epochs: int) -> Path:
@@ -47,8 +49,11 @@ def fake_checkpoint(output_dir: Path, epoch: int, *, epochs_run: int, total_epoc
     (folder / checkpoints.RECIPE_STATE_FILE).write_bytes(b"state")
     (folder / "model-00001-of-00001.safetensors").write_bytes(b"weights")
     files = {path.name: path.stat().st_size for path in folder.iterdir()}
-    (folder / checkpoints.MARKER).write_text(json.dumps({"complete": True, "global_step": 5, "files": files,
-                                                        "epochs_run": epochs_run, "total_epochs": total_epochs}))
+    (folder / checkpoints.MARKER).write_text(
+        json.dumps(
+            {"complete": True, "global_step": 5, "files": files, "epochs_run": epochs_run, "total_epochs": total_epochs}
+        )
+    )
     return folder
 
 
@@ -56,12 +61,15 @@ def fake_checkpoint(output_dir: Path, epoch: int, *, epochs_run: int, total_epoc
 
 
 def test_a_stop_record_says_stopped_and_a_resume_starts_from_the_beginning_in_one_line(
-        tmp_path: Path, said: Callable[[], list[str]]) -> None:
+    tmp_path: Path, said: Callable[[], list[str]]
+) -> None:
     assert run_status(tmp_path).startswith("none: no complete checkpoint")
     assert resume_decision(True, tmp_path) == (True, None) and said() == []  # no record: the config error follows
     mark_stopped(tmp_path, "SIGTERM received")
-    assert run_status(tmp_path) == ("stopped: SIGTERM received, before the first checkpoint; "
-                                    "resume_from_checkpoint=True starts it from the beginning")
+    assert run_status(tmp_path) == (
+        "stopped: SIGTERM received, before the first checkpoint; "
+        "resume_from_checkpoint=True starts it from the beginning"
+    )
     assert resume_decision(True, tmp_path) == (False, None)
     assert said() == [resume_line(tmp_path, "SIGTERM received")]
 
@@ -103,8 +111,10 @@ def test_the_first_signal_is_recorded_at_once_until_the_run_has_a_checkpoint(tmp
 @pytest.fixture(scope="module")
 def stopped(assets: Path, runs: Path) -> dict[str, subprocess.CompletedProcess]:
     """One run per moment, each stopped there."""
-    return {moment: faulty_run(runs, moment, fault, assets, *FEW_STEPS, *overrides, env=COMPILE_ENV)
-            for moment, (fault, overrides) in MOMENTS.items()}
+    return {
+        moment: faulty_run(runs, moment, fault, assets, *FEW_STEPS, *overrides, env=COMPILE_ENV)
+        for moment, (fault, overrides) in MOMENTS.items()
+    }
 
 
 @pytest.mark.e2e
@@ -115,10 +125,14 @@ def test_a_stop_before_training_says_stopped_everywhere(stopped: dict, runs: Pat
     where = "during set-up (data, model, token counts)" if moment == "token_counts" else "while profiling"
     if moment == "compile":  # the compiling before the trials: stopped at the first trial, once compiled
         assert "Profiler: compiled in" in result.stderr and "trial steps in" not in result.stderr
-    assert f"stopped: {name} received; stopped {where}, before any step trained: {NO_CHECKPOINT}. Continue with " \
-           "resume_from_checkpoint=True" in result.stderr
-    assert run_status(runs / moment) == (f"stopped: {name} received; stopped {where}, before any step trained, before "
-                                         "the first checkpoint; resume_from_checkpoint=True starts it from the beginning")
+    assert (
+        f"stopped: {name} received; stopped {where}, before any step trained: {NO_CHECKPOINT}. Continue with "
+        "resume_from_checkpoint=True" in result.stderr
+    )
+    assert run_status(runs / moment) == (
+        f"stopped: {name} received; stopped {where}, before any step trained, before "
+        "the first checkpoint; resume_from_checkpoint=True starts it from the beginning"
+    )
     assert not (runs / moment / "logs").exists()  # the metric logger is built when training starts
 
 
@@ -126,12 +140,15 @@ def test_a_stop_before_training_says_stopped_everywhere(stopped: dict, runs: Pat
 def test_a_stop_in_the_first_step_saves_it_and_one_killed_in_that_save_says_stopped(stopped: dict, runs: Path) -> None:
     saved = stopped["first_step"]
     assert "saved the checkpoint of optimizer step 1 in" in saved.stderr, saved.stderr[-3000:]
-    assert run_status(runs / "first_step").startswith("resumable:") and not (runs / "first_step" / STOPPED_FILE).exists()
+    assert (
+        run_status(runs / "first_step").startswith("resumable:") and not (runs / "first_step" / STOPPED_FILE).exists()
+    )
     killed = stopped["first_step_killed_in_its_save"]
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     assert run_status(runs / "first_step_killed_in_its_save") == (
         "stopped: SIGTERM received, before the first checkpoint; resume_from_checkpoint=True starts it from the "
-        "beginning")  # recorded when the signal came: the kill left no stop line
+        "beginning"
+    )  # recorded when the signal came: the kill left no stop line
 
 
 @pytest.mark.e2e
@@ -157,16 +174,26 @@ def test_resuming_a_run_stopped_while_profiling_starts_it_over_once(stopped: dic
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_two_ranks_stop_together_at_the_set_ups_end_when_one_is_signalled_in_the_token_counts(
-        assets: Path, runs: Path) -> None:
+    assets: Path, runs: Path
+) -> None:
     """SIGTERM to rank 1 alone while it counts the tokens: both ranks stop at the set-up's end, nothing saved, and
     status says stopped (rank 0's line, written after the ranks agreed)."""
-    result = faulty_run(runs, "ranks", {"signal": "SIGTERM", "signal_in": "token_counts", "rank": 1}, assets,
-                        *FEW_STEPS, *PROFILED, nproc=2)
+    result = faulty_run(
+        runs,
+        "ranks",
+        {"signal": "SIGTERM", "signal_in": "token_counts", "rank": 1},
+        assets,
+        *FEW_STEPS,
+        *PROFILED,
+        nproc=2,
+    )
     where = "stopped during set-up (data, model, token counts), before any step trained"
     assert f"SIGTERM received; {where}: {NO_CHECKPOINT}" in result.stderr, result.stderr[-3000:]
     assert f"a stop signal on another rank; {where}: {NO_CHECKPOINT}" in result.stderr
-    assert run_status(runs / "ranks") == (f"stopped: a stop signal on another rank; {where}, before the first "
-                                          "checkpoint; resume_from_checkpoint=True starts it from the beginning")
+    assert run_status(runs / "ranks") == (
+        f"stopped: a stop signal on another rank; {where}, before the first "
+        "checkpoint; resume_from_checkpoint=True starts it from the beginning"
+    )
 
 
 # ---------------------------------------------------------------- profile and plan: no log file
@@ -176,6 +203,11 @@ def test_two_ranks_stop_together_at_the_set_ups_end_when_one_is_signalled_in_the
 def test_plan_leaves_no_log_file(assets: Path, tmp_path: Path) -> None:
     """``plan`` sets up, profiles and plans as ``profile`` does, and logs no metric: no ``logs/log_*.txt``."""
     out = tmp_path / "run"
-    check(run_command("cli", ["plan", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}",
-                              *COMMON, *PROFILED], cwd=tmp_path))
+    check(
+        run_command(
+            "cli",
+            ["plan", "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={out}", *COMMON, *PROFILED],
+            cwd=tmp_path,
+        )
+    )
     assert (out / "profile" / "profile.json").is_file() and not (out / "logs").exists()

@@ -129,8 +129,12 @@ def test_the_student_is_a_smaller_tiny_model_with_the_same_vocabulary(assets: Ti
     assert config["vocab_size"] == TINY_MODEL_ARGS["vocab_size"] == TINY_STUDENT_ARGS["vocab_size"]
     assert config["num_hidden_layers"] < TINY_MODEL_ARGS["num_layers"]
     assert config["hidden_size"] < TINY_MODEL_ARGS["embed_dim"]
-    checkpointer = FullModelHFCheckpointer(checkpoint_dir=str(assets.student_dir), checkpoint_files=["model.safetensors"],
-                                           model_type="LLAMA3", output_dir=str(tmp_path / "out"))
+    checkpointer = FullModelHFCheckpointer(
+        checkpoint_dir=str(assets.student_dir),
+        checkpoint_files=["model.safetensors"],
+        model_type="LLAMA3",
+        output_dir=str(tmp_path / "out"),
+    )
     student = llama3(**TINY_STUDENT_ARGS)
     student.load_state_dict(checkpointer.load_checkpoint()["model"], strict=True)
     reference = build_tiny_model(SEED + 1, TINY_STUDENT_ARGS).state_dict()

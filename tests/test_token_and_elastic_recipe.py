@@ -14,9 +14,17 @@ from test_oom_recovery import assert_close_weights, faulty_run, final_weights, o
 pytestmark = pytest.mark.e2e
 
 SAMPLES = 120
-TOKENS = ("use_maximum_batch_size=False", "batch_increase_function=null", f"dataset.split=train[:{SAMPLES}]",
-          "max_steps_per_epoch=null", "epochs=2", "lr_scheduler=null", "adaptive_batching.max_tokens=2048",
-          "adaptive_batching.picking_order=seqlen", "batch_size=16")
+TOKENS = (
+    "use_maximum_batch_size=False",
+    "batch_increase_function=null",
+    f"dataset.split=train[:{SAMPLES}]",
+    "max_steps_per_epoch=null",
+    "epochs=2",
+    "lr_scheduler=null",
+    "adaptive_batching.max_tokens=2048",
+    "adaptive_batching.picking_order=seqlen",
+    "batch_size=16",
+)
 
 
 def steps_of(runs: Path, name: str) -> list[dict]:
@@ -58,8 +66,7 @@ def test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step(one_
 
 
 @pytest.mark.multiprocess
-def test_token_budget_on_two_ranks_matches_one_rank_with_accumulation(one_rank: Path, runs: Path,
-                                                                        assets: Path) -> None:
+def test_token_budget_on_two_ranks_matches_one_rank_with_accumulation(one_rank: Path, runs: Path, assets: Path) -> None:
     """Each step's micro batches are dealt to 2 ranks (balanced by tokens) instead of run one after the
     other on 1 rank: the same samples per step, the same losses."""
     ok(faulty_run(runs, "tokens-2", {}, assets, *TOKENS, nproc=2, timeout=600))
@@ -71,10 +78,17 @@ def test_token_budget_on_two_ranks_matches_one_rank_with_accumulation(one_rank: 
     assert [r["loss"] for r in two] == pytest.approx([r["loss"] for r in one], rel=1e-4)
 
 
-def test_token_budget_oom_cuts_micro_batches_and_keeps_the_trajectory(one_rank: Path, runs: Path,
-                                                                      assets: Path) -> None:
-    output = ok(faulty_run(runs, "tokens-oom", {"phase": "forward", "from_step": 4, "above": 12}, assets, *TOKENS,
-                           "gradient_accumulation_steps=2"))
+def test_token_budget_oom_cuts_micro_batches_and_keeps_the_trajectory(one_rank: Path, runs: Path, assets: Path) -> None:
+    output = ok(
+        faulty_run(
+            runs,
+            "tokens-oom",
+            {"phase": "forward", "from_step": 4, "above": 12},
+            assets,
+            *TOKENS,
+            "gradient_accumulation_steps=2",
+        )
+    )
     assert "running the same" in output and "each micro batch cut into 2 pieces" in output
     assert_every_sample_once_per_epoch(runs, "tokens-oom")
     assert per_step_samples(runs, "tokens-oom") == per_step_samples(runs, "tokens-1")
@@ -82,8 +96,18 @@ def test_token_budget_oom_cuts_micro_batches_and_keeps_the_trajectory(one_rank: 
 
 
 def test_the_profiler_sets_the_token_budget_and_checks_it_on_the_shortest_samples(runs: Path, assets: Path) -> None:
-    output = ok(faulty_run(runs, "tokens-auto", {}, assets, *TOKENS, "use_maximum_batch_size=True",
-                           "adaptive_batching.max_tokens=auto", "epochs=1"))
+    output = ok(
+        faulty_run(
+            runs,
+            "tokens-auto",
+            {},
+            assets,
+            *TOKENS,
+            "use_maximum_batch_size=True",
+            "adaptive_batching.max_tokens=auto",
+            "epochs=1",
+        )
+    )
     line = next(l for l in output.splitlines() if l.startswith("Token budget: "))
     budget = int(line.split()[2])
     assert "the longest sample's" in line and budget > 2048
@@ -93,10 +117,17 @@ def test_the_profiler_sets_the_token_budget_and_checks_it_on_the_shortest_sample
 
 
 # ---------------------------------------------------------------- elastic
-ELASTIC = ("use_maximum_batch_size=False", "batch_increase_function=null", "dataset.split=train[:32]",
-           "tokenizer.max_seq_len=96", "max_steps_per_epoch=null", "epochs=2", "save_every_n_steps=2",
-           "lr_scheduler=null",
-           "adaptive_batching.elastic={max_global_batch: 10, micro_batches: [2, 4], max_ranks: 2}")
+ELASTIC = (
+    "use_maximum_batch_size=False",
+    "batch_increase_function=null",
+    "dataset.split=train[:32]",
+    "tokenizer.max_seq_len=96",
+    "max_steps_per_epoch=null",
+    "epochs=2",
+    "save_every_n_steps=2",
+    "lr_scheduler=null",
+    "adaptive_batching.elastic={max_global_batch: 10, micro_batches: [2, 4], max_ranks: 2}",
+)
 
 
 @pytest.mark.multiprocess
@@ -108,8 +139,17 @@ def test_elastic_run_resumed_on_another_world_size_keeps_the_global_batch(runs: 
     assert "this run: micro batch 4 x accumulation 1 x 2 rank(s) = global batch 8" in whole
     killed = faulty_run(runs, "elastic-part", {"kill_after": 3}, assets, *ELASTIC, nproc=2)
     assert killed.returncode != 0
-    resumed = ok(faulty_run(runs, "elastic-part-1", {}, assets, *ELASTIC,
-                            f"output_dir={runs / 'elastic-part'}", "resume_from_checkpoint=True"))
+    resumed = ok(
+        faulty_run(
+            runs,
+            "elastic-part-1",
+            {},
+            assets,
+            *ELASTIC,
+            f"output_dir={runs / 'elastic-part'}",
+            "resume_from_checkpoint=True",
+        )
+    )
     assert "this run: micro batch 4 x accumulation 2 x 1 rank(s) = global batch 8" in resumed
     assert "Resuming on 1 rank(s) instead of 2: the same global batch 8" in resumed
     whole_rows, part_rows = read_metrics(runs / "elastic-whole" / "logs"), read_metrics(runs / "elastic-part" / "logs")
@@ -117,27 +157,37 @@ def test_elastic_run_resumed_on_another_world_size_keeps_the_global_batch(runs: 
     assert {r["global_batch_size"] for r in part_rows} == {8}
     assert [r["lr"] for r in part_rows] == [r["lr"] for r in whole_rows]
     assert [r["loss"] for r in part_rows] == pytest.approx([r["loss"] for r in whole_rows], rel=1e-4)
-    whole_samples, part_samples = per_step_samples(runs, "elastic-whole"), {
-        **per_step_samples(runs, "elastic-part"), **per_step_samples(runs, "elastic-part-1")}
+    whole_samples, part_samples = (
+        per_step_samples(runs, "elastic-whole"),
+        {**per_step_samples(runs, "elastic-part"), **per_step_samples(runs, "elastic-part-1")},
+    )
     assert {k: sorted(v) for k, v in part_samples.items()} == {k: sorted(v) for k, v in whole_samples.items()}
 
 
 def test_elastic_refuses_a_world_size_it_cannot_hold_before_loading_the_model(runs: Path, assets: Path) -> None:
-    result = faulty_run(runs, "elastic-bad", {}, assets, *ELASTIC[:-1],
-                        "adaptive_batching.elastic={max_global_batch: 10, micro_batches: [2], min_ranks: 2, "
-                        "max_ranks: 2}")
+    result = faulty_run(
+        runs,
+        "elastic-bad",
+        {},
+        assets,
+        *ELASTIC[:-1],
+        "adaptive_batching.elastic={max_global_batch: 10, micro_batches: [2], min_ranks: 2, max_ranks: 2}",
+    )
     assert result.returncode == 1
-    assert "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly over " \
-           "1 rank(s); valid world sizes: 2" in result.stderr
+    assert (
+        "config error: config key 'adaptive_batching.elastic': global batch 8 does not split evenly over "
+        "1 rank(s); valid world sizes: 2" in result.stderr
+    )
     assert not (runs / "elastic-bad" / "logs").exists()
 
 
 def test_growth_scales_the_token_budget(runs: Path, assets: Path) -> None:
     """geometric(factor=2) doubles the requested batch each epoch; in token mode the budget doubles with it."""
-    growth = ("batch_increase_function._component_=adaptive_batching.growth.geometric",
-              "batch_increase_function.factor=2")
-    output = ok(faulty_run(runs, "tokens-growth", {}, assets, *TOKENS[2:], "use_maximum_batch_size=False",
-                           *growth))
+    growth = (
+        "batch_increase_function._component_=adaptive_batching.growth.geometric",
+        "batch_increase_function.factor=2",
+    )
+    output = ok(faulty_run(runs, "tokens-growth", {}, assets, *TOKENS[2:], "use_maximum_batch_size=False", *growth))
     assert "token budget 2048 -> 4096 padded tokens per micro batch" in output
     rows = read_metrics(runs / "tokens-growth" / "logs")
     budgets = [r["max_tokens"] for r in rows]

@@ -30,8 +30,12 @@ MAX_TOKENS = 256
 
 def tokens_in_step(sampler: TokenBudgetBatchSampler, step: int) -> int:
     """Padded tokens of the ``step``-th step's forwards as served (after ``split``), over all ranks."""
-    return sum(padded_tokens(sampler.lengths, piece) for mine in sampler.layout()[step] for batch in mine
-               for piece in _pieces(batch, sampler.split))
+    return sum(
+        padded_tokens(sampler.lengths, piece)
+        for mine in sampler.layout()[step]
+        for batch in mine
+        for piece in _pieces(batch, sampler.split)
+    )
 
 
 def long_tailed(n: int, seed: int, *, mean: float = 3.5, sigma: float = 1.0, cap: int = MAX_TOKENS) -> list[int]:
@@ -72,8 +76,9 @@ def test_picking_orders() -> None:
     assert picking_order(lengths, "random", shuffle=False, seed=4, epoch=2) == expected
     assert torch.equal(torch.get_rng_state(), rng)
     big = list(range(50))
-    assert picking_order(big, "random", shuffle=False, seed=4, epoch=2) != \
-        picking_order(big, "random", shuffle=False, seed=4, epoch=3)
+    assert picking_order(big, "random", shuffle=False, seed=4, epoch=2) != picking_order(
+        big, "random", shuffle=False, seed=4, epoch=3
+    )
     with pytest.raises(ValueError, match="unknown picking order 'longest'"):
         picking_order(lengths, "longest", shuffle=True, seed=0, epoch=0)
 
@@ -84,14 +89,21 @@ def test_micro_batches_on_a_hand_checked_example() -> None:
     cut = token_micro_batches(lengths, range(7), max_tokens=10, min_batch_size=None, max_batch_size=None)
     # [3, 5] pads to 2 x 5 = 10; [5] + 2 would be 3 x 5; 8 alone; then 1, 1, 1 after 8 would be 4 x 8.
     assert cut == [[0, 1], [2], [3], [4, 5, 6]]
-    assert token_micro_batches(lengths, range(7), max_tokens=10, min_batch_size=None, max_batch_size=2) == \
-        [[0, 1], [2], [3], [4, 5], [6]]
-    assert token_micro_batches(lengths, [6, 5, 4, 2, 0, 1, 3], max_tokens=10, min_batch_size=None,
-                               max_batch_size=None) == [[6, 5, 4, 2], [0, 1], [3]]
+    assert token_micro_batches(lengths, range(7), max_tokens=10, min_batch_size=None, max_batch_size=2) == [
+        [0, 1],
+        [2],
+        [3],
+        [4, 5],
+        [6],
+    ]
+    assert token_micro_batches(
+        lengths, [6, 5, 4, 2, 0, 1, 3], max_tokens=10, min_batch_size=None, max_batch_size=None
+    ) == [[6, 5, 4, 2], [0, 1], [3]]
     assert token_micro_batches([], [], max_tokens=10, min_batch_size=2, max_batch_size=4) == []
     # Only the picked samples count: an unpicked long one neither errs nor limits min_batch_size.
-    assert token_micro_batches([1, 50, 2, 3], [0, 2, 3], max_tokens=10, min_batch_size=3, max_batch_size=None) == \
-        [[0, 2, 3]]
+    assert token_micro_batches([1, 50, 2, 3], [0, 2, 3], max_tokens=10, min_batch_size=3, max_batch_size=None) == [
+        [0, 2, 3]
+    ]
 
 
 def test_padding_on_a_hand_checked_example() -> None:
@@ -117,8 +129,9 @@ def test_micro_batches_respect_the_budget_and_bounds_on_long_tailed_lengths(orde
         if min_size is not None and max_size is not None and min_size > max_size:
             max_size = min_size
         indices = picking_order(lengths, order, shuffle=True, seed=seed, epoch=0)
-        batches = token_micro_batches(lengths, indices, max_tokens=max_tokens, min_batch_size=min_size,
-                                      max_batch_size=max_size)
+        batches = token_micro_batches(
+            lengths, indices, max_tokens=max_tokens, min_batch_size=min_size, max_batch_size=max_size
+        )
         assert [i for batch in batches for i in batch] == indices
         for k, batch in enumerate(batches):
             assert batch
@@ -142,13 +155,18 @@ def test_a_sample_longer_than_the_budget_is_an_error() -> None:
 
 def test_contradicting_bounds_are_an_error() -> None:
     lengths = [3, 4, 9, 1]
-    with pytest.raises(ValueError, match=r"adaptive_batching.min_batch_size=2 and adaptive_batching.max_tokens=10 "
-                                         r"contradict"):
+    with pytest.raises(
+        ValueError,
+        match=r"adaptive_batching.min_batch_size=2 and adaptive_batching.max_tokens=10 "
+        r"contradict",
+    ):
         token_micro_batches(lengths, range(4), max_tokens=10, min_batch_size=2, max_batch_size=None)
     with pytest.raises(ValueError, match="contradict"):
         make(lengths, 0, 1, max_tokens=17, min_batch_size=2)
-    assert token_micro_batches(lengths, range(4), max_tokens=18, min_batch_size=2, max_batch_size=None) == \
-        [[0, 1], [2, 3]]
+    assert token_micro_batches(lengths, range(4), max_tokens=18, min_batch_size=2, max_batch_size=None) == [
+        [0, 1],
+        [2, 3],
+    ]
     with pytest.raises(ValueError, match="min_batch_size 3 > adaptive_batching.max_batch_size 2"):
         token_micro_batches(lengths, range(4), max_tokens=100, min_batch_size=3, max_batch_size=2)
 
@@ -182,8 +200,9 @@ def test_balance_spread_stays_within_the_largest_micro_batch() -> None:
 def test_every_sample_once_and_the_same_layout_on_all_ranks(order: str, world: int, acc: int) -> None:
     for seed, n in enumerate([1, 2, 5, 40, 97, 150]):
         lengths = long_tailed(n, seed=seed)
-        samplers = [make(lengths, r, world, picking_order=order, accumulation=acc, max_batch_size=8)
-                    for r in range(world)]
+        samplers = [
+            make(lengths, r, world, picking_order=order, accumulation=acc, max_batch_size=8) for r in range(world)
+        ]
         per_rank = [list(s) for s in samplers]
         assert_covers_once(per_rank, n)
         plan = samplers[0].layout()
@@ -265,8 +284,9 @@ def test_seqlen_steps_hold_similar_lengths_in_shuffled_order() -> None:
     assert plans[0] != plans[1]  # ...in another order
     longest = [max(lengths[i] for mine in step for batch in mine for i in batch) for step in plans[0]]
     assert longest != sorted(longest)
-    assert padding_waste(lengths, [b for step in plans[0] for mine in step for b in mine]) < \
-        padding_waste(lengths, [b for step in make(lengths, 0, 2).layout() for mine in step for b in mine])
+    assert padding_waste(lengths, [b for step in plans[0] for mine in step for b in mine]) < padding_waste(
+        lengths, [b for step in make(lengths, 0, 2).layout() for mine in step for b in mine]
+    )
 
 
 # ---------------------------------------------------------------- max_steps, split, start_step
@@ -287,15 +307,17 @@ def test_split_serves_the_same_samples_per_step_in_smaller_pieces(world: int, sp
             whole = make(LENGTHS, rank, world, picking_order=order)
             cut = make(LENGTHS, rank, world, picking_order=order, split=split)
             assert cut.step_layout() == [count * split for count in whole.step_layout()]
-            for step, pieces in zip(split_steps(list(whole), whole.step_layout()),
-                                    split_steps(list(cut), cut.step_layout())):
+            for step, pieces in zip(
+                split_steps(list(whole), whole.step_layout()), split_steps(list(cut), cut.step_layout())
+            ):
                 assert [i for piece in pieces for i in piece] == [i for batch in step for i in batch]
                 for k, batch in enumerate(step):
-                    own = pieces[k * split:(k + 1) * split]
+                    own = pieces[k * split : (k + 1) * split]
                     assert [i for piece in own for i in piece] == batch
                     assert max(map(len, own)) - min(map(len, own)) <= 1
-            assert [cut.samples_in_step(i) for i in range(cut.steps)] == \
-                [whole.samples_in_step(i) for i in range(whole.steps)]
+            assert [cut.samples_in_step(i) for i in range(cut.steps)] == [
+                whole.samples_in_step(i) for i in range(whole.steps)
+            ]
             assert all(tokens_in_step(cut, i) <= tokens_in_step(whole, i) for i in range(cut.steps))
 
 
@@ -304,21 +326,41 @@ def test_start_step_begins_the_first_iteration_at_that_step(start: int) -> None:
     whole = make(LENGTHS, 1, 2, split=2)
     layout = whole.step_layout()
     later = make(LENGTHS, 1, 2, split=2, start_step=start)
-    assert list(later) == list(whole)[sum(layout[:start]):]
+    assert list(later) == list(whole)[sum(layout[:start]) :]
     assert list(later) == list(whole)  # the next iteration is the whole epoch again
 
 
 @pytest.mark.parametrize(
     "kwargs",
     [
-        {"max_tokens": 0}, {"min_batch_size": 0}, {"max_batch_size": 0}, {"min_batch_size": 3, "max_batch_size": 2},
-        {"picking_order": "sorted"}, {"accumulation": 0}, {"world_size": 0}, {"rank": 2}, {"rank": -1},
-        {"epoch": -1}, {"max_steps": 0}, {"split": 0}, {"start_step": -1}, {"start_step": 1000},
+        {"max_tokens": 0},
+        {"min_batch_size": 0},
+        {"max_batch_size": 0},
+        {"min_batch_size": 3, "max_batch_size": 2},
+        {"picking_order": "sorted"},
+        {"accumulation": 0},
+        {"world_size": 0},
+        {"rank": 2},
+        {"rank": -1},
+        {"epoch": -1},
+        {"max_steps": 0},
+        {"split": 0},
+        {"start_step": -1},
+        {"start_step": 1000},
     ],
 )
 def test_invalid_arguments_raise(kwargs: dict) -> None:
-    args = dict(max_tokens=MAX_TOKENS, picking_order="dataloader", min_batch_size=None, max_batch_size=None,
-                accumulation=1, rank=0, world_size=2, shuffle=True, seed=0)
+    args = dict(
+        max_tokens=MAX_TOKENS,
+        picking_order="dataloader",
+        min_batch_size=None,
+        max_batch_size=None,
+        accumulation=1,
+        rank=0,
+        world_size=2,
+        shuffle=True,
+        seed=0,
+    )
     args.update(kwargs)
     with pytest.raises(ValueError):
         TokenBudgetBatchSampler(LENGTHS, **args)
@@ -339,8 +381,9 @@ def loader_over(lengths: list[int], rank: int, world: int, **kwargs) -> Stateful
     return StatefulDataLoader(list(range(1000, 1000 + len(lengths))), batch_sampler=sampler, collate_fn=list)
 
 
-@pytest.mark.parametrize("order, world, acc, split", [("dataloader", 2, 2, 1), ("seqlen", 3, 1, 2),
-                                                      ("random", 2, 3, 1)])
+@pytest.mark.parametrize(
+    "order, world, acc, split", [("dataloader", 2, 2, 1), ("seqlen", 3, 1, 2), ("random", 2, 3, 1)]
+)
 def test_loader_state_resumes_exactly_mid_epoch(order: str, world: int, acc: int, split: int) -> None:
     lengths = LENGTHS[:60]
     kwargs = dict(picking_order=order, accumulation=acc, split=split)
@@ -375,9 +418,18 @@ def test_sampler_state_round_trip_without_a_loader() -> None:
     [next(iterator) for _ in range(3)]
     state = pickle.loads(pickle.dumps(sampler.state_dict()))
     assert {k: v for k, v in state.items() if k != "lengths_digest"} == {
-        "epoch": 1, "yielded": 3, "dataset_size": len(LENGTHS), "max_tokens": 600,
-        "picking_order": "dataloader", "min_batch_size": 2, "max_batch_size": 9, "accumulation": 2, "split": 1,
-        "world_size": 2, "seed": 7, "shuffle": True,
+        "epoch": 1,
+        "yielded": 3,
+        "dataset_size": len(LENGTHS),
+        "max_tokens": 600,
+        "picking_order": "dataloader",
+        "min_batch_size": 2,
+        "max_batch_size": 9,
+        "accumulation": 2,
+        "split": 1,
+        "world_size": 2,
+        "seed": 7,
+        "shuffle": True,
     }
     fresh = make(LENGTHS, 1, 2, max_tokens=600, min_batch_size=2, max_batch_size=9)
     fresh.load_state_dict(state)
@@ -398,9 +450,19 @@ def test_state_after_a_finished_epoch_resumes_at_the_next_epoch() -> None:
 
 @pytest.mark.parametrize(
     "changed",
-    [{"max_tokens": 300}, {"picking_order": "random"}, {"min_batch_size": 1}, {"max_batch_size": 50},
-     {"accumulation": 1}, {"split": 2}, {"world": 3}, {"lengths": LENGTHS[:-1]},
-     {"lengths": LENGTHS[:-1] + [LENGTHS[-1] + 1]}, {"seed": 8}, {"shuffle": False}],
+    [
+        {"max_tokens": 300},
+        {"picking_order": "random"},
+        {"min_batch_size": 1},
+        {"max_batch_size": 50},
+        {"accumulation": 1},
+        {"split": 2},
+        {"world": 3},
+        {"lengths": LENGTHS[:-1]},
+        {"lengths": LENGTHS[:-1] + [LENGTHS[-1] + 1]},
+        {"seed": 8},
+        {"shuffle": False},
+    ],
 )
 def test_a_state_from_another_layout_is_refused(changed: dict) -> None:
     args = {"lengths": LENGTHS, "world": 2} | changed

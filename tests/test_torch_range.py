@@ -4,11 +4,11 @@ a recipe or the ``adaptive-batching`` command, for a torch outside them (before 
 from __future__ import annotations
 
 import sys
-import tomllib
 from pathlib import Path
 from typing import Any
 
 import pytest
+import tomllib
 
 from adaptive_batching import cli
 from adaptive_batching.config.loading import parse
@@ -32,8 +32,10 @@ def test_a_torch_in_the_range_is_supported(version: str) -> None:
 @pytest.mark.parametrize("version", ["2.10.0", "2.6.0+cu124", "2.15.0", "2.15.0.dev20260101", "3.0.0"])
 def test_a_torch_outside_the_range_gets_one_line(version: str) -> None:
     message = packages.unsupported_torch(version)
-    assert message == (f"torch {version} is installed; adaptive-batching supports {packages.TORCH_REQUIREMENT}: "
-                       f'pip install "{packages.TORCH_REQUIREMENT}"')
+    assert message == (
+        f"torch {version} is installed; adaptive-batching supports {packages.TORCH_REQUIREMENT}: "
+        f'pip install "{packages.TORCH_REQUIREMENT}"'
+    )
 
 
 def test_the_installed_torch_is_read_without_importing_it() -> None:
@@ -44,8 +46,9 @@ def test_the_installed_torch_is_read_without_importing_it() -> None:
     assert packages.unsupported_torch(packages.installed_torch()) is None  # the suite runs on a supported torch
 
 
-def test_the_command_says_one_line_before_it_runs(monkeypatch: pytest.MonkeyPatch,
-                                                  capsys: pytest.CaptureFixture[str]) -> None:
+def test_the_command_says_one_line_before_it_runs(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(packages, "installed_torch", lambda: "2.15.0")
     ran: list[Any] = []
     monkeypatch.setattr(cli, "cmd_ls", ran.append)
@@ -54,8 +57,9 @@ def test_the_command_says_one_line_before_it_runs(monkeypatch: pytest.MonkeyPatc
     assert capsys.readouterr().err == f"config error: {packages.unsupported_torch('2.15.0')}\n"
 
 
-def test_a_recipe_says_one_line_before_it_loads_anything(monkeypatch: pytest.MonkeyPatch,
-                                                         capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_recipe_says_one_line_before_it_loads_anything(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     monkeypatch.setattr(packages, "installed_torch", lambda: "2.10.0")
     monkeypatch.setattr(memory, "freeze_long_lived_objects", lambda: None)
     monkeypatch.setattr(sys, "argv", ["x", "--config", "tiny_full"])

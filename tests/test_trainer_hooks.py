@@ -17,8 +17,20 @@ from typing import Any
 import pytest
 
 HERE = Path(__file__).parent
-HOOKS = ("before_setup", "collate", "after_setup", "before_trial", "before_train", "before_epoch", "before_step",
-         "before_forward", "after_loss", "after_step", "after_epoch", "after_train")
+HOOKS = (
+    "before_setup",
+    "collate",
+    "after_setup",
+    "before_trial",
+    "before_train",
+    "before_epoch",
+    "before_step",
+    "before_forward",
+    "after_loss",
+    "after_step",
+    "after_epoch",
+    "after_train",
+)
 
 
 def record_run(record: str, module_name: str, argv: list[str]) -> None:
@@ -60,16 +72,29 @@ def record_run(record: str, module_name: str, argv: list[str]) -> None:
             events.append({"hook": "before_epoch", "epoch": epoch, "saved": saved(trainer, epoch)})
 
         def after_epoch(self, trainer: Any, epoch: int) -> None:
-            events.append({"hook": "after_epoch", "epoch": epoch, "saved": saved(trainer, epoch),
-                           "epochs_run": trainer.progress.epochs_run})
+            events.append(
+                {
+                    "hook": "after_epoch",
+                    "epoch": epoch,
+                    "saved": saved(trainer, epoch),
+                    "epochs_run": trainer.progress.epochs_run,
+                }
+            )
 
         def before_step(self, trainer: Any, micro_batches: list) -> None:
-            events.append({"hook": "before_step", "step": trainer.global_step, "micro_batches": len(micro_batches),
-                           "samples": [len(b["tokens"]) for b in micro_batches]})
+            events.append(
+                {
+                    "hook": "before_step",
+                    "step": trainer.global_step,
+                    "micro_batches": len(micro_batches),
+                    "samples": [len(b["tokens"]) for b in micro_batches],
+                }
+            )
 
         def before_forward(self, batch: dict) -> None:
-            events.append({"hook": "before_forward", "samples": len(batch["tokens"]),
-                           "device": str(batch["tokens"].device)})
+            events.append(
+                {"hook": "before_forward", "samples": len(batch["tokens"]), "device": str(batch["tokens"].device)}
+            )
 
         def after_loss(self, loss: Any) -> None:
             events.append({"hook": "after_loss", "requires_grad": bool(loss.requires_grad)})
@@ -87,11 +112,28 @@ def recorded(runs: Path, assets: Path) -> dict[str, Any]:
     from recipe_runs import read_metrics, run_command
 
     out, record = runs / "hooks", runs / "hooks.json"
-    result = run_command("script", [__file__, str(record), "adaptive_full_finetune", "--config", "tiny_full",
-                                    f"assets_dir={assets}", f"output_dir={out}", "dataset.split=train[:200]", "adaptive_batching.memory_budget=24MiB",
-                                    "use_maximum_batch_size=True", "batch_increase_function=null", "epochs=2",
-                                    "max_steps_per_epoch=2", "batch_size=2", "gradient_accumulation_steps=2",
-                                    f"adaptive_batching.cache_dir={runs / 'cache'}"], cwd=runs)
+    result = run_command(
+        "script",
+        [
+            __file__,
+            str(record),
+            "adaptive_full_finetune",
+            "--config",
+            "tiny_full",
+            f"assets_dir={assets}",
+            f"output_dir={out}",
+            "dataset.split=train[:200]",
+            "adaptive_batching.memory_budget=24MiB",
+            "use_maximum_batch_size=True",
+            "batch_increase_function=null",
+            "epochs=2",
+            "max_steps_per_epoch=2",
+            "batch_size=2",
+            "gradient_accumulation_steps=2",
+            f"adaptive_batching.cache_dir={runs / 'cache'}",
+        ],
+        cwd=runs,
+    )
     assert result.returncode == 0, result.stderr[-4000:]
     profile = json.loads((out / "profile" / "profile.json").read_text())
     return {"events": json.loads(record.read_text()), "metrics": read_metrics(out / "logs"), "profile": profile}
@@ -138,12 +180,12 @@ def test_each_step_is_seen_before_its_forwards_and_after_them_before_the_trainer
         step = events[start]
         assert step["step"] == events[end]["step"] == n  # steps done before it: the trainer counts it after
         assert events[end]["loss"] == pytest.approx(metrics[n]["loss"], rel=1e-6)  # the step the log counts as n + 1
-        inside = events[start + 1:end]
+        inside = events[start + 1 : end]
         assert [e["hook"] for e in inside] == ["before_forward", "after_loss"] * step["micro_batches"]
         assert [e["samples"] for e in inside if e["hook"] == "before_forward"] == step["samples"]
         # Its micro batches were collated by the run's (wrapped) collate just before it.
-        collated = [e for e in events[ends[n - 1] + 1 if n else 0:start] if e["hook"] == "collated"]
-        assert [e["samples"] for e in collated][-step["micro_batches"]:] == step["samples"]
+        collated = [e for e in events[ends[n - 1] + 1 if n else 0 : start] if e["hook"] == "collated"]
+        assert [e["samples"] for e in collated][-step["micro_batches"] :] == step["samples"]
 
 
 @pytest.mark.e2e

@@ -33,8 +33,12 @@ def _rank(rank: int, store: str, out_dir: str) -> None:
             return Trial(micro_batch, ok, peak if ok else None, 0.0, "verify")
 
         found = search_max_micro_batch(run, 8, tolerance=0.0)
-        result = {"seen": seen, "max_ok": found.max_ok, "trials": [(t.micro_batch, t.ok) for t in found.trials],
-                  "minimum": minimum_over_ranks(5 + 3 * rank, parallel, torch.device("cpu"))}
+        result = {
+            "seen": seen,
+            "max_ok": found.max_ok,
+            "trials": [(t.micro_batch, t.ok) for t in found.trials],
+            "minimum": minimum_over_ranks(5 + 3 * rank, parallel, torch.device("cpu")),
+        }
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()

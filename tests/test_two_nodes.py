@@ -17,9 +17,16 @@ from test_preemption import logged_steps
 HERE = Path(__file__).parent
 # 24 MiB: a micro batch of about 7 per node, so the profile's trials and the steps train half the samples they
 # would at 48 MiB.
-RUN = ("use_maximum_batch_size=True", "batch_increase_function=null", "adaptive_batching.memory_budget=24MiB",
-       "dataset.split=train[:600]", "epochs=2", "max_steps_per_epoch=6", "save_every_n_steps=2",
-       "tokenizer.max_seq_len=128")
+RUN = (
+    "use_maximum_batch_size=True",
+    "batch_increase_function=null",
+    "adaptive_batching.memory_budget=24MiB",
+    "dataset.split=train[:600]",
+    "epochs=2",
+    "max_steps_per_epoch=6",
+    "save_every_n_steps=2",
+    "tokenizer.max_seq_len=128",
+)
 # Both agents at once, each one's output in its own files; prints their exit codes.
 AGENTS = """
 import json, subprocess, sys
@@ -38,23 +45,50 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def two_nodes(tmp: Path, name: str, fault: dict, assets: Path, *overrides: str,
-              fresh: bool = False) -> list[subprocess.CompletedProcess]:
+def two_nodes(
+    tmp: Path, name: str, fault: dict, assets: Path, *overrides: str, fresh: bool = False
+) -> list[subprocess.CompletedProcess]:
     """Two torchrun agents, each a node of one process, meeting at a c10d rendezvous on this machine. ``fresh``:
     agents and workers are new interpreters; otherwise they are forked from the suite's fork server
     (``run_command(fork_python=True)``), real processes with their own signals, rendezvous and exit codes."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc_per_node", "1",
-           "--rdzv_backend", "c10d", "--rdzv_endpoint", f"127.0.0.1:{free_port()}", "--rdzv_id", name,
-           str(HERE / "faulty_run.py"), json.dumps(fault), str(tmp / f"{name}-"), "adaptive_full_finetune",
-           "--config", "tiny_full", f"assets_dir={assets}", f"output_dir={tmp / name}", *RUN,
-           f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}", *overrides]  # one profile for all runs
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "2",
+        "--nproc_per_node",
+        "1",
+        "--rdzv_backend",
+        "c10d",
+        "--rdzv_endpoint",
+        f"127.0.0.1:{free_port()}",
+        "--rdzv_id",
+        name,
+        str(HERE / "faulty_run.py"),
+        json.dumps(fault),
+        str(tmp / f"{name}-"),
+        "adaptive_full_finetune",
+        "--config",
+        "tiny_full",
+        f"assets_dir={assets}",
+        f"output_dir={tmp / name}",
+        *RUN,
+        f"adaptive_batching.cache_dir={tmp / 'two_nodes_profile'}",
+        *overrides,
+    ]  # one profile for all runs
     (tmp / "agents.py").write_text(AGENTS)
     prefix = tmp / f"{name}-{'fresh' if fresh else 'forked'}-agent"
-    driver = check(run_command("script", [str(tmp / "agents.py"), str(prefix), json.dumps(cmd)], cwd=tmp,
-                               fork_python=not fresh))
+    driver = check(
+        run_command("script", [str(tmp / "agents.py"), str(prefix), json.dumps(cmd)], cwd=tmp, fork_python=not fresh)
+    )
     codes = json.loads(driver.stdout)
-    return [subprocess.CompletedProcess(cmd, code, Path(f"{prefix}{node}.out").read_text(),
-                                        Path(f"{prefix}{node}.err").read_text()) for node, code in enumerate(codes)]
+    return [
+        subprocess.CompletedProcess(
+            cmd, code, Path(f"{prefix}{node}.out").read_text(), Path(f"{prefix}{node}.err").read_text()
+        )
+        for node, code in enumerate(codes)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -63,8 +97,9 @@ def nodes(assets: Path, runs: Path) -> dict[str, list[subprocess.CompletedProces
     workers (the suite's other runs fork theirs; benchmarks/clean_exits.py's test exits a finished 2-rank run of
     new interpreters). The whole and resumed runs fork theirs."""
     whole = two_nodes(runs, "whole", {}, assets)
-    stopped = two_nodes(runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets,
-                        fresh=True)
+    stopped = two_nodes(
+        runs, "stopped", {"signal": "SIGTERM", "signal_at": 3, "to": "parent", "rank": 1}, assets, fresh=True
+    )
     resumed = two_nodes(runs, "stopped", {}, assets, "resume_from_checkpoint=True")
     return {"whole": whole, "stopped": stopped, "resumed": resumed}
 

@@ -39,12 +39,40 @@ pytestmark = pytest.mark.e2e
 @pytest.fixture(scope="module")
 def validation(assets: Path, runs: Path) -> dict:
     out = runs / "validation.json"
-    check(run_command("script", [str(SCRIPT), "--workdir", str(runs / "work"), "--assets", str(assets),
-                                 "--json", str(out), "--settings", ",".join(SETTINGS), "--steps", str(STEPS),
-                                 "--truth", ",".join(TRUTH), "--no-stock-compile",
-                                 "--max-trials", str(TRIALS), "--budget", BUDGET, "--compile-budget", COMPILE_BUDGET,
-                                 "--token-samples", str(TOKEN_SAMPLES), "--long-samples", str(LONG_SAMPLES)],
-                      cwd=runs, env=dict(os.environ, TORCH_COMPILE_BACKEND=COMPILE_BACKEND), timeout=900))
+    check(
+        run_command(
+            "script",
+            [
+                str(SCRIPT),
+                "--workdir",
+                str(runs / "work"),
+                "--assets",
+                str(assets),
+                "--json",
+                str(out),
+                "--settings",
+                ",".join(SETTINGS),
+                "--steps",
+                str(STEPS),
+                "--truth",
+                ",".join(TRUTH),
+                "--no-stock-compile",
+                "--max-trials",
+                str(TRIALS),
+                "--budget",
+                BUDGET,
+                "--compile-budget",
+                COMPILE_BUDGET,
+                "--token-samples",
+                str(TOKEN_SAMPLES),
+                "--long-samples",
+                str(LONG_SAMPLES),
+            ],
+            cwd=runs,
+            env=dict(os.environ, TORCH_COMPILE_BACKEND=COMPILE_BACKEND),
+            timeout=900,
+        )
+    )
     return json.loads(out.read_text())
 
 
@@ -166,8 +194,14 @@ def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
     table = (runs / "validation.md").read_text()
     for key in SETTINGS:
         assert f"| {key} |" in table
-    for line in ("| token budget |", "| oom | ok |", "| preempt | ok |", "| finetune | stock: full_finetune_single",
-                 "| dpo | stock: lora_dpo_single_device", "| finetune | ours compile: full/ac_off/compile |"):
+    for line in (
+        "| token budget |",
+        "| oom | ok |",
+        "| preempt | ok |",
+        "| finetune | stock: full_finetune_single",
+        "| dpo | stock: lora_dpo_single_device",
+        "| finetune | ours compile: full/ac_off/compile |",
+    ):
         assert line in table
     assert "NO" not in table.split("|") and "FAILED" not in table
     import validate_device  # benchmarks/ is on sys.path (conftest.py)
@@ -176,9 +210,13 @@ def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
 
 
 def test_bad_options_are_named(runs: Path) -> None:
-    for argv, option in ((["--phase", "nope"], "--phase"), (["--settings", "full/ac_maybe"], "--settings"),
-                         (["--steps", "0"], "--steps"), (["--tolerance", "2"], "--tolerance"),
-                         (["--threads", "-1"], "--threads")):
+    for argv, option in (
+        (["--phase", "nope"], "--phase"),
+        (["--settings", "full/ac_maybe"], "--settings"),
+        (["--steps", "0"], "--steps"),
+        (["--tolerance", "2"], "--tolerance"),
+        (["--threads", "-1"], "--threads"),
+    ):
         result = run_command("script", [str(SCRIPT), *argv], cwd=runs)
         assert result.returncode == 2 and option in result.stderr, result.stderr
 
@@ -212,20 +250,47 @@ def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path, part: str
     import sys
 
     out = tmp_path / "out"
-    env = dict(os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"),
-               PART=part)
-    result = subprocess.run(["bash", str(SCRIPT.parent / "gpu_check.sh"), "--steps", "2"], cwd=SCRIPT.parents[1],
-                            env=env, capture_output=True, text=True, timeout=300)
+    env = dict(
+        os.environ, DEADLINE="1", OUT=str(out), PY=sys.executable, NO_WHEELS="1", WORKDIR=str(tmp_path / "w"), PART=part
+    )
+    result = subprocess.run(
+        ["bash", str(SCRIPT.parent / "gpu_check.sh"), "--steps", "2"],
+        cwd=SCRIPT.parents[1],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert result.returncode == 0, result.stderr
     skipped = sorted(line.split(") ", 1)[1] for line in result.stdout.splitlines() if line.startswith("SKIP"))
-    expected = {"1": ["estimate: ", "main: --phase assets", "main: --phase compile",
-                      "main: --phase dpo --settings lora_dpo/ac_off", "main: --phase full --settings full/ac_off",
-                      "main: --phase full --settings full/ac_on", "main: --phase qlora", "main: --phase stock"],
-                "2": ["faults: --phase oom", "faults: --phase preempt", "kd: --phase dpo --settings full_dpo/ac_off",
-                      "kd: --phase estimate", "kd: --phase kd", "main: --phase assets", "memory: --phase estimate",
-                      "memory: --phase full --settings full/ac_on", "memory: --phase lora --settings lora/ac_off",
-                      "memory: --phase lora --settings lora/ac_on", "paths: --phase bwd", "paths: --phase nccl",
-                      "qat: --phase offload", "qat: --phase qat"]}[part]
+    expected = {
+        "1": [
+            "estimate: ",
+            "main: --phase assets",
+            "main: --phase compile",
+            "main: --phase dpo --settings lora_dpo/ac_off",
+            "main: --phase full --settings full/ac_off",
+            "main: --phase full --settings full/ac_on",
+            "main: --phase qlora",
+            "main: --phase stock",
+        ],
+        "2": [
+            "faults: --phase oom",
+            "faults: --phase preempt",
+            "kd: --phase dpo --settings full_dpo/ac_off",
+            "kd: --phase estimate",
+            "kd: --phase kd",
+            "main: --phase assets",
+            "memory: --phase estimate",
+            "memory: --phase full --settings full/ac_on",
+            "memory: --phase lora --settings lora/ac_off",
+            "memory: --phase lora --settings lora/ac_on",
+            "paths: --phase bwd",
+            "paths: --phase nccl",
+            "qat: --phase offload",
+            "qat: --phase qat",
+        ],
+    }[part]
     assert skipped == expected
     assert "torch" in (out / "env.txt").read_text() and not (out / "validation.json").exists()
 
@@ -235,10 +300,19 @@ def test_lanes_merge_into_one_table() -> None:
     fields any lane gave it (the estimate lane adds its estimate to the main lane's row), the first lane's header."""
     import validate_device  # benchmarks/ is on sys.path (conftest.py)
 
-    main = {"device": {"name": "gpu"}, "meta": {"budget": None, "command": "main"}, "phases": {"full": {"seconds": 1}},
-            "settings": {"full/ac_off": {"profile": {"micro_batch": 19}}}, "checks": {}, "stock": {"finetune": {}}}
-    estimate = {"meta": {"budget": None, "command": "estimate"}, "phases": {"estimate": {"seconds": 2}},
-                "settings": {"full/ac_off": {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}}}
+    main = {
+        "device": {"name": "gpu"},
+        "meta": {"budget": None, "command": "main"},
+        "phases": {"full": {"seconds": 1}},
+        "settings": {"full/ac_off": {"profile": {"micro_batch": 19}}},
+        "checks": {},
+        "stock": {"finetune": {}},
+    }
+    estimate = {
+        "meta": {"budget": None, "command": "estimate"},
+        "phases": {"estimate": {"seconds": 2}},
+        "settings": {"full/ac_off": {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}},
+    }
     lane = {"meta": {"budget": "24GiB", "command": "faults"}, "checks": {"oom": {"ok": True}}, "settings": {}}
     merged = validate_device.merge_results([main, estimate, lane])
     assert merged["settings"]["full/ac_off"] == {"profile": {"micro_batch": 19}, "estimate": {"max_micro_batch": 21}}

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 from omegaconf import OmegaConf
@@ -36,8 +36,9 @@ class Packs:
     max_seq_len = 2048
 
 
-def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(tmp_path: Path,
-                                                                          said: Callable[[], list[str]]) -> None:
+def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(
+    tmp_path: Path, said: Callable[[], list[str]]
+) -> None:
     data = Samples([5, 1450, 9, 300])
     worst, lengths = worst_case.measure(data, length_source(CFG, tmp_path), packed=False)
     assert (worst.tokens, lengths) == (1450, [5, 1450, 9, 300])
@@ -51,7 +52,10 @@ def test_the_worst_case_is_the_longest_sample_and_says_where_it_came_from(tmp_pa
 
 def test_truncation_is_named_and_a_packed_data_set_is_one_pack_long() -> None:
     truncated = length_source(OmegaConf.create({"tokenizer": {"max_seq_len": 256}, "dataset": {}}), None)
-    assert worst_case.from_lengths([3, 256], truncated).source == "the longest of 2 samples after tokenizer.max_seq_len=256"
+    assert (
+        worst_case.from_lengths([3, 256], truncated).source
+        == "the longest of 2 samples after tokenizer.max_seq_len=256"
+    )
     worst, lengths = worst_case.measure(Packs(), truncated, packed=True)
     assert (worst.tokens, lengths) == (2048, None) and worst.source == "the pack size (tokenizer.max_seq_len=256)"
 
@@ -59,14 +63,22 @@ def test_truncation_is_named_and_a_packed_data_set_is_one_pack_long() -> None:
 def test_a_worst_case_beyond_the_model_is_a_config_error_naming_the_key() -> None:
     worst_case.check_fits(worst_case.WorstCase(512, "x"), 512)
     worst_case.check_fits(None, 8)
-    with pytest.raises(ConfigError, match="above the model's max_seq_len 512: set tokenizer.max_seq_len to at most 512"):
+    with pytest.raises(
+        ConfigError, match="above the model's max_seq_len 512: set tokenizer.max_seq_len to at most 512"
+    ):
         worst_case.check_fits(worst_case.WorstCase(1450, "the longest"), 512)
 
 
 def test_estimate_without_data_asks_for_the_length(tmp_path: Path) -> None:
-    cfg = OmegaConf.create({"tokenizer": {"_component_": "torchtune.models.llama3.llama3_tokenizer",
-                                          "path": "/nonexistent/tokenizer.model"},
-                            "dataset": {"_component_": "torchtune.datasets.alpaca_dataset"}})
+    cfg = OmegaConf.create(
+        {
+            "tokenizer": {
+                "_component_": "torchtune.models.llama3.llama3_tokenizer",
+                "path": "/nonexistent/tokenizer.model",
+            },
+            "dataset": {"_component_": "torchtune.datasets.alpaca_dataset"},
+        }
+    )
     with pytest.raises(ConfigError, match=r"could not be read here \(FileNotFoundError: .*give it with --seq-len N"):
         worst_case_of(cfg, tmp_path)
 
@@ -77,10 +89,23 @@ def test_a_131072_token_model_profiles_at_the_datas_longest_sample_and_trains(as
     worst case (minutes for one trial step on the tiny model, then no micro batch at all); the tiny data's
     longest sample is 1450 tokens."""
     out = tmp_path / "run"
-    result = check(tune_run("adaptive_full_finetune", "tiny_full", [
-        f"assets_dir={assets}", f"output_dir={out}", "tokenizer.max_seq_len=null", "model.max_seq_len=131072",
-        "batch_increase_function=null", "epochs=1", "max_steps_per_epoch=2",
-        "adaptive_batching.memory_budget=128MiB"], cwd=tmp_path))  # the demo's 512 MiB: more and dearer trials
+    result = check(
+        tune_run(
+            "adaptive_full_finetune",
+            "tiny_full",
+            [
+                f"assets_dir={assets}",
+                f"output_dir={out}",
+                "tokenizer.max_seq_len=null",
+                "model.max_seq_len=131072",
+                "batch_increase_function=null",
+                "epochs=1",
+                "max_steps_per_epoch=2",
+                "adaptive_batching.memory_budget=128MiB",
+            ],
+            cwd=tmp_path,
+        )
+    )  # the demo's 512 MiB: more and dearer trials
     output = result.stdout + result.stderr
     lengths = json.loads(next((out / "profile_cache").glob("lengths-*.json")).read_text())["lengths"]
     longest = max(lengths)

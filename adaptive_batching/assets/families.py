@@ -14,9 +14,10 @@ chat template.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping
+from typing import Any
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -66,27 +67,57 @@ def _heads(args: Mapping[str, Any]) -> dict[str, int]:
 
 FAMILIES: dict[str, Family] = {
     "qwen2_5": Family(
-        "qwen2_5", qwen2, {**COMMON, "vocab_size": 1088, "num_kv_heads": 2, "tie_word_embeddings": True,
-                           "rope_base": 1_000_000.0, "norm_eps": 1e-6},
-        "QWEN2", lambda sd, a: qwen2_tune_to_hf(sd, **_heads(a), tie_word_embeddings=True),
-        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True}, "qwen2",
-        tuple(QWEN2_5_SPECIAL_TOKENS)),
+        "qwen2_5",
+        qwen2,
+        {
+            **COMMON,
+            "vocab_size": 1088,
+            "num_kv_heads": 2,
+            "tie_word_embeddings": True,
+            "rope_base": 1_000_000.0,
+            "norm_eps": 1e-6,
+        },
+        "QWEN2",
+        lambda sd, a: qwen2_tune_to_hf(sd, **_heads(a), tie_word_embeddings=True),
+        {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "tie_word_embeddings": True},
+        "qwen2",
+        tuple(QWEN2_5_SPECIAL_TOKENS),
+    ),
     "gemma2": Family(
-        "gemma2", gemma2, {**COMMON, "vocab_size": SPM_VOCAB, "num_kv_heads": 2, "head_dim": 16,
-                           "sliding_window_size": 64, "query_pre_attn_scalar": 16},
-        "GEMMA2", lambda sd, a: gemma2_tune_to_hf(sd, **_heads(a), head_dim=a["head_dim"]),
+        "gemma2",
+        gemma2,
+        {
+            **COMMON,
+            "vocab_size": SPM_VOCAB,
+            "num_kv_heads": 2,
+            "head_dim": 16,
+            "sliding_window_size": 64,
+            "query_pre_attn_scalar": 16,
+        },
+        "GEMMA2",
+        lambda sd, a: gemma2_tune_to_hf(sd, **_heads(a), head_dim=a["head_dim"]),
         {"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2", "head_dim": 16, "tie_word_embeddings": True},
-        "sentencepiece"),
+        "sentencepiece",
+    ),
     "phi3": Family(
-        "phi3", phi3, {**COMMON, "vocab_size": 1088, "num_kv_heads": 4},
-        "PHI3_MINI", lambda sd, a: phi3_tune_to_hf(sd),
+        "phi3",
+        phi3,
+        {**COMMON, "vocab_size": 1088, "num_kv_heads": 4},
+        "PHI3_MINI",
+        lambda sd, a: phi3_tune_to_hf(sd),
         {"architectures": ["Phi3ForCausalLM"], "model_type": "phi3", "tie_word_embeddings": False},
-        "sentencepiece", tuple(PHI3_SPECIAL_TOKENS)),
+        "sentencepiece",
+        tuple(PHI3_SPECIAL_TOKENS),
+    ),
     "mistral": Family(
-        "mistral", mistral, {**COMMON, "vocab_size": SPM_VOCAB, "num_kv_heads": 2},
-        "MISTRAL", lambda sd, a: convert_weights.tune_to_hf(sd, **_heads(a)),
+        "mistral",
+        mistral,
+        {**COMMON, "vocab_size": SPM_VOCAB, "num_kv_heads": 2},
+        "MISTRAL",
+        lambda sd, a: convert_weights.tune_to_hf(sd, **_heads(a)),
         {"architectures": ["MistralForCausalLM"], "model_type": "mistral", "tie_word_embeddings": False},
-        "sentencepiece"),
+        "sentencepiece",
+    ),
 }
 
 
@@ -120,18 +151,26 @@ def build_family_model(family: Family, seed: int = 0) -> torch.nn.Module:
 def hf_config(family: Family) -> dict[str, Any]:
     """The ``config.json`` fields torchtune's checkpointer reads (and HF would), at the tiny sizes."""
     a = family.args
-    return {**family.hf_config, "hidden_size": a["embed_dim"], "intermediate_size": a["intermediate_dim"],
-            "num_attention_heads": a["num_heads"], "num_key_value_heads": a["num_kv_heads"],
-            "num_hidden_layers": a["num_layers"], "max_position_embeddings": a["max_seq_len"],
-            "vocab_size": a["vocab_size"], "torch_dtype": "float32"}
+    return {
+        **family.hf_config,
+        "hidden_size": a["embed_dim"],
+        "intermediate_size": a["intermediate_dim"],
+        "num_attention_heads": a["num_heads"],
+        "num_key_value_heads": a["num_kv_heads"],
+        "num_hidden_layers": a["num_layers"],
+        "max_position_embeddings": a["max_seq_len"],
+        "vocab_size": a["vocab_size"],
+        "torch_dtype": "float32",
+    }
 
 
 def _json(data: Any) -> bytes:
     return (json.dumps(data, sort_keys=True, indent=2) + "\n").encode("ascii")
 
 
-def write_family_assets(output_dir: str | Path = DEFAULT_TINY_DIR, name: str = "qwen2_5", *, seed: int = 0,
-                        num_samples: int = 3000) -> FamilyAssetPaths:
+def write_family_assets(
+    output_dir: str | Path = DEFAULT_TINY_DIR, name: str = "qwen2_5", *, seed: int = 0, num_samples: int = 3000
+) -> FamilyAssetPaths:
     """Write the tiny data (and Llama tokenizer and model) under ``output_dir`` and ``name``'s checkpoint and
     tokenizer in ``output_dir/name``. Deterministic in ``seed``; every file replaced atomically."""
     if name not in FAMILIES:

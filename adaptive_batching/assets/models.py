@@ -21,9 +21,10 @@ nothing about quality; memory and speed are those of the real model.
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 from safetensors.torch import save_file
@@ -44,8 +45,17 @@ from adaptive_batching.assets.tiny import (
 )
 from adaptive_batching.runtime.files import write_atomically
 
-__all__ = ["MODELS", "ModelAssetPaths", "build_random_model", "hf_config", "hf_state_dict", "model_args",
-           "recipe_overrides", "write_model_assets", "describe_model_assets"]
+__all__ = [
+    "MODELS",
+    "ModelAssetPaths",
+    "build_random_model",
+    "hf_config",
+    "hf_state_dict",
+    "model_args",
+    "recipe_overrides",
+    "write_model_assets",
+    "describe_model_assets",
+]
 
 # The arguments torchtune's llama3_2_1b() passes to llama3_2() (checked against it in the tests).
 LLAMA3_2_1B_ARGS: dict[str, Any] = {
@@ -78,10 +88,20 @@ TINY_QLORA_ARGS: dict[str, Any] = {
 }
 
 MODELS: dict[str, dict[str, Any]] = {
-    "llama3_2_1b": {"builder": llama3_2, "args": LLAMA3_2_1B_ARGS, "model_type": "LLAMA3_2", "dtype": "bfloat16",
-                    "configs": ("llama3_2_1b", "llama3_2_1b_lora")},
-    "tiny_qlora": {"builder": llama3, "args": TINY_QLORA_ARGS, "model_type": "LLAMA3", "dtype": "float32",
-                   "configs": ("tiny_qlora",)},
+    "llama3_2_1b": {
+        "builder": llama3_2,
+        "args": LLAMA3_2_1B_ARGS,
+        "model_type": "LLAMA3_2",
+        "dtype": "bfloat16",
+        "configs": ("llama3_2_1b", "llama3_2_1b_lora"),
+    },
+    "tiny_qlora": {
+        "builder": llama3,
+        "args": TINY_QLORA_ARGS,
+        "model_type": "LLAMA3",
+        "dtype": "float32",
+        "configs": ("tiny_qlora",),
+    },
 }
 CHOICES = ("tiny", *MODELS)
 TOKENIZER_VOCAB = TINY_MODEL_ARGS["vocab_size"]  # ids the tiny tokenizer can produce: 0 .. 1279
@@ -96,12 +116,12 @@ class ModelAssetPaths:
     model_dir: Path
 
     @classmethod
-    def from_root(cls, root: str | Path, name: str) -> "ModelAssetPaths":
+    def from_root(cls, root: str | Path, name: str) -> ModelAssetPaths:
         tiny = TinyAssetPaths.from_root(root)
         return cls(tiny=tiny, name=name, model_dir=tiny.root / name)
 
 
-def model_args(name: str, overrides: Optional[Mapping[str, Any]] = None) -> dict[str, Any]:
+def model_args(name: str, overrides: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The builder arguments of ``name``, with ``overrides`` (a shrunk copy for tests) applied."""
     if name not in MODELS:
         raise ValueError(f"unknown model {name!r}; choose one of {', '.join(MODELS)}")
@@ -111,13 +131,20 @@ def model_args(name: str, overrides: Optional[Mapping[str, Any]] = None) -> dict
         raise ValueError(f"unknown model argument(s) {unknown} for {name}; known: {sorted(args)}")
     args.update(overrides or {})
     if args["vocab_size"] < TOKENIZER_VOCAB:
-        raise ValueError(f"vocab_size {args['vocab_size']} is below the tiny tokenizer's {TOKENIZER_VOCAB} ids: "
-                         "token ids would index past the embedding")
+        raise ValueError(
+            f"vocab_size {args['vocab_size']} is below the tiny tokenizer's {TOKENIZER_VOCAB} ids: "
+            "token ids would index past the embedding"
+        )
     return args
 
 
-def build_random_model(args: Mapping[str, Any], seed: int = 0, dtype: torch.dtype = torch.bfloat16,
-                       device: str | torch.device = "cpu", builder: Any = llama3_2) -> TransformerDecoder:
+def build_random_model(
+    args: Mapping[str, Any],
+    seed: int = 0,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str | torch.device = "cpu",
+    builder: Any = llama3_2,
+) -> TransformerDecoder:
     """``builder(**args)`` in ``dtype`` on ``device`` (``meta`` for shapes only), initialised from ``seed``
     without touching the global RNG state."""
     with torch.random.fork_rng(devices=[]), training.set_default_dtype(dtype), torch.device(device):
@@ -131,8 +158,13 @@ def _head_dim(args: Mapping[str, Any]) -> int:
 
 def hf_state_dict(model: TransformerDecoder, args: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     """The weights under HF Llama names and q/k layout, contiguous (safetensors needs that)."""
-    converted = tune_to_hf(model.state_dict(), num_heads=args["num_heads"], num_kv_heads=args["num_kv_heads"],
-                           dim=args["embed_dim"], head_dim=_head_dim(args))
+    converted = tune_to_hf(
+        model.state_dict(),
+        num_heads=args["num_heads"],
+        num_kv_heads=args["num_kv_heads"],
+        dim=args["embed_dim"],
+        head_dim=_head_dim(args),
+    )
     return {name: tensor.detach().contiguous() for name, tensor in converted.items()}
 
 
@@ -155,9 +187,15 @@ def hf_config(args: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any
         "num_hidden_layers": args["num_layers"],
         "num_key_value_heads": args["num_kv_heads"],
         "rms_norm_eps": args["norm_eps"],
-        "rope_scaling": None if "scale_factor" not in args else {
-            "factor": float(args["scale_factor"]), "high_freq_factor": 4.0, "low_freq_factor": 1.0,
-            "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+        "rope_scaling": None
+        if "scale_factor" not in args
+        else {
+            "factor": float(args["scale_factor"]),
+            "high_freq_factor": 4.0,
+            "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192,
+            "rope_type": "llama3",
+        },
         "rope_theta": float(args["rope_base"]),
         "tie_word_embeddings": bool(args.get("tie_word_embeddings", False)),
         "torch_dtype": dtype,
@@ -165,9 +203,14 @@ def hf_config(args: Mapping[str, Any], dtype: str = "bfloat16") -> dict[str, Any
     }
 
 
-
-def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "llama3_2_1b", *, seed: int = 0,
-                       num_samples: int = 3000, overrides: Optional[Mapping[str, Any]] = None) -> ModelAssetPaths:
+def write_model_assets(
+    output_dir: str | Path = DEFAULT_TINY_DIR,
+    model: str = "llama3_2_1b",
+    *,
+    seed: int = 0,
+    num_samples: int = 3000,
+    overrides: Mapping[str, Any] | None = None,
+) -> ModelAssetPaths:
     """Write the tiny tokenizer and data under ``output_dir`` and ``model``'s checkpoint (in its ``dtype``) in
     ``output_dir/model``; ``overrides`` change builder arguments (tests write a shrunk copy)."""
     args, entry = model_args(model, overrides), MODELS[model]
@@ -175,13 +218,15 @@ def write_model_assets(output_dir: str | Path = DEFAULT_TINY_DIR, model: str = "
     paths = ModelAssetPaths.from_root(output_dir, model)
     built = build_random_model(args, seed=seed, dtype=getattr(torch, entry["dtype"]), builder=entry["builder"])
     state = hf_state_dict(built, args)
-    write_atomically(paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"}))
+    write_atomically(
+        paths.model_dir / "model.safetensors", lambda tmp: save_file(state, tmp, metadata={"format": "pt"})
+    )
     config = json.dumps(hf_config(args, entry["dtype"]), sort_keys=True, indent=2) + "\n"
     write_atomically(paths.model_dir / "config.json", config)
     return paths
 
 
-def recipe_overrides(paths: ModelAssetPaths, max_seq_len: Optional[int] = None) -> list[str]:
+def recipe_overrides(paths: ModelAssetPaths, max_seq_len: int | None = None) -> list[str]:
     """``key=value`` overrides that point the shipped ``llama3_2_1b`` / ``llama3_2_1b_lora`` configs at
     these files: the checkpoint, the tiny tokenizer and the tiny alpaca data (both configs)."""
     tiny = paths.tiny

@@ -21,9 +21,10 @@ from __future__ import annotations
 import io
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 from safetensors.torch import save as safetensors_save
@@ -79,8 +80,14 @@ TINY_MODEL_ARGS: dict[str, Any] = {
 }
 
 # The student the tiny model teaches (knowledge distillation): one layer and half the width, the same vocabulary.
-TINY_STUDENT_ARGS: dict[str, Any] = {**TINY_MODEL_ARGS, "num_layers": 1, "num_heads": 2, "num_kv_heads": 1,
-                                     "embed_dim": 32, "intermediate_dim": 96}
+TINY_STUDENT_ARGS: dict[str, Any] = {
+    **TINY_MODEL_ARGS,
+    "num_layers": 1,
+    "num_heads": 2,
+    "num_kv_heads": 1,
+    "embed_dim": 32,
+    "intermediate_dim": 96,
+}
 
 NUM_SPECIAL_TOKENS = TINY_MODEL_ARGS["vocab_size"] - NUM_MERGEABLE_RANKS
 
@@ -108,7 +115,7 @@ class TinyAssetPaths:
     student_dir: Path
 
     @classmethod
-    def from_root(cls, root: str | Path) -> "TinyAssetPaths":
+    def from_root(cls, root: str | Path) -> TinyAssetPaths:
         """Compute the asset paths below ``root`` without touching the filesystem."""
         root = Path(root)
         return cls(
@@ -125,6 +132,7 @@ class TinyAssetPaths:
 # --------------------------------------------------------------------------- #
 # Word lists for the synthetic dataset
 # --------------------------------------------------------------------------- #
+
 
 def load_tiny_tokenizer(paths: TinyAssetPaths, max_seq_len: int | None = None) -> Llama3Tokenizer:
     """Load the tiny tokenizer through torchtune's public ``llama3_tokenizer`` builder."""
@@ -191,7 +199,6 @@ def hf_state_dict(model: TransformerDecoder, args: dict[str, Any] = TINY_MODEL_A
 # --------------------------------------------------------------------------- #
 
 
-
 def _json_bytes(obj: Any) -> bytes:
     """Canonical JSON encoding (sorted keys, ASCII, fixed indent) so equal data gives equal bytes."""
     return (json.dumps(obj, sort_keys=True, indent=2, ensure_ascii=True) + "\n").encode("ascii")
@@ -220,8 +227,9 @@ def write_tiny_assets(
     write_atomically(paths.model_dir / "model.safetensors", safetensors_save(hf_state_dict(model)))
     write_atomically(paths.model_dir / "config.json", _json_bytes(hf_config()))
     student = build_tiny_model(seed + 1, TINY_STUDENT_ARGS)
-    write_atomically(paths.student_dir / "model.safetensors",
-                     safetensors_save(hf_state_dict(student, TINY_STUDENT_ARGS)))
+    write_atomically(
+        paths.student_dir / "model.safetensors", safetensors_save(hf_state_dict(student, TINY_STUDENT_ARGS))
+    )
     write_atomically(paths.student_dir / "config.json", _json_bytes(hf_config(TINY_STUDENT_ARGS)))
     return paths
 

@@ -219,6 +219,10 @@ def generate_preferences(records: list[dict[str, str]], seed: int = 0) -> list[d
     for record in records:
         prompt = {"role": "user", "content": _prompt(record)}
         rejected = _text(rng, _output_words(rng), as_list=record["instruction"].startswith("List"))
-        pairs.append({"chosen": [prompt, {"role": "assistant", "content": record["output"]}],
-                      "rejected": [prompt, {"role": "assistant", "content": rejected}]})
+        pairs.append(
+            {
+                "chosen": [prompt, {"role": "assistant", "content": record["output"]}],
+                "rejected": [prompt, {"role": "assistant", "content": rejected}],
+            }
+        )
     return pairs

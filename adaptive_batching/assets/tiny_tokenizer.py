@@ -6,14 +6,21 @@ from __future__ import annotations
 import base64
 import heapq
 from collections import Counter
-from typing import Any, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import regex
 from torchtune.data import AlpacaToMessages
 from torchtune.models.llama3._tokenizer import CL100K_PATTERN, LLAMA3_SPECIAL_TOKENS
 
-__all__ = ["NUM_BYTE_TOKENS", "NUM_MERGEABLE_RANKS", "special_tokens_json", "tiktoken_ranks_file", "train_bpe",
-           "training_texts"]
+__all__ = [
+    "NUM_BYTE_TOKENS",
+    "NUM_MERGEABLE_RANKS",
+    "special_tokens_json",
+    "tiktoken_ranks_file",
+    "train_bpe",
+    "training_texts",
+]
 
 NUM_BYTE_TOKENS = 256
 NUM_MERGEABLE_RANKS = 1024

@@ -7,7 +7,7 @@ unless asked for; an LR scaled by more than ``MAX_QUIET_LR_FACTOR`` from scaling
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from adaptive_batching.batching.lr_scaling import lr_factor
 from adaptive_batching.batching.shape import EpochBatch
@@ -25,8 +25,15 @@ def _source(entry: EpochBatch, profiled: bool) -> str:
     return ", ".join(keys)
 
 
-def check_plan_against_data(plan: Sequence[EpochBatch], *, dataset_size: int, profiled: bool,
-                            allow_above_data: bool, reference_global_batch: int, rule: str) -> None:
+def check_plan_against_data(
+    plan: Sequence[EpochBatch],
+    *,
+    dataset_size: int,
+    profiled: bool,
+    allow_above_data: bool,
+    reference_global_batch: int,
+    rule: str,
+) -> None:
     """Raise ConfigError when a micro batch exceeds a rank's samples, or a global batch the epoch's samples.
 
     The second is allowed with ``adaptive_batching.allow_global_batch_above_data: true``.
@@ -34,10 +41,12 @@ def check_plan_against_data(plan: Sequence[EpochBatch], *, dataset_size: int, pr
     for entry in plan:
         shape = entry.shape
         per_rank = dataset_size // shape.ranks
-        where = (f"epoch {entry.epoch + 1}: {shape.describe()} (from {_source(entry, profiled)})")
+        where = f"epoch {entry.epoch + 1}: {shape.describe()} (from {_source(entry, profiled)})"
         if shape.micro_batch > max(per_rank, 1):
-            raise ConfigError(f"{where} has a micro batch larger than a rank's {per_rank} samples per epoch; "
-                              "lower the batch or use fewer ranks")
+            raise ConfigError(
+                f"{where} has a micro batch larger than a rank's {per_rank} samples per epoch; "
+                "lower the batch or use fewer ranks"
+            )
         if shape.global_batch > dataset_size and not allow_above_data:
             factor = lr_factor(shape.global_batch, reference_global_batch, rule)
             raise ConfigError(
@@ -54,7 +63,9 @@ def lr_factor_warnings(plan: Sequence[EpochBatch], *, reference_global_batch: in
     for entry in plan:
         factor = lr_factor(entry.shape.global_batch, reference_global_batch, rule)
         if factor > MAX_QUIET_LR_FACTOR:
-            lines.append(f"epoch {entry.epoch + 1}: the LR is scaled x{factor:.1f} by the '{rule}' rule (global batch "
-                         f"{entry.shape.global_batch} against the config's {reference_global_batch}); above "
-                         f"x{MAX_QUIET_LR_FACTOR:g}, check that the LR still suits (lr_scaling, optimizer.lr)")
+            lines.append(
+                f"epoch {entry.epoch + 1}: the LR is scaled x{factor:.1f} by the '{rule}' rule (global batch "
+                f"{entry.shape.global_batch} against the config's {reference_global_batch}); above "
+                f"x{MAX_QUIET_LR_FACTOR:g}, check that the LR still suits (lr_scaling, optimizer.lr)"
+            )
     return lines

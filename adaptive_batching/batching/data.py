@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from functools import partial
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, ListConfig
@@ -57,7 +58,7 @@ def build_dataloader(
     shuffle: bool,
     seed: int,
     epoch: int,
-    max_steps: Optional[int],
+    max_steps: int | None,
     split: int = 1,
     start_step: int = 0,
     first_sample: int = 0,
@@ -68,15 +69,25 @@ def build_dataloader(
     ``split`` and ``start_step`` serve the rest of an epoch in smaller pieces after an out-of-memory error.
     """
     sampler = StepBatchSampler(
-        len(dataset), micro_batch=micro_batch, accumulation=accumulation, rank=parallel.rank,
-        world_size=parallel.world_size, shuffle=shuffle, seed=seed, epoch=epoch, max_steps=max_steps,
-        split=split, start_step=start_step, first_sample=first_sample,
+        len(dataset),
+        micro_batch=micro_batch,
+        accumulation=accumulation,
+        rank=parallel.rank,
+        world_size=parallel.world_size,
+        shuffle=shuffle,
+        seed=seed,
+        epoch=epoch,
+        max_steps=max_steps,
+        split=split,
+        start_step=start_step,
+        first_sample=first_sample,
     )
     return StatefulDataLoader(dataset=dataset, batch_sampler=sampler, collate_fn=collate_fn)
 
 
-def build_token_dataloader(dataset: Dataset, lengths: list[int], *, collate_fn: Callable, parallel: ParallelInfo,
-                           **sampler_args: Any) -> StatefulDataLoader:
+def build_token_dataloader(
+    dataset: Dataset, lengths: list[int], *, collate_fn: Callable, parallel: ParallelInfo, **sampler_args: Any
+) -> StatefulDataLoader:
     """Like :func:`build_dataloader`, with micro batches cut by a padded-token budget: ``sampler_args`` are
     :class:`~adaptive_batching.batching.token_sampler.TokenBudgetBatchSampler`'s, less the rank and the ranks."""
     sampler = TokenBudgetBatchSampler(lengths, rank=parallel.rank, world_size=parallel.world_size, **sampler_args)
@@ -95,8 +106,9 @@ def data_files(cfg_dataset: DictConfig | ListConfig) -> list[str]:
     return files
 
 
-def worst_case_batch(collate_fn: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
-                     packed: bool, seed: int = 0) -> dict[str, torch.Tensor]:
+def worst_case_batch(
+    collate_fn: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool, seed: int = 0
+) -> dict[str, torch.Tensor]:
     """A batch of ``micro_batch`` full-length samples (full packs when packed), built by the real collate.
 
     Every token counts in the loss, so the step does the most work a real batch can ask for.
@@ -106,8 +118,12 @@ def worst_case_batch(collate_fn: Callable, *, micro_batch: int, seq_len: int, vo
     tokens = torch.randint(0, vocab_size, (micro_batch, seq_len), generator=generator)
     if packed:
         samples = [
-            {"tokens": row, "labels": row.clone(), "input_pos": torch.arange(seq_len),
-             "seq_lens": torch.tensor([seq_len])}
+            {
+                "tokens": row,
+                "labels": row.clone(),
+                "input_pos": torch.arange(seq_len),
+                "seq_lens": torch.tensor([seq_len]),
+            }
             for row in tokens
         ]
     else:

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.errors import ConfigError
@@ -62,8 +62,7 @@ class ElasticSpec:
         if not _is_int(self.min_ranks) or self.min_ranks < 1:
             raise _invalid("min_ranks", self.min_ranks, "an integer >= 1")
         if not _is_int(self.max_ranks) or self.max_ranks < self.min_ranks:
-            raise _invalid("max_ranks", self.max_ranks,
-                           f"an integer >= {PREFIX}.min_ranks ({self.min_ranks})")
+            raise _invalid("max_ranks", self.max_ranks, f"an integer >= {PREFIX}.min_ranks ({self.min_ranks})")
         if not isinstance(self.prefer_larger, bool):
             raise _invalid("prefer_larger", self.prefer_larger, "true or false")
 
@@ -71,8 +70,9 @@ class ElasticSpec:
     def from_config(cls, node: Mapping) -> ElasticSpec:
         """The spec from the ``adaptive_batching.elastic`` config node (a dict or a DictConfig)."""
         if not isinstance(node, Mapping):
-            raise ConfigError(f"config key '{PREFIX}' = {node!r} is invalid: expected a mapping "
-                              f"with keys {', '.join(KNOWN_KEYS)}")
+            raise ConfigError(
+                f"config key '{PREFIX}' = {node!r} is invalid: expected a mapping with keys {', '.join(KNOWN_KEYS)}"
+            )
         unknown = sorted(str(k) for k in node if k not in KNOWN_KEYS)
         if unknown:
             raise ConfigError(
@@ -93,7 +93,7 @@ class ElasticSpec:
             prefer_larger=node.get("prefer_larger", True),
         )
 
-    def usable_micro_batches(self, memory_cap: Optional[int] = None) -> tuple[int, ...]:
+    def usable_micro_batches(self, memory_cap: int | None = None) -> tuple[int, ...]:
         """The allowed micro batches that fit under the memory cap ``memory_cap`` (all when None)."""
         if memory_cap is None:
             return self.micro_batches
@@ -108,19 +108,17 @@ class ElasticSpec:
         return usable
 
 
-def _largest_micro(global_batch: int, world_size: int, micro_batches: Sequence[int]) -> Optional[int]:
+def _largest_micro(global_batch: int, world_size: int, micro_batches: Sequence[int]) -> int | None:
     fitting = [m for m in micro_batches if global_batch % (m * world_size) == 0]
     return max(fitting) if fitting else None
 
 
 def _world_sizes(global_batch: int, spec: ElasticSpec, micro_batches: Sequence[int]) -> list[int]:
     highest = min(spec.max_ranks, global_batch // min(micro_batches))
-    return [w for w in range(spec.min_ranks, highest + 1)
-            if _largest_micro(global_batch, w, micro_batches) is not None]
+    return [w for w in range(spec.min_ranks, highest + 1) if _largest_micro(global_batch, w, micro_batches) is not None]
 
 
-def valid_world_sizes(global_batch: int, spec: ElasticSpec, *,
-                      memory_cap: Optional[int] = None) -> list[int]:
+def valid_world_sizes(global_batch: int, spec: ElasticSpec, *, memory_cap: int | None = None) -> list[int]:
     """The world sizes in ``[min_ranks, max_ranks]`` that ``global_batch`` splits into exactly:
     some allowed micro batch ``m`` (``<= memory_cap`` when given) has ``global_batch % (m * w) == 0``."""
     if not _is_int(global_batch) or global_batch < 1:
@@ -149,8 +147,10 @@ class ElasticChoice:
         return BatchShape(micro, self.global_batch // (micro * world_size), world_size)
 
     def describe(self) -> str:
-        return (f"elastic: global batch {self.global_batch} valid at {_joined(self.world_sizes)} ranks "
-                f"(micro batches {_joined(self.micro_batches)})")
+        return (
+            f"elastic: global batch {self.global_batch} valid at {_joined(self.world_sizes)} ranks "
+            f"(micro batches {_joined(self.micro_batches)})"
+        )
 
 
 def _minimal_by_divisibility(values: Sequence[int]) -> list[int]:
@@ -162,7 +162,7 @@ def _minimal_by_divisibility(values: Sequence[int]) -> list[int]:
     return kept
 
 
-def choose_global_batch(spec: ElasticSpec, *, memory_cap: Optional[int] = None) -> ElasticChoice:
+def choose_global_batch(spec: ElasticSpec, *, memory_cap: int | None = None) -> ElasticChoice:
     """The global batch ``<= max_global_batch`` valid at the most world sizes; ties go to the larger
     one (the smaller with ``prefer_larger: false``). Only micro batches ``<= memory_cap``, the
     profiler's memory cap, count when it is given."""
@@ -190,7 +190,7 @@ def choose_global_batch(spec: ElasticSpec, *, memory_cap: Optional[int] = None) 
     return ElasticChoice(best, _world_sizes(best, spec, micro), micro)
 
 
-def shape_at(spec: ElasticSpec, world_size: int, *, memory_cap: Optional[int] = None) -> tuple[ElasticChoice, BatchShape]:
+def shape_at(spec: ElasticSpec, world_size: int, *, memory_cap: int | None = None) -> tuple[ElasticChoice, BatchShape]:
     """The run's global batch (chosen without the memory cap, so it is the same at every world size and
     with every profile) and this world size's shape under the cap.
 

@@ -14,7 +14,8 @@ it, every param group's LR is multiplied by a factor of the global batch against
 from __future__ import annotations
 
 import math
-from typing import Any, Optional, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -52,8 +53,15 @@ class SampleDrivenLR:
     exactly the stock recipe's schedule.
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, base_lrs: Sequence[float],
-                 scheduler: Optional[LambdaLR], *, reference_global_batch: int, rule: str) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        base_lrs: Sequence[float],
+        scheduler: LambdaLR | None,
+        *,
+        reference_global_batch: int,
+        rule: str,
+    ) -> None:
         if scheduler is not None and not isinstance(scheduler, LambdaLR):
             raise TypeError(f"the LR scheduler must be a LambdaLR, got {type(scheduler).__name__}")
         if len(base_lrs) != len(optimizer.param_groups):
@@ -69,15 +77,26 @@ class SampleDrivenLR:
         self.apply()
 
     @classmethod
-    def from_config(cls, scheduler_cfg: Any, optimizer: torch.optim.Optimizer, base_lrs: Sequence[float], *,
-                    total_steps: int, reference_global_batch: int, rule: str,
-                    state: Optional[dict[str, Any]] = None) -> "SampleDrivenLR":
+    def from_config(
+        cls,
+        scheduler_cfg: Any,
+        optimizer: torch.optim.Optimizer,
+        base_lrs: Sequence[float],
+        *,
+        total_steps: int,
+        reference_global_batch: int,
+        rule: str,
+        state: dict[str, Any] | None = None,
+    ) -> SampleDrivenLR:
         """From the config's ``lr_scheduler`` node (None: constant), over ``total_steps`` reference steps;
         ``state`` (a resumed run's) puts it where the run stood."""
         from torchtune import config
 
-        scheduler = None if scheduler_cfg is None else config.instantiate(scheduler_cfg, optimizer,
-                                                                          num_training_steps=total_steps)
+        scheduler = (
+            None
+            if scheduler_cfg is None
+            else config.instantiate(scheduler_cfg, optimizer, num_training_steps=total_steps)
+        )
         lr = cls(optimizer, base_lrs, scheduler, reference_global_batch=reference_global_batch, rule=rule)
         if state is not None:
             lr.load_state_dict(state)
@@ -92,7 +111,7 @@ class SampleDrivenLR:
     def factor(self) -> float:
         return lr_factor(self.global_batch, self.reference_global_batch, self.rule)
 
-    def schedule_shape(self) -> Optional[float]:
+    def schedule_shape(self) -> float | None:
         """The LR schedule's multiplier now (1.0 at its peak), or None without a schedule."""
         return None if self.scheduler is None else float(self.scheduler.lr_lambdas[0](self.progress))
 
@@ -122,8 +141,11 @@ class SampleDrivenLR:
         self.apply()
 
     def state_dict(self) -> dict[str, Any]:
-        return {"consumed_samples": self.consumed_samples, "global_batch": self.global_batch,
-                "peak_shape": self.peak_shape}
+        return {
+            "consumed_samples": self.consumed_samples,
+            "global_batch": self.global_batch,
+            "peak_shape": self.peak_shape,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.consumed_samples = int(state["consumed_samples"])

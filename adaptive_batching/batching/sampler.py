@@ -10,16 +10,25 @@ that counts no tokens.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 from torch.utils.data import Sampler
 
 Batch = dict[str, torch.Tensor]
 
-_CHECKED_KEYS = ("dataset_size", "micro_batch", "accumulation", "split", "world_size", "seed", "shuffle",
-                 "first_sample")
+_CHECKED_KEYS = (
+    "dataset_size",
+    "micro_batch",
+    "accumulation",
+    "split",
+    "world_size",
+    "seed",
+    "shuffle",
+    "first_sample",
+)
 
 
 def _ceil_div(a: int, b: int) -> int:
@@ -47,8 +56,18 @@ class StepSampler(Sampler[list[int]]):
     resume_advice = "the same batch settings"
     epoch: int
 
-    def _take_step_arguments(self, *, accumulation: int, rank: int, world_size: int, shuffle: bool, seed: int,
-                             epoch: int = 0, max_steps: int | None = None, split: int = 1) -> None:
+    def _take_step_arguments(
+        self,
+        *,
+        accumulation: int,
+        rank: int,
+        world_size: int,
+        shuffle: bool,
+        seed: int,
+        epoch: int = 0,
+        max_steps: int | None = None,
+        split: int = 1,
+    ) -> None:
         """Check and keep the arguments every step sampler takes."""
         if accumulation < 1:
             raise ValueError(f"accumulation must be >= 1, got {accumulation}")
@@ -202,8 +221,16 @@ class StepBatchSampler(StepSampler):
             raise ValueError(f"dataset_size must be >= 0, got {dataset_size}")
         if micro_batch < 1:
             raise ValueError(f"micro_batch must be >= 1, got {micro_batch}")
-        self._take_step_arguments(accumulation=accumulation, rank=rank, world_size=world_size, shuffle=shuffle,
-                                  seed=seed, epoch=epoch, max_steps=max_steps, split=split)
+        self._take_step_arguments(
+            accumulation=accumulation,
+            rank=rank,
+            world_size=world_size,
+            shuffle=shuffle,
+            seed=seed,
+            epoch=epoch,
+            max_steps=max_steps,
+            split=split,
+        )
         if not 1 <= split <= micro_batch:
             raise ValueError(f"split must be in [1, micro_batch={micro_batch}], got {split}")
         if not 0 <= first_sample <= dataset_size:
@@ -250,7 +277,7 @@ class StepBatchSampler(StepSampler):
         layout = self.step_layout()
         if start >= sum(layout):
             return
-        order = self.order()[self.first_sample:]
+        order = self.order()[self.first_sample :]
         share = self.micro_batch * self.accumulation
         full = self.remaining // self.global_batch
         skip = start
@@ -262,16 +289,20 @@ class StepBatchSampler(StepSampler):
             begin = step * self.global_batch
             if step < full:
                 offset = begin + self.rank * share
-                mine = order[offset: offset + share]
+                mine = order[offset : offset + share]
             else:
                 remainder = self.remaining - begin
                 base, extra = divmod(remainder, self.world_size)
                 offset = begin + self.rank * base + min(self.rank, extra)
-                mine = order[offset: offset + base + (1 if self.rank < extra else 0)]
-            pieces = [piece for i in range(count)
-                      for piece in _pieces(mine[i * self.micro_batch: (i + 1) * self.micro_batch], self.split)]
+                mine = order[offset : offset + base + (1 if self.rank < extra else 0)]
+            pieces = [
+                piece
+                for i in range(count)
+                for piece in _pieces(mine[i * self.micro_batch : (i + 1) * self.micro_batch], self.split)
+            ]
             yield from pieces[skip:]
             skip = 0
+
 
 def _pieces(indices: list[int], split: int) -> list[list[int]]:
     """``indices`` cut in order into ``split`` near-equal lists, the longer ones first (some may be empty)."""
@@ -289,8 +320,9 @@ class EmptyTolerantCollate:
     only label is ``ignore_index``, so it adds no loss and no tokens to the step.
     """
 
-    def __init__(self, collate_fn: Callable[[list[Any]], Batch], *, pad_id: int, ignore_index: int,
-                 packed: bool) -> None:
+    def __init__(
+        self, collate_fn: Callable[[list[Any]], Batch], *, pad_id: int, ignore_index: int, packed: bool
+    ) -> None:
         self.collate_fn = collate_fn
         self.pad_id = pad_id
         self.ignore_index = ignore_index
@@ -311,8 +343,9 @@ class EmptyTolerantCollate:
         return self.collate_fn(batch if batch else [self.empty_sample()])
 
 
-def collate_allowing_empty(collate_fn: Callable[[list[Any]], Batch], *, pad_id: int, ignore_index: int,
-                           packed: bool) -> Callable[[list[Any]], Batch]:
+def collate_allowing_empty(
+    collate_fn: Callable[[list[Any]], Batch], *, pad_id: int, ignore_index: int, packed: bool
+) -> Callable[[list[Any]], Batch]:
     """Wrap a torchtune collate so that the sampler's empty micro batches become ignored batches."""
     return EmptyTolerantCollate(collate_fn, pad_id=pad_id, ignore_index=ignore_index, packed=packed)
 
@@ -333,5 +366,5 @@ class SamplerSpan:
         return {"first_sample": self.first_sample, "start_step": self.start_step}
 
     @classmethod
-    def from_state(cls, state: Any) -> "SamplerSpan":
+    def from_state(cls, state: Any) -> SamplerSpan:
         return cls(**state) if state else cls()

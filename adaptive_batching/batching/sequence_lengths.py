@@ -12,8 +12,9 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any
 
 from adaptive_batching.core.objective import sample_length
 from adaptive_batching.runtime.files import fingerprint, read_json_cache, write_atomically
@@ -41,7 +42,7 @@ def lengths_cache_file(cache_dir: Path | str, key: str) -> Path:
     return Path(cache_dir).expanduser() / f"lengths-{key[:16]}.json"
 
 
-def _load(path: Path, key: str, size: int) -> Optional[list[int]]:
+def _load(path: Path, key: str, size: int) -> list[int] | None:
     """The cached lengths, or None when absent, unreadable, corrupt or stale (all but absent logged)."""
     record = read_json_cache(path, "sequence-length cache")
     if record is None:  # absent (or unreadable, logged): measured anew
@@ -61,11 +62,12 @@ def _load(path: Path, key: str, size: int) -> Optional[list[int]]:
 
 def _save(path: Path, key: str, lengths: list[int]) -> None:
     """Write atomically: readers see the old file or the new one, never a mix."""
-    write_atomically(path, json.dumps({"schema": LENGTHS_SCHEMA, "key": key, "lengths": lengths},
-                                      separators=(",", ":")) + "\n")
+    write_atomically(
+        path, json.dumps({"schema": LENGTHS_SCHEMA, "key": key, "lengths": lengths}, separators=(",", ":")) + "\n"
+    )
 
 
-def sequence_lengths(dataset: Any, *, cache_dir: Optional[Path], key_parts: Mapping[str, Any]) -> list[int]:
+def sequence_lengths(dataset: Any, *, cache_dir: Path | None, key_parts: Mapping[str, Any]) -> list[int]:
     """The padded length of every sample (``len(dataset[i]["tokens"])``, a pair's longer sequence), from the cache under ``cache_dir`` when it has them.
 
     The key is ``fingerprint`` of ``key_parts`` (the caller's dataset config, tokenizer config and

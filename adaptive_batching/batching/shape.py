@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -39,20 +38,26 @@ def shape_keeping_global_batch(global_batch: int, ranks: int, memory_cap: int) -
     the rest. A share with few divisors can force a micro batch well under what fits; the reason says so.
     """
     if global_batch < 1 or ranks < 1 or memory_cap < 1:
-        raise ValueError(f"expected positive sizes, got global batch {global_batch}, ranks {ranks}, "
-                         f"micro batch cap {memory_cap}")
+        raise ValueError(
+            f"expected positive sizes, got global batch {global_batch}, ranks {ranks}, micro batch cap {memory_cap}"
+        )
     share, remainder = divmod(global_batch, ranks)
     if remainder:
         raise ValueError(f"global batch {global_batch} is not divisible by {ranks} ranks")
     micro = max(d for d in range(1, min(share, memory_cap) + 1) if share % d == 0)
     shape = BatchShape(micro, share // micro, ranks)
     if micro == min(share, memory_cap):
-        why = f"the profiled micro batch {memory_cap} covers it" if share <= memory_cap else \
-            f"{share} samples per rank divide evenly by the profiled micro batch {memory_cap}"
+        why = (
+            f"the profiled micro batch {memory_cap} covers it"
+            if share <= memory_cap
+            else f"{share} samples per rank divide evenly by the profiled micro batch {memory_cap}"
+        )
     else:
-        why = (f"{share} samples per rank do not divide evenly by the profiled micro batch {memory_cap}; "
-               f"{micro} is the largest divisor under it (a global batch with more divisors, such as a power of "
-               "two, lets the micro batch come closer)")
+        why = (
+            f"{share} samples per rank do not divide evenly by the profiled micro batch {memory_cap}; "
+            f"{micro} is the largest divisor under it (a global batch with more divisors, such as a power of "
+            "two, lets the micro batch come closer)"
+        )
     return shape, why
 
 
@@ -75,4 +80,4 @@ class EpochBatch:
     increment: int
     shape: BatchShape
     reason: str
-    memory_cap: Optional[int] = None
+    memory_cap: int | None = None

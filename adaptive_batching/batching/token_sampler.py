@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import hashlib
 from array import array
-from typing import Any, Iterator, Optional, Sequence
+from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -24,8 +25,17 @@ from adaptive_batching.batching.sampler import StepSampler, _ceil_div, _pieces
 PICKING_ORDERS = ("dataloader", "seqlen", "random")
 
 _CHECKED_KEYS = (
-    "dataset_size", "lengths_digest", "max_tokens", "picking_order", "min_batch_size", "max_batch_size",
-    "accumulation", "split", "world_size", "seed", "shuffle",
+    "dataset_size",
+    "lengths_digest",
+    "max_tokens",
+    "picking_order",
+    "min_batch_size",
+    "max_batch_size",
+    "accumulation",
+    "split",
+    "world_size",
+    "seed",
+    "shuffle",
 )
 
 
@@ -73,7 +83,7 @@ def padding_waste(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> f
     return 1.0 - sum(sum(map(lengths.__getitem__, batch)) for batch in batches) / padded
 
 
-def _check_bounds(max_tokens: int, min_batch_size: Optional[int], max_batch_size: Optional[int]) -> None:
+def _check_bounds(max_tokens: int, min_batch_size: int | None, max_batch_size: int | None) -> None:
     if max_tokens < 1:
         raise ValueError(f"adaptive_batching.max_tokens must be >= 1, got {max_tokens}")
     if min_batch_size is not None and min_batch_size < 1:
@@ -91,8 +101,8 @@ def token_micro_batches(
     order_indices: Sequence[int],
     *,
     max_tokens: int,
-    min_batch_size: Optional[int],
-    max_batch_size: Optional[int],
+    min_batch_size: int | None,
+    max_batch_size: int | None,
 ) -> list[list[int]]:
     """Cut ``order_indices`` greedily, in order, into micro batches of at most ``max_tokens`` padded tokens.
 
@@ -140,7 +150,7 @@ def token_micro_batches(
     return batches
 
 
-def balance_over_ranks(tokens: Sequence[int], world_size: int) -> list[list[Optional[int]]]:
+def balance_over_ranks(tokens: Sequence[int], world_size: int) -> list[list[int | None]]:
     """Deal one step's micro batches (given by their padded tokens) to ranks, balancing tokens.
 
     Each rank gets ``ceil(len(tokens) / world_size)`` entries: positions into ``tokens``, and None
@@ -152,13 +162,13 @@ def balance_over_ranks(tokens: Sequence[int], world_size: int) -> list[list[Opti
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots = _ceil_div(len(tokens), world_size)
-    ranked: list[Optional[int]] = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    ranked: list[int | None] = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
     ranked += [None] * (slots * world_size - len(tokens))
     loads = [0] * world_size
-    dealt: list[list[Optional[int]]] = [[] for _ in range(world_size)]
+    dealt: list[list[int | None]] = [[] for _ in range(world_size)]
     for start in range(0, len(ranked), world_size):
         ranks = sorted(range(world_size), key=lambda r: (loads[r], r))
-        for item, rank in zip(ranked[start:start + world_size], ranks):
+        for item, rank in zip(ranked[start : start + world_size], ranks):
             dealt[rank].append(item)
             loads[rank] += 0 if item is None else tokens[item]
     return dealt
@@ -190,11 +200,22 @@ class TokenBudgetBatchSampler(StepSampler):
     """
 
     checked_keys = _CHECKED_KEYS
-    resume_advice = ("the same max_tokens, picking order, batch size bounds, gradient accumulation, split, ranks, "
-                     "dataset and sequence lengths, seed and shuffle")
+    resume_advice = (
+        "the same max_tokens, picking order, batch size bounds, gradient accumulation, split, ranks, "
+        "dataset and sequence lengths, seed and shuffle"
+    )
 
-    def __init__(self, lengths: Sequence[int], *, max_tokens: int, picking_order: str, min_batch_size: Optional[int],
-                 max_batch_size: Optional[int], start_step: int = 0, **step_arguments: Any) -> None:
+    def __init__(
+        self,
+        lengths: Sequence[int],
+        *,
+        max_tokens: int,
+        picking_order: str,
+        min_batch_size: int | None,
+        max_batch_size: int | None,
+        start_step: int = 0,
+        **step_arguments: Any,
+    ) -> None:
         """``step_arguments``: accumulation, rank, world_size, shuffle, seed and optionally epoch (0),
         max_steps (None) and split (1), as every step sampler takes them (:meth:`_take_step_arguments`)."""
         _check_bounds(max_tokens, min_batch_size, max_batch_size)
@@ -221,12 +242,17 @@ class TokenBudgetBatchSampler(StepSampler):
 
     def _make_layout(self, epoch: int) -> list[list[list[list[int]]]]:
         order = picking_order(self.lengths, self.picking_order, shuffle=self.shuffle, seed=self.seed, epoch=epoch)
-        batches = token_micro_batches(self.lengths, order, max_tokens=self.max_tokens,
-                                      min_batch_size=self.min_batch_size, max_batch_size=self.max_batch_size)
+        batches = token_micro_batches(
+            self.lengths,
+            order,
+            max_tokens=self.max_tokens,
+            min_batch_size=self.min_batch_size,
+            max_batch_size=self.max_batch_size,
+        )
         per_step = self.world_size * self.accumulation
         steps = []
         for start in range(0, len(batches), per_step):
-            group = batches[start:start + per_step]
+            group = batches[start : start + per_step]
             dealt = balance_over_ranks([padded_tokens(self.lengths, b) for b in group], self.world_size)
             steps.append([[[] if i is None else group[i] for i in mine] for mine in dealt])
         if self.picking_order == "seqlen":

@@ -14,8 +14,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
-
+from typing import Any
 
 from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
 from adaptive_batching.core import logs
@@ -44,9 +43,9 @@ class LengthSource:
     """The ``tokenizer`` config, resolved to plain values."""
     data_files: tuple[str, ...]
     """The local files the data set reads (their digest is part of the cache key)."""
-    max_seq_len: Optional[int]
+    max_seq_len: int | None
     """``tokenizer.max_seq_len``: where samples are truncated (None: they are not)."""
-    cache_dir: Optional[Path]
+    cache_dir: Path | None
     """The sample-length cache's folder (None: measured, not stored)."""
 
     @property
@@ -80,8 +79,9 @@ def from_lengths(lengths: list[int], source: LengthSource) -> WorstCase:
     return WorstCase(max(lengths), f"the longest of {len(lengths)} samples after {source.truncation}")
 
 
-def measure(dataset: Any, source: LengthSource, *, packed: bool,
-            quiet: bool = False) -> tuple[WorstCase, Optional[list[int]]]:
+def measure(
+    dataset: Any, source: LengthSource, *, packed: bool, quiet: bool = False
+) -> tuple[WorstCase, list[int] | None]:
     """The data set's worst case, and every sample's length (None when packed: all are one pack); logged unless
     ``quiet`` (``estimate``, which prints its own report)."""
     if packed:
@@ -93,14 +93,17 @@ def measure(dataset: Any, source: LengthSource, *, packed: bool,
     cache_dir = source.cache_dir
     if not quiet:
         seconds = time.perf_counter() - start
-        logs.info(f"Worst-case sample: {worst.describe()} (token counts of the data set in {seconds:.1f} s"
-                  f"{'' if cache_dir is None else f', cached in {cache_dir}'})")
+        logs.info(
+            f"Worst-case sample: {worst.describe()} (token counts of the data set in {seconds:.1f} s"
+            f"{'' if cache_dir is None else f', cached in {cache_dir}'})"
+        )
     return worst, lengths
 
 
-def check_fits(worst: Optional[WorstCase], model_max_seq_len: int) -> None:
+def check_fits(worst: WorstCase | None, model_max_seq_len: int) -> None:
     """Refuse a worst case the model cannot take (its rotary cache ends at ``max_seq_len``)."""
     if worst is not None and worst.tokens > model_max_seq_len:
-        raise ConfigError(f"the data's worst case is {worst.describe()}, above the model's max_seq_len "
-                          f"{model_max_seq_len}: set tokenizer.max_seq_len to at most {model_max_seq_len}")
-
+        raise ConfigError(
+            f"the data's worst case is {worst.describe()}, above the model's max_seq_len "
+            f"{model_max_seq_len}: set tokenizer.max_seq_len to at most {model_max_seq_len}"
+        )

@@ -17,8 +17,9 @@ import importlib.util
 import os
 import pkgutil
 import sys
+from collections.abc import Iterator
 from types import ModuleType
-from typing import Any, Iterator
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 from torchtune.config._utils import _get_component_from_path
@@ -33,8 +34,12 @@ _NOT_BUILT = frozenset({"batch_increase_function", "profiler"})
 # The nodes every recipe builds, and what each is; the others are optional (null: off) or an objective's own
 # (``config.objectives`` requires them where its recipe needs them).
 REQUIRED: dict[str, str] = {
-    "model": "the model", "tokenizer": "the tokenizer", "dataset": "the data set", "optimizer": "the optimizer",
-    "loss": "the loss", "checkpointer": "the checkpointer that loads the model's weights",
+    "model": "the model",
+    "tokenizer": "the tokenizer",
+    "dataset": "the data set",
+    "optimizer": "the optimizer",
+    "loss": "the loss",
+    "checkpointer": "the checkpointer that loads the model's weights",
 }
 
 
@@ -46,8 +51,9 @@ def missing_package_line(key: str, component: str, package: str) -> str:
 def components(cfg: DictConfig) -> Iterator[tuple[str, str]]:
     """``(key, component path)`` of every ``_component_`` under the top-level keys the recipes build, nested ones
     and those in lists included (``dataset[1]._component_``); switched-off nodes are skipped."""
-    stack: list[tuple[str, Any]] = [(str(key), cfg[key]) for key in cfg.keys()
-                                    if str(key) in RECIPE_KEYS and str(key) not in _NOT_BUILT]
+    stack: list[tuple[str, Any]] = [
+        (str(key), cfg[key]) for key in cfg.keys() if str(key) in RECIPE_KEYS and str(key) not in _NOT_BUILT
+    ]
     while stack:
         where, node = stack.pop(0)
         if OmegaConf.is_dict(node) and optional_component(node) is not None:
@@ -108,12 +114,16 @@ def check_nodes(cfg: DictConfig) -> None:
         if key not in cfg or cfg[key] is None:
             raise ConfigError(f"config key '{key}' is missing")
         if optional_component(cfg[key]) is None:
-            raise ConfigError(f"config key '{key}' is null: the recipes build {what} from it; give it a "
-                              "'_component_' as torchtune's configs do")
+            raise ConfigError(
+                f"config key '{key}' is null: the recipes build {what} from it; give it a "
+                "'_component_' as torchtune's configs do"
+            )
     for key, node in _nodes(cfg):
         if optional_component(node) is None and "." in key.replace("[", "."):
-            raise ConfigError(f"config key '{key}' is null: it is inside a node the recipes build, which builds "
-                              "it too; give it a '_component_' or remove it")
+            raise ConfigError(
+                f"config key '{key}' is null: it is inside a node the recipes build, which builds "
+                "it too; give it a '_component_' or remove it"
+            )
         if _is_checkpointer(node) and "model_type" in node:
             _check_model_type(f"{key}.model_type", plain(node.model_type))
 
@@ -122,8 +132,9 @@ def _nodes(cfg: DictConfig) -> Iterator[tuple[str, Any]]:
     """``(key, node)`` of every component node (one with a ``_component_``, null or not) the recipes build,
     top-level ones first; a switched-off top-level node is given but not entered. Values are not resolved here
     (an interpolation is the checks' of its key)."""
-    stack: list[tuple[str, Any]] = [(str(key), cfg._get_node(key)) for key in cfg.keys()
-                                    if str(key) in RECIPE_KEYS and str(key) not in _NOT_BUILT]
+    stack: list[tuple[str, Any]] = [
+        (str(key), cfg._get_node(key)) for key in cfg.keys() if str(key) in RECIPE_KEYS and str(key) not in _NOT_BUILT
+    ]
     while stack:
         where, node = stack.pop(0)
         if OmegaConf.is_dict(node) and "_component_" in node:
@@ -150,5 +161,7 @@ def _check_model_type(key: str, value: Any) -> None:
     from torchtune.training.checkpointing._utils import ModelType
 
     if not isinstance(value, str) or value not in ModelType.__members__:
-        raise ConfigError(f"config key '{key}' = {value!r} is invalid: expected one of torchtune's model types: "
-                          f"{', '.join(ModelType.__members__)}")
+        raise ConfigError(
+            f"config key '{key}' = {value!r} is invalid: expected one of torchtune's model types: "
+            f"{', '.join(ModelType.__members__)}"
+        )

@@ -11,8 +11,9 @@ from __future__ import annotations
 import contextlib
 import inspect
 import json
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional, Union
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,11 +57,12 @@ def memory_setup(cfg: DictConfig) -> dict[str, Any]:
 
 def profiled_setup(cfg: DictConfig) -> ProfiledSetup:
     """What the profiler needs from the config: its memory fingerprint, the report's folder, ``compile``."""
-    return ProfiledSetup(memory=memory_setup(cfg), output_dir=Path(cfg.output_dir),
-                         compile=bool(cfg.get("compile", False)))
+    return ProfiledSetup(
+        memory=memory_setup(cfg), output_dir=Path(cfg.output_dir), compile=bool(cfg.get("compile", False))
+    )
 
 
-def length_source(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> LengthSource:
+def length_source(cfg: DictConfig, folder: str | Path | None) -> LengthSource:
     """What measuring the samples' token counts needs from the config; ``folder``: ``adaptive_batching.cache_dir``
     (None: the default cache folder)."""
     return LengthSource(
@@ -72,7 +74,7 @@ def length_source(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> Length
     )
 
 
-def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> WorstCase:
+def worst_case_of(cfg: DictConfig, folder: str | Path | None) -> WorstCase:
     """The worst case of a config's data, building its tokenizer and data set here (``estimate``, which has
     no run). A data set or tokenizer that cannot be read here (a hub data set offline, a tokenizer file
     not downloaded) is one error that says to give the length instead."""
@@ -84,16 +86,22 @@ def worst_case_of(cfg: DictConfig, folder: Optional[Union[str, Path]]) -> WorstC
         tokenizer = config.instantiate(cfg.tokenizer)
         dataset, is_packed = build_dataset(cfg.dataset, tokenizer)
     except Exception as error:  # noqa: BLE001 - whatever stops the data being read, the way out is the same
-        raise ConfigError(f"the worst-case sample length comes from the data of config keys 'tokenizer' and "
-                          f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
-                          f"--seq-len N (tokens in the longest sample after truncation)") from None
+        raise ConfigError(
+            f"the worst-case sample length comes from the data of config keys 'tokenizer' and "
+            f"'dataset', which could not be read here ({one_line(error)[:300]}); give it with "
+            f"--seq-len N (tokens in the longest sample after truncation)"
+        ) from None
     return measure(dataset, length_source(cfg, folder), packed=is_packed, quiet=True)[0]
 
 
 # The recipes' objectives (``TrainingObjective.name``) whose samples are preference pairs, and what each is called.
 _PAIRS = frozenset({"lora_dpo", "full_dpo"})
-_RECIPE = {"finetune": "fine-tuning", "lora_dpo": "adaptive_lora_dpo", "full_dpo": "adaptive_full_dpo",
-           "kd": "adaptive_knowledge_distillation"}
+_RECIPE = {
+    "finetune": "fine-tuning",
+    "lora_dpo": "adaptive_lora_dpo",
+    "full_dpo": "adaptive_full_dpo",
+    "kd": "adaptive_knowledge_distillation",
+}
 # The checkpointers a recipe reads: the model's, full DPO's reference and distillation's teacher (the others
 # refuse the last two before this runs).
 CHECKPOINTERS = ("checkpointer", "ref_checkpointer", "teacher_checkpointer")
@@ -113,15 +121,20 @@ def check_inputs(cfg: DictConfig, objective: str, resume: bool = False) -> None:
     run's own, checked by the resume: ``faults.checkpoints``)."""
     logger = cfg.metric_logger if "metric_logger" in cfg else None
     if optional_component(logger) is None:
-        raise ConfigError(f"config key 'metric_logger' is {'missing' if logger is None else 'null'}: the run logs "
-                          "its metrics with it (a torchtune logger such as "
-                          "torchtune.training.metric_logging.DiskLogger)")
+        raise ConfigError(
+            f"config key 'metric_logger' is {'missing' if logger is None else 'null'}: the run logs "
+            "its metrics with it (a torchtune logger such as "
+            "torchtune.training.metric_logging.DiskLogger)"
+        )
     tokenizer = plain(cfg.tokenizer)
     for name, value in tokenizer.items():
         if (name == "path" or name.endswith(("_path", "_file"))) and isinstance(value, str):
             _check_exists(f"tokenizer.{name}", value, value)
-    parts = [(f"dataset[{i}]", part) for i, part in enumerate(cfg.dataset)] if OmegaConf.is_list(cfg.dataset) \
+    parts = (
+        [(f"dataset[{i}]", part) for i, part in enumerate(cfg.dataset)]
+        if OmegaConf.is_list(cfg.dataset)
         else [("dataset", cfg.dataset)]
+    )
     for key, node in parts:
         _check_data_files(key, plain(node))
     for key in CHECKPOINTERS:
@@ -136,8 +149,10 @@ def _check_exists(key: str, value: Any, path: str, folder: bool = False) -> None
     """``path`` (what config key ``key`` = ``value`` names) is a file, or a folder with ``folder``."""
     there = Path(path).is_dir() if folder else Path(path).exists()
     if not there:
-        raise ConfigError(f"config key '{key}' = {value!r}: no such {'folder' if folder else 'file'}"
-                          + (f" ({path})" if path != value else ""))
+        raise ConfigError(
+            f"config key '{key}' = {value!r}: no such {'folder' if folder else 'file'}"
+            + (f" ({path})" if path != value else "")
+        )
 
 
 def _check_data_files(key: str, node: Mapping[str, Any]) -> None:
@@ -161,20 +176,25 @@ def _check_checkpointer(key: str, node: Mapping[str, Any], files: bool) -> None:
 
     folder = node.get("checkpoint_dir", None)
     if not isinstance(folder, str):
-        raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} is invalid: expected the folder of the "
-                          "weights")
+        raise ConfigError(
+            f"config key '{key}.checkpoint_dir' = {folder!r} is invalid: expected the folder of the weights"
+        )
     _check_exists(f"{key}.checkpoint_dir", folder, folder, folder=True)
     output, component = node.get("output_dir", None), str(node.get("_component_", ""))
     if isinstance(output, str) and component.rsplit(".", 1)[-1] in _FULL_MODEL_CHECKPOINTERS:
         try:
             check_outdir_not_in_ckptdir(Path(folder), Path(output))
         except ValueError:
-            raise ConfigError(f"config key '{key}.output_dir' = {output!r} is its checkpoint_dir {folder!r} or "
-                              "inside it, which torchtune refuses (it copies the folder's files into the output); "
-                              "write the run's checkpoints elsewhere") from None
+            raise ConfigError(
+                f"config key '{key}.output_dir' = {output!r} is its checkpoint_dir {folder!r} or "
+                "inside it, which torchtune refuses (it copies the folder's files into the output); "
+                "write the run's checkpoints elsewhere"
+            ) from None
     if component.endswith("HFCheckpointer") and not (Path(folder) / "config.json").is_file():
-        raise ConfigError(f"config key '{key}.checkpoint_dir' = {folder!r} has no config.json, which {component} "
-                          f"reads the model's shape from; it holds {_holds(Path(folder))}")
+        raise ConfigError(
+            f"config key '{key}.checkpoint_dir' = {folder!r} has no config.json, which {component} "
+            f"reads the model's shape from; it holds {_holds(Path(folder))}"
+        )
     names = node.get("checkpoint_files", None)
     if not files or "checkpoint_files" not in node:
         return
@@ -184,12 +204,16 @@ def _check_checkpointer(key: str, node: Mapping[str, Any], files: bool) -> None:
         except (ValueError, TypeError) as error:
             raise ConfigError(f"config key '{key}.checkpoint_files': {one_line(error)}") from None
     if not isinstance(names, list) or not names or not all(isinstance(name, str) for name in names):
-        raise ConfigError(f"config key '{key}.checkpoint_files' = {names!r} is invalid: expected a list of the "
-                          f"weight files in {folder}")
+        raise ConfigError(
+            f"config key '{key}.checkpoint_files' = {names!r} is invalid: expected a list of the "
+            f"weight files in {folder}"
+        )
     for name in names:
         if not (Path(folder) / name).is_file():
-            raise ConfigError(f"config key '{key}.checkpoint_files' names {name!r}, which is not in {folder}; "
-                              f"it holds {_holds(Path(folder))}")
+            raise ConfigError(
+                f"config key '{key}.checkpoint_files' names {name!r}, which is not in {folder}; "
+                f"it holds {_holds(Path(folder))}"
+            )
 
 
 def _holds(folder: Path) -> str:
@@ -242,20 +266,27 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
             raise ConfigError(
                 f"config key '{key}': {where} has no column {missing!r}: {component} reads the columns "
                 f"{', '.join(map(repr, needed))} and the data has {', '.join(map(repr, sorted(record))) or 'none'}; "
-                f"give data with those columns{_mapped_by(component, key)}") from None
-        raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
-                          f"{one_line(error)}") from None
+                f"give data with those columns{_mapped_by(component, key)}"
+            ) from None
+        raise ConfigError(
+            f"config key '{key}': {where} cannot be read as {component} reads it: {one_line(error)}"
+        ) from None
     except Exception as error:  # noqa: BLE001 - the run would fail on it at its first step
-        raise ConfigError(f"config key '{key}': {where} cannot be read as {component} reads it: "
-                          f"{one_line(error)}") from None
+        raise ConfigError(
+            f"config key '{key}': {where} cannot be read as {component} reads it: {one_line(error)}"
+        ) from None
     pairs = isinstance(sample, Mapping) and "chosen" in sample and "rejected" in sample
     if pairs != (objective in _PAIRS):
         gives = "pairs of chosen and rejected answers" if pairs else "one answer per sample"
-        wants = "pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives" \
-            if objective in _PAIRS else "one answer per sample (DPO trains on pairs: adaptive_lora_dpo, " \
-            "adaptive_full_dpo)"
-        raise ConfigError(f"config key '{key}._component_' = {component!r} gives {gives}; "
-                          f"{_RECIPE.get(objective, objective)} trains on {wants}")
+        wants = (
+            "pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives"
+            if objective in _PAIRS
+            else "one answer per sample (DPO trains on pairs: adaptive_lora_dpo, adaptive_full_dpo)"
+        )
+        raise ConfigError(
+            f"config key '{key}._component_' = {component!r} gives {gives}; "
+            f"{_RECIPE.get(objective, objective)} trains on {wants}"
+        )
 
 
 def _first_record(dataset: Any, files: Any) -> Any:

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import difflib
 import re
-from typing import Any, Iterable
+from collections.abc import Iterable
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -22,31 +23,81 @@ from adaptive_batching.errors import ConfigError
 ADAPTIVE_KEYS = ("use_maximum_batch_size", "batch_increase_function", "lr_scaling", "adaptive_batching")
 
 # Every top-level key the recipes, the trainer or the validation read.
-RECIPE_KEYS = frozenset({
-    *ADAPTIVE_KEYS,
-    "output_dir", "model", "tokenizer", "dataset", "collate_fn", "seed", "shuffle", "checkpointer",
-    "resume_from_checkpoint", "batch_size", "gradient_accumulation_steps", "epochs", "max_steps_per_epoch",
-    "save_every_n_steps", "optimizer", "lr_scheduler", "loss", "clip_grad_norm", "compile", "device", "dtype",
-    "enable_activation_checkpointing", "metric_logger", "log_every_n_steps", "custom_sharded_layers",
-    "fsdp_reshard_after_forward", "fsdp_cpu_offload", "save_adapter_weights_only", "cudnn_deterministic_mode",
-    "log_peak_memory_stats", "low_cpu_ram",
-    "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.objectives)
-    "quantizer", "fake_quant_after_n_steps",  # QAT in the fine-tuning recipes; the others refuse them (same)
-    "teacher_model", "teacher_checkpointer", "kd_loss", "kd_ratio",  # adaptive_knowledge_distillation's (same)
-    # In torchtune's stock configs, read by no recipe of torchtune 0.6.1 either (``fsdp.cpu_offload``), or only
-    # with tensor parallelism, which is refused: accepted silently, as torchtune accepts them.
-    "fsdp", "tensor_parallel_plan",
-    # Refused unless off (see settings): read, so not unknown.
-    "optimizer_in_bwd", "enable_activation_offloading", "tensor_parallel_dim", "profiler",
-})
+RECIPE_KEYS = frozenset(
+    {
+        *ADAPTIVE_KEYS,
+        "output_dir",
+        "model",
+        "tokenizer",
+        "dataset",
+        "collate_fn",
+        "seed",
+        "shuffle",
+        "checkpointer",
+        "resume_from_checkpoint",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "epochs",
+        "max_steps_per_epoch",
+        "save_every_n_steps",
+        "optimizer",
+        "lr_scheduler",
+        "loss",
+        "clip_grad_norm",
+        "compile",
+        "device",
+        "dtype",
+        "enable_activation_checkpointing",
+        "metric_logger",
+        "log_every_n_steps",
+        "custom_sharded_layers",
+        "fsdp_reshard_after_forward",
+        "fsdp_cpu_offload",
+        "save_adapter_weights_only",
+        "cudnn_deterministic_mode",
+        "log_peak_memory_stats",
+        "low_cpu_ram",
+        "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.objectives)
+        "quantizer",
+        "fake_quant_after_n_steps",  # QAT in the fine-tuning recipes; the others refuse them (same)
+        "teacher_model",
+        "teacher_checkpointer",
+        "kd_loss",
+        "kd_ratio",  # adaptive_knowledge_distillation's (same)
+        # In torchtune's stock configs, read by no recipe of torchtune 0.6.1 either (``fsdp.cpu_offload``), or only
+        # with tensor parallelism, which is refused: accepted silently, as torchtune accepts them.
+        "fsdp",
+        "tensor_parallel_plan",
+        # Refused unless off (see settings): read, so not unknown.
+        "optimizer_in_bwd",
+        "enable_activation_offloading",
+        "tensor_parallel_dim",
+        "profiler",
+    }
+)
 
 # Top-level keys torchtune 0.6.1's recipes read that change nothing these recipes train (memory, checkpoint
 # writing, logging, generation, evaluation): never taken for a misspelling, ignored with the warning.
-TORCHTUNE_OTHER_KEYS = frozenset({
-    "ac_mode", "ac_option", "enable_async_checkpointing", "save_every_n_epochs", "dataloader", "log_level",
-    "enable_kv_cache", "prompt", "max_new_tokens", "temperature", "top_k", "stop_token_ids", "tasks", "limit",
-    "max_seq_length", "include_path",
-})
+TORCHTUNE_OTHER_KEYS = frozenset(
+    {
+        "ac_mode",
+        "ac_option",
+        "enable_async_checkpointing",
+        "save_every_n_epochs",
+        "dataloader",
+        "log_level",
+        "enable_kv_cache",
+        "prompt",
+        "max_new_tokens",
+        "temperature",
+        "top_k",
+        "stop_token_ids",
+        "tasks",
+        "limit",
+        "max_seq_length",
+        "include_path",
+    }
+)
 # The keys a misspelt key may have meant: every top-level key of torchtune 0.6.1's recipes and ours.
 MEANT = frozenset(RECIPE_KEYS | set(TRAINING_KEYS) | TORCHTUNE_OTHER_KEYS)
 

@@ -11,9 +11,10 @@ import difflib
 import functools
 import os
 import sys
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
+from typing import TYPE_CHECKING, Any
 
 from adaptive_batching.core.packages import require_supported_torch
 from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemoryStop, Preempted, ProfileError
@@ -21,8 +22,13 @@ from adaptive_batching.errors import ConfigError, ConfigNotFound, OutOfMemorySto
 if TYPE_CHECKING:
     from omegaconf import DictConfig
 
-RECIPES = ("adaptive_full_finetune", "adaptive_lora_finetune", "adaptive_lora_dpo", "adaptive_full_dpo",
-           "adaptive_knowledge_distillation")
+RECIPES = (
+    "adaptive_full_finetune",
+    "adaptive_lora_finetune",
+    "adaptive_lora_dpo",
+    "adaptive_full_dpo",
+    "adaptive_knowledge_distillation",
+)
 
 
 def shipped_configs_dir() -> Path:
@@ -36,19 +42,27 @@ def shipped_config_names() -> list[str]:
 
 
 # The torchtune recipes whose configs ours can run (the others train or evaluate in other ways).
-FINETUNE_RECIPES = ("full_finetune_single_device", "full_finetune_distributed", "lora_finetune_single_device",
-                    "lora_finetune_distributed")
+FINETUNE_RECIPES = (
+    "full_finetune_single_device",
+    "full_finetune_distributed",
+    "lora_finetune_single_device",
+    "lora_finetune_distributed",
+)
 
 
-def stock_configs(recipes: Optional[Sequence[str]] = None) -> dict[str, Path]:
+def stock_configs(recipes: Sequence[str] | None = None) -> dict[str, Path]:
     """torchtune's own configs by the names ``tune run`` takes (``llama3_1/8B_full``), from its registry;
     those of ``recipes`` only when given."""
     import torchtune
     from torchtune._recipe_registry import get_all_recipes
 
     root = Path(torchtune.__file__).parent.parent / "recipes" / "configs"
-    return {config.name: root / config.file_path for recipe in get_all_recipes()
-            if recipes is None or recipe.name in recipes for config in recipe.configs}
+    return {
+        config.name: root / config.file_path
+        for recipe in get_all_recipes()
+        if recipes is None or recipe.name in recipes
+        for config in recipe.configs
+    }
 
 
 def resolve_config(name: str) -> Path:
@@ -69,8 +83,9 @@ def named_config(name: str) -> Path:
     stock = stock_configs()
     if stem in stock:
         return stock[stem]
-    close = difflib.get_close_matches(stem, [*shipped_config_names(), *stock_configs(FINETUNE_RECIPES)], n=4,
-                                      cutoff=0.6)
+    close = difflib.get_close_matches(
+        stem, [*shipped_config_names(), *stock_configs(FINETUNE_RECIPES)], n=4, cutoff=0.6
+    )
     hint = f"; did you mean {', '.join(close)}?" if close else ""
     raise ConfigNotFound(
         f"--config {name!r}: no such file in {Path.cwd()}, and neither a shipped config nor a torchtune config "
@@ -205,6 +220,10 @@ def leave_cleanly() -> None:
 
     left = release_destroyed_group()
     if left:
-        print(f"warning: {len(left)} gloo worker thread(s) still running after the process group was destroyed "
-              f"({', '.join(left)}): something still holds the group ({mesh_holders()}), and the process may abort "
-              "at exit", file=sys.stderr, flush=True)
+        print(
+            f"warning: {len(left)} gloo worker thread(s) still running after the process group was destroyed "
+            f"({', '.join(left)}): something still holds the group ({mesh_holders()}), and the process may abort "
+            "at exit",
+            file=sys.stderr,
+            flush=True,
+        )

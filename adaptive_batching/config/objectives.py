@@ -10,7 +10,7 @@ line, before any model loads, naming the recipes that do. When a recipe of ours 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -18,7 +18,15 @@ from adaptive_batching.core.nodes import optional_component, plain
 from adaptive_batching.errors import ConfigError
 
 QAT, PTQ, KD, DPO, PPO, GRPO, EARLY_EXIT, MULTI_DATASET = (
-    "qat", "ptq", "kd", "dpo", "ppo", "grpo", "early_exit", "multi_dataset")
+    "qat",
+    "ptq",
+    "kd",
+    "dpo",
+    "ppo",
+    "grpo",
+    "early_exit",
+    "multi_dataset",
+)
 
 
 @dataclass(frozen=True)
@@ -33,16 +41,22 @@ class Objective:
 OBJECTIVES: dict[str, Objective] = {
     QAT: Objective("quantization-aware training", ("qat_distributed", "qat_lora_finetune_distributed")),
     PTQ: Objective("quantizing a trained model (post-training quantization)", ("quantize",)),
-    KD: Objective("knowledge distillation from a teacher model",
-                  ("knowledge_distillation_single_device", "knowledge_distillation_distributed")),
-    DPO: Objective("preference optimisation (DPO) on chosen and rejected answers",
-                   ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed")),
+    KD: Objective(
+        "knowledge distillation from a teacher model",
+        ("knowledge_distillation_single_device", "knowledge_distillation_distributed"),
+    ),
+    DPO: Objective(
+        "preference optimisation (DPO) on chosen and rejected answers",
+        ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"),
+    ),
     PPO: Objective("reinforcement learning from a reward model (PPO)", ("ppo_full_finetune_single_device",)),
     GRPO: Objective("group relative policy optimisation (GRPO)", ("dev/grpo_full_finetune_distributed",)),
-    EARLY_EXIT: Objective("early-exit training (layer dropout, an early-exit loss)",
-                          ("dev/early_exit_finetune_distributed",)),
-    MULTI_DATASET: Objective("training on several data sets, each with its own loader",
-                             ("dev/lora_finetune_distributed_multi_dataset",)),
+    EARLY_EXIT: Objective(
+        "early-exit training (layer dropout, an early-exit loss)", ("dev/early_exit_finetune_distributed",)
+    ),
+    MULTI_DATASET: Objective(
+        "training on several data sets, each with its own loader", ("dev/lora_finetune_distributed_multi_dataset",)
+    ),
 }
 
 # Our recipes and the objectives above that each trains (besides supervised fine-tuning).
@@ -56,27 +70,56 @@ OURS: dict[str, frozenset[str]] = {
 
 # Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
 TRAINING_KEYS: dict[str, str] = {
-    "quantizer": QAT, "fake_quant_after_n_steps": QAT,
-    "teacher_model": KD, "teacher_checkpointer": KD, "kd_loss": KD, "kd_ratio": KD,
+    "quantizer": QAT,
+    "fake_quant_after_n_steps": QAT,
+    "teacher_model": KD,
+    "teacher_checkpointer": KD,
+    "kd_loss": KD,
+    "kd_ratio": KD,
     "ref_checkpointer": DPO,
-    **{key: PPO for key in (
-        "policy_model", "reward_and_value_model", "ref_policy_checkpointer", "value_checkpointer",
-        "reward_checkpointer", "ppo_epochs", "ppo_batch_size", "forward_batch_size", "kl_coeff", "gamma", "lmbda",
-        "whiten_rewards", "penalise_no_eos", "reward_penalty", "min_response_length", "max_generated_tokens",
-        "num_steps")},
+    **{
+        key: PPO
+        for key in (
+            "policy_model",
+            "reward_and_value_model",
+            "ref_policy_checkpointer",
+            "value_checkpointer",
+            "reward_checkpointer",
+            "ppo_epochs",
+            "ppo_batch_size",
+            "forward_batch_size",
+            "kl_coeff",
+            "gamma",
+            "lmbda",
+            "whiten_rewards",
+            "penalise_no_eos",
+            "reward_penalty",
+            "min_response_length",
+            "max_generated_tokens",
+            "num_steps",
+        )
+    },
     "grpo_samples": GRPO,
-    "early_exit_loss": EARLY_EXIT, "layer_dropout": EARLY_EXIT,
+    "early_exit_loss": EARLY_EXIT,
+    "layer_dropout": EARLY_EXIT,
     "datasets": MULTI_DATASET,
 }
 
 # Components of torchtune's, by their last name, that make a node train another way.
 LOSSES: dict[str, str] = {
-    "DPOLoss": DPO, "RSOLoss": DPO, "PPOLoss": PPO,
-    **{f"{kind}KL{chunked}Loss": KD for kind in ("Forward", "Reverse", "Symmetric")
-       for chunked in ("", "WithChunkedOutput")},
+    "DPOLoss": DPO,
+    "RSOLoss": DPO,
+    "PPOLoss": PPO,
+    **{
+        f"{kind}KL{chunked}Loss": KD
+        for kind in ("Forward", "Reverse", "Symmetric")
+        for chunked in ("", "WithChunkedOutput")
+    },
 }
-DATASETS: dict[str, str] = {name: DPO for name in (
-    "preference_dataset", "PreferenceDataset", "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset")}
+DATASETS: dict[str, str] = {
+    name: DPO
+    for name in ("preference_dataset", "PreferenceDataset", "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset")
+}
 _NAMED = 3  # other keys a refusal names besides the first
 
 
@@ -92,7 +135,7 @@ def recipe_for_model(cfg: DictConfig) -> str:
     return f"adaptive_{'lora' if lora else 'full'}_{'dpo' if dpo else 'finetune'}"
 
 
-def _torchtune_name(component: Any, names: dict[str, str]) -> Optional[str]:
+def _torchtune_name(component: Any, names: dict[str, str]) -> str | None:
     """The objective of a torchtune component path found in ``names`` by its last name, else None."""
     path = str(component or "")
     return names.get(path.rsplit(".", 1)[-1]) if path.startswith("torchtune.") else None
@@ -139,7 +182,7 @@ def _shown(value: Any) -> Any:
     return None if OmegaConf.is_config(value) else plain(value)
 
 
-def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: Optional[str] = None) -> str:
+def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: str | None = None) -> str:
     """The one line that refuses ``keys`` (key, value shown; the first is shown with its value, at most
     :data:`_NAMED` of the others are named) asking for ``objective`` in ``recipe``; ``runs``, the recipe of ours
     for the config's model, is the one named when it trains so (the full or the LoRA DPO recipe)."""
@@ -157,7 +200,7 @@ def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: Opti
     return f"{subject} asks for {what.what}, which {recipe} does not do yet; use torchtune's {recipes}"
 
 
-def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
+def check_objective(cfg: DictConfig, recipe: str | None = None) -> None:
     """Refuse, in one line, keys asking for training that ``recipe`` (default: the one of ours that runs the
     config) does not do: the objective of the first such key (see :func:`training_asked`), with all of its keys."""
     recipe = recipe or recipe_for_model(cfg)
@@ -165,8 +208,14 @@ def check_objective(cfg: DictConfig, recipe: Optional[str] = None) -> None:
     asked = [(key, objective, shown) for key, objective, shown in training_asked(cfg) if objective not in done]
     if asked:
         objective = asked[0][1]
-        raise ConfigError(refusal(recipe, [(key, shown) for key, o, shown in asked if o == objective], objective,
-                                  runs=recipe_for_model(cfg)))
+        raise ConfigError(
+            refusal(
+                recipe,
+                [(key, shown) for key, o, shown in asked if o == objective],
+                objective,
+                runs=recipe_for_model(cfg),
+            )
+        )
 
 
 _PAIR_LOSSES = ("DPOLoss", "RSOLoss")
@@ -178,13 +227,17 @@ def _check_pairs(cfg: DictConfig, recipe: str) -> None:
     counts a pair's two sequences (``batching.token_sampler.budget_lengths``)."""
     loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "")
     if loss.rsplit(".", 1)[-1] not in _PAIR_LOSSES:
-        raise ConfigError(f"config key 'loss._component_' = {loss!r}: {recipe} trains with "
-                          "torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss")
+        raise ConfigError(
+            f"config key 'loss._component_' = {loss!r}: {recipe} trains with "
+            "torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss"
+        )
     dataset = plain(cfg.get("dataset", None))
     for part in dataset if isinstance(dataset, list) else [dataset]:
         if isinstance(part, dict) and part.get("packed", False):
-            raise ConfigError("config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen "
-                              "and rejected answers are two sequences padded to each other; set it to False")
+            raise ConfigError(
+                "config key 'dataset.packed' = True: packing does not apply to DPO, whose chosen "
+                "and rejected answers are two sequences padded to each other; set it to False"
+            )
 
 
 def check_lora_dpo(cfg: DictConfig) -> None:
@@ -193,12 +246,16 @@ def check_lora_dpo(cfg: DictConfig) -> None:
     recipe trains (see :func:`_check_pairs`)."""
     component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
     if "lora" not in component:
-        raise ConfigError(f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
-                          "reference model is the policy with its adapters off, so it needs a LoRA model builder; "
-                          "use adaptive_full_dpo for DPO of the whole model")
+        raise ConfigError(
+            f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
+            "reference model is the policy with its adapters off, so it needs a LoRA model builder; "
+            "use adaptive_full_dpo for DPO of the whole model"
+        )
     if _asks(OmegaConf.select(cfg, "ref_checkpointer", default=None)):  # refused, not read
-        raise ConfigError("config key 'ref_checkpointer' asks for a separate reference model (full DPO), which "
-                          "adaptive_lora_dpo does not do: its reference is the policy with its adapters off")
+        raise ConfigError(
+            "config key 'ref_checkpointer' asks for a separate reference model (full DPO), which "
+            "adaptive_lora_dpo does not do: its reference is the policy with its adapters off"
+        )
     _check_pairs(cfg, "adaptive_lora_dpo")
 
 
@@ -209,18 +266,23 @@ def check_full_dpo(cfg: DictConfig) -> None:
     trains (see :func:`_check_pairs`)."""
     component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
     if "lora" in component:
-        raise ConfigError(f"config key 'model._component_' = {component!r} is a LoRA model, whose reference is the "
-                          "policy with its adapters off; use adaptive_lora_dpo")
+        raise ConfigError(
+            f"config key 'model._component_' = {component!r} is a LoRA model, whose reference is the "
+            "policy with its adapters off; use adaptive_lora_dpo"
+        )
     reference = OmegaConf.select(cfg, "ref_checkpointer", default=None)
     if not _asks(reference) or not OmegaConf.is_dict(reference):
-        raise ConfigError("config key 'ref_checkpointer' is missing: adaptive_full_dpo loads its reference model, "
-                          "a frozen copy of 'model', with it (a checkpointer such as "
-                          "torchtune.training.FullModelHFCheckpointer pointing at the original weights)")
+        raise ConfigError(
+            "config key 'ref_checkpointer' is missing: adaptive_full_dpo loads its reference model, "
+            "a frozen copy of 'model', with it (a checkpointer such as "
+            "torchtune.training.FullModelHFCheckpointer pointing at the original weights)"
+        )
     _check_pairs(cfg, "adaptive_full_dpo")
 
 
-_KD_LOSSES = tuple(f"{kind}KL{chunked}Loss" for kind in ("Forward", "Reverse", "Symmetric")
-                   for chunked in ("", "WithChunkedOutput"))
+_KD_LOSSES = tuple(
+    f"{kind}KL{chunked}Loss" for kind in ("Forward", "Reverse", "Symmetric") for chunked in ("", "WithChunkedOutput")
+)
 _CHUNKED_CE = "CEWithChunkedOutputLoss"
 
 
@@ -231,32 +293,51 @@ def check_kd(cfg: DictConfig) -> None:
     losses, a ``kd_ratio`` outside [0, 1], and a ``loss`` and ``kd_loss`` that do not both take the logits in the
     same chunks (the student's output is chunked for the cross-entropy, and the teacher's as the student's)."""
     recipe = "adaptive_knowledge_distillation"
-    for key, what in (("teacher_model", "the teacher's model builder, e.g. torchtune.models.qwen2.qwen2_1_5b"),
-                      ("teacher_checkpointer", "a checkpointer pointing at the teacher's weights")):
+    for key, what in (
+        ("teacher_model", "the teacher's model builder, e.g. torchtune.models.qwen2.qwen2_1_5b"),
+        ("teacher_checkpointer", "a checkpointer pointing at the teacher's weights"),
+    ):
         node = OmegaConf.select(cfg, key, default=None)
         if not OmegaConf.is_dict(node) or optional_component(node) is None:
-            state = ("is missing" if node is None else f"= {plain(node)!r} is not a node"
-                     if not OmegaConf.is_dict(node) else "is null")
+            state = (
+                "is missing"
+                if node is None
+                else f"= {plain(node)!r} is not a node"
+                if not OmegaConf.is_dict(node)
+                else "is null"
+            )
             raise ConfigError(f"config key '{key}' {state}: {recipe} needs {what}")
     kd_loss = str(OmegaConf.select(cfg, "kd_loss._component_", default="") or "")
     if not kd_loss.startswith("torchtune.") or kd_loss.rsplit(".", 1)[-1] not in _KD_LOSSES:
         node = OmegaConf.select(cfg, "kd_loss", default=None)
-        subject = ("'kd_loss' is missing" if node is None else "'kd_loss' is null" if not kd_loss
-                   else f"'kd_loss._component_' = {kd_loss!r}")
-        raise ConfigError(f"config key {subject}: {recipe} distils with one of "
-                          f"torchtune.modules.loss.{', '.join(_KD_LOSSES)}")
+        subject = (
+            "'kd_loss' is missing"
+            if node is None
+            else "'kd_loss' is null"
+            if not kd_loss
+            else f"'kd_loss._component_' = {kd_loss!r}"
+        )
+        raise ConfigError(
+            f"config key {subject}: {recipe} distils with one of torchtune.modules.loss.{', '.join(_KD_LOSSES)}"
+        )
     ratio = plain(cfg.get("kd_ratio", 0.5))
     if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-        raise ConfigError(f"config key 'kd_ratio' = {ratio!r}: the weight of the KD loss against the cross-entropy "
-                          "must be a number in [0, 1]")
+        raise ConfigError(
+            f"config key 'kd_ratio' = {ratio!r}: the weight of the KD loss against the cross-entropy "
+            "must be a number in [0, 1]"
+        )
     loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "").rsplit(".", 1)[-1]
     chunked = (loss == _CHUNKED_CE, kd_loss.endswith("WithChunkedOutputLoss"))
     if chunked[0] != chunked[1]:
-        raise ConfigError(f"config key 'kd_loss._component_' = {kd_loss!r} with 'loss._component_' = {loss!r}: "
-                          f"both take chunked logits or neither does (torchtune.modules.loss.{_CHUNKED_CE} with a "
-                          "...WithChunkedOutputLoss KD loss)")
+        raise ConfigError(
+            f"config key 'kd_loss._component_' = {kd_loss!r} with 'loss._component_' = {loss!r}: "
+            f"both take chunked logits or neither does (torchtune.modules.loss.{_CHUNKED_CE} with a "
+            "...WithChunkedOutputLoss KD loss)"
+        )
     chunks = [OmegaConf.select(cfg, f"{key}.num_output_chunks", default=8) for key in ("loss", "kd_loss")]
     if all(chunked) and chunks[0] != chunks[1]:
-        raise ConfigError(f"config key 'kd_loss.num_output_chunks' = {chunks[1]!r}: it must equal "
-                          f"'loss.num_output_chunks' = {chunks[0]!r} (the student's and teacher's logits are chunked "
-                          "alike)")
+        raise ConfigError(
+            f"config key 'kd_loss.num_output_chunks' = {chunks[1]!r}: it must equal "
+            f"'loss.num_output_chunks' = {chunks[0]!r} (the student's and teacher's logits are chunked "
+            "alike)"
+        )

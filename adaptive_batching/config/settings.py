@@ -9,8 +9,9 @@ so a config never silently asks for something that does not happen.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -38,22 +39,22 @@ from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.units import parse_bytes
 
 # A check returns None when the value is fine, else a description of what is allowed.
-Check = Callable[[Any], Optional[str]]
+Check = Callable[[Any], str | None]
 
 
-def _bool(v: Any) -> Optional[str]:
+def _bool(v: Any) -> str | None:
     return None if isinstance(v, bool) else "true or false"
 
 
-def _pos_int(v: Any) -> Optional[str]:
+def _pos_int(v: Any) -> str | None:
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 1 else "an integer >= 1"
 
 
-def _non_neg_int(v: Any) -> Optional[str]:
+def _non_neg_int(v: Any) -> str | None:
     return None if isinstance(v, int) and not isinstance(v, bool) and v >= 0 else "an integer >= 0"
 
 
-def _opt_pos_int(v: Any) -> Optional[str]:
+def _opt_pos_int(v: Any) -> str | None:
     return None if v is None else _pos_int(v) and "null or an integer >= 1"
 
 
@@ -61,17 +62,17 @@ def _choice(*allowed: str) -> Check:
     return lambda v: None if v in allowed else " | ".join(allowed)
 
 
-def _margin(v: Any) -> Optional[str]:
+def _margin(v: Any) -> str | None:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v < 0.5
     return None if ok else "a number in [0, 0.5)"
 
 
-def _tolerance(v: Any) -> Optional[str]:
+def _tolerance(v: Any) -> str | None:
     ok = isinstance(v, (int, float)) and not isinstance(v, bool) and 0 <= v <= 0.25
     return None if ok else "a number in [0, 0.25] (0.01: the search stops within 1% of the largest that fits)"
 
 
-def _memory(v: Any) -> Optional[str]:
+def _memory(v: Any) -> str | None:
     if v is None:
         return None
     try:
@@ -81,17 +82,17 @@ def _memory(v: Any) -> Optional[str]:
     return None
 
 
-def _opt_str(v: Any) -> Optional[str]:
+def _opt_str(v: Any) -> str | None:
     return None if v is None or isinstance(v, str) else "null or a path"
 
 
-def _max_tokens(v: Any) -> Optional[str]:
+def _max_tokens(v: Any) -> str | None:
     if v is None or v == "auto" or (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
         return None
     return "null, 'auto' (the profiler sets it) or an integer >= 1 (padded tokens per micro batch)"
 
 
-def _opt_mapping(v: Any) -> Optional[str]:
+def _opt_mapping(v: Any) -> str | None:
     return None if v is None or isinstance(v, Mapping) else "null or a mapping"
 
 
@@ -131,11 +132,11 @@ class AdaptiveSettings:
     profiler: ProfilerSettings = ProfilerSettings()
     batching: BatchingSettings = BatchingSettings()
     growth: GrowthSettings = GrowthSettings()
-    elastic: Optional[ElasticSpec] = None
+    elastic: ElasticSpec | None = None
     faults: FaultSettings = FaultSettings()
 
     @property
-    def batch_increase_function(self) -> Optional[Callable[[int, int], int]]:
+    def batch_increase_function(self) -> Callable[[int, int], int] | None:
         return self.growth.increase
 
     @property
@@ -151,8 +152,12 @@ class AdaptiveSettings:
 PROFILER, BATCHING, GROWTH, ELASTIC, FAULTS = "profiler", "batching", "growth", "elastic", "faults"
 # The sections of ``adaptive_batching:``: each field of theirs is a knob, except those a top-level key sets
 # (their field's metadata names the key, e.g. growth's ``increase``: ``batch_increase_function``).
-SECTIONS: dict[str, type] = {PROFILER: ProfilerSettings, BATCHING: BatchingSettings, GROWTH: GrowthSettings,
-                             FAULTS: FaultSettings}
+SECTIONS: dict[str, type] = {
+    PROFILER: ProfilerSettings,
+    BATCHING: BatchingSettings,
+    GROWTH: GrowthSettings,
+    FAULTS: FaultSettings,
+}
 
 
 def _written(value: Any) -> Any:
@@ -183,23 +188,28 @@ class Knob:
 
 def _knobs() -> dict[str, Knob]:
     """Every knob, from the sections' fields (and ``AdaptiveSettings.elastic``, a section of its own)."""
-    found = {f.name: (part, f.default) for part, cls in SECTIONS.items() for f in fields(cls)
-             if "key" not in f.metadata}
+    found = {
+        f.name: (part, f.default) for part, cls in SECTIONS.items() for f in fields(cls) if "key" not in f.metadata
+    }
     found[ELASTIC] = (ELASTIC, next(f.default for f in fields(AdaptiveSettings) if f.name == ELASTIC))
     if set(found) != set(CHECKS):
-        raise TypeError(f"every settings field needs a check in CHECKS and every check a field: "
-                        f"{sorted(set(found) ^ set(CHECKS))}")
+        raise TypeError(
+            f"every settings field needs a check in CHECKS and every check a field: {sorted(set(found) ^ set(CHECKS))}"
+        )
     return {name: Knob(_written(found[name][1]), check, found[name][0]) for name, check in CHECKS.items()}
 
 
 KNOBS: dict[str, Knob] = _knobs()
 
 
-def sections(values: Mapping[str, Any], increase: Optional[Callable[[int, int], int]] = None,
-             lr_scaling: str = "sqrt") -> dict[str, Any]:
+def sections(
+    values: Mapping[str, Any], increase: Callable[[int, int], int] | None = None, lr_scaling: str = "sqrt"
+) -> dict[str, Any]:
     """The typed sections of ``adaptive_batching:`` values already checked (every knob present)."""
-    of = {part: {name: _typed(name, values[name]) for name, knob in KNOBS.items() if knob.section == part}
-          for part in SECTIONS}
+    of = {
+        part: {name: _typed(name, values[name]) for name, knob in KNOBS.items() if knob.section == part}
+        for part in SECTIONS
+    }
     return dict(
         profiler=ProfilerSettings(**of[PROFILER]),
         batching=BatchingSettings(**of[BATCHING]),
@@ -256,7 +266,7 @@ def _check_recipe_keys(cfg: DictConfig) -> None:
     check_nodes(cfg)  # the nodes the recipes need: there, not null; a checkpointer's model type
 
 
-def validate_config(cfg: DictConfig, recipe: Optional[str] = None) -> AdaptiveSettings:
+def validate_config(cfg: DictConfig, recipe: str | None = None) -> AdaptiveSettings:
     """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key. ``recipe``:
     the recipe of ours that runs (default: the one for the config's model), named when it refuses a key that asks
     for training it does not do."""
@@ -304,13 +314,23 @@ def validate_config(cfg: DictConfig, recipe: Optional[str] = None) -> AdaptiveSe
     _check_elastic(parts["elastic"], growth, batching)
     _check_keep_global_batch(growth, use_max, elastic=parts["elastic"], batching=batching)
     _check_growth_interval(growth, batching)
-    in_bwd = check_optimizer_in_bwd(cfg, grow_past_memory=growth.grow_past_memory,
-                                    elastic=parts["elastic"] is not None, max_tokens=batching.token_budget)
+    in_bwd = check_optimizer_in_bwd(
+        cfg,
+        grow_past_memory=growth.grow_past_memory,
+        elastic=parts["elastic"] is not None,
+        max_tokens=batching.token_budget,
+    )
     check_activation_offloading(cfg)
     if increase is not None:
         # Every epoch's call, made now: a bad return value stops the run before any model loads.
-        plan_batches(epochs=cfg.epochs, start=cfg.batch_size, accumulation=cfg.get("gradient_accumulation_steps", 1),
-                     ranks=1, increase=increase, memory_cap=None)
+        plan_batches(
+            epochs=cfg.epochs,
+            start=cfg.batch_size,
+            accumulation=cfg.get("gradient_accumulation_steps", 1),
+            ranks=1,
+            increase=increase,
+            memory_cap=None,
+        )
     return AdaptiveSettings(use_max, in_bwd, **parts)
 
 
@@ -320,35 +340,48 @@ def _check_token_budget(cfg: DictConfig, batching: BatchingSettings, use_max: bo
     if budget is None:
         for name, default in (("picking_order", "dataloader"), ("min_batch_size", None), ("max_batch_size", None)):
             if getattr(batching, name) != default:
-                raise ConfigError(f"config key 'adaptive_batching.{name}' = {getattr(batching, name)!r} only applies "
-                                  "to token-budget batching; set adaptive_batching.max_tokens too, or remove it")
+                raise ConfigError(
+                    f"config key 'adaptive_batching.{name}' = {getattr(batching, name)!r} only applies "
+                    "to token-budget batching; set adaptive_batching.max_tokens too, or remove it"
+                )
         return
     if packed(cfg.get("dataset", None)):
-        raise ConfigError(f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
-                          "(a packed dataset's samples are already full packs of max_seq_len tokens); "
-                          "set dataset.packed=False or adaptive_batching.max_tokens=null")
+        raise ConfigError(
+            f"config key 'adaptive_batching.max_tokens' = {budget!r} needs an unpacked dataset "
+            "(a packed dataset's samples are already full packs of max_seq_len tokens); "
+            "set dataset.packed=False or adaptive_batching.max_tokens=null"
+        )
     if budget == "auto" and not use_max:
-        raise ConfigError("config key 'adaptive_batching.max_tokens' = 'auto' asks the profiler for the budget; "
-                          "set use_maximum_batch_size=True, or give a number of tokens")
+        raise ConfigError(
+            "config key 'adaptive_batching.max_tokens' = 'auto' asks the profiler for the budget; "
+            "set use_maximum_batch_size=True, or give a number of tokens"
+        )
     low, high = batching.min_batch_size, batching.max_batch_size
     if low is not None and high is not None and low > high:
-        raise ConfigError(f"config keys 'adaptive_batching.min_batch_size' = {low} and "
-                          f"'adaptive_batching.max_batch_size' = {high} contradict: expected min <= max")
+        raise ConfigError(
+            f"config keys 'adaptive_batching.min_batch_size' = {low} and "
+            f"'adaptive_batching.max_batch_size' = {high} contradict: expected min <= max"
+        )
 
 
-def _check_elastic(elastic: Optional[ElasticSpec], growth: GrowthSettings, batching: BatchingSettings) -> None:
+def _check_elastic(elastic: ElasticSpec | None, growth: GrowthSettings, batching: BatchingSettings) -> None:
     if elastic is None:
         return
     if growth.increase is not None:
-        raise ConfigError("config key 'adaptive_batching.elastic' fixes one global batch for the whole run; "
-                          "it cannot be combined with batch_increase_function (set it to null)")
+        raise ConfigError(
+            "config key 'adaptive_batching.elastic' fixes one global batch for the whole run; "
+            "it cannot be combined with batch_increase_function (set it to null)"
+        )
     if batching.token_budget:
-        raise ConfigError("config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
-                          "it cannot be combined with adaptive_batching.max_tokens (set it to null)")
+        raise ConfigError(
+            "config key 'adaptive_batching.elastic' needs a fixed number of samples per step; "
+            "it cannot be combined with adaptive_batching.max_tokens (set it to null)"
+        )
 
 
-def _check_keep_global_batch(growth: GrowthSettings, use_max: bool, *, elastic: Optional[ElasticSpec],
-                             batching: BatchingSettings) -> None:
+def _check_keep_global_batch(
+    growth: GrowthSettings, use_max: bool, *, elastic: ElasticSpec | None, batching: BatchingSettings
+) -> None:
     """The fixed-global-batch mode takes its micro batch from the profiler and fixes the global batch."""
     if not growth.keep_global_batch:
         return
@@ -356,8 +389,10 @@ def _check_keep_global_batch(growth: GrowthSettings, use_max: bool, *, elastic: 
     if not use_max:
         raise ConfigError(f"{key} takes the micro batch from the profiler; set use_maximum_batch_size=True")
     if growth.increase is not None:
-        raise ConfigError(f"{key} keeps one global batch for the whole run; it cannot be combined with "
-                          "batch_increase_function (set it to null)")
+        raise ConfigError(
+            f"{key} keeps one global batch for the whole run; it cannot be combined with "
+            "batch_increase_function (set it to null)"
+        )
     for other, on in (("max_tokens", batching.token_budget), ("elastic", elastic is not None)):
         if on:
             raise ConfigError(f"{key} cannot be combined with adaptive_batching.{other} (set it to null)")
@@ -370,11 +405,14 @@ def _check_growth_interval(growth: GrowthSettings, batching: BatchingSettings) -
         return
     key = f"config key '{GROWTH_KEY}' = {interval.spelling!r}"
     if growth.increase is None:
-        raise ConfigError(f"{key} says when the batch grows, but batch_increase_function is null: set one, "
-                          "or remove the key")
+        raise ConfigError(
+            f"{key} says when the batch grows, but batch_increase_function is null: set one, or remove the key"
+        )
     if batching.token_budget:
-        raise ConfigError(f"{key} needs sample-count batching; token-budget batching "
-                          "(adaptive_batching.max_tokens) grows at epoch starts only: set growth_interval to 'epoch'")
+        raise ConfigError(
+            f"{key} needs sample-count batching; token-budget batching "
+            "(adaptive_batching.max_tokens) grows at epoch starts only: set growth_interval to 'epoch'"
+        )
 
 
 def _check_lr_scheduler(cfg: DictConfig) -> None:
@@ -386,8 +424,10 @@ def _check_lr_scheduler(cfg: DictConfig) -> None:
     try:
         scheduler = config.instantiate(node, probe, num_training_steps=100)
     except Exception as error:  # noqa: BLE001 - any failure is the config's
-        raise ConfigError(f"config key 'lr_scheduler' could not be built with (optimizer, num_training_steps=N): "
-                          f"{type(error).__name__}: {error}") from error
+        raise ConfigError(
+            f"config key 'lr_scheduler' could not be built with (optimizer, num_training_steps=N): "
+            f"{type(error).__name__}: {error}"
+        ) from error
     if not isinstance(scheduler, LambdaLR):
         raise ConfigError(
             f"config key 'lr_scheduler._component_' = {node._component_!r} gives a {type(scheduler).__name__}; "

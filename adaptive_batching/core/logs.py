@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import IO, Any, Iterator, Optional
+from typing import IO, Any
 
 from torchtune import utils
 from tqdm import tqdm
@@ -36,7 +37,7 @@ class _BesideProgressBars(logging.StreamHandler):
     the stderr of the moment, as ``print(..., file=sys.stderr)`` and the progress bar do: a process that replaces
     ``sys.stderr`` after the import (a harness, a fork) still has its bar cleared by the same stream."""
 
-    def __init__(self, stream: Optional[IO[str]] = None) -> None:
+    def __init__(self, stream: IO[str] | None = None) -> None:
         super().__init__(stream)
         self.follows_stderr = stream is None or stream is sys.stderr or stream is sys.__stderr__
 

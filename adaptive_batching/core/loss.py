@@ -10,8 +10,12 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def summed_token_loss(model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                      activations: ContextManager = contextlib.nullcontext()) -> tuple[torch.Tensor, torch.Tensor]:
+def summed_token_loss(
+    model: nn.Module,
+    loss_fn: Any,
+    batch: dict[str, torch.Tensor],
+    activations: ContextManager = contextlib.nullcontext(),
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Forward one micro batch; return its loss summed over the tokens that count, and their number.
 
     Labels are shifted by one token (the last position predicts nothing). Summing, not averaging,

@@ -21,11 +21,15 @@ def optimizer_in_bwd(cfg: DictConfig) -> bool:
     key = "config key 'optimizer_in_bwd' = True"
     accumulation = plain(cfg.get("gradient_accumulation_steps", 1))
     if accumulation not in (None, 1):
-        raise ConfigError(f"{key} steps the optimizer inside each backward, so it cannot accumulate gradients: set "
-                          f"gradient_accumulation_steps=1 (it is {accumulation!r}), or optimizer_in_bwd=False")
+        raise ConfigError(
+            f"{key} steps the optimizer inside each backward, so it cannot accumulate gradients: set "
+            f"gradient_accumulation_steps=1 (it is {accumulation!r}), or optimizer_in_bwd=False"
+        )
     if plain(cfg.get("clip_grad_norm", None)) is not None:
-        raise ConfigError(f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
-                          "set clip_grad_norm=null, or optimizer_in_bwd=False")
+        raise ConfigError(
+            f"{key} steps each parameter before the whole gradient exists, so it cannot clip its norm: "
+            "set clip_grad_norm=null, or optimizer_in_bwd=False"
+        )
     return True
 
 
@@ -34,15 +38,18 @@ def check_optimizer_in_bwd(cfg: DictConfig, *, grow_past_memory: str, elastic: b
     (``elastic``, ``max_tokens``: whether those keys are set)."""
     if not optimizer_in_bwd(cfg):
         return False
-    conflicts = (("grow_past_memory", grow_past_memory == "accumulate",
-                  "grows past the memory cap by accumulating gradients"),
-                 ("elastic", elastic, "realises its global batch by accumulating gradients"),
-                 ("max_tokens", max_tokens, "runs several token-budget micro batches per optimizer step"))
+    conflicts = (
+        ("grow_past_memory", grow_past_memory == "accumulate", "grows past the memory cap by accumulating gradients"),
+        ("elastic", elastic, "realises its global batch by accumulating gradients"),
+        ("max_tokens", max_tokens, "runs several token-budget micro batches per optimizer step"),
+    )
     for name, on, why in conflicts:
         if on:
-            raise ConfigError(f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "
-                              f"'optimizer_in_bwd' = True do not go together: the first {why}, which an optimizer "
-                              f"stepped inside the backward cannot; change one of them")
+            raise ConfigError(
+                f"config keys 'adaptive_batching.{name}' = {plain(cfg.adaptive_batching[name])!r} and "
+                f"'optimizer_in_bwd' = True do not go together: the first {why}, which an optimizer "
+                f"stepped inside the backward cannot; change one of them"
+            )
     return True
 
 
@@ -51,16 +58,21 @@ def check_activation_offloading(cfg: DictConfig, *, needs_cuda: bool = True) -> 
     predicts for a device it does not have), on top of activation checkpointing. Whether it is on."""
     value = plain(cfg.get("enable_activation_offloading", None))
     if value is not None and not isinstance(value, bool):
-        raise ConfigError(f"config key 'enable_activation_offloading' = {value!r} is invalid: expected true, false or "
-                          "null")
+        raise ConfigError(
+            f"config key 'enable_activation_offloading' = {value!r} is invalid: expected true, false or null"
+        )
     if not value:
         return False
     device = str(plain(cfg.get("device", "cpu")))
     if needs_cuda and not device.startswith("cuda"):
-        raise ConfigError(f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
-                          f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
-                          "CUDA. Set it to false")
+        raise ConfigError(
+            f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
+            f"{device!r}); torchtune: enable_activation_offloading should only be True when training on "
+            "CUDA. Set it to false"
+        )
     if not plain(cfg.get("enable_activation_checkpointing", False)):
-        raise ConfigError("config key 'enable_activation_offloading' = True needs "
-                          "enable_activation_checkpointing=True, as in torchtune; set both, or it to false")
+        raise ConfigError(
+            "config key 'enable_activation_offloading' = True needs "
+            "enable_activation_checkpointing=True, as in torchtune; set both, or it to false"
+        )
     return True

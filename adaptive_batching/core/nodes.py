@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import traceback
-from typing import Any, Iterator, Mapping, Optional
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -17,7 +18,7 @@ def plain(value: Any) -> Any:
     return OmegaConf.to_container(value, resolve=True) if OmegaConf.is_config(value) else value
 
 
-def optional_component(node: Any) -> Optional[DictConfig]:
+def optional_component(node: Any) -> DictConfig | None:
     """``node`` unless it is switched off: null, or a node whose ``_component_`` is null.
 
     torchtune rewrites the override ``key=null`` on a component node to ``key._component_: null``,
@@ -37,8 +38,10 @@ def packed(dataset: Any) -> bool:
     parts = parts if isinstance(parts, list) else [parts]
     flags = [isinstance(part, Mapping) and bool(part.get("packed", False)) for part in parts]
     if any(flags) and not all(flags):
-        raise ConfigError("config key 'dataset' mixes packed and unpacked data sets (packed: "
-                          f"{flags}); torchtune cannot concatenate them: pack all or none")
+        raise ConfigError(
+            "config key 'dataset' mixes packed and unpacked data sets (packed: "
+            f"{flags}); torchtune cannot concatenate them: pack all or none"
+        )
     return all(flags)
 
 

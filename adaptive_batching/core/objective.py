@@ -9,7 +9,8 @@ Everything about the batch (its size, growth, the OOM response, checkpoints) is 
 
 from __future__ import annotations
 
-from typing import Any, Callable, ContextManager, Mapping, Protocol
+from collections.abc import Callable, Mapping
+from typing import Any, ContextManager, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -46,13 +47,15 @@ class TrainingObjective(Protocol):
         """The collate of the data set's samples into a micro batch: a dict whose ``tokens`` has one row per
         sample (``len(batch["tokens"])`` is the micro batch's samples) and which an empty list also gives."""
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro batch; its loss summed over what counts (tokens, pairs) and how many counted.
         The step divides the gradients by the count of all its micro batches and ranks."""
 
-    def worst_case_batch(self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
-                         packed: bool) -> dict[str, torch.Tensor]:
+    def worst_case_batch(
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+    ) -> dict[str, torch.Tensor]:
         """``micro_batch`` samples of ``seq_len`` tokens each, collated as training collates them."""
 
     def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:

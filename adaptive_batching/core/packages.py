@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import re
 from importlib import metadata
-from typing import Optional
 
 from adaptive_batching.errors import ConfigError
 
@@ -18,7 +17,7 @@ TORCH_FIRST, TORCH_BELOW = (2, 11), (2, 15)
 TORCH_REQUIREMENT = f"torch>={TORCH_FIRST[0]}.{TORCH_FIRST[1]},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
 
 
-def installed_torch() -> Optional[str]:
+def installed_torch() -> str | None:
     """The installed torch's version, read from its metadata without importing it; None if none is installed."""
     try:
         return metadata.version("torch")
@@ -26,7 +25,7 @@ def installed_torch() -> Optional[str]:
         return None
 
 
-def unsupported_torch(version: Optional[str]) -> Optional[str]:
+def unsupported_torch(version: str | None) -> str | None:
     """Why torch ``version`` cannot run this package, in one line; None if it can (or if none is installed)."""
     release = re.match(r"(\d+)\.(\d+)", version or "")
     if version is None or (release and TORCH_FIRST <= (int(release[1]), int(release[2])) < TORCH_BELOW):
@@ -40,6 +39,7 @@ def require_supported_torch() -> None:
     message = unsupported_torch(installed_torch())
     if message is not None:
         raise ConfigError(message)
+
 
 # Optional packages a component may need: import name -> how to install it.
 PIP: dict[str, str] = {
@@ -61,13 +61,13 @@ NEEDS: dict[str, str] = {
 }
 
 
-def needed_package(component: str) -> Optional[str]:
+def needed_package(component: str) -> str | None:
     """The optional package (a key of :data:`PIP`) that ``component`` needs, else None."""
     root = component.split(".", 1)[0]
     return NEEDS.get(component) or (root if root in PIP else None)
 
 
-def package_of(error: BaseException) -> Optional[str]:
+def package_of(error: BaseException) -> str | None:
     """The optional package whose absence ``error`` (or the error it was raised from) is, else None."""
     for cause in (error, error.__cause__):
         name = str(getattr(cause, "name", None) or "") if isinstance(cause, ImportError) else ""

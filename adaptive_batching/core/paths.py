@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Optional, Union
 
 
 def default_cache_dir() -> Path:
@@ -14,6 +13,6 @@ def default_cache_dir() -> Path:
     return base / "adaptive-batching" / "profiles"
 
 
-def cache_dir(configured: Optional[Union[str, Path]]) -> Path:
+def cache_dir(configured: str | Path | None) -> Path:
     """The cache folder ``adaptive_batching.cache_dir`` names (``~`` expanded), or :func:`default_cache_dir`."""
     return default_cache_dir() if configured is None else Path(configured).expanduser()

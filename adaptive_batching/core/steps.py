@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 
 @dataclass(frozen=True)
@@ -14,7 +13,7 @@ class StepMemory:
     forward_backward_peak: int
     optimizer_peak: int
     steady_bytes: int  # memory after the step: what the next step starts from
-    reserved_peak: Optional[int] = None  # the caching allocator's peak reservation (accelerators)
+    reserved_peak: int | None = None  # the caching allocator's peak reservation (accelerators)
     alloc_retries: int = 0  # allocations the caching allocator had to retry after freeing its cache
 
     @property

@@ -25,8 +25,9 @@ next one) are not modelled.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -61,7 +62,7 @@ class FakeOffload(saved_tensors_hooks):
     """``OffloadActivations`` for fake tensors (see the module docstring); ``segment`` says which stretch of
     the pass a save belongs to (a layer timeline's current segment; 0 without one)."""
 
-    def __init__(self, segment: Optional[Callable[[], int]] = None, min_offload_size: int = MIN_OFFLOAD_SIZE) -> None:
+    def __init__(self, segment: Callable[[], int] | None = None, min_offload_size: int = MIN_OFFLOAD_SIZE) -> None:
         self.saved: list[Saved] = []
         self._segment = segment or (lambda: 0)
         self._min = min_offload_size
@@ -92,12 +93,12 @@ class FakeOffload(saved_tensors_hooks):
         self._storages[storage._cdata] = (weakref.ref(storage), number)
         return number
 
-    def host_bytes(self, counts: Optional[Sequence[int]] = None) -> int:
+    def host_bytes(self, counts: Sequence[int] | None = None) -> int:
         """Bytes in host memory after the forward: every offloaded tensor (a tensor saved twice is copied twice,
         as torchtune does); ``counts[i]``: how often segment ``i`` runs (layer extrapolation)."""
         return sum(s.nbytes * (counts[s.segment] if counts is not None else 1) for s in self.saved if s.offloaded)
 
-    def stash_bytes(self, counts: Optional[Sequence[int]] = None) -> int:
+    def stash_bytes(self, counts: Sequence[int] | None = None) -> int:
         """The most bytes of distinct offloaded tensors among ``max_fwd_stash_size`` consecutive saves (the forward
         stash), over the forward with segment ``i`` repeated ``counts[i]`` times (enough repeats to hold every
         window)."""
@@ -110,7 +111,7 @@ class FakeOffload(saved_tensors_hooks):
             sequence.extend((s, r) for r in range(repeat) for s in by_segment[segment])
         best = 0
         for end in range(len(sequence)):
-            window = sequence[max(0, end - MAX_FWD_STASH_SIZE + 1):end + 1]
+            window = sequence[max(0, end - MAX_FWD_STASH_SIZE + 1) : end + 1]
             distinct = {(s.storage, r): s.nbytes for s, r in window if s.offloaded}
             best = max(best, sum(distinct.values()))
         return best
@@ -121,11 +122,15 @@ def offloading_forward(model: nn.Module, offload: FakeOffload) -> list[Any]:
     ``get_act_offloading_ctx_manager`` and the recipes' ``with activations_handling_ctx: logits = model(...)`` do;
     the handles remove the hooks."""
     noop = NoOpManager()
-    handles = [model.register_forward_pre_hook(lambda *args: offload.__enter__()),
-               model.register_forward_hook(lambda *args: offload.__exit__(None, None, None), always_call=True)]
+    handles = [
+        model.register_forward_pre_hook(lambda *args: offload.__enter__()),
+        model.register_forward_hook(lambda *args: offload.__exit__(None, None, None), always_call=True),
+    ]
     output = getattr(model, "output", None)
     head = output if isinstance(output, nn.Module) else getattr(output, "linear", None)
     if isinstance(head, nn.Module):
-        handles += [head.register_forward_pre_hook(lambda *args: noop.__enter__()),
-                    head.register_forward_hook(lambda *args: noop.__exit__(None, None, None), always_call=True)]
+        handles += [
+            head.register_forward_pre_hook(lambda *args: noop.__enter__()),
+            head.register_forward_hook(lambda *args: noop.__exit__(None, None, None), always_call=True),
+        ]
     return handles

@@ -32,7 +32,8 @@ from __future__ import annotations
 
 import contextlib
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -85,8 +86,9 @@ def _dequantized_weight(quantized_data: torch.Tensor, size: list[int], dtype: to
     return torch.empty(size, dtype=dtype, device=quantized_data.device)
 
 
-_fused_nf4_dequantization = torch.library.custom_op(
-    "adaptive_batching::fused_nf4_dequantization", mutates_args=())(_dequantized_weight)
+_fused_nf4_dequantization = torch.library.custom_op("adaptive_batching::fused_nf4_dequantization", mutates_args=())(
+    _dequantized_weight
+)
 _fused_nf4_dequantization.register_fake(_dequantized_weight)
 
 
@@ -181,11 +183,18 @@ def _behaviour(layer: nn.Module) -> tuple:
     """What makes two layers trace to the same graph: their modules, tensors' shapes and plain settings."""
     modules = []
     for name, module in layer.named_modules():
-        settings = tuple(sorted((k, v) for k, v in vars(module).items()
-                                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))))
+        settings = tuple(
+            sorted(
+                (k, v)
+                for k, v in vars(module).items()
+                if not k.startswith("_") and isinstance(v, (int, float, bool, str, type(None)))
+            )
+        )
         modules.append((name, type(module).__name__, settings))
-    tensors = tuple((name, tuple(t.shape), t.dtype, t.requires_grad, type(t).__name__)
-                    for name, t in [*layer.named_parameters(), *layer.named_buffers()])
+    tensors = tuple(
+        (name, tuple(t.shape), t.dtype, t.requires_grad, type(t).__name__)
+        for name, t in [*layer.named_parameters(), *layer.named_buffers()]
+    )
     return tuple(modules), tensors
 
 
@@ -218,22 +227,35 @@ class PartitionedLayer:
         def forward(*args: torch.Tensor) -> tuple[torch.Tensor]:
             return (torch.func.functional_call(own, dict(zip(names, args[:-1])), (args[-1],), strict=True),)
 
-        graph = aot_function(forward, fw_compiler=_interpreted, bw_compiler=_interpreted,
-                             partition_fn=min_cut_rematerialization_partition, decompositions=select_decomp_table(),
-                             num_params_buffers=len(names))
+        graph = aot_function(
+            forward,
+            fw_compiler=_interpreted,
+            bw_compiler=_interpreted,
+            partition_fn=min_cut_rematerialization_partition,
+            decompositions=select_decomp_table(),
+            num_params_buffers=len(names),
+        )
         # traced on its first call, on an input of its own: the graph's nodes keep the values they were traced
         # with, and the step's input carries trackers' hooks; no mode counts the trace (the fake one goes on making
         # the tensors no input leads to), and its saved tensors stay out of the step's hooks (activation
         # checkpointing counts what is saved)
         fake = detect_fake_mode((x, *self._inputs(x)))
-        with _disable_current_modes(), fake if fake is not None else contextlib.nullcontext(), \
-                _no_global_module_hooks(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+        with (
+            _disable_current_modes(),
+            fake if fake is not None else contextlib.nullcontext(),
+            _no_global_module_hooks(),
+            torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t),
+        ):
             graph(*self._inputs(torch.empty_like(x).requires_grad_(x.requires_grad)))
         return graph
 
     def __call__(self, x: torch.Tensor, *, mask: Any = None, input_pos: Any = None, **kwargs: Any) -> torch.Tensor:
-        if mask is not None or input_pos is not None or any(v is not None for v in kwargs.values()) \
-                or not torch.is_grad_enabled():
+        if (
+            mask is not None
+            or input_pos is not None
+            or any(v is not None for v in kwargs.values())
+            or not torch.is_grad_enabled()
+        ):
             return self.own.run(x, mask=mask, input_pos=input_pos, **kwargs)
         key = (self.behaviour, tuple(x.shape), x.dtype, x.requires_grad)
         if key not in self.graphs:

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -52,12 +53,11 @@ from torchtune import config, modules, training
 
 from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.core.method import FinetuneMethod
-from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.nodes import building
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.estimate.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
-from adaptive_batching.estimate.objective_step import Step, step_of
 from adaptive_batching.estimate.layer_timeline import (
     LayerTimeline,
     PassStretch,
@@ -66,6 +66,7 @@ from adaptive_batching.estimate.layer_timeline import (
     layers_to_trace,
     repeats,
 )
+from adaptive_batching.estimate.objective_step import Step, step_of
 from adaptive_batching.estimate.optimizer_state import build_optimizer, paged_bytes, step_or_explain
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
@@ -92,9 +93,13 @@ class Savers:
 def savers_of(cfg: DictConfig) -> Savers:
     """The config's memory savers, checked as the recipes check them (a combination torchtune refuses is a
     one-line :class:`ConfigError` naming the key; the device is the one predicted for, so not checked)."""
-    return Savers(optimizer_in_bwd(cfg), check_activation_offloading(cfg, needs_cuda=False),
-                  bool(cfg.get("enable_activation_checkpointing", False)), bool(cfg.get("fsdp_cpu_offload", False)),
-                  bool(cfg.get("compile", False)))
+    return Savers(
+        optimizer_in_bwd(cfg),
+        check_activation_offloading(cfg, needs_cuda=False),
+        bool(cfg.get("enable_activation_checkpointing", False)),
+        bool(cfg.get("fsdp_cpu_offload", False)),
+        bool(cfg.get("compile", False)),
+    )
 
 
 @dataclass(frozen=True)
@@ -181,9 +186,17 @@ def _tracked(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[
     return (model, *step.resident, *optimizers.all)
 
 
-def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int,
-                      offload: Optional[FakeOffload], compiled: bool, step: Step = Step(),
-                      batch: Optional[dict[str, Any]] = None) -> None:
+def _forward_backward(
+    model: nn.Module,
+    loss_fn: Any,
+    micro_batch: int,
+    seq_len: int,
+    vocab_size: int,
+    offload: FakeOffload | None,
+    compiled: bool,
+    step: Step = Step(),
+    batch: dict[str, Any] | None = None,
+) -> None:
     handles = offloading_forward(model, offload) if offload is not None else []
     with fused_nf4_dequantization() if compiled else contextlib.nullcontext():
         try:
@@ -197,9 +210,18 @@ def _forward_backward(model: nn.Module, loss_fn: Any, micro_batch: int, seq_len:
             loss.backward()
 
 
-def _fake_step(model: nn.Module, optimizers: FakeOptimizers, loss_fn: Any, micro_batch: int,
-               seq_len: int, vocab_size: int, offload: Optional[FakeOffload], compiled: bool, step: Step,
-               batch: Optional[dict[str, Any]]) -> StepMemory:
+def _fake_step(
+    model: nn.Module,
+    optimizers: FakeOptimizers,
+    loss_fn: Any,
+    micro_batch: int,
+    seq_len: int,
+    vocab_size: int,
+    offload: FakeOffload | None,
+    compiled: bool,
+    step: Step,
+    batch: dict[str, Any] | None,
+) -> StepMemory:
     """The memory one training step would use; the tensors are fake, nothing is allocated."""
     tracked = _tracked(model, optimizers, step)
     with PeakMeter(CPU, *tracked) as forward_backward:
@@ -214,8 +236,15 @@ def _fake_step(model: nn.Module, optimizers: FakeOptimizers, loss_fn: Any, micro
     )
 
 
-def build_fake(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode, *,
-               uniform: bool = False, keep_layers: int | None = None) -> tuple[nn.Module, Any, int]:
+def build_fake(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    dtype: torch.dtype,
+    fake: FakeTensorMode,
+    *,
+    uniform: bool = False,
+    keep_layers: int | None = None,
+) -> tuple[nn.Module, Any, int]:
     """The model with fake storage, its loss and its number of layers (before ``keep_layers`` cuts them).
 
     Built on the meta device and then given fake storage, as the recipes build it (Llama 3.1+'s
@@ -257,8 +286,14 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
                     module._buffers[name] = fake.from_tensor(buffer)
 
 
-def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-               seq_len: int, objective: Optional[TrainingObjective] = None) -> Traced:
+def full_trace(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    dtype: torch.dtype,
+    fake: FakeTensorMode,
+    seq_len: int,
+    objective: TrainingObjective | None = None,
+) -> Traced:
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
     savers = savers_of(cfg)
     model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
@@ -277,11 +312,15 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
             offload = FakeOffload() if savers.activation_offloading else None
             batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
             with fake:
-                memory = _fake_step(model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload,
-                                    savers.compile, kind, batch)
+                memory = _fake_step(
+                    model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind, batch
+                )
             stash = offload.stash_bytes() if offload is not None else 0
-            traced[micro_batch] = replace(memory, activation_bytes=memory.activation_bytes + stash,
-                                          forward_backward_peak=memory.forward_backward_peak + stash)
+            traced[micro_batch] = replace(
+                memory,
+                activation_bytes=memory.activation_bytes + stash,
+                forward_backward_peak=memory.forward_backward_peak + stash,
+            )
             host[micro_batch] = offload.host_bytes() if offload is not None else 0
         return traced[micro_batch]
 
@@ -290,8 +329,16 @@ def full_trace(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake
         return host[micro_batch]
 
     depth = len(getattr(kind.resident[0], "layers", ())) if kind.resident else 0
-    return Traced(step, num_layers, num_layers, host_bytes, optimizers.paged_bytes(), savers,
-                  _resident_bytes(kind), (depth, depth))
+    return Traced(
+        step,
+        num_layers,
+        num_layers,
+        host_bytes,
+        optimizers.paged_bytes(),
+        savers,
+        _resident_bytes(kind),
+        (depth, depth),
+    )
 
 
 def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[int, int, list[int]]:
@@ -337,8 +384,14 @@ def gathered_bytes(model: nn.Module) -> int:
     return 2 * max(_bytes(unit) for unit in units if isinstance(unit, nn.Module))
 
 
-def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fake: FakeTensorMode,
-                 seq_len: int, objective: Optional[TrainingObjective] = None) -> Traced:
+def extrapolated(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    dtype: torch.dtype,
+    fake: FakeTensorMode,
+    seq_len: int,
+    objective: TrainingObjective | None = None,
+) -> Traced:
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
@@ -357,7 +410,7 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
     depths = [len(decoder_layers(model)) for model in kind.resident]  # KD's teacher: its own depth
     reference = (layers_to_trace(depths[0]), depths[0]) if depths else None
     for model in (small, *kind.resident):  # the whole models' weights and optimizer state are gone with them
-        model.layers = nn.ModuleList(list(decoder_layers(model))[:layers_to_trace(len(model.layers))])
+        model.layers = nn.ModuleList(list(decoder_layers(model))[: layers_to_trace(len(model.layers))])
     counts: dict[int, list[int]] = {}  # how often each segment runs: the forwards the step ran (DPO: two)
     segments: dict[int, list[PassStretch]] = {}
     host: dict[int, int] = {}
@@ -365,15 +418,21 @@ def extrapolated(cfg: DictConfig, method: FinetuneMethod, dtype: torch.dtype, fa
 
     def trace(micro_batch: int) -> None:
         batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
-        with fake, LayerTimeline(small.layers, small, *kind.resident, *optimizers.all,
-                                 reference_layers=[model.layers for model in kind.resident]) as timeline:
+        with (
+            fake,
+            LayerTimeline(
+                small.layers,
+                small,
+                *kind.resident,
+                *optimizers.all,
+                reference_layers=[model.layers for model in kind.resident],
+            ) as timeline,
+        ):
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
-            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind,
-                              batch)
+            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind, batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
-        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference,
-                                      timeline.reference_first())
+        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference, timeline.reference_first())
         host[micro_batch] = offload.host_bytes(counts[micro_batch]) if offload is not None else 0
         stash[micro_batch] = offload.stash_bytes(counts[micro_batch]) if offload is not None else 0
 

@@ -25,8 +25,9 @@ peak is counted where it happens: before the policy's activations exist, or on t
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -43,7 +44,7 @@ class PassStretch:
     label: str
     start: int
     end: int = 0
-    peak: Optional[int] = None  # None: no op ran in it
+    peak: int | None = None  # None: no op ran in it
     grads_start: int = 0  # bytes of parameter gradients that exist at the start, and that appeared in it
     grads_added: int = 0
 
@@ -52,13 +53,17 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     """The model's stack of transformer layers (``model.layers``), checked to be identical in shape."""
     layers = getattr(model, "layers", None)
     if not isinstance(layers, nn.ModuleList) or len(layers) == 0:
-        raise ValueError(f"{type(model).__name__} has no non-empty `layers` ModuleList to extrapolate over; "
-                         f"estimate it with --full-trace (exact=True)")
+        raise ValueError(
+            f"{type(model).__name__} has no non-empty `layers` ModuleList to extrapolate over; "
+            f"estimate it with --full-trace (exact=True)"
+        )
     first = _signature(layers[0])
     for i, layer in enumerate(layers):
         if _signature(layer) != first:
-            raise ValueError(f"layer {i} of {type(model).__name__} differs from layer 0 (modules or parameter "
-                             f"shapes), so layers cannot be extrapolated; estimate it with --full-trace (exact=True)")
+            raise ValueError(
+                f"layer {i} of {type(model).__name__} differs from layer 0 (modules or parameter "
+                f"shapes), so layers cannot be extrapolated; estimate it with --full-trace (exact=True)"
+            )
     return layers
 
 
@@ -68,8 +73,13 @@ def _signature(layer: nn.Module) -> tuple:
     return modules, params
 
 
-def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tuple[int, int]] = None,
-            reference_first: bool = False) -> list[int]:
+def repeats(
+    traced: int,
+    total: int,
+    forwards: int = 1,
+    reference: tuple[int, int] | None = None,
+    reference_first: bool = False,
+) -> list[int]:
     """How often each segment of a ``traced``-layer pass occurs in a ``total``-layer pass.
 
     Segments: before the layers, the forward of layers 0 .. traced-2, the top layer and head,
@@ -79,14 +89,16 @@ def repeats(traced: int, total: int, forwards: int = 1, reference: Optional[tupl
     ``reference`` is its (traced, total) layers when they differ from the policy's (KD's teacher, another
     architecture), else the policy's.
     """
+
     def middle(traced: int, total: int) -> list[int]:
         if traced < 1 or total < traced:
             raise ValueError(f"cannot extrapolate {traced} traced layers to {total}")
         counts = [1] * traced
         if total > traced:
             if traced != TRACED_LAYERS:
-                raise ValueError(f"extrapolation needs {TRACED_LAYERS} traced layers (bottom, middle, top), "
-                                 f"got {traced}")
+                raise ValueError(
+                    f"extrapolation needs {TRACED_LAYERS} traced layers (bottom, middle, top), got {traced}"
+                )
             counts[1] = total - traced + 1
         return counts
 
@@ -125,8 +137,9 @@ class LayerTimeline(FrozenAwareMemTracker):
     highest point is the tracker's peak.
     """
 
-    def __init__(self, layers: nn.ModuleList, model: nn.Module, *tracked: Any,
-                 reference_layers: Sequence[nn.ModuleList] = ()) -> None:
+    def __init__(
+        self, layers: nn.ModuleList, model: nn.Module, *tracked: Any, reference_layers: Sequence[nn.ModuleList] = ()
+    ) -> None:
         super().__init__()
         self.track_external(model, *tracked)
         self._layers = layers
@@ -165,7 +178,7 @@ class LayerTimeline(FrozenAwareMemTracker):
         now = self._total()
         segment.peak = now if segment.peak is None else max(segment.peak, now)
 
-    def __enter__(self) -> "LayerTimeline":
+    def __enter__(self) -> LayerTimeline:
         self._segments = []
         for i, layer in enumerate(self._layers):
             self._handles.append(layer.register_forward_pre_hook(self._forward_hook(i)))
@@ -188,12 +201,14 @@ class LayerTimeline(FrozenAwareMemTracker):
     def _forward_hook(self, i: int, reference: bool = False) -> Any:
         def hook(module: nn.Module, args: Any) -> None:
             self._mark(f"reference forward {i}" if reference or not torch.is_grad_enabled() else f"forward {i}")
+
         return hook
 
     def _output_hook(self, i: int) -> Any:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
             if isinstance(output, torch.Tensor) and output.requires_grad:
                 output.register_hook(lambda grad: self._mark(f"backward {i}"))
+
         return hook
 
     def forwards(self) -> int:
@@ -215,14 +230,18 @@ class LayerTimeline(FrozenAwareMemTracker):
         expected = ["before the layers"] + forwards + [f"backward {i}" for i in reversed(range(n))]
         labels = [s.label for s in self._segments]
         if labels != expected:
-            raise RuntimeError(f"the pass did not run its layers in order (bottom to top, then back): {labels}; "
-                               f"estimate this model with --full-trace (exact=True)")
+            raise RuntimeError(
+                f"the pass did not run its layers in order (bottom to top, then back): {labels}; "
+                f"estimate this model with --full-trace (exact=True)"
+            )
         if all(s.peak is None for s in self._segments):
-            raise RuntimeError("MemTracker reported no op to the layer timeline (an unsupported torch version?); "
-                               "estimate with --full-trace (exact=True)")
+            raise RuntimeError(
+                "MemTracker reported no op to the layer timeline (an unsupported torch version?); "
+                "estimate with --full-trace (exact=True)"
+            )
         return list(self._segments)
+
 
 def layers_to_trace(total: int) -> int:
     """Layers traced for a ``total``-layer model: three, or all of them when there are no more."""
     return min(total, TRACED_LAYERS)
-

@@ -13,8 +13,9 @@ teacher) it builds through ``build``, from fake frozen models of the config key 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -56,21 +57,29 @@ class Step:
     ``micro_loss`` on its worst-case micro batch (DPO, KD). ``resident``: the models the objective holds besides the
     policy (their weights count with the policy's)."""
 
-    objective: Optional[TrainingObjective] = None
+    objective: TrainingObjective | None = None
     resident: tuple[nn.Module, ...] = ()
     collate_path: str = DEFAULT_COLLATE  # the config's collate_fn, as training collates (fine-tuning's, KD's)
 
-    def batch(self, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int) -> Optional[dict[str, Any]]:
+    def batch(self, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, Any] | None:
         """The objective's worst-case micro batch, real (its collate reads the values), made before a trace; None
         for fine-tuning, whose fake tokens the trace makes."""
         if self.objective is None:
             return None
         collate = self.objective.collate(self.collate_path, False, 0, loss_fn)
-        return self.objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len,
-                                               vocab_size=vocab_size, packed=False)
+        return self.objective.worst_case_batch(
+            collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=False
+        )
 
-    def loss(self, model: nn.Module, loss_fn: Any, batch: Optional[dict[str, Any]], micro_batch: int, seq_len: int,
-             vocab_size: int) -> torch.Tensor:
+    def loss(
+        self,
+        model: nn.Module,
+        loss_fn: Any,
+        batch: dict[str, Any] | None,
+        micro_batch: int,
+        seq_len: int,
+        vocab_size: int,
+    ) -> torch.Tensor:
         """The micro batch's summed loss, traced: its inputs are made inside the trace (an objective's batch is
         copied there), so they count as a real step's do."""
         if self.objective is None:
@@ -82,7 +91,7 @@ class Step:
             return self.objective.micro_loss(model, loss_fn, inputs, contextlib.nullcontext())[0]
 
 
-def step_of(cfg: DictConfig, objective: Optional[TrainingObjective], frozen_copy: Callable[[str], nn.Module]) -> Step:
+def step_of(cfg: DictConfig, objective: TrainingObjective | None, frozen_copy: Callable[[str], nn.Module]) -> Step:
     """The step of ``objective`` (None: fine-tuning), what it holds besides the policy built by ``frozen_copy(node)``
     (a fake, frozen model of config key ``node``: ``model`` for full DPO's reference, ``teacher_model`` for KD's
     teacher; whichever checkpointer's weights it asks for, they are fake)."""

@@ -21,7 +21,8 @@ of the state is paged (:meth:`BitsAndBytesStandIn.paged_bytes`).
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -37,11 +38,24 @@ MIN_PAGED_NUMEL = 100_000  # smaller parameters' state is never paged (bitsandby
 MOMENTS = {"Adam": 2, "AdamW": 2, "Lion": 1}
 # The keyword arguments bitsandbytes 0.50's Adam/AdamW/Lion classes take (their hyperparameters only change
 # values, never the state's size, except the three that the stand-in reads).
-ACCEPTED = {"lr", "betas", "eps", "weight_decay", "amsgrad", "optim_bits", "args", "min_8bit_size",
-            "percentile_clipping", "block_wise", "max_unorm", "is_paged", "skip_zeros"}
+ACCEPTED = {
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "optim_bits",
+    "args",
+    "min_8bit_size",
+    "percentile_clipping",
+    "block_wise",
+    "max_unorm",
+    "is_paged",
+    "skip_zeros",
+}
 
 
-def stand_in_spec(component: str) -> Optional[tuple[int, Optional[int], bool]]:
+def stand_in_spec(component: str) -> tuple[int, int | None, bool] | None:
     """``(moments, forced bits or None, paged)`` for a bitsandbytes optimizer the stand-in models, else None.
 
     ``bitsandbytes.optim.PagedAdamW8bit`` (and ``bitsandbytes.optim.adamw.PagedAdamW8bit``) is (2, 8, True).
@@ -51,7 +65,7 @@ def stand_in_spec(component: str) -> Optional[tuple[int, Optional[int], bool]]:
     name = component.rsplit(".", 1)[-1]
     paged = name.startswith("Paged")
     base = name.removeprefix("Paged")
-    bits: Optional[int] = None
+    bits: int | None = None
     for suffix, forced in (("8bit", 8), ("32bit", 32)):
         if base.endswith(suffix):
             base, bits = base.removesuffix(suffix), forced
@@ -72,8 +86,17 @@ class BitsAndBytesStandIn(torch.optim.Optimizer):
     with a gradient that has none yet, and changes nothing else.
     """
 
-    def __init__(self, params: Iterable[Any], component: str, moments: int, bits: int, paged: bool,
-                 min_8bit_size: int = 4096, max_unorm: float = 0.0, **hyperparameters: Any) -> None:
+    def __init__(
+        self,
+        params: Iterable[Any],
+        component: str,
+        moments: int,
+        bits: int,
+        paged: bool,
+        min_8bit_size: int = 4096,
+        max_unorm: float = 0.0,
+        **hyperparameters: Any,
+    ) -> None:
         super().__init__(params, {"lr": hyperparameters.get("lr", 1e-3)})
         self.component = component
         self.moments = moments
@@ -87,8 +110,9 @@ class BitsAndBytesStandIn(torch.optim.Optimizer):
         state: dict[str, Any] = {"step": 0}
         if self.bits == 8 and param.numel() >= self.min_8bit_size:
             if not self.qmaps:
-                self.qmaps = [torch.empty(QMAP_SIZE, dtype=torch.float32, device=param.device)
-                              for _ in range(self.moments)]
+                self.qmaps = [
+                    torch.empty(QMAP_SIZE, dtype=torch.float32, device=param.device) for _ in range(self.moments)
+                ]
             blocks = -(-param.numel() // BLOCK_SIZE)
             for i in range(1, self.moments + 1):
                 state[f"state{i}"] = torch.empty_like(param, dtype=torch.uint8)
@@ -118,8 +142,11 @@ class BitsAndBytesStandIn(torch.optim.Optimizer):
         total = 0
         for param, state in self.state.items():
             if param.numel() >= MIN_PAGED_NUMEL:
-                total += sum(state[f"state{i}"].numel() * state[f"state{i}"].element_size()
-                             for i in range(1, self.moments + 1) if f"state{i}" in state)
+                total += sum(
+                    state[f"state{i}"].numel() * state[f"state{i}"].element_size()
+                    for i in range(1, self.moments + 1)
+                    if f"state{i}" in state
+                )
         return total
 
 
@@ -128,12 +155,15 @@ def paged_bytes(optimizers: Iterable[torch.optim.Optimizer]) -> int:
     return sum(o.paged_bytes() for o in optimizers if isinstance(o, BitsAndBytesStandIn))
 
 
-def _stand_in(component: str, spec: tuple[int, Optional[int], bool], options: dict[str, Any],
-              params: list[nn.Parameter]) -> BitsAndBytesStandIn:
+def _stand_in(
+    component: str, spec: tuple[int, int | None, bool], options: dict[str, Any], params: list[nn.Parameter]
+) -> BitsAndBytesStandIn:
     unknown = sorted(set(options) - ACCEPTED)
     if unknown:
-        raise ConfigError(f"config key 'optimizer.{unknown[0]}': {component} takes no such argument "
-                          f"(allowed: {', '.join(sorted(ACCEPTED))})")
+        raise ConfigError(
+            f"config key 'optimizer.{unknown[0]}': {component} takes no such argument "
+            f"(allowed: {', '.join(sorted(ACCEPTED))})"
+        )
     moments, forced, paged = spec
     bits = forced if forced is not None else options.get("optim_bits", 32)
     if bits not in (8, 32):
@@ -142,8 +172,16 @@ def _stand_in(component: str, spec: tuple[int, Optional[int], bool], options: di
     if isinstance(min_8bit_size, bool) or not isinstance(min_8bit_size, int) or min_8bit_size < 0:
         raise ConfigError(f"config key 'optimizer.min_8bit_size': an integer >= 0, got {min_8bit_size!r}")
     hyper = {k: v for k, v in options.items() if k not in ("optim_bits", "min_8bit_size", "max_unorm", "is_paged")}
-    return BitsAndBytesStandIn(params, component, moments, bits, paged or bool(options.get("is_paged", False)),
-                               min_8bit_size=min_8bit_size, max_unorm=float(options.get("max_unorm", 0.0)), **hyper)
+    return BitsAndBytesStandIn(
+        params,
+        component,
+        moments,
+        bits,
+        paged or bool(options.get("is_paged", False)),
+        min_8bit_size=min_8bit_size,
+        max_unorm=float(options.get("max_unorm", 0.0)),
+        **hyper,
+    )
 
 
 def build_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -157,9 +195,11 @@ def build_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.
         plain = {k: v for k, v in options.items() if k != "_component_"}
         return _stand_in(component, spec, plain, params)
     if component.startswith(BNB_PREFIX):
-        raise ConfigError(f"config key 'optimizer._component_': {component} cannot be estimated on fake tensors; "
-                          f"the bitsandbytes optimizers estimate can count are "
-                          f"{', '.join(supported_stand_ins())}")
+        raise ConfigError(
+            f"config key 'optimizer._component_': {component} cannot be estimated on fake tensors; "
+            f"the bitsandbytes optimizers estimate can count are "
+            f"{', '.join(supported_stand_ins())}"
+        )
     with building("optimizer"):
         return _instantiate(options, params)
 
@@ -177,6 +217,8 @@ def step_or_explain(component: str, step: Any) -> None:
         step()
     except Exception as error:  # noqa: BLE001 - any failure inside a third-party step is the component's
         first = " ".join(str(error).split())[:160]
-        raise ConfigError(f"config key 'optimizer._component_': {component} cannot step on fake tensors "
-                          f"({type(error).__name__}: {first}); estimate counts torch.optim optimizers and "
-                          f"bitsandbytes' {', '.join(supported_stand_ins())}") from None
+        raise ConfigError(
+            f"config key 'optimizer._component_': {component} cannot step on fake tensors "
+            f"({type(error).__name__}: {first}); estimate counts torch.optim optimizers and "
+            f"bitsandbytes' {', '.join(supported_stand_ins())}"
+        ) from None

@@ -29,8 +29,9 @@ prepares, fake quantization on: what torchao's fake quantizers keep for the back
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Callable, Optional
+from typing import Any
 
 from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -93,7 +94,7 @@ class Estimate:
     host_bytes: int = 0
     host_bytes_per_sample: float = 0.0
     paged_state_bytes: int = 0
-    max_micro_batch_paged_out: Optional[int] = None
+    max_micro_batch_paged_out: int | None = None
     paged_state_evicted: bool = False
     compile: bool = False
     objective: str = "finetune"
@@ -105,53 +106,75 @@ class Estimate:
         return asdict(self)
 
     def _samples(self) -> str:
-        return (f"pairs of {self.seq_len}-token sequences" if self.objective in DPO else
-                f"{self.seq_len}-token samples")
+        return f"pairs of {self.seq_len}-token sequences" if self.objective in DPO else f"{self.seq_len}-token samples"
 
     def describe(self) -> str:
         gib = 2**30
         if self.method == FULL_TRACE:
             how = f"full trace of all {self.num_layers} layers"
         elif self.traced_layers < self.num_layers:
-            how = (f"layer extrapolation (traced {self.traced_layers} of {self.num_layers} layers; "
-                   f"--full-trace traces all)")
+            how = (
+                f"layer extrapolation (traced {self.traced_layers} of {self.num_layers} layers; "
+                f"--full-trace traces all)"
+            )
         else:
             how = f"layer extrapolation (all {self.num_layers} layers traced, nothing to extrapolate)"
-        verified = (f"the fit predicted {self.fit_micro_batch}; {self.verify_steps} fake steps from there found "
-                    f"{self.max_micro_batch}" if self.verify_steps else "the fit's prediction, not verified")
+        verified = (
+            f"the fit predicted {self.fit_micro_batch}; {self.verify_steps} fake steps from there found "
+            f"{self.max_micro_batch}"
+            if self.verify_steps
+            else "the fit's prediction, not verified"
+        )
         savers = []
         if self.optimizer_in_bwd:
-            savers.append("optimizer_in_bwd: each parameter's optimizer steps in its gradient hook, which frees the "
-                          "gradient; no full set of gradients, no optimizer step after the backward")
+            savers.append(
+                "optimizer_in_bwd: each parameter's optimizer steps in its gradient hook, which frees the "
+                "gradient; no full set of gradients, no optimizer step after the backward"
+            )
         if self.paged_state_evicted:
-            savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
-                          f"in CUDA unified memory, more than the device holds beside one sample: the driver evicts "
-                          f"its pages to host memory (each optimizer step pages them back, slower); micro batch "
-                          f"{self.max_micro_batch} is with it evicted, 0 with it all on the device")
+            savers.append(
+                f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
+                f"in CUDA unified memory, more than the device holds beside one sample: the driver evicts "
+                f"its pages to host memory (each optimizer step pages them back, slower); micro batch "
+                f"{self.max_micro_batch} is with it evicted, 0 with it all on the device"
+            )
         elif self.paged_state_bytes:
-            savers.append(f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
-                          f"in CUDA unified memory, counted as device memory (it stays on the GPU unless evicted); "
-                          f"with all of it evicted to host memory: micro batch {self.max_micro_batch_paged_out}")
+            savers.append(
+                f"paged optimizer state ({self.optimizer}): {self.paged_state_bytes / gib:.2f} GiB per rank "
+                f"in CUDA unified memory, counted as device memory (it stays on the GPU unless evicted); "
+                f"with all of it evicted to host memory: micro batch {self.max_micro_batch_paged_out}"
+            )
         if self.compile:
-            savers.append("compile: a compiled step: each decoder layer keeps for the backward what AOTAutograd's "
-                          "min-cut partition keeps (as inductor), the cross-entropy no float32 copy of the logits, "
-                          "NF4 weights dequantized in one fused op")
+            savers.append(
+                "compile: a compiled step: each decoder layer keeps for the backward what AOTAutograd's "
+                "min-cut partition keeps (as inductor), the cross-entropy no float32 copy of the logits, "
+                "NF4 weights dequantized in one fused op"
+            )
         else:
             savers.append("compile: off (an eager step)")
         if self.activation_offloading:
-            savers.append(f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
-                          f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
-                          f"sample); device figures are what stays on the GPU")
-        return "\n".join([(
-            f"predicted largest micro batch: {self.max_micro_batch} ({self._samples()}, "
-            f"{self.world_size} rank(s){', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
-            f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
-            f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
-            f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
-            f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
-            f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
-            f"{verified}\n"
-            f"method: {how}"), *self._objective_lines(), *savers])
+            savers.append(
+                f"activation offloading: {self.host_bytes / gib:.2f} GiB of host (pinned) memory per rank "
+                f"at micro batch {self.max_micro_batch} ({self.host_bytes_per_sample / 2**20:.1f} MiB a "
+                f"sample); device figures are what stays on the GPU"
+            )
+        return "\n".join(
+            [
+                (
+                    f"predicted largest micro batch: {self.max_micro_batch} ({self._samples()}, "
+                    f"{self.world_size} rank(s){', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
+                    f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
+                    f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
+                    f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
+                    f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
+                    f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
+                    f"{verified}\n"
+                    f"method: {how}"
+                ),
+                *self._objective_lines(),
+                *savers,
+            ]
+        )
 
     def _objective_lines(self) -> list[str]:
         """What the traced step trains besides fine-tuning (QAT, then KD's teacher or DPO's pair and reference)."""
@@ -159,23 +182,35 @@ class Estimate:
         if self.objective == "kd":
             traced, total = self.reference_layers
             layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
-            lines.insert(0, f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
-                           f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
-                           f"per rank, sharded as the student's and counted with them; {layers}), which saves "
-                           f"nothing for the backward; both models' logits live until the cross-entropy and KD "
-                           f"losses are done")
+            lines.insert(
+                0,
+                f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
+                f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
+                f"per rank, sharded as the student's and counted with them; {layers}), which saves "
+                f"nothing for the backward; both models' logits live until the cross-entropy and KD "
+                f"losses are done",
+            )
         elif self.objective in DPO:
-            reference = ("the policy with its adapters off" if not self.reference_bytes else
-                         f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
-                         f"weights")
-            lines.insert(0, f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
-                           f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
-                           f"reference's forward without autograd ({reference}), which saves nothing for the "
-                           f"backward")
+            reference = (
+                "the policy with its adapters off"
+                if not self.reference_bytes
+                else f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
+                f"weights"
+            )
+            lines.insert(
+                0,
+                f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
+                f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
+                f"reference's forward without autograd ({reference}), which saves nothing for the "
+                f"backward",
+            )
         if self.quantization:
-            lines.insert(0, f"QAT: {self.quantization}; traced with fake quantization on (torchao's fake quantizers "
-                           f"on fake tensors), so what they keep for the backward is counted, as in the steps after "
-                           f"fake_quant_after_n_steps turns it on")
+            lines.insert(
+                0,
+                f"QAT: {self.quantization}; traced with fake quantization on (torchao's fake quantizers "
+                f"on fake tensors), so what they keep for the backward is counted, as in the steps after "
+                f"fake_quant_after_n_steps turns it on",
+            )
         return lines
 
 
@@ -199,7 +234,7 @@ class StepTrace:
     traced_layers: int
     method: str
     seconds: float
-    measure: Optional[Measure] = field(default=None, repr=False, compare=False)
+    measure: Measure | None = field(default=None, repr=False, compare=False)
     max_probe: int = MAX_PROBE  # the largest micro batch probed for a slope, here and at other ranks
     savers: Savers = Savers()
     optimizer: str = ""
@@ -211,9 +246,16 @@ class StepTrace:
     reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
 
 
-def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_len_source: str = "",
-                exact: bool = False, max_probe: int = MAX_PROBE,
-                objective: Optional[TrainingObjective] = None) -> StepTrace:
+def trace_steps(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    *,
+    seq_len: int,
+    seq_len_source: str = "",
+    exact: bool = False,
+    max_probe: int = MAX_PROBE,
+    objective: TrainingObjective | None = None,
+) -> StepTrace:
     """Count the memory of fake training steps at micro batch 1, 2, 4, ... of ``seq_len``-token samples (the
     worst case, see ``batching.worst_case``; ``seq_len_source`` says where it came from) until the peaks grow
     linearly.
@@ -235,11 +277,26 @@ def trace_steps(cfg: DictConfig, method: FinetuneMethod, *, seq_len: int, seq_le
     if fit_probes(probed) is None:
         raise ValueError(f"peak memory did not grow with the micro batch up to {max_probe}; nothing to fit")
     host = {m: steps.host_bytes(m) for m in probed} if steps.savers.activation_offloading else {}
-    return StepTrace(probed, seq_len, seq_len_source, steps.savers.fsdp_cpu_offload, steps.num_layers,
-                     steps.traced_layers, FULL_TRACE if exact else EXTRAPOLATED, time.perf_counter() - started,
-                     measure, max_probe, steps.savers, str(cfg.optimizer.get("_component_", "")), host,
-                     steps.paged_bytes, objective.name if objective is not None else "finetune",
-                     steps.resident_bytes, quantized(method), steps.resident_layers)
+    return StepTrace(
+        probed,
+        seq_len,
+        seq_len_source,
+        steps.savers.fsdp_cpu_offload,
+        steps.num_layers,
+        steps.traced_layers,
+        FULL_TRACE if exact else EXTRAPOLATED,
+        time.perf_counter() - started,
+        measure,
+        max_probe,
+        steps.savers,
+        str(cfg.optimizer.get("_component_", "")),
+        host,
+        steps.paged_bytes,
+        objective.name if objective is not None else "finetune",
+        steps.resident_bytes,
+        quantized(method),
+        steps.resident_layers,
+    )
 
 
 def quantized(method: FinetuneMethod) -> str:
@@ -257,8 +314,9 @@ def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> N
         return isinstance(v, int) and not isinstance(v, bool)
 
     if not integer(device_memory_bytes) or device_memory_bytes < 1:
-        raise ValueError(f"device_memory_bytes (--device-memory) must be a positive number of bytes, "
-                         f"got {device_memory_bytes!r}")
+        raise ValueError(
+            f"device_memory_bytes (--device-memory) must be a positive number of bytes, got {device_memory_bytes!r}"
+        )
     if isinstance(fraction, bool) or not isinstance(fraction, (int, float)) or not 0 < fraction <= 1:
         raise ValueError(f"fraction (--fraction) must be a number in (0, 1], got {fraction!r}")
     if not integer(world_size) or world_size < 1:
@@ -278,14 +336,18 @@ def _rank_fit(trace: StepTrace, world_size: int, offload: bool) -> tuple[LinearF
         raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
     steady = probed[max(probed)].steady_bytes
     model_state = 0 if offload else steady // world_size
-    fit = replace(fit, fixed_bytes=fit.fixed_bytes - (steady - model_state),
-                  plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)))
+    fit = replace(
+        fit,
+        fixed_bytes=fit.fixed_bytes - (steady - model_state),
+        plateau_bytes=max(0.0, fit.plateau_bytes - (steady - model_state)),
+    )
     optimizer_peak = 0 if offload else max(m.optimizer_peak for m in probed.values()) // world_size
     return fit, model_state, optimizer_peak
 
 
-def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9, world_size: int = 1,
-            verify: bool = True) -> Estimate:
+def predict(
+    trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9, world_size: int = 1, verify: bool = True
+) -> Estimate:
     """The largest micro batch under ``device_memory_bytes x fraction`` for the traced steps.
 
     The linear fit of the probes predicts it; with ``verify`` (and a trace that can measure),
@@ -327,8 +389,13 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         fixed_bytes=fit.fixed_bytes,
         bytes_per_sample=fit.bytes_per_sample,
         optimizer_peak_bytes=optimizer_peak,
-        world_size=world_size, seconds=trace.seconds + time.perf_counter() - started, method=trace.method,
-        num_layers=trace.num_layers, traced_layers=trace.traced_layers, fit_micro_batch=fit_batch, verify_steps=steps,
+        world_size=world_size,
+        seconds=trace.seconds + time.perf_counter() - started,
+        method=trace.method,
+        num_layers=trace.num_layers,
+        traced_layers=trace.traced_layers,
+        fit_micro_batch=fit_batch,
+        verify_steps=steps,
         optimizer=trace.optimizer,
         optimizer_in_bwd=trace.savers.optimizer_in_bwd,
         activation_offloading=trace.savers.activation_offloading,
@@ -338,8 +405,10 @@ def predict(trace: StepTrace, *, device_memory_bytes: int, fraction: float = 0.9
         max_micro_batch_paged_out=evicted[1] if evicted else None,
         paged_state_evicted=paged_out,
         compile=trace.savers.compile,
-        objective=trace.objective, reference_bytes=0 if offload else trace.resident_bytes // world_size,
-        quantization=trace.quantization, reference_layers=trace.reference_layers,
+        objective=trace.objective,
+        reference_bytes=0 if offload else trace.resident_bytes // world_size,
+        quantization=trace.quantization,
+        reference_layers=trace.reference_layers,
     )
 
 
@@ -367,8 +436,9 @@ def _host_line(host: dict[int, int]) -> Callable[[int], float]:
     return lambda micro_batch: max(0.0, host[low] + slope * (micro_batch - low))
 
 
-def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_size: int,
-            ranks: int) -> tuple[int, int]:
+def _verify(
+    trace: StepTrace, start: int, budget: int, model_state: int, world_size: int, ranks: int
+) -> tuple[int, int]:
     """The largest micro batch whose fake step fits ``budget`` on one of ``ranks``, searched from ``start``;
     and the number of steps the search looked at (steps already measured cost nothing). ``world_size`` 0:
     the optimizer steps off the device."""
@@ -383,14 +453,30 @@ def _verify(trace: StepTrace, start: int, budget: int, model_state: int, world_s
     return result.max_ok, len(result.trials)
 
 
-def estimate_max_micro_batch(cfg: DictConfig, method: FinetuneMethod, *, device_memory_bytes: int, seq_len: int,
-                             seq_len_source: str = "", fraction: float = 0.9, world_size: int = 1,
-                             max_probe: int = MAX_PROBE, exact: bool = False,
-                             objective: Optional[TrainingObjective] = None) -> Estimate:
+def estimate_max_micro_batch(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    *,
+    device_memory_bytes: int,
+    seq_len: int,
+    seq_len_source: str = "",
+    fraction: float = 0.9,
+    world_size: int = 1,
+    max_probe: int = MAX_PROBE,
+    exact: bool = False,
+    objective: TrainingObjective | None = None,
+) -> Estimate:
     """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
     ``seq_len``-token worst-case samples (``objective``: see :func:`trace_steps`): :func:`trace_steps`, then
     :func:`predict` (arguments are checked before any tracing)."""
     _check_device(device_memory_bytes, fraction, world_size)
-    trace = trace_steps(cfg, method, seq_len=seq_len, seq_len_source=seq_len_source, exact=exact,
-                        max_probe=max_probe, objective=objective)
+    trace = trace_steps(
+        cfg,
+        method,
+        seq_len=seq_len,
+        seq_len_source=seq_len_source,
+        exact=exact,
+        max_probe=max_probe,
+        objective=objective,
+    )
     return predict(trace, device_memory_bytes=device_memory_bytes, fraction=fraction, world_size=world_size)

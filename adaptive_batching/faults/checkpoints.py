@@ -16,9 +16,10 @@ import logging
 import os
 import re
 import shutil
+from collections.abc import Iterator
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any
 
 from adaptive_batching.runtime.files import write_atomically
 
@@ -43,8 +44,9 @@ STOPPED_FILE = "stopped_before_checkpoint.json"  # a stop signal came before thi
 # ---------------------------------------------------------------------------- save
 
 
-def save_checkpoint_atomically(checkpointer: Any, state: dict[str, Any], *, epoch: int, adapter_only: bool,
-                               record: dict[str, Any]) -> Path:
+def save_checkpoint_atomically(
+    checkpointer: Any, state: dict[str, Any], *, epoch: int, adapter_only: bool, record: dict[str, Any]
+) -> Path:
     """Save ``state`` through ``checkpointer`` as ``output_dir/epoch_{epoch}``, all or nothing.
 
     torchtune writes into ``output_dir/.incomplete-epoch_{epoch}-<pid>``; the recipe state is moved
@@ -70,20 +72,24 @@ def save_checkpoint_atomically(checkpointer: Any, state: dict[str, Any], *, epoc
             # torchtune 0.6.1's checkpointers keep their output folder in the private ``_output_dir``.
             checkpointer._output_dir = staging
             try:
-                checkpointer.save_checkpoint(state, epoch=epoch, intermediate_checkpoint=True,
-                                             adapter_only=adapter_only)
+                checkpointer.save_checkpoint(
+                    state, epoch=epoch, intermediate_checkpoint=True, adapter_only=adapter_only
+                )
             finally:
                 checkpointer._output_dir = output_dir
             os.replace(staging / RECIPE_STATE_DIRNAME / RECIPE_STATE_FILE, new / RECIPE_STATE_FILE)
             (staging / RECIPE_STATE_DIRNAME).rmdir()
             files = _fsync_tree(new)
-            _write_marker(new, {
-                **record,
-                "complete": True,
-                "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                "folder": name,
-                "files": files,
-            })
+            _write_marker(
+                new,
+                {
+                    **record,
+                    "complete": True,
+                    "saved_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                    "folder": name,
+                    "files": files,
+                },
+            )
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
@@ -143,7 +149,7 @@ def _swap_in(new: Path, final: Path) -> Path:
 # ---------------------------------------------------------------------------- find
 
 
-def latest_complete_checkpoint(output_dir: Path, job_id: Optional[str] = None) -> Optional[Path]:
+def latest_complete_checkpoint(output_dir: Path, job_id: str | None = None) -> Path | None:
     """The complete ``epoch_N`` folder with the largest ``global_step`` (ties: largest N), if any;
     with ``job_id``, only among those that job wrote (its marker's ``job_id``).
 
@@ -154,7 +160,7 @@ def latest_complete_checkpoint(output_dir: Path, job_id: Optional[str] = None) -
     output_dir = Path(output_dir)
     if not output_dir.is_dir():
         return None
-    best: Optional[tuple[tuple[int, int], Path]] = None
+    best: tuple[tuple[int, int], Path] | None = None
     with _locked(output_dir):
         _repair(output_dir)
         for path in sorted(output_dir.iterdir()):
@@ -182,12 +188,15 @@ def run_status(output_dir: Path) -> str:
     if latest is None:
         why = stopped_before_first_save(Path(output_dir))
         if why is not None:
-            return (f"stopped: {why}, before the first checkpoint; resume_from_checkpoint=True starts it from the "
-                    "beginning")
+            return (
+                f"stopped: {why}, before the first checkpoint; resume_from_checkpoint=True starts it from the beginning"
+            )
         return f"none: no complete checkpoint in {output_dir}"
     record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
-    where = (f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "
-             f"{record.get('total_epochs', '?')} epochs done")
+    where = (
+        f"optimizer step {record['global_step']}, {record.get('epochs_run', '?')} of "
+        f"{record.get('total_epochs', '?')} epochs done"
+    )
     total = record.get("total_epochs")
     if total is not None and record.get("epochs_run", 0) >= total:  # all epochs run: saved at the last one's end
         return f"finished: {latest} ({where})"
@@ -200,7 +209,7 @@ def mark_stopped(output_dir: Path, why: str) -> None:
     write_atomically(Path(output_dir) / STOPPED_FILE, json.dumps({"why": why}) + "\n")
 
 
-def stopped_before_first_save(output_dir: Path) -> Optional[str]:
+def stopped_before_first_save(output_dir: Path) -> str | None:
     """Why the run in ``output_dir`` stopped before its first checkpoint, if :func:`mark_stopped` recorded it and no
     ``epoch_N`` folder is there: a folder that holds one, complete or not, saved once (the save deletes the record),
     so a record beside it says nothing of the run, and an incomplete one is not to be started over silently."""
@@ -214,7 +223,7 @@ def stopped_before_first_save(output_dir: Path) -> Optional[str]:
     return why if isinstance(why, str) else None
 
 
-def _inspect(folder: Path) -> tuple[Optional[dict[str, Any]], str]:
+def _inspect(folder: Path) -> tuple[dict[str, Any] | None, str]:
     """``folder``'s marker record if it is a complete checkpoint, else None and the reason."""
     try:
         record = json.loads((folder / MARKER).read_text(encoding="utf-8"))
@@ -249,8 +258,9 @@ def _repair(output_dir: Path) -> None:
     incomplete one is deleted. An old folder set aside by a swap goes back to ``epoch_N`` if
     that name is free, else it is deleted (the swap had finished).
     """
-    hidden = sorted((m.group(1), m.group(2), p) for p in output_dir.iterdir()
-                    if (m := _HIDDEN_DIR.match(p.name)) and p.is_dir())
+    hidden = sorted(
+        (m.group(1), m.group(2), p) for p in output_dir.iterdir() if (m := _HIDDEN_DIR.match(p.name)) and p.is_dir()
+    )
     for kind, name, path in hidden:
         if kind != "incomplete":
             continue
@@ -261,8 +271,12 @@ def _repair(output_dir: Path) -> None:
         else:
             current = _inspect(final)[0] if final.is_dir() else None
             if current is None or record["global_step"] >= current["global_step"]:
-                log.warning("Finishing a save that a kill interrupted: %s becomes %s (step %d)",
-                            new, final, record["global_step"])
+                log.warning(
+                    "Finishing a save that a kill interrupted: %s becomes %s (step %d)",
+                    new,
+                    final,
+                    record["global_step"],
+                )
                 _swap_in(new, final)
             else:
                 log.warning("Deleting %s: %s holds a later step", path, final)
@@ -288,6 +302,7 @@ def _locked(output_dir: Path) -> Iterator[None]:
     file systems) it goes on unlocked."""
     try:
         import fcntl
+
         handle = open(output_dir / _LOCK_FILE, "a")
     except (ImportError, OSError) as error:
         log.warning("Checkpoints in %s are not locked (%s)", output_dir, error)
@@ -306,7 +321,7 @@ def _locked(output_dir: Path) -> Iterator[None]:
 # ---------------------------------------------------------------------------- load
 
 
-def resume_config(cfg_checkpointer: DictConfig, job_id: Optional[str] = None) -> DictConfig:
+def resume_config(cfg_checkpointer: DictConfig, job_id: str | None = None) -> DictConfig:
     """The checkpointer config (new, resolved) that resumes from the latest complete checkpoint.
 
     torchtune 0.6.1 joins ``recipe_checkpoint``, ``adapter_checkpoint`` and, when resuming a full
@@ -333,8 +348,9 @@ def resume_config(cfg_checkpointer: DictConfig, job_id: Optional[str] = None) ->
     return resumed
 
 
-def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool,
-                    job_id: Optional[str] = None) -> tuple[Any, dict[str, Any]]:
+def load_checkpoint(
+    cfg_checkpointer: DictConfig, resume: bool, job_id: str | None = None
+) -> tuple[Any, dict[str, Any]]:
     """Instantiate the checkpointer and load the weights, plus the recipe state on resume (from the
     latest checkpoint ``job_id`` wrote, when given)."""
     from torchtune import config
@@ -345,8 +361,15 @@ def load_checkpoint(cfg_checkpointer: DictConfig, resume: bool,
     return checkpointer, checkpointer.load_checkpoint()
 
 
-def recipe_state(*, seed: int, epochs_run: int, total_epochs: int, max_steps_per_epoch: Any,
-                 optimizer_state: dict[str, Any], adaptive_state: dict[str, Any]) -> dict[str, Any]:
+def recipe_state(
+    *,
+    seed: int,
+    epochs_run: int,
+    total_epochs: int,
+    max_steps_per_epoch: Any,
+    optimizer_state: dict[str, Any],
+    adaptive_state: dict[str, Any],
+) -> dict[str, Any]:
     """The non-weight entries of a checkpoint, under torchtune's own key names."""
     from torchtune import training
 

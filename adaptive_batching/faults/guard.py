@@ -9,8 +9,9 @@ next sync point instead of waiting in an all-gather or reduce-scatter its peer w
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,7 +28,7 @@ from adaptive_batching.runtime.distributed import ParallelInfo
 OK, OUT_OF_MEMORY = 0, 1
 
 
-def split_for(micro_batch: int, cap: Optional[int]) -> int:
+def split_for(micro_batch: int, cap: int | None) -> int:
     """Pieces each planned micro batch is cut into so that no forward sees more than ``cap`` samples."""
     if cap is None or micro_batch <= cap:
         return 1
@@ -39,7 +40,7 @@ def piece_size(micro_batch: int, split: int) -> int:
     return -(-micro_batch // split)
 
 
-def smaller_cap(piece: int) -> Optional[int]:
+def smaller_cap(piece: int) -> int | None:
     """The micro batch to fall back to after ``piece`` samples ran out of memory: half, rounded up.
 
     None when ``piece`` is already 1: there is nothing smaller to try.
@@ -47,7 +48,7 @@ def smaller_cap(piece: int) -> Optional[int]:
     return None if piece <= 1 else (piece + 1) // 2
 
 
-def larger_cap(cap: int, planned: int) -> Optional[int]:
+def larger_cap(cap: int, planned: int) -> int | None:
     """The cap to try when growing back after clean steps: double, or no cap once that covers ``planned``."""
     return None if 2 * cap >= planned else 2 * cap
 
@@ -62,7 +63,7 @@ class StepCounts:
 
     counters: tuple[Any, ...]
 
-    def same_as(self, other: "StepCounts") -> bool:
+    def same_as(self, other: StepCounts) -> bool:
         return self.counters == other.counters
 
 
@@ -87,8 +88,8 @@ class StepGuard:
         self.device = device
         self._armed = False
         self._handles: list[RemovableHandle] = []
-        self._root: Optional[FSDPModule] = None
-        self._model: Optional[nn.Module] = None
+        self._root: FSDPModule | None = None
+        self._model: nn.Module | None = None
         self.window = 0  # optimizer steps left in the current window
         self.last_error = ""
         self._final_sync_queued = False

@@ -6,7 +6,7 @@ bug to re-raise, so the test errs on the side of the messages torch actually pro
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -25,8 +25,13 @@ OOM_MESSAGES = (
 
 
 _OOM_TYPES: tuple[type[BaseException], ...] = tuple(
-    t for t in (getattr(torch, "OutOfMemoryError", None), getattr(torch.cuda, "OutOfMemoryError", None),
-                MemoryError, PeerOutOfMemory)
+    t
+    for t in (
+        getattr(torch, "OutOfMemoryError", None),
+        getattr(torch.cuda, "OutOfMemoryError", None),
+        MemoryError,
+        PeerOutOfMemory,
+    )
     if t is not None
 )
 

@@ -28,9 +28,10 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from types import FrameType
-from typing import Any, NoReturn, Optional, Sequence
+from typing import Any, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -46,10 +47,10 @@ DEFAULT = ("SIGTERM", "SIGUSR1")
 # What a worker asks the kernel to send when its launcher dies (Linux), a signal of its own: the kernel sends it
 # again each time it hands the orphan on, once per thread of the dying agent, which as SIGTERM would read as a
 # scheduler's second signal ("end now, do not save").
-PARENT_DEATH: Optional[int] = signal.SIGRTMIN + 6 if sys.platform.startswith("linux") else None
+PARENT_DEATH: int | None = signal.SIGRTMIN + 6 if sys.platform.startswith("linux") else None
 
 
-def check_signals(value: Any) -> Optional[str]:
+def check_signals(value: Any) -> str | None:
     """None when ``value`` is a list of signal names we may handle, else what is allowed."""
     ok = isinstance(value, (list, tuple)) and all(v in ALLOWED for v in value) and len(set(value)) == len(value)
     return None if ok else f"a list of distinct signal names among {', '.join(ALLOWED)} ([] turns it off)"
@@ -58,18 +59,19 @@ def check_signals(value: Any) -> Optional[str]:
 class Preemption:
     """The stop flag, its signal handlers and the ranks' agreement (see the module docstring)."""
 
-    def __init__(self, signals: Sequence[str], parallel: ParallelInfo, device: torch.device,
-                 output_dir: Optional[Path] = None) -> None:
+    def __init__(
+        self, signals: Sequence[str], parallel: ParallelInfo, device: torch.device, output_dir: Path | None = None
+    ) -> None:
         self.signals = [getattr(signal, name) for name in signals]
         self.parallel, self.device = parallel, device
         self.output_dir = output_dir  # where a stop is recorded while the run has no checkpoint (None: it has one)
-        self.received: Optional[int] = None  # the first stop signal this process received
-        self.seen_at: Optional[int] = None  # the optimizer step at whose end this rank first saw it
+        self.received: int | None = None  # the first stop signal this process received
+        self.seen_at: int | None = None  # the optimizer step at whose end this rank first saw it
         self.stopping = False  # every rank agreed to stop
         self._previous: dict[int, Any] = {}
-        self._flag: Optional[torch.Tensor] = None
+        self._flag: torch.Tensor | None = None
         self._work: Any = None
-        self.launcher_death: Optional[int] = None  # the signal this worker gets when its torchrun agent dies
+        self.launcher_death: int | None = None  # the signal this worker gets when its torchrun agent dies
         if launched_by_torchrun():  # no worker outlives its agent: the agent's death stops it as a stop signal does
             self.launcher_death = PARENT_DEATH or (self.signals[0] if self.signals else signal.SIGTERM)
             stop_with_launcher(self.launcher_death)
@@ -112,7 +114,7 @@ class Preemption:
             signal.signal(number, previous)
         self._previous.clear()
 
-    def _handle(self, number: int, frame: Optional[FrameType]) -> None:
+    def _handle(self, number: int, frame: FrameType | None) -> None:
         if self.received is None:
             self.received = number
             self._record(self.signal_name)
@@ -122,7 +124,7 @@ class Preemption:
         signal.signal(number, signal.SIG_DFL)
         os.kill(os.getpid(), number)
 
-    def _launcher_died(self, number: int, frame: Optional[FrameType]) -> None:
+    def _launcher_died(self, number: int, frame: FrameType | None) -> None:
         if self.received is None:  # repeats are the kernel's, not a scheduler's second signal
             self.received = number
             self._record(self.signal_name)
@@ -172,8 +174,11 @@ class Preemption:
     def before_training(self, where: str) -> None:
         """Stop ``where`` the run is (set-up, profile) if any rank received a stop signal: nothing is trained yet."""
         if self.agree_now():
-            nothing = ("nothing to save, and no checkpoint yet: a resume starts from the beginning" if self.output_dir
-                       else "nothing new to save")
+            nothing = (
+                "nothing to save, and no checkpoint yet: a resume starts from the beginning"
+                if self.output_dir
+                else "nothing new to save"
+            )
             self.stop(f"{where}, before any step trained", nothing)
 
     def stop(self, where: str, saved: str) -> NoReturn:
@@ -182,8 +187,10 @@ class Preemption:
         others, so a line said after the teardown could be lost."""
         if self.output_dir is not None and self.parallel.is_rank_zero:
             self._record(f"{self.signal_name}; stopped {where}")
-        message = (f"{self.signal_name}; stopped {where}: {saved}. Continue with "
-                   f"resume_from_checkpoint=True (a torchrun restart resumes by itself)")
+        message = (
+            f"{self.signal_name}; stopped {where}: {saved}. Continue with "
+            f"resume_from_checkpoint=True (a torchrun restart resumes by itself)"
+        )
         logs.say_line(f"stopped: {message}")
         raise Preempted(message)
 

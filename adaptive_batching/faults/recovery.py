@@ -10,8 +10,9 @@ and the cap written to the profile cache are one machine.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any, Mapping, Optional, Protocol
+from typing import Any, Protocol
 
 from adaptive_batching.faults.guard import larger_cap, piece_size, smaller_cap, split_for
 
@@ -19,62 +20,62 @@ from adaptive_batching.faults.guard import larger_cap, piece_size, smaller_cap, 
 class Cuts(Protocol):
     """How a batching mode cuts its planned micro batches after an OOM, and undoes a cut."""
 
-    def after_oom(self, split: int, oom_cap: Optional[int], failed: int, planned: int) -> tuple[int, Optional[int]]:
+    def after_oom(self, split: int, oom_cap: int | None, failed: int, planned: int) -> tuple[int, int | None]:
         """``(split, oom_cap)`` after a micro batch of ``failed`` samples ran out of memory."""
 
-    def grown_back(self, split: int, oom_cap: Optional[int], planned: int) -> tuple[int, Optional[int]]:
+    def grown_back(self, split: int, oom_cap: int | None, planned: int) -> tuple[int, int | None]:
         """``(split, oom_cap)`` one level larger again."""
 
-    def for_plan(self, split: int, oom_cap: Optional[int], planned: int) -> int:
+    def for_plan(self, split: int, oom_cap: int | None, planned: int) -> int:
         """The split for a newly planned micro batch (an epoch switch), under the same cap."""
 
-    def is_cut(self, split: int, oom_cap: Optional[int]) -> bool:
+    def is_cut(self, split: int, oom_cap: int | None) -> bool:
         """Whether anything is cut now (grow-back has something to undo)."""
 
-    def cache_cap(self, split: int, oom_cap: Optional[int], profiled: int) -> int:
+    def cache_cap(self, split: int, oom_cap: int | None, profiled: int) -> int:
         """The profile's micro batch a later run should start at most at, for the profile cache."""
 
 
 class SampleCuts:
     """Micro batches of a fixed sample count: the cap is the most samples one forward may see."""
 
-    def after_oom(self, split: int, oom_cap: Optional[int], failed: int, planned: int) -> tuple[int, Optional[int]]:
+    def after_oom(self, split: int, oom_cap: int | None, failed: int, planned: int) -> tuple[int, int | None]:
         cap = smaller_cap(failed)
         assert cap is not None
         return split_for(planned, cap), cap
 
-    def grown_back(self, split: int, oom_cap: Optional[int], planned: int) -> tuple[int, Optional[int]]:
+    def grown_back(self, split: int, oom_cap: int | None, planned: int) -> tuple[int, int | None]:
         assert oom_cap is not None
         cap = larger_cap(oom_cap, planned)
         return split_for(planned, cap), cap
 
-    def for_plan(self, split: int, oom_cap: Optional[int], planned: int) -> int:
+    def for_plan(self, split: int, oom_cap: int | None, planned: int) -> int:
         return split_for(planned, oom_cap)
 
-    def is_cut(self, split: int, oom_cap: Optional[int]) -> bool:
+    def is_cut(self, split: int, oom_cap: int | None) -> bool:
         return oom_cap is not None
 
-    def cache_cap(self, split: int, oom_cap: Optional[int], profiled: int) -> int:
+    def cache_cap(self, split: int, oom_cap: int | None, profiled: int) -> int:
         return profiled if oom_cap is None else min(oom_cap, profiled)
 
 
 class TokenCuts:
     """Micro batches of a token budget vary in samples: each is cut into twice as many parts per OOM."""
 
-    def after_oom(self, split: int, oom_cap: Optional[int], failed: int, planned: int) -> tuple[int, Optional[int]]:
+    def after_oom(self, split: int, oom_cap: int | None, failed: int, planned: int) -> tuple[int, int | None]:
         return split * 2, smaller_cap(failed)
 
-    def grown_back(self, split: int, oom_cap: Optional[int], planned: int) -> tuple[int, Optional[int]]:
+    def grown_back(self, split: int, oom_cap: int | None, planned: int) -> tuple[int, int | None]:
         split //= 2
         return split, None if split == 1 else oom_cap
 
-    def for_plan(self, split: int, oom_cap: Optional[int], planned: int) -> int:
+    def for_plan(self, split: int, oom_cap: int | None, planned: int) -> int:
         return split
 
-    def is_cut(self, split: int, oom_cap: Optional[int]) -> bool:
+    def is_cut(self, split: int, oom_cap: int | None) -> bool:
         return split > 1
 
-    def cache_cap(self, split: int, oom_cap: Optional[int], profiled: int) -> int:
+    def cache_cap(self, split: int, oom_cap: int | None, profiled: int) -> int:
         # The budget is the profiled micro batch x the longest sample; cut by ``split``, so is the micro batch.
         return piece_size(profiled, split)
 
@@ -84,16 +85,16 @@ class RecoveryState:
     """What a checkpoint keeps of the recovery: the cut, the cap, and the grow-back counters."""
 
     split: int = 1
-    oom_cap: Optional[int] = None
+    oom_cap: int | None = None
     clean_steps: int = 0
     grew_back: bool = False
-    wait: Optional[int] = None
+    wait: int | None = None
 
 
 class OomRecovery:
     """One machine for both batching modes: cut after an OOM, count clean steps, grow back, wait longer."""
 
-    def __init__(self, cuts: Cuts, grow_back_after: Optional[int]) -> None:
+    def __init__(self, cuts: Cuts, grow_back_after: int | None) -> None:
         self.cuts = cuts
         self.state = RecoveryState(wait=grow_back_after)
 
@@ -102,10 +103,10 @@ class OomRecovery:
         return self.state.split
 
     @property
-    def oom_cap(self) -> Optional[int]:
+    def oom_cap(self) -> int | None:
         return self.state.oom_cap
 
-    def out_of_memory(self, failed: int, planned: int) -> Optional[int]:
+    def out_of_memory(self, failed: int, planned: int) -> int | None:
         """Cut further after ``failed`` samples in one forward ran out of memory; return the new cap.
 
         None when ``failed`` is already 1: nothing smaller exists, training cannot go on.
@@ -124,8 +125,9 @@ class OomRecovery:
 
     def grow_back_due(self) -> bool:
         state = self.state
-        return (state.wait is not None and state.clean_steps >= state.wait
-                and self.cuts.is_cut(state.split, state.oom_cap))
+        return (
+            state.wait is not None and state.clean_steps >= state.wait and self.cuts.is_cut(state.split, state.oom_cap)
+        )
 
     def grow_back(self, planned: int) -> None:
         state = self.state
@@ -160,7 +162,8 @@ class OomRecovery:
         other = OomRecovery(self.cuts, None)
         other.load_state_dict(recorded)
         deeper = other.state.split > self.state.split or (
-            other.state.oom_cap is not None and (self.state.oom_cap is None or other.state.oom_cap < self.state.oom_cap))
+            other.state.oom_cap is not None and (self.state.oom_cap is None or other.state.oom_cap < self.state.oom_cap)
+        )
         if deeper:
             self.state = other.state
         return deeper

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 from adaptive_batching.core import logs
 from adaptive_batching.faults.checkpoints import MARKER, latest_complete_checkpoint, stopped_before_first_save
@@ -25,7 +26,7 @@ RUN_ID = "TORCHELASTIC_RUN_ID"
 CUT_FILE = "oom_cut.json"
 
 
-def job_id(env: Mapping[str, str] = os.environ) -> Optional[str]:
+def job_id(env: Mapping[str, str] = os.environ) -> str | None:
     """torchrun's id of this job (the same in every restart of it), or None outside torchrun."""
     return env.get(RUN_ID) or None
 
@@ -48,16 +49,22 @@ def resume_after_restart(output_dir: Path, env: Mapping[str, str] = os.environ) 
     if latest is None:
         other = latest_complete_checkpoint(Path(output_dir))
         if other is None:
-            return False, f"torchrun restart {count}: no complete checkpoint in {output_dir}, starting from the beginning"
+            return (
+                False,
+                f"torchrun restart {count}: no complete checkpoint in {output_dir}, starting from the beginning",
+            )
         written_by = json.loads((other / MARKER).read_text(encoding="utf-8")).get("job_id")
-        return False, (f"torchrun restart {count}: the checkpoint in {other} was written by job "
-                       f"{written_by!r}, not this job {this_job!r}; not resumed, starting from the beginning")
+        return False, (
+            f"torchrun restart {count}: the checkpoint in {other} was written by job "
+            f"{written_by!r}, not this job {this_job!r}; not resumed, starting from the beginning"
+        )
     record = json.loads((latest / MARKER).read_text(encoding="utf-8"))
-    return True, (f"torchrun restart {count} of job {this_job}: resuming from {latest} "
-                  f"(optimizer step {record['global_step']})")
+    return True, (
+        f"torchrun restart {count} of job {this_job}: resuming from {latest} (optimizer step {record['global_step']})"
+    )
 
 
-def resume_decision(asked: bool, output_dir: Path) -> tuple[bool, Optional[str]]:
+def resume_decision(asked: bool, output_dir: Path) -> tuple[bool, str | None]:
     """Whether this run resumes (``resume_from_checkpoint`` was ``asked``, or a torchrun restart of this job
     finds a checkpoint of its own) and, for a restart, the job whose checkpoints it may take. A run stopped before
     its first checkpoint is asked to resume: it starts from the beginning, and says so in one line."""
@@ -66,9 +73,11 @@ def resume_decision(asked: bool, output_dir: Path) -> tuple[bool, Optional[str]]
         stopped = None if latest_complete_checkpoint(Path(output_dir)) else stopped_before_first_save(output_dir)
         if stopped is None:
             return True, None
-        logs.info(f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its "
-                  f"first one ({stopped}): starting from the beginning (what it cached, token counts or profile, "
-                  "is reused)")
+        logs.info(
+            f"resume_from_checkpoint=True: no checkpoint in {output_dir}, the run was stopped before its "
+            f"first one ({stopped}): starting from the beginning (what it cached, token counts or profile, "
+            "is reused)"
+        )
         return False, None
     resume, why = resume_after_restart(output_dir)
     if why:
@@ -83,7 +92,7 @@ def record_cut(output_dir: Path, recovery_state: dict[str, Any], **details: Any)
     return path
 
 
-def recorded_cut(output_dir: Path) -> Optional[dict[str, Any]]:
+def recorded_cut(output_dir: Path) -> dict[str, Any] | None:
     """The recorded OOM-recovery state, if a rank wrote one and it is readable."""
     try:
         record = json.loads((Path(output_dir) / CUT_FILE).read_text(encoding="utf-8"))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
 
 from adaptive_batching.faults.preemption import DEFAULT as DEFAULT_STOP_SIGNALS
 
@@ -14,7 +13,7 @@ class FaultSettings:
 
     oom_recovery: bool = True
     """Recover from an out-of-memory step by cutting its micro batches into pieces (else the run stops)."""
-    oom_grow_back_after: Optional[int] = None
+    oom_grow_back_after: int | None = None
     """Optimizer steps without an OOM after which a cut micro batch grows back; None: it stays cut."""
     guard_steps: int = 4
     """The first steps after a start or a change of batch that every rank checks for an OOM."""

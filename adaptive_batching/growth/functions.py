@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import Any, Optional, Union
+from typing import Any
 
 from adaptive_batching.core.checks import check_int
 
@@ -46,8 +46,7 @@ def _on_period(where: str, epoch: int, every: Any, start_epoch: Any, stop_epoch:
         check_int(where, "stop_epoch", stop_epoch)
         if stop_epoch <= start_epoch:
             raise ValueError(
-                f"{where}: stop_epoch must be null or greater than start_epoch "
-                f"({start_epoch}), got {stop_epoch!r}"
+                f"{where}: stop_epoch must be null or greater than start_epoch ({start_epoch}), got {stop_epoch!r}"
             )
     if epoch < start_epoch or (stop_epoch is not None and epoch >= stop_epoch):
         return False
@@ -59,7 +58,7 @@ def step_increase(
     current_batch_size: int,
     *,
     at_epochs: Sequence[int],
-    increment: Union[int, Sequence[int]],
+    increment: int | Sequence[int],
 ) -> int:
     """Grow the micro batch by a fixed amount at chosen epochs, and leave it alone otherwise.
 
@@ -91,9 +90,7 @@ def step_increase(
     if isinstance(increment, int) and not isinstance(increment, bool):
         increments = [increment] * len(epochs)
     elif isinstance(increment, (str, bytes)) or not isinstance(increment, Sequence):
-        raise ValueError(
-            f"{where}: increment must be an integer or a list of integers, got {increment!r}"
-        )
+        raise ValueError(f"{where}: increment must be an integer or a list of integers, got {increment!r}")
     else:
         increments = _int_list(where, "increment", increment)
         if len(increments) != len(epochs):
@@ -111,7 +108,7 @@ def linear_ramp(
     increment: int,
     every: int = 1,
     start_epoch: int = 1,
-    stop_epoch: Optional[int] = None,
+    stop_epoch: int | None = None,
 ) -> int:
     """Grow the micro batch by the same amount every few epochs: an arithmetic ramp.
 
@@ -150,7 +147,7 @@ def geometric(
     factor: float = 2.0,
     every: int = 1,
     start_epoch: int = 1,
-    stop_epoch: Optional[int] = None,
+    stop_epoch: int | None = None,
 ) -> int:
     """Multiply the micro batch by a constant factor every few epochs: a geometric ramp.
 

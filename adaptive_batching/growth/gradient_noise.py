@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from typing import Any, Optional
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -71,8 +71,7 @@ def _local_part(grad: torch.Tensor) -> tuple[torch.Tensor, int]:
     return grad.to_local(), copies
 
 
-def squared_grad_norm(parameters: Iterable[torch.Tensor],
-                      device: Optional[torch.device] = None) -> torch.Tensor:
+def squared_grad_norm(parameters: Iterable[torch.Tensor], device: torch.device | None = None) -> torch.Tensor:
     """The local sum of squares of the parameters' gradients, as a 0-dim float32 tensor.
 
     For plain tensors it is the squared norm of all gradients. For DTensor gradients (FSDP2 shards)
@@ -94,8 +93,9 @@ def squared_grad_norm(parameters: Iterable[torch.Tensor],
     return squares.sum()
 
 
-def two_batch_estimates(small_sq_norm_mean: float, small_size: float,
-                        big_sq_norm: float, big_size: float) -> tuple[float, float]:
+def two_batch_estimates(
+    small_sq_norm_mean: float, small_size: float, big_sq_norm: float, big_size: float
+) -> tuple[float, float]:
     """One step's unbiased estimates ``(|G|^2, tr(Sigma))`` from squared norms at two batch sizes.
 
     ``small_sq_norm_mean`` is the mean squared norm of gradients of ``small_size`` samples,
@@ -153,8 +153,7 @@ class NoiseScaleEstimator:
         self.updates = 0
         self.skipped = 0
 
-    def update(self, small_sq_norm_mean: float, small_size: float,
-               big_sq_norm: float, big_size: float) -> Optional[float]:
+    def update(self, small_sq_norm_mean: float, small_size: float, big_sq_norm: float, big_size: float) -> float | None:
         """Fold one step's measurement in and return :attr:`value`.
 
         Args:
@@ -178,17 +177,17 @@ class NoiseScaleEstimator:
         return self.value
 
     @property
-    def gradient_sq_norm(self) -> Optional[float]:
+    def gradient_sq_norm(self) -> float | None:
         """Bias-corrected EMA of ``|G|^2`` (None before any update); for logging."""
         return self._ema_g2 / self._weight if self._weight > 0 else None
 
     @property
-    def trace_sigma(self) -> Optional[float]:
+    def trace_sigma(self) -> float | None:
         """Bias-corrected EMA of ``tr(Sigma)`` (None before any update); for logging."""
         return self._ema_trace / self._weight if self._weight > 0 else None
 
     @property
-    def value(self) -> Optional[float]:
+    def value(self) -> float | None:
         """The simple noise scale in samples (units of the sizes passed), or None while unresolved."""
         if self.updates < self.warmup or self._ema_g2 <= 0.0:
             return None
@@ -196,8 +195,13 @@ class NoiseScaleEstimator:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain floats and ints, for a checkpoint. ``decay`` and ``warmup`` are the config's, not state."""
-        return {"ema_gradient_sq_norm": self._ema_g2, "ema_trace_sigma": self._ema_trace,
-                "ema_weight": self._weight, "updates": self.updates, "skipped": self.skipped}
+        return {
+            "ema_gradient_sq_norm": self._ema_g2,
+            "ema_trace_sigma": self._ema_trace,
+            "ema_weight": self._weight,
+            "updates": self.updates,
+            "skipped": self.skipped,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output; the constructor's ``decay`` and ``warmup`` stay."""

@@ -13,8 +13,9 @@ Both decisions are saved (``state_dict``) so a resumed run plans the same batche
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 from adaptive_batching.batching.elastic import ElasticSpec, shape_at
 from adaptive_batching.batching.shape import BatchShape, EpochBatch, shape_keeping_global_batch
@@ -39,11 +40,11 @@ class Start:
 
     micro_batch: int
     accumulation: int
-    memory_cap: Optional[int]
+    memory_cap: int | None
     reference: BatchShape
 
 
-def reference_batch(cfg: Any, elastic: Optional[ElasticSpec], ranks: int) -> BatchShape:
+def reference_batch(cfg: Any, elastic: ElasticSpec | None, ranks: int) -> BatchShape:
     """The batch as written in the config (or the elastic global batch at these ranks): the reference for LR
     scaling and the LR schedule. An elastic spec that does not fit these ranks fails here, before any model
     loads."""
@@ -56,19 +57,29 @@ def reference_batch(cfg: Any, elastic: Optional[ElasticSpec], ranks: int) -> Bat
         raise ConfigError(f"config key 'adaptive_batching.elastic': {error}") from None
 
 
-def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], reference: BatchShape, ranks: int,
-                   profiled: Optional[int], *, use_maximum_batch_size: bool,
-                   optimizer_in_bwd: bool) -> Start:
+def starting_batch(
+    growth: GrowthSettings,
+    elastic: ElasticSpec | None,
+    reference: BatchShape,
+    ranks: int,
+    profiled: int | None,
+    *,
+    use_maximum_batch_size: bool,
+    optimizer_in_bwd: bool,
+) -> Start:
     """Epoch 1's batch from the mode asked for: an elastic global batch, the config's global batch kept
     (``keep_global_batch``), the profiled micro batch (``use_maximum_batch_size``), or ``batch_size``."""
     if elastic is not None:
         try:
             choice, reference = shape_at(elastic, ranks, memory_cap=profiled)
         except ValueError as error:
-            raise ConfigError(f"config key 'adaptive_batching.elastic' with the profiled micro batch "
-                              f"{profiled}: {error}") from None
-        logs.info(f"{choice.describe()}; this run: {reference.describe()} "
-                  "(batch_size and gradient_accumulation_steps in the config are not used)")
+            raise ConfigError(
+                f"config key 'adaptive_batching.elastic' with the profiled micro batch {profiled}: {error}"
+            ) from None
+        logs.info(
+            f"{choice.describe()}; this run: {reference.describe()} "
+            "(batch_size and gradient_accumulation_steps in the config are not used)"
+        )
         return Start(reference.micro_batch, reference.accumulation, None, reference)
     if growth.keep_global_batch:
         shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
@@ -78,9 +89,11 @@ def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], refer
                 f"config's global batch {reference.global_batch} needs {reference.global_batch // ranks} samples per "
                 f"forward on each of {ranks} rank(s), above the profiled micro batch {profiled}, and an optimizer "
                 f"stepped inside the backward cannot accumulate; lower batch_size x gradient_accumulation_steps to "
-                f"at most {profiled * ranks}, or set one of the two keys to false")
-        logs.info(f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); "
-                  "LR unchanged")
+                f"at most {profiled * ranks}, or set one of the two keys to false"
+            )
+        logs.info(
+            f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged"
+        )
         return Start(shape.micro_batch, shape.accumulation, None, reference)
     use_profile = profiled is not None and use_maximum_batch_size
     return Start(profiled if use_profile else reference.micro_batch, reference.accumulation, profiled, reference)
@@ -89,13 +102,14 @@ def starting_batch(growth: GrowthSettings, elastic: Optional[ElasticSpec], refer
 class BatchPlan:
     """Every epoch's batch, and how it grows (see the module docstring)."""
 
-    def __init__(self, settings: GrowthSettings, epochs: int, ranks: int,
-                 epochs_run: Callable[[], int] = lambda: 0) -> None:
+    def __init__(
+        self, settings: GrowthSettings, epochs: int, ranks: int, epochs_run: Callable[[], int] = lambda: 0
+    ) -> None:
         self.fn = settings.increase
         self.grow_past_memory: str = settings.grow_past_memory
         self.interval = settings.growth_interval
         self.epochs, self.ranks, self.epochs_run = epochs, ranks, epochs_run
-        self._grown: Optional[Mapping[str, Any]] = None  # a resumed run's batch grown inside its epoch
+        self._grown: Mapping[str, Any] | None = None  # a resumed run's batch grown inside its epoch
         self.entries: list[EpochBatch] = []
         self.measured: dict[int, int] = {}  # epoch -> what a statistics-reading function returned at its start
         self.start, self.accumulation, self.memory_cap = 1, 1, None
@@ -109,7 +123,7 @@ class BatchPlan:
     def grows_inside_epochs(self) -> bool:
         return self.fn is not None and not self.interval.per_epoch
 
-    def make(self, *, start: int, accumulation: int, memory_cap: Optional[int]) -> list[EpochBatch]:
+    def make(self, *, start: int, accumulation: int, memory_cap: int | None) -> list[EpochBatch]:
         """The plan from ``start`` (micro batch) and ``accumulation``, with what a resumed run had decided."""
         self.start, self.accumulation, self.memory_cap = start, accumulation, memory_cap
         self.entries = self._plan()
@@ -117,14 +131,21 @@ class BatchPlan:
         grown, epoch = self._grown, self.epochs_run()
         if grown is not None:
             shape = BatchShape(grown["micro_batch"], grown["accumulation"], self.ranks)
-            self.continue_with(EpochBatch(epoch, grown["requested"], grown["increment"], shape,
-                                          grown["reason"], memory_cap), epoch)
+            self.continue_with(
+                EpochBatch(epoch, grown["requested"], grown["increment"], shape, grown["reason"], memory_cap), epoch
+            )
         return self.entries
 
     def _plan(self) -> list[EpochBatch]:
-        return plan_batches(epochs=self.epochs, start=self.start, accumulation=self.accumulation, ranks=self.ranks,
-                            memory_cap=self.memory_cap, increase=self._increase if self.grows_per_epoch else None,
-                            grow_past_memory=self.grow_past_memory)
+        return plan_batches(
+            epochs=self.epochs,
+            start=self.start,
+            accumulation=self.accumulation,
+            ranks=self.ranks,
+            memory_cap=self.memory_cap,
+            increase=self._increase if self.grows_per_epoch else None,
+            grow_past_memory=self.grow_past_memory,
+        )
 
     def _increase(self, epoch: int, current: int) -> int:
         """The growth function as the plan calls it: an increment measured at an epoch start, where one was."""
@@ -132,7 +153,7 @@ class BatchPlan:
             return self.measured[epoch]
         return self.fn(epoch, current)  # type: ignore[misc]
 
-    def measure_at_epoch_start(self, epoch: int, stats: Mapping[str, Any]) -> Optional[int]:
+    def measure_at_epoch_start(self, epoch: int, stats: Mapping[str, Any]) -> int | None:
         """Let a statistics-reading function decide ``epoch``'s increment now and plan the epochs again
         (the list is changed in place); the increment, or None when nothing was asked."""
         if not self.grows_per_epoch or epoch == 0 or epoch in self.measured or not accepts_stats(self.fn):
@@ -141,7 +162,7 @@ class BatchPlan:
         self.entries[:] = self._plan()
         return self.measured[epoch]
 
-    def period_after_step(self, steps: int, samples: int, step_samples: int) -> Optional[int]:
+    def period_after_step(self, steps: int, samples: int, step_samples: int) -> int | None:
         """The growth period that starts after a step of ``step_samples`` samples that brought the run to
         ``steps`` optimizer steps and ``samples`` samples, or None."""
         if not self.grows_inside_epochs:
@@ -153,42 +174,66 @@ class BatchPlan:
         """The batch from growth period ``period`` on (inside ``epoch``): the entry before and the new one."""
         previous = self.entries[epoch]
         fn = self.fn
-        inc = checked_increment(lambda p, c: call_increase(fn, p, c, stats), period,
-                                seen_size(previous, self.grow_past_memory))
-        entry = grow_entry(previous, inc, epoch=epoch, accumulation=self.accumulation, ranks=self.ranks,
-                           memory_cap=self.memory_cap, grow_past_memory=self.grow_past_memory)
+        inc = checked_increment(
+            lambda p, c: call_increase(fn, p, c, stats), period, seen_size(previous, self.grow_past_memory)
+        )
+        entry = grow_entry(
+            previous,
+            inc,
+            epoch=epoch,
+            accumulation=self.accumulation,
+            ranks=self.ranks,
+            memory_cap=self.memory_cap,
+            grow_past_memory=self.grow_past_memory,
+        )
         self.continue_with(entry, epoch)
         return previous, entry
 
     def continue_with(self, entry: EpochBatch, epoch: int) -> None:
         """``entry`` is the batch from ``epoch`` on; the list is changed in place."""
-        self.entries[epoch:] = [EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason,
-                                           entry.memory_cap) for e in range(epoch, self.epochs)]
+        self.entries[epoch:] = [
+            EpochBatch(e, entry.requested, entry.increment, entry.shape, entry.reason, entry.memory_cap)
+            for e in range(epoch, self.epochs)
+        ]
 
-    def describe(self, plan_rows: Callable[..., list[str]], extents: list[tuple[int, int]],
-                 reference_global_batch: int, rule: str, total_steps: int, sized_for: str = "") -> str:
+    def describe(
+        self,
+        plan_rows: Callable[..., list[str]],
+        extents: list[tuple[int, int]],
+        reference_global_batch: int,
+        rule: str,
+        total_steps: int,
+        sized_for: str = "",
+    ) -> str:
         """The batch plan as logged: a header line, then a table row per epoch (``plan_rows`` adds the
         batching policy's columns); ``sized_for`` names the worst-case sample the memory cap was measured with."""
         header, *rows = describe_plan(self.entries)
         rows = plan_rows(rows, extents, reference_global_batch, rule)
-        grows = f"; the batch grows {self.interval.describe()}, so the rows show where it starts" \
-            if self.grows_inside_epochs else ""
+        grows = (
+            f"; the batch grows {self.interval.describe()}, so the rows show where it starts"
+            if self.grows_inside_epochs
+            else ""
+        )
         note = self.unmeasurable_note()
-        return ("Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
-                f"reference global batch {reference_global_batch} from the config; LR scaling '{rule}'; "
-                f"LR schedule over {total_steps} reference steps{grows}"
-                f"{f'; memory cap measured with worst-case samples of {sized_for}' if sized_for else ''}):\n"
-                + "\n".join([header, *rows, *([note] if note else [])]))
+        return (
+            "Batch plan (micro batch = samples per forward per rank; global batch = micro x accumulation x ranks; "
+            f"reference global batch {reference_global_batch} from the config; LR scaling '{rule}'; "
+            f"LR schedule over {total_steps} reference steps{grows}"
+            f"{f'; memory cap measured with worst-case samples of {sized_for}' if sized_for else ''}):\n"
+            + "\n".join([header, *rows, *([note] if note else [])])
+        )
 
-    def unmeasurable_note(self) -> Optional[str]:
+    def unmeasurable_note(self) -> str | None:
         """A line when the growth function reads the gradient noise scale but no step can measure it: the estimate
         compares a micro batch's gradient with its step's, so it needs two or more micro batches per rank."""
         reads_noise = self.fn is not None and unwrapped(self.fn) is noise_scale
         if not reads_noise or not self.entries or self.entries[0].shape.accumulation > 1:
             return None
-        return ("Note: growth from the gradient noise scale cannot measure it here: every optimizer step runs one micro "
-                "batch per rank, and the estimate needs two or more (set gradient_accumulation_steps >= 2); the batch "
-                "will not grow")
+        return (
+            "Note: growth from the gradient noise scale cannot measure it here: every optimizer step runs one micro "
+            "batch per rank, and the estimate needs two or more (set gradient_accumulation_steps >= 2); the batch "
+            "will not grow"
+        )
 
     def switch_reason(self, epoch: int) -> str:
         """Why ``epoch`` starts at its batch, for the epoch-switch log line."""
@@ -206,6 +251,11 @@ class BatchPlan:
         grown, epochs_run = None, self.epochs_run()
         if self.grows_inside_epochs and epochs_run < len(self.entries):
             entry = self.entries[epochs_run]
-            grown = {"requested": entry.requested, "increment": entry.increment, "reason": entry.reason,
-                     "micro_batch": entry.shape.micro_batch, "accumulation": entry.shape.accumulation}
+            grown = {
+                "requested": entry.requested,
+                "increment": entry.increment,
+                "reason": entry.reason,
+                "micro_batch": entry.shape.micro_batch,
+                "accumulation": entry.shape.accumulation,
+            }
         return {"measured_increments": {str(k): v for k, v in self.measured.items()}, "grown": grown}

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import inspect
-from typing import Any, Callable, Mapping, Optional
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from omegaconf import OmegaConf
 from torchtune.config._utils import _get_component_from_path
@@ -36,8 +37,7 @@ def _keyword_names(signature: inspect.Signature) -> list[str]:
     kinds = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
     positional = [p.name for p in signature.parameters.values() if p.kind in kinds][:2]
     bindable = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return [p.name for p in signature.parameters.values()
-            if p.kind in bindable and p.name not in positional]
+    return [p.name for p in signature.parameters.values() if p.kind in bindable and p.name not in positional]
 
 
 def _bare(signature: inspect.Signature) -> inspect.Signature:
@@ -47,7 +47,7 @@ def _bare(signature: inspect.Signature) -> inspect.Signature:
     return signature.replace(parameters=params, return_annotation=empty)
 
 
-def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
+def load_increase_function(spec: Any) -> IncreaseFunction | None:
     """The increase function a ``batch_increase_function`` config value names, checked.
 
     ``spec`` is a dotted path (``"my_module.my_fn"``) or a mapping whose ``_component_`` is a
@@ -67,7 +67,7 @@ def load_increase_function(spec: Any) -> Optional[IncreaseFunction]:
     return functools.partial(obj, **kwargs) if kwargs else obj
 
 
-def _named_function(spec: Any) -> Optional[tuple[str, dict[str, Any], str]]:
+def _named_function(spec: Any) -> tuple[str, dict[str, Any], str] | None:
     """The dotted path, the keyword arguments and the config key that named the path; None when off."""
     if spec is None or (isinstance(spec, str) and spec.strip().lower() in ("none", "null")):
         return None
@@ -90,8 +90,7 @@ def _named_function(spec: Any) -> Optional[tuple[str, dict[str, Any], str]]:
         )
     if not isinstance(path, str) or not path.strip():
         raise ConfigError(
-            f"config key '{key}' = {path!r} is invalid: expected a dotted path to a function "
-            f"like {_EXAMPLE}"
+            f"config key '{key}' = {path!r} is invalid: expected a dotted path to a function like {_EXAMPLE}"
         )
     return path, kwargs, key
 
@@ -138,8 +137,8 @@ def _check_callable_with(obj: Callable[..., Any], path: str, kwargs: dict[str, A
 
 
 def _realise(
-    requested: int, accumulation: int, ranks: int, cap: Optional[int], mode: str
-) -> tuple[BatchShape, Optional[str]]:
+    requested: int, accumulation: int, ranks: int, cap: int | None, mode: str
+) -> tuple[BatchShape, str | None]:
     """The shape that serves ``requested`` samples per rank per step, and ``capped`` or
     ``accumulated`` when the cap changed it (None when it did not)."""
     if cap is None or requested <= cap:
@@ -152,8 +151,7 @@ def _realise(
 
 def _call(increase: IncreaseFunction, epoch: int, current: int) -> int:
     """``increase(epoch, current)``, checked to be an int that keeps the batch >= 1."""
-    where = (f"config key '{KEY}' called at epoch {epoch} (0-based) with current batch size "
-             f"{current}")
+    where = f"config key '{KEY}' called at epoch {epoch} (0-based) with current batch size {current}"
     try:
         inc = increase(epoch, current)
     except ConfigError:
@@ -161,9 +159,7 @@ def _call(increase: IncreaseFunction, epoch: int, current: int) -> int:
     except Exception as exc:
         raise ConfigError(f"{where} raised {type(exc).__name__}: {exc}") from exc
     if not isinstance(inc, int) or isinstance(inc, bool):
-        raise ConfigError(
-            f"{where} returned {inc!r} ({type(inc).__name__}): expected an integer increment"
-        )
+        raise ConfigError(f"{where} returned {inc!r} ({type(inc).__name__}): expected an integer increment")
     if current + inc < 1:
         raise ConfigError(
             f"{where} returned {inc!r}: the batch size would be {current + inc}, expected an "
@@ -183,8 +179,8 @@ def plan_batches(
     start: int,
     accumulation: int,
     ranks: int,
-    increase: Optional[IncreaseFunction],
-    memory_cap: Optional[int],
+    increase: IncreaseFunction | None,
+    memory_cap: int | None,
     grow_past_memory: str = SKIP,
 ) -> list[EpochBatch]:
     """The batch of every epoch, calling ``increase(epoch, current)`` for each epoch >= 1.
@@ -221,8 +217,17 @@ def plan_batches(
     for epoch in range(1, epochs):
         current = seen_size(plan[-1], grow_past_memory)
         inc = 0 if increase is None else _call(increase, epoch, current)
-        plan.append(grow_entry(plan[-1], inc, epoch=epoch, accumulation=accumulation, ranks=ranks,
-                               memory_cap=memory_cap, grow_past_memory=grow_past_memory))
+        plan.append(
+            grow_entry(
+                plan[-1],
+                inc,
+                epoch=epoch,
+                accumulation=accumulation,
+                ranks=ranks,
+                memory_cap=memory_cap,
+                grow_past_memory=grow_past_memory,
+            )
+        )
     return plan
 
 
@@ -232,8 +237,16 @@ def seen_size(entry: EpochBatch, grow_past_memory: str) -> int:
     return entry.shape.micro_batch if grow_past_memory == SKIP else entry.requested
 
 
-def grow_entry(previous: EpochBatch, inc: int, *, epoch: int, accumulation: int, ranks: int,
-               memory_cap: Optional[int], grow_past_memory: str) -> EpochBatch:
+def grow_entry(
+    previous: EpochBatch,
+    inc: int,
+    *,
+    epoch: int,
+    accumulation: int,
+    ranks: int,
+    memory_cap: int | None,
+    grow_past_memory: str,
+) -> EpochBatch:
     """The batch after a growth function returned ``inc`` following ``previous`` (see :func:`plan_batches`)."""
     current = seen_size(previous, grow_past_memory)
     requested = current + inc
@@ -245,12 +258,27 @@ def grow_entry(previous: EpochBatch, inc: int, *, epoch: int, accumulation: int,
 
 def describe_plan(plan: list[EpochBatch]) -> list[str]:
     """A header and one aligned line per epoch, for logs and the CLI; epochs are 1-based."""
-    header = ("epoch (1-based)", "requested", "increment", "micro batch", "accumulation",
-              "ranks", "global batch", "reason")
+    header = (
+        "epoch (1-based)",
+        "requested",
+        "increment",
+        "micro batch",
+        "accumulation",
+        "ranks",
+        "global batch",
+        "reason",
+    )
     rows = [
-        (str(b.epoch + 1), str(b.requested), f"{b.increment:+d}", str(b.shape.micro_batch),
-         str(b.shape.accumulation), str(b.shape.ranks), str(b.shape.global_batch),
-         b.reason)
+        (
+            str(b.epoch + 1),
+            str(b.requested),
+            f"{b.increment:+d}",
+            str(b.shape.micro_batch),
+            str(b.shape.accumulation),
+            str(b.shape.ranks),
+            str(b.shape.global_batch),
+            b.reason,
+        )
         for b in plan
     ]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
@@ -274,7 +302,11 @@ def epoch_switch_reason(previous: EpochBatch, new: EpochBatch) -> str:
     cap = new.memory_cap if new.memory_cap is not None else new.shape.micro_batch
     if new.reason == "capped" and new.requested <= new.shape.micro_batch:
         asked = new.requested + new.increment
-        return (f"{said} ({new.requested} -> {asked}), capped at micro batch {cap} (memory): "
-                f"not applied, micro batch stays {previous.shape.micro_batch}")
-    return (f"{said}; realised as micro batch {new.shape.micro_batch} x {new.shape.accumulation} "
-            f"accumulation (requested {new.requested} is above the memory cap {cap})")
+        return (
+            f"{said} ({new.requested} -> {asked}), capped at micro batch {cap} (memory): "
+            f"not applied, micro batch stays {previous.shape.micro_batch}"
+        )
+    return (
+        f"{said}; realised as micro batch {new.shape.micro_batch} x {new.shape.accumulation} "
+        f"accumulation (requested {new.requested} is above the memory cap {cap})"
+    )

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Optional
 
 from adaptive_batching.growth.interval import GrowthInterval
 
@@ -14,7 +14,7 @@ class GrowthSettings:
     field whose metadata names a ``key`` is that top-level key; every other field is a key under
     ``adaptive_batching:``)."""
 
-    increase: Optional[Callable[[int, int], int]] = field(default=None, metadata={"key": "batch_increase_function"})
+    increase: Callable[[int, int], int] | None = field(default=None, metadata={"key": "batch_increase_function"})
     """``batch_increase_function``, loaded and checked; None: the batch does not grow."""
     lr_scaling: str = field(default="sqrt", metadata={"key": "lr_scaling"})
     """``linear``, ``sqrt`` or ``none``: the LR factor of a global batch against the config's."""

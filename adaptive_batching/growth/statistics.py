@@ -24,9 +24,9 @@ from __future__ import annotations
 import functools
 import inspect
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, fields
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 from adaptive_batching.growth.functions import check_call
 
@@ -36,13 +36,13 @@ class TrainingStatistics(Mapping):
     """What a statistics-reading growth function is given as ``stats`` (the keys of the module docstring). It is
     a mapping too, so a user's function may read ``stats["noise_scale"]`` or ``stats.get(...)``."""
 
-    noise_scale: Optional[float]
+    noise_scale: float | None
     global_batch: int
     micro_batch: int
     accumulation: int
     ranks: int
     epoch: int
-    lr_decay: Optional[float]
+    lr_decay: float | None
 
     def __getitem__(self, key: str) -> Any:
         if key not in self._keys():
@@ -82,12 +82,10 @@ def accepts_stats(fn: Callable[..., Any]) -> bool:
     except (TypeError, ValueError):
         return False
     p = parameters.get("stats")
-    return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD,
-                                        inspect.Parameter.KEYWORD_ONLY)
+    return p is not None and p.kind in (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
 
 
-def call_increase(fn: Callable[..., Any], epoch: int, current: int,
-                  stats: Optional[Mapping[str, Any]]) -> Any:
+def call_increase(fn: Callable[..., Any], epoch: int, current: int, stats: Mapping[str, Any] | None) -> Any:
     """``fn(epoch, current, stats=stats)`` if ``fn`` accepts ``stats``, else ``fn(epoch, current)``.
 
     The result is returned unchecked; :mod:`adaptive_batching.growth.schedule` checks increments.
@@ -104,7 +102,6 @@ def _number(where: str, name: str, value: Any, *, minimum: float, inclusive: boo
         bound = ">=" if inclusive else ">"
         raise ValueError(f"{where}: {name} must be a finite number {bound} {minimum}, got {value!r}")
     return float(value)
-
 
 
 def _stat(where: str, stats: Mapping[str, Any], key: str) -> Any:
@@ -125,7 +122,7 @@ def noise_scale(
     epoch: int,
     current_batch_size: int,
     *,
-    stats: Optional[Mapping[str, Any]] = None,
+    stats: Mapping[str, Any] | None = None,
     fraction: float = 0.5,
     max_factor: float = 2.0,
     allow_shrink: bool = False,
@@ -173,8 +170,7 @@ def noise_scale(
     if measured is None:
         return 0
     measured = _number(where, "stats['noise_scale']", measured, minimum=0.0)
-    global_batch = _number(where, "stats['global_batch']", _stat(where, stats, "global_batch"),
-                           minimum=1.0)
+    global_batch = _number(where, "stats['global_batch']", _stat(where, stats, "global_batch"), minimum=1.0)
     ratio = fraction * measured / global_batch
     if ratio > 1.0:
         return _scaled(current_batch_size, min(ratio, max_factor)) - current_batch_size
@@ -216,9 +212,9 @@ def seesaw(
     epoch: int,
     current_batch_size: int,
     *,
-    stats: Optional[Mapping[str, Any]] = None,
+    stats: Mapping[str, Any] | None = None,
     factor: float = 2.0,
-    max_steps: Optional[int] = None,
+    max_steps: int | None = None,
 ) -> int:
     """Seesaw (Meterez et al. 2025, arXiv 2510.14717): trade the LR schedule's decay for batch growth.
 
@@ -256,8 +252,7 @@ def seesaw(
     where = "seesaw"
     check_call(where, epoch, current_batch_size)
     factor = _number(where, "factor", factor, minimum=1.0, inclusive=False)
-    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool)
-                                  or max_steps < 1):
+    if max_steps is not None and (not isinstance(max_steps, int) or isinstance(max_steps, bool) or max_steps < 1):
         raise ValueError(f"{where}: max_steps must be null or an integer >= 1, got {max_steps!r}")
     if stats is None:
         return 0
@@ -266,4 +261,4 @@ def seesaw(
         steps = min(steps, max_steps)
     if steps == 0:
         return 0
-    return _scaled(current_batch_size, factor ** steps) - current_batch_size
+    return _scaled(current_batch_size, factor**steps) - current_batch_size

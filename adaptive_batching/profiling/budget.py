@@ -11,9 +11,10 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 
@@ -40,17 +41,23 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f} GiB"
 
 
-def fraction_error(fraction: Any) -> Optional[str]:
+def fraction_error(fraction: Any) -> str | None:
     """None when ``fraction`` is a share of memory, else what is allowed."""
-    ok = (isinstance(fraction, (int, float)) and not isinstance(fraction, bool)
-          and math.isfinite(fraction) and 0 < fraction <= 1)
+    ok = (
+        isinstance(fraction, (int, float))
+        and not isinstance(fraction, bool)
+        and math.isfinite(fraction)
+        and 0 < fraction <= 1
+    )
     return None if ok else "a number in (0, 1]"
 
 
 def _check_fraction(fraction: Any) -> float:
     allowed = fraction_error(fraction)
     if allowed:
-        raise ConfigError(f"config key 'adaptive_batching.memory_fraction' = {fraction!r} is invalid: expected {allowed}")
+        raise ConfigError(
+            f"config key 'adaptive_batching.memory_fraction' = {fraction!r} is invalid: expected {allowed}"
+        )
     return float(fraction)
 
 
@@ -65,9 +72,15 @@ def _explicit_budget(explicit: str | int) -> Budget:
     return Budget(size, f"explicit adaptive_batching.memory_budget={explicit}")
 
 
-def memory_budget(device: torch.device, *, explicit: Optional[str | int], fraction: float,
-                  live_tensor_bytes: int = 0, ranks_on_host: Optional[int] = None,
-                  root: Path = Path("/")) -> Budget:
+def memory_budget(
+    device: torch.device,
+    *,
+    explicit: str | int | None,
+    fraction: float,
+    live_tensor_bytes: int = 0,
+    ranks_on_host: int | None = None,
+    root: Path = Path("/"),
+) -> Budget:
     """The budget for ``device``: the explicit size if given, else a ``fraction`` of what the device allows.
 
     On an accelerator the peak counts every tensor of the process, so ``live_tensor_bytes`` is
@@ -86,14 +99,17 @@ def memory_budget(device: torch.device, *, explicit: Optional[str | int], fracti
         ranks = local_world_size() if ranks_on_host is None else ranks_on_host
         room, limit = cpu_room_bytes(root=root, ranks_on_host=ranks)
         size = live_tensor_bytes + int(room * fraction)
-        return Budget(size, f"CPU: {limit} leaves {_gib(room)}, x memory_fraction {fraction:.2f}, "
-                            f"+ {_gib(live_tensor_bytes)} live tensors")
+        return Budget(
+            size,
+            f"CPU: {limit} leaves {_gib(room)}, x memory_fraction {fraction:.2f}, "
+            f"+ {_gib(live_tensor_bytes)} live tensors",
+        )
     return _accelerator_budget(device, fraction)
 
 
 def _per_process_fraction(module: Any, index: int) -> float:
     """The cap set by ``set_per_process_memory_fraction`` (1.0 where the API does not exist)."""
-    getter: Optional[Callable[[int], float]] = getattr(module, "get_per_process_memory_fraction", None)
+    getter: Callable[[int], float] | None = getattr(module, "get_per_process_memory_fraction", None)
     if getter is None:
         getter = getattr(getattr(module, "memory", None), "get_per_process_memory_fraction", None)
     return 1.0 if getter is None else float(getter(index))
@@ -122,25 +138,27 @@ def _accelerator_budget(device: torch.device, fraction: float) -> Budget:
         available = int(free) + ours
         if available < allowed:
             allowed = available
-            source = (f"{device.type}:{index} ({name}) {_gib(int(free))} free + {_gib(ours)} this process "
-                      f"reserves, of {_gib(total)} (others hold {_gib(max(total - available, 0))})")
+            source = (
+                f"{device.type}:{index} ({name}) {_gib(int(free))} free + {_gib(ours)} this process "
+                f"reserves, of {_gib(total)} (others hold {_gib(max(total - available, 0))})"
+            )
     return Budget(int(allowed * fraction), f"{source} x memory_fraction {fraction:.2f}")
 
 
-def _read(path: Path) -> Optional[str]:
+def _read(path: Path) -> str | None:
     try:
         return path.read_text()
     except (OSError, UnicodeDecodeError):
         return None
 
 
-def proc_field_bytes(text: str, field: str) -> Optional[int]:
+def proc_field_bytes(text: str, field: str) -> int | None:
     """A ``Field:  123 kB`` line of /proc/self/status or /proc/meminfo, in bytes."""
     match = re.search(rf"^{re.escape(field)}:\s*(\d+)\s*kB\s*$", text, re.MULTILINE)
     return None if match is None else int(match.group(1)) * 1024
 
 
-def _limit_value(text: Optional[str]) -> Optional[int]:
+def _limit_value(text: str | None) -> int | None:
     """A cgroup limit or usage file's number; None for 'max', no-limit values or unreadable files."""
     if text is None or text.strip() in ("", "max"):
         return None
@@ -151,7 +169,7 @@ def _limit_value(text: Optional[str]) -> Optional[int]:
     return None if value >= _UNLIMITED else value
 
 
-def _memory_cgroup_paths(cgroup_text: str) -> tuple[Optional[str], Optional[str]]:
+def _memory_cgroup_paths(cgroup_text: str) -> tuple[str | None, str | None]:
     """The process's (v2, v1 memory-controller) cgroup paths from /proc/self/cgroup."""
     v2 = v1 = None
     for line in cgroup_text.splitlines():
@@ -181,7 +199,7 @@ def _cgroup_dirs(base: Path, path: str) -> list[Path]:
     return dirs
 
 
-def cgroup_room_bytes(root: Path = Path("/")) -> Optional[tuple[int, str]]:
+def cgroup_room_bytes(root: Path = Path("/")) -> tuple[int, str] | None:
     """The tightest cgroup memory limit's room (limit - usage), or None when no cgroup limits memory."""
     cgroup_text = _read(root / "proc/self/cgroup")
     if cgroup_text is None:
@@ -193,9 +211,11 @@ def cgroup_room_bytes(root: Path = Path("/")) -> Optional[tuple[int, str]]:
         base = mount if (mount / "cgroup.controllers").exists() else mount / "unified"
         candidates += [(d, "memory.max", "memory.current", "cgroup v2 memory.max") for d in _cgroup_dirs(base, v2)]
     if v1 is not None:
-        candidates += [(d, "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1 memory.limit_in_bytes")
-                       for d in _cgroup_dirs(mount / "memory", v1)]
-    best: Optional[tuple[int, str]] = None
+        candidates += [
+            (d, "memory.limit_in_bytes", "memory.usage_in_bytes", "cgroup v1 memory.limit_in_bytes")
+            for d in _cgroup_dirs(mount / "memory", v1)
+        ]
+    best: tuple[int, str] | None = None
     for directory, limit_file, usage_file, label in candidates:
         limit = _limit_value(_read(directory / limit_file))
         usage = _limit_value(_read(directory / usage_file))
@@ -207,7 +227,7 @@ def cgroup_room_bytes(root: Path = Path("/")) -> Optional[tuple[int, str]]:
     return best
 
 
-def address_space_room_bytes(root: Path = Path("/")) -> Optional[int]:
+def address_space_room_bytes(root: Path = Path("/")) -> int | None:
     """Room under the soft RLIMIT_AS (limit - current virtual size), or None when unlimited or unknown."""
     soft = address_space_limit()
     if soft is None:
@@ -241,8 +261,10 @@ def cpu_room_bytes(root: Path = Path("/"), ranks_on_host: int = 1) -> tuple[int,
     if not limits and not shared:
         physical = _physical_memory_bytes()
         if physical is None:
-            raise ConfigError("cannot tell how much host memory this process may use; "
-                              "set adaptive_batching.memory_budget (e.g. '12GiB')")
+            raise ConfigError(
+                "cannot tell how much host memory this process may use; "
+                "set adaptive_batching.memory_budget (e.g. '12GiB')"
+            )
         shared.append((physical, "physical memory (free memory unknown)"))
     limits += [_host_share(room, label, ranks_on_host) for room, label in shared]
     return min(limits, key=lambda limit: limit[0])
@@ -255,7 +277,7 @@ def _host_share(room: int, label: str, ranks_on_host: int) -> tuple[int, str]:
     return room // ranks_on_host, f"{label} {_gib(room)} / {ranks_on_host} ranks on this host"
 
 
-def _physical_memory_bytes() -> Optional[int]:
+def _physical_memory_bytes() -> int | None:
     try:
         return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     except (ValueError, OSError, AttributeError):

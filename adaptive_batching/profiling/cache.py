@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -24,12 +25,13 @@ log = logging.getLogger(__name__)
 
 CACHE_SCHEMA = 1
 
+
 def cache_file(cache_dir: Path | str | None, key: str) -> Path:
     """The file for ``key``: ``<dir>/<key[:16]>.json`` (the full key is checked inside the file)."""
     return paths.cache_dir(cache_dir) / f"{key[:16]}.json"
 
 
-def load_profile(path: Path, key: str) -> Optional[dict]:
+def load_profile(path: Path, key: str) -> dict | None:
     """The cached result for ``key``, or None when absent, corrupt or stale (the latter two logged).
 
     Bad content is never an error: the profiler simply runs again and overwrites the file.
@@ -42,8 +44,7 @@ def load_profile(path: Path, key: str) -> Optional[dict]:
         log.warning("ignoring corrupt profile cache %s: not a profile record", path)
         return None
     if record.get("schema") != CACHE_SCHEMA:
-        log.warning("ignoring stale profile cache %s: schema %r, expected %r",
-                    path, record.get("schema"), CACHE_SCHEMA)
+        log.warning("ignoring stale profile cache %s: schema %r, expected %r", path, record.get("schema"), CACHE_SCHEMA)
         return None
     if record.get("key") != key:
         log.warning("ignoring stale profile cache %s: it was measured for a different setup", path)
@@ -76,9 +77,17 @@ def _fraction_setting(value: Any) -> Any:
     return float(value) if is_number else value
 
 
-def memory_fingerprint_parts(setup: Mapping[str, Any], settings: ProfilerSettings, *, world_size: int,
-                             device: torch.device, device_name: str, device_memory_bytes: int, torch_version: str,
-                             seq_len: int) -> dict[str, Any]:
+def memory_fingerprint_parts(
+    setup: Mapping[str, Any],
+    settings: ProfilerSettings,
+    *,
+    world_size: int,
+    device: torch.device,
+    device_name: str,
+    device_memory_bytes: int,
+    torch_version: str,
+    seq_len: int,
+) -> dict[str, Any]:
     """Everything in a run that changes the largest micro batch that fits, or how closely the search
     found it, as plain JSON-able values: ``setup``, the config's part (read by ``config``), and the machine's.
 

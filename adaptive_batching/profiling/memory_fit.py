@@ -14,8 +14,8 @@ Pure Python on purpose, so it is testable without a model or a device.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Optional, Sequence
 
 # Relative difference below which two peak measurements count as equal. Device allocators report
 # peaks almost exactly, so this only absorbs rounding, not a real (if small) slope.
@@ -120,7 +120,7 @@ def _relative_error(measured: float, predicted: float) -> float:
     return abs(measured - predicted) / max(abs(measured), abs(predicted))
 
 
-def _best_fit(points: list[MemoryPoint], tolerance: float) -> Optional[LinearFit]:
+def _best_fit(points: list[MemoryPoint], tolerance: float) -> LinearFit | None:
     """The plateau/line split that explains the points, or None when no slope is measurable.
 
     Each split ``k`` treats the first ``k`` points as the plateau and fits a line to the rest.
@@ -136,7 +136,7 @@ def _best_fit(points: list[MemoryPoint], tolerance: float) -> Optional[LinearFit
     flat = 1
     while flat < len(points) and points[flat].peak_bytes <= points[0].peak_bytes * (1 + tolerance):
         flat += 1
-    best: Optional[tuple[float, LinearFit]] = None
+    best: tuple[float, LinearFit] | None = None
     for k in range(len(points) - 1):
         plateau, line = points[:k], points[k:]
         if line[-1].peak_bytes <= line[0].peak_bytes * (1 + tolerance):

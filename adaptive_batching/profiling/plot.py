@@ -31,12 +31,18 @@ def write_plot(result: dict[str, Any], path: Path) -> Path:
             ax.scatter(xs, ys, marker=marker, label=label, zorder=3)
     oom = [t["micro_batch"] for t in result["trials"] if t["peak_bytes"] is None]
     if oom:
-        ax.scatter(oom, [result["budget_bytes"] / GIB] * len(oom), marker="v", color="red",
-                   label="out of memory", zorder=3)
+        ax.scatter(
+            oom, [result["budget_bytes"] / GIB] * len(oom), marker="v", color="red", label="out of memory", zorder=3
+        )
     right = max([t["micro_batch"] for t in result["trials"]] + [result["micro_batch"], 1]) * 1.1
     if result["bytes_per_sample"] is not None:
-        ax.plot([0, right], [result["fixed_bytes"] / GIB, (result["fixed_bytes"] + result["bytes_per_sample"] * right) / GIB],
-                "--", color="gray", label="fit")
+        ax.plot(
+            [0, right],
+            [result["fixed_bytes"] / GIB, (result["fixed_bytes"] + result["bytes_per_sample"] * right) / GIB],
+            "--",
+            color="gray",
+            label="fit",
+        )
     ax.axhline(result["budget_bytes"] / GIB, color="red", linewidth=1, label="budget")
     ax.axvline(result["micro_batch"], color="green", linewidth=1, label=f"chosen micro batch {result['micro_batch']}")
     ax.set_xlabel("micro batch (samples per forward, one rank)")

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 import random
 import time
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Iterator, Optional, Sequence
+from typing import Any
 
 import numpy as np
 import torch
@@ -67,20 +68,20 @@ class ProfileResult:
     budget_source: str
     seq_len: int
     seq_len_source: str = ""  # where the worst-case length came from (the data, a pack)
-    fixed_bytes: Optional[float] = None
-    bytes_per_sample: Optional[float] = None
-    optimizer_peak_bytes: Optional[int] = None
+    fixed_bytes: float | None = None
+    bytes_per_sample: float | None = None
+    optimizer_peak_bytes: int | None = None
     trials: list[dict[str, Any]] = field(default_factory=list)
     from_cache: bool = False
-    compile_seconds: Optional[float] = None  # compile: one step before the trials, not measured
+    compile_seconds: float | None = None  # compile: one step before the trials, not measured
     # Set when training later ran out of memory: the micro batch it fell back to.
-    oom_cap: Optional[int] = None
+    oom_cap: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> "ProfileResult":
+    def from_dict(cls, data: dict[str, Any]) -> ProfileResult:
         known = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in data.items() if k in known})
 
@@ -91,8 +92,14 @@ class TrialLog:
     the tensors its traceback holds are gone; ``before_trial`` runs before every step (a stop signal ends the
     search there)."""
 
-    def __init__(self, step: TrialStep, budget: Budget, agree: Agree, recover: Callable[[], None],
-                 before_trial: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        step: TrialStep,
+        budget: Budget,
+        agree: Agree,
+        recover: Callable[[], None],
+        before_trial: Callable[[], None],
+    ) -> None:
         self.step, self.budget, self.agree, self.recover, self.before_trial = step, budget, agree, recover, before_trial
         self.trials: list[Trial] = []
         self.ran: dict[int, Trial] = {}  # each size's latest trial
@@ -103,7 +110,7 @@ class TrialLog:
             return self.ran[micro_batch]
         self.before_trial()
         t0 = time.perf_counter()
-        used: Optional[StepMemory] = None
+        used: StepMemory | None = None
         try:
             used = self.step(micro_batch)
         except Exception as error:  # noqa: BLE001 - only out-of-memory errors are expected
@@ -112,15 +119,31 @@ class TrialLog:
         if used is None:
             self.recover()
         ok = used is not None and used.fits(self.budget.bytes)
-        values = ([float(used.peak_bytes), float(used.activation_bytes), float(used.steady_bytes),
-                   float(used.reserved_peak if used.reserved_peak is not None else -1), float(used.alloc_retries)]
-                  if used else [0.0, 0.0, 0.0, -1.0, 0.0])
+        values = (
+            [
+                float(used.peak_bytes),
+                float(used.activation_bytes),
+                float(used.steady_bytes),
+                float(used.reserved_peak if used.reserved_peak is not None else -1),
+                float(used.alloc_retries),
+            ]
+            if used
+            else [0.0, 0.0, 0.0, -1.0, 0.0]
+        )
         ok, values = self.agree(ok, values)
         if used is not None:
-            self.memory[micro_batch] = StepMemory(int(values[1]), used.forward_backward_peak, used.optimizer_peak,
-                                                  int(values[2]))
-        trial = Trial(micro_batch, ok, values[0] if used is not None else None, time.perf_counter() - t0, phase,
-                      reserved_bytes=values[3] if values[3] >= 0 else None, alloc_retries=int(values[4]))
+            self.memory[micro_batch] = StepMemory(
+                int(values[1]), used.forward_backward_peak, used.optimizer_peak, int(values[2])
+            )
+        trial = Trial(
+            micro_batch,
+            ok,
+            values[0] if used is not None else None,
+            time.perf_counter() - t0,
+            phase,
+            reserved_bytes=values[3] if values[3] >= 0 else None,
+            alloc_retries=int(values[4]),
+        )
         self.trials.append(trial)
         self.ran[micro_batch] = trial
         return trial
@@ -146,11 +169,12 @@ def _warm_up(log: TrialLog, seq_len: int) -> None:
     )
 
 
-def _estimate(log: TrialLog, upper_limit: int) -> tuple[int, Optional[LinearFit]]:
+def _estimate(log: TrialLog, upper_limit: int) -> tuple[int, LinearFit | None]:
     """Probes until the memory shows a slope, one far probe to measure it over many samples, and the largest micro
     batch the fitted line puts under the budget (at least the largest probe, at most ``upper_limit``)."""
-    probed = probe_until_slope(lambda b: log.memory.get(b) if log.attempt(b, "probe").ok else None, upper_limit,
-                               first=2)
+    probed = probe_until_slope(
+        lambda b: log.memory.get(b) if log.attempt(b, "probe").ok else None, upper_limit, first=2
+    )
     fit = fit_probes(probed)
     if fit is not None:
         far = max_micro_batch_under(fit, log.budget.bytes) // FAR_PROBE_DIVISOR
@@ -182,8 +206,13 @@ def find_max_micro_batch(
     log = TrialLog(step, budget, agree, recover, before_trial)
     _warm_up(log, seq_len)
     estimate, fit = _estimate(log, upper_limit)
-    search = search_max_micro_batch(lambda b: log.attempt(b, "verify"), estimate, tolerance=tolerance,
-                                    upper_limit=upper_limit, max_steps=max_verify_steps)
+    search = search_max_micro_batch(
+        lambda b: log.attempt(b, "verify"),
+        estimate,
+        tolerance=tolerance,
+        upper_limit=upper_limit,
+        max_steps=max_verify_steps,
+    )
     max_ok = log.largest_fit(search.max_ok)
     return ProfileResult(
         max_micro_batch=max_ok,
@@ -207,8 +236,9 @@ def steady_points(probed: dict[int, StepMemory]) -> list[MemoryPoint]:
     return [MemoryPoint(b, steady + m.activation_bytes) for b, m in sorted(probed.items())]
 
 
-def probe_until_slope(run: Callable[[int], Optional[StepMemory]], upper_limit: int,
-                      first: int = 1) -> dict[int, StepMemory]:
+def probe_until_slope(
+    run: Callable[[int], StepMemory | None], upper_limit: int, first: int = 1
+) -> dict[int, StepMemory]:
     """Run micro batches ``first``, 2 x ``first``, ... until the peaks grow linearly
     (``run`` gives None when one does not fit)."""
     probed: dict[int, StepMemory] = {}
@@ -224,7 +254,7 @@ def probe_until_slope(run: Callable[[int], Optional[StepMemory]], upper_limit: i
     return probed
 
 
-def fit_probes(probed: dict[int, StepMemory]) -> Optional[LinearFit]:
+def fit_probes(probed: dict[int, StepMemory]) -> LinearFit | None:
     """The linear fit of the probes, or None while they show no slope."""
     points = steady_points(probed) if probed else []
     return fit_memory(points) if len(points) >= 2 and not needs_more_points(points) else None
@@ -240,8 +270,12 @@ def preserved_training_state(model: nn.Module, optimizer: torch.optim.Optimizer)
     """
     weights = {n: host_copy(p) for n, p in model.named_parameters() if p.requires_grad}
     optimizer_state = _to_cpu(optimizer.state_dict())
-    rng = (torch.get_rng_state(), np.random.get_state(), random.getstate(),
-           torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    rng = (
+        torch.get_rng_state(),
+        np.random.get_state(),
+        random.getstate(),
+        torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    )
     try:
         yield
     finally:

@@ -22,20 +22,22 @@ def format_table(result: ProfileResult) -> str:
     for t in result.trials:
         peak = "-" if t["peak_bytes"] is None else f"{t['peak_bytes'] / GIB:.3f}"
         outcome = "ok" if t["ok"] else ("OOM" if t["peak_bytes"] is None else "over")
-        lines.append(f"{t['phase']:<7}{t['micro_batch']:>12}{peak:>10}{outcome:>6}"
-                     f"{t['seconds']:>9.2f}")
-    fit = ("" if result.bytes_per_sample is None else
-           f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + {result.bytes_per_sample / 2**20:.2f} MiB x micro batch; ")
+        lines.append(f"{t['phase']:<7}{t['micro_batch']:>12}{peak:>10}{outcome:>6}{t['seconds']:>9.2f}")
+    fit = (
+        ""
+        if result.bytes_per_sample is None
+        else f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + {result.bytes_per_sample / 2**20:.2f} MiB x micro batch; "
+    )
     lines.append(
         f"{fit}budget {result.budget_bytes / GIB:.3f} GiB ({result.budget_source}); "
         f"estimate {result.estimate}; largest micro batch that ran {result.max_micro_batch}; "
         f"chosen micro batch {result.micro_batch}; {result.trial_steps} trial steps in {result.seconds:.1f} s; "
         + (f"compiled before them in {result.compile_seconds:.1f} s; " if result.compile_seconds is not None else "")
         + f"samples of {result.seq_len} tokens"
-        + (f" ({result.seq_len_source})" if result.seq_len_source else "") + (" (from cache)" if result.from_cache else "")
+        + (f" ({result.seq_len_source})" if result.seq_len_source else "")
+        + (" (from cache)" if result.from_cache else "")
     )
     return "\n".join(lines)
-
 
 
 def write_json(result: ProfileResult, path: Path) -> Path:
@@ -51,8 +53,11 @@ def write_report(result: ProfileResult, directory: Path) -> dict[str, Any]:
     """
     json_path = write_json(result, directory / "profile.json")
     png_path = directory / "profile.png"
-    done = subprocess.run([sys.executable, "-m", "adaptive_batching.profiling.plot", str(json_path), str(png_path)],
-                          capture_output=True, text=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "adaptive_batching.profiling.plot", str(json_path), str(png_path)],
+        capture_output=True,
+        text=True,
+    )
     if done.returncode != 0:
         log.warning(f"Could not draw {png_path}: {done.stderr.strip()[-500:]}")
     return {"json": json_path, "png": png_path}

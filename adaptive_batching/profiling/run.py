@@ -9,10 +9,11 @@ from __future__ import annotations
 import os
 import platform
 import time
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 
@@ -27,6 +28,7 @@ from adaptive_batching.profiling.settings import ProfilerSettings
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, agree_on_trial, barrier, minimum_over_ranks
 from adaptive_batching.runtime.files import fingerprint
+
 
 @dataclass(frozen=True)
 class ProfiledSetup:
@@ -63,16 +65,26 @@ def device_identity(device: torch.device) -> tuple[str, int]:
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         return props.name, int(props.total_memory)
-    return f"cpu {platform.machine()} {platform.processor()}".strip(), os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return f"cpu {platform.machine()} {platform.processor()}".strip(), os.sysconf("SC_PAGE_SIZE") * os.sysconf(
+        "SC_PHYS_PAGES"
+    )
 
 
 def cache_location(context: ProfilerContext) -> tuple[Path, str]:
     """The profile cache file of this set-up and its fingerprint."""
     name, total = device_identity(context.device)
-    key = fingerprint(memory_fingerprint_parts(
-        context.setup.memory, context.settings, world_size=context.parallel.world_size, device=context.device,
-        device_name=name, device_memory_bytes=total, torch_version=torch.__version__, seq_len=context.seq_len,
-    ))
+    key = fingerprint(
+        memory_fingerprint_parts(
+            context.setup.memory,
+            context.settings,
+            world_size=context.parallel.world_size,
+            device=context.device,
+            device_name=name,
+            device_memory_bytes=total,
+            torch_version=torch.__version__,
+            seq_len=context.seq_len,
+        )
+    )
     return cache_file(context.settings.cache_dir, key), key
 
 
@@ -89,7 +101,7 @@ def remember_out_of_memory(context: ProfilerContext, profile: ProfileResult, cap
     return path
 
 
-def saved_profile(state: Mapping[str, Any], ranks: int) -> Optional[ProfileResult]:
+def saved_profile(state: Mapping[str, Any], ranks: int) -> ProfileResult | None:
     """The profile a resumed checkpoint holds (:meth:`StartupProfiler.state_dict`), if it was measured on as many ranks
     as this run has."""
     saved = state.get("result")
@@ -117,8 +129,10 @@ def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileR
         result.from_cache = True
         logs.info(f"Profiler: using the cached profile {path}")
         if result.oom_cap is not None and result.oom_cap < result.micro_batch:
-            logs.info(f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
-                      f"ran out of memory in training and fell back to {result.oom_cap}")
+            logs.info(
+                f"Profiler: micro batch {result.micro_batch} -> {result.oom_cap}: an earlier run "
+                f"ran out of memory in training and fell back to {result.oom_cap}"
+            )
             result.micro_batch = result.oom_cap
     else:
         result = _measure(context, trial_step)
@@ -135,21 +149,31 @@ def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileR
 def _measure(context: ProfilerContext, trial_step: TrialStep) -> ProfileResult:
     settings = context.settings
     live = context.live_bytes()
-    budget = memory_budget(context.device, explicit=settings.memory_budget, fraction=settings.memory_fraction,
-                           live_tensor_bytes=live)
+    budget = memory_budget(
+        context.device, explicit=settings.memory_budget, fraction=settings.memory_fraction, live_tensor_bytes=live
+    )
     if context.parallel.is_distributed:
-        budget = Budget(minimum_over_ranks(budget.bytes, context.parallel, context.device),
-                        f"{budget.source}; minimum over {context.parallel.world_size} ranks")
-    logs.info(f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
-              f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}")
+        budget = Budget(
+            minimum_over_ranks(budget.bytes, context.parallel, context.device),
+            f"{budget.source}; minimum over {context.parallel.world_size} ranks",
+        )
+    logs.info(
+        f"Profiler: budget {budget.bytes / 2**30:.3f} GiB ({budget.source}); "
+        f"worst-case samples of {context.seq_len} tokens, {context.seq_len_source}"
+    )
     with context.preserved():
         compile_seconds = _compile_first(context, trial_step) if context.setup.compile else None
         result = find_max_micro_batch(
-            trial_step, budget, seq_len=context.seq_len, safety_margin=settings.safety_margin,
-            round_to=settings.round_to, upper_limit=max(1, context.samples_per_rank),
+            trial_step,
+            budget,
+            seq_len=context.seq_len,
+            safety_margin=settings.safety_margin,
+            round_to=settings.round_to,
+            upper_limit=max(1, context.samples_per_rank),
             tolerance=settings.search_tolerance,
             agree=agree_on_trial(context.parallel, context.device),
-            recover=lambda: memory.release_memory(context.device), before_trial=context.before_trial,
+            recover=lambda: memory.release_memory(context.device),
+            before_trial=context.before_trial,
         )
     result.seq_len_source = context.seq_len_source
     result.compile_seconds = compile_seconds
@@ -181,7 +205,7 @@ class StartupProfiler:
 
     def __init__(self, context: Callable[[], ProfilerContext], ranks: int) -> None:
         self.context, self.ranks = context, ranks
-        self.result: Optional[ProfileResult] = None
+        self.result: ProfileResult | None = None
         self.saved: Mapping[str, Any] = {}  # a resumed run's
 
     def find(self, trial_step: TrialStep) -> ProfileResult:

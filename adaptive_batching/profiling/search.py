@@ -17,9 +17,9 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Callable, Optional
 
 from adaptive_batching.core.checks import check_int
 
@@ -27,10 +27,12 @@ _MULTIPLE_OF = re.compile(r"^multiple_of_([1-9][0-9]*)$")
 ROUND_TO_ALLOWED = "power_of_two | multiple_of_N (N >= 1, e.g. multiple_of_8) | none"
 
 
-def round_to_error(round_to: object) -> Optional[str]:
+def round_to_error(round_to: object) -> str | None:
     """None when ``round_to`` is a rounding :func:`choose_micro_batch` knows, else the allowed values."""
     ok = round_to in ("power_of_two", "none") or (isinstance(round_to, str) and _MULTIPLE_OF.match(round_to))
     return None if ok else ROUND_TO_ALLOWED
+
+
 # Gallop positions beyond this are meaningless for a micro batch; it keeps the arithmetic finite.
 _LARGEST = 2.0**62
 
@@ -41,10 +43,10 @@ class Trial:
 
     micro_batch: int
     ok: bool
-    peak_bytes: Optional[float]  # None when it ran out of memory or the device keeps no statistics
+    peak_bytes: float | None  # None when it ran out of memory or the device keeps no statistics
     seconds: float
     phase: str  # "probe" or "verify"
-    reserved_bytes: Optional[float] = None  # the caching allocator's peak reservation (accelerators)
+    reserved_bytes: float | None = None  # the caching allocator's peak reservation (accelerators)
     alloc_retries: int = 0  # allocations the caching allocator retried after freeing its cache
 
 
@@ -61,7 +63,7 @@ def search_max_micro_batch(
     start: int,
     *,
     tolerance: float = 0.03,
-    upper_limit: Optional[int] = None,
+    upper_limit: int | None = None,
     max_steps: int = 8,
 ) -> SearchResult:
     """Find the largest micro batch that runs, starting from the estimate ``start``.
@@ -92,7 +94,7 @@ def search_max_micro_batch(
 
     started_ok = attempt(start)
     lo = start if started_ok else 0  # largest success
-    hi: Optional[int] = None if started_ok else start  # smallest failure
+    hi: int | None = None if started_ok else start  # smallest failure
     gallop = 1
     while len(trials) < max_steps:
         size = _next_size(start, lo, hi, gallop, tolerance, upper_limit)
@@ -107,8 +109,9 @@ def search_max_micro_batch(
     return SearchResult(_largest_below_failures(trials), tuple(trials))
 
 
-def _next_size(start: int, lo: int, hi: Optional[int], gallop: int, tolerance: float,
-               upper_limit: Optional[int]) -> Optional[int]:
+def _next_size(
+    start: int, lo: int, hi: int | None, gallop: int, tolerance: float, upper_limit: int | None
+) -> int | None:
     """The next micro batch to try, or None when the search is done.
 
     ``lo`` is the largest success (0: none yet), ``hi`` the smallest failure (None: none yet). While nothing has

@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional, Union
 
 
 @dataclass(frozen=True)
 class ProfilerSettings:
     """How the start-up profiler measures and what it keeps."""
 
-    memory_budget: Optional[Union[str, int]] = None
+    memory_budget: str | int | None = None
     """Memory the profile may fill per rank (``'12GiB'``, ``'500MB'`` or bytes); None: ``memory_fraction`` of the
     device's memory (of the process's address-space limit or the machine's memory on a CPU)."""
     memory_fraction: float = 0.9
@@ -23,5 +22,5 @@ class ProfilerSettings:
     """The verification search stops within this share of the largest micro batch that fits."""
     reprofile: bool = False
     """Profile again even when the cache holds a profile of this set-up."""
-    cache_dir: Optional[str] = None
+    cache_dir: str | None = None
     """The folder of the profile cache (and the sample-length cache); None: ``core.paths.default_cache_dir()``."""

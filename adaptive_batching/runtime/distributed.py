@@ -68,8 +68,9 @@ def device_for(device_type: str, local_rank: int) -> torch.device:
     device_type = device_type or "cpu"
     available = available_devices()
     if device_type not in available:
-        raise ConfigError(f"config key 'device' = {device_type!r} is not available on this machine; "
-                          f"available: {', '.join(available)}")
+        raise ConfigError(
+            f"config key 'device' = {device_type!r} is not available on this machine; available: {', '.join(available)}"
+        )
     if device_type == "cuda":
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
@@ -89,8 +90,12 @@ def init_parallel(device_type: str) -> tuple[torch.device, ParallelInfo]:
         else:
             # A restart may find the job's store still holding the dead attempt's addresses: keep apart.
             store, rank, world_size = next(dist.rendezvous("env://"))
-            dist.init_process_group(backend=backend_for(device), store=dist.PrefixStore(f"attempt_{attempt}", store),
-                                    rank=rank, world_size=world_size)
+            dist.init_process_group(
+                backend=backend_for(device),
+                store=dist.PrefixStore(f"attempt_{attempt}", store),
+                rank=rank,
+                world_size=world_size,
+            )
     return device, ParallelInfo(dist.get_world_size(), dist.get_rank(), local_rank)
 
 
@@ -144,7 +149,9 @@ def _clear_torch_distributed_caches() -> None:
                 if isinstance(member, functools._lru_cache_wrapper):
                     member.cache_clear()
     dtensor = sys.modules.get("torch.distributed.tensor")
-    propagator = getattr(getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None)
+    propagator = getattr(
+        getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None
+    )
     cached = getattr(propagator, "propagate_op_sharding", None)
     if hasattr(cached, "cache_clear"):
         cached.cache_clear()

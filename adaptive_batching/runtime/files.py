@@ -13,8 +13,9 @@ import json
 import logging
 import os
 import tempfile
+from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Union
+from typing import Any, Union
 
 log = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def read_json_cache(path: Path, what: str) -> Optional[Any]:
+def read_json_cache(path: Path, what: str) -> Any | None:
     """A cache file's JSON content, or None when absent, unreadable or not JSON (the latter two logged as
     ``what``): a bad cache is never an error, the cached thing is simply made again."""
     try:

@@ -10,7 +10,8 @@ import gc
 import os
 import resource
 import sys
-from typing import Any, Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 
@@ -20,7 +21,7 @@ from adaptive_batching.runtime import nf4
 GIB = 1024**3
 
 
-def _accelerator(device: torch.device) -> Optional[object]:
+def _accelerator(device: torch.device) -> object | None:
     """The torch module with memory statistics for ``device`` (cuda, xpu, ...), if any."""
     if device.type == "cpu":
         return None
@@ -28,13 +29,13 @@ def _accelerator(device: torch.device) -> Optional[object]:
     return module if module is not None and hasattr(module, "max_memory_allocated") else None
 
 
-def peak_memory_bytes(device: torch.device) -> Optional[int]:
+def peak_memory_bytes(device: torch.device) -> int | None:
     """Peak bytes allocated by tensors since the last reset, or None where not tracked."""
     module = _accelerator(device)
     return None if module is None else int(module.max_memory_allocated(device))
 
 
-def peak_memory_gb(device: torch.device) -> Optional[float]:
+def peak_memory_gb(device: torch.device) -> float | None:
     peak = peak_memory_bytes(device)
     return None if peak is None else peak / GIB
 
@@ -147,13 +148,13 @@ class PeakMeter:
         self.peak_bytes = 0
         # Accelerators only: the caching allocator's peak reservation, and how often it had to free
         # its cache and retry an allocation during the phase (a sign of thrashing near the limit).
-        self.reserved_peak_bytes: Optional[int] = None
+        self.reserved_peak_bytes: int | None = None
         self.alloc_retries = 0
         self._retries_start = 0
         self._tracker: Any = None
-        self._resident_start: Optional[int] = None
+        self._resident_start: int | None = None
 
-    def __enter__(self) -> "PeakMeter":
+    def __enter__(self) -> PeakMeter:
         module = _accelerator(self.device)
         if module is not None:
             module.reset_peak_memory_stats(self.device)
@@ -276,8 +277,9 @@ def pinned_from_start(env: Mapping[str, str]) -> bool:
     return PINNED_TUNABLES.keys() <= _tunables(env.get("GLIBC_TUNABLES", "")).keys()
 
 
-def restart_for_glibc(env: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str],
-                      address_space_limited: bool) -> Optional[tuple[list[str], dict[str, str]]]:
+def restart_for_glibc(
+    env: Mapping[str, str], argv: Sequence[str], orig_argv: Sequence[str], address_space_limited: bool
+) -> tuple[list[str], dict[str, str]] | None:
     """The arguments and environment that run this command again with glibc pinned from its start,
     or None when that is not needed or not safe.
 
@@ -290,14 +292,14 @@ def restart_for_glibc(env: Mapping[str, str], argv: Sequence[str], orig_argv: Se
     args = list(argv[1:])
     if not address_space_limited or env.get(RESTARTED_ENV) or pinned_from_start(env):
         return None
-    if not args or len(orig_argv) <= len(args) or list(orig_argv[-len(args):]) != args:
+    if not args or len(orig_argv) <= len(args) or list(orig_argv[-len(args) :]) != args:
         return None
     tunables = {**PINNED_TUNABLES, **_tunables(env.get("GLIBC_TUNABLES", ""))}
     merged = ":".join(f"{key}={value}" for key, value in tunables.items())
     return list(orig_argv[1:]), {**env, "GLIBC_TUNABLES": merged, RESTARTED_ENV: "1"}
 
 
-def address_space_limit() -> Optional[int]:
+def address_space_limit() -> int | None:
     """This process's soft RLIMIT_AS in bytes, or None when it is unlimited."""
     soft, _ = resource.getrlimit(resource.RLIMIT_AS)
     return None if soft == resource.RLIM_INFINITY or soft < 0 else int(soft)
@@ -311,9 +313,11 @@ def restart_with_glibc_pinned(argv: Sequence[str]) -> None:
     if restart is None:
         return
     args, env = restart
-    logs.info(f"Profiler: an address-space limit is set, so this process starts again with "
-              f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
-              f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)")
+    logs.info(
+        f"Profiler: an address-space limit is set, so this process starts again with "
+        f"GLIBC_TUNABLES={env['GLIBC_TUNABLES']}: glibc then pins its allocator from the first import, and "
+        f"no thread reserves a 64 MiB arena before the recipe could (start it so to skip this restart)"
+    )
     for stream in (sys.stdout, sys.stderr):
         stream.flush()  # log handlers flush every record; buffered prints would be lost
     try:
@@ -335,8 +339,12 @@ def pin_glibc_for_profile() -> None:
     """Pin glibc (see :func:`pin_cpu_allocator`) before a CPU run's set-up, so the heap set-up leaves behind
     is already under the rule the profile runs by; say whether it was pinned from the process start."""
     if pinned_from_start(os.environ):
-        logs.info("Profiler: glibc pinned from process start by GLIBC_TUNABLES "
-                  f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors")
+        logs.info(
+            "Profiler: glibc pinned from process start by GLIBC_TUNABLES "
+            f"({os.environ['GLIBC_TUNABLES']}), so the address space follows the tensors"
+        )
     elif pin_cpu_allocator():
-        logs.info("Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
-                  "so the address space follows the tensors and the chosen micro batch keeps fitting")
+        logs.info(
+            "Profiler: glibc set to return freed tensors' memory at once and to use one arena, "
+            "so the address space follows the tensors and the chosen micro batch keeps fitting"
+        )

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
-from typing import Any, Iterator, Mapping
+from collections.abc import Iterator, Mapping
+from typing import Any
 
 import torch
 from torch import nn
@@ -37,8 +38,9 @@ def _inner_bytes(inner: torch.Tensor) -> int:
     return inner.numel() * inner.element_size()
 
 
-def quantize_into(model: nn.Module, state_dict: Mapping[str, torch.Tensor],
-                  device: torch.device) -> tuple[dict[str, torch.Tensor], set[str]]:
+def quantize_into(
+    model: nn.Module, state_dict: Mapping[str, torch.Tensor], device: torch.device
+) -> tuple[dict[str, torch.Tensor], set[str]]:
     """Quantize ``state_dict``'s weights of the model's NF4 parameters into new NF4 parameters on ``device``
     (same block sizes and dtype); return the rest of the state dict and the names of the parameters quantized,
     as the model's ``load_state_dict`` reports them missing (inside activation checkpointing's wrapper too)."""
@@ -76,8 +78,11 @@ def quantize_empty(model: nn.Module) -> int:
             continue
         key = (tuple(param.shape), param.dtype, param.block_size, param.scaler_block_size)
         if key not in layouts:
-            layouts[key] = to_nf4(torch.empty(param.shape, dtype=param.dtype), block_size=param.block_size,
-                                  scaler_block_size=param.scaler_block_size)
+            layouts[key] = to_nf4(
+                torch.empty(param.shape, dtype=param.dtype),
+                block_size=param.block_size,
+                scaler_block_size=param.scaler_block_size,
+            )
         module_name, _, attr = name.rpartition(".")
         setattr(model.get_submodule(module_name), attr, nn.Parameter(_empty_like(layouts[key]), requires_grad=False))
         replaced += 1

@@ -34,7 +34,8 @@ are those tests/test_compile.py counts; CPU kernels never read that setting (Tri
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn

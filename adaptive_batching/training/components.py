@@ -4,8 +4,9 @@ config's names its key (see ``adaptive_batching.core.nodes.building``)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -48,9 +49,18 @@ def build_data(cfg: DictConfig) -> Data:
     return Data(tokenizer, dataset, packed)
 
 
-def build_components(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObjective, checkpoint: dict[str, Any],
-                     data: Data, *, device: torch.device, dtype: torch.dtype, parallel: ParallelInfo,
-                     is_rank_zero: bool) -> Components:
+def build_components(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    objective: TrainingObjective,
+    checkpoint: dict[str, Any],
+    data: Data,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelInfo,
+    is_rank_zero: bool,
+) -> Components:
     """The model (sharded over ``parallel``, weights from ``checkpoint``), what ``objective`` builds besides
     (full DPO's reference model), the optimizer over the trainable parameters (one per parameter, stepped in the
     backward, with ``optimizer_in_bwd``), the loss (compiled with ``compile``) and the collate of ``data`` as
@@ -79,8 +89,17 @@ def build_components(cfg: DictConfig, method: FinetuneMethod, objective: Trainin
     return Components(model, optimizer, loss_fn, collate)
 
 
-def build_frozen_copy(cfg: DictConfig, key: str, options: ModelOptions, *, device: torch.device, dtype: torch.dtype,
-                      parallel: ParallelInfo, is_rank_zero: bool, node: str = "model") -> nn.Module:
+def build_frozen_copy(
+    cfg: DictConfig,
+    key: str,
+    options: ModelOptions,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    parallel: ParallelInfo,
+    is_rank_zero: bool,
+    node: str = "model",
+) -> nn.Module:
     """A frozen model built from config key ``node`` (``model``: a second copy of the policy; ``teacher_model``:
     distillation's teacher, another architecture) with the weights of the checkpointer at config key ``key``,
     built, compiled and sharded as the policy is (FSDP2 under torchrun), frozen: no gradients, eval mode, dropout
@@ -89,9 +108,16 @@ def build_frozen_copy(cfg: DictConfig, key: str, options: ModelOptions, *, devic
     with building(key):
         weights = config.instantiate(cfg[key], should_load_recipe_state=False).load_checkpoint()
     with building(node):
-        model = build_model(cfg[node], FrozenWeights(key, node), weights, device=device, dtype=dtype,
-                            parallel=parallel, options=replace(options, activation_checkpointing=False),
-                            is_rank_zero=is_rank_zero)
+        model = build_model(
+            cfg[node],
+            FrozenWeights(key, node),
+            weights,
+            device=device,
+            dtype=dtype,
+            parallel=parallel,
+            options=replace(options, activation_checkpointing=False),
+            is_rank_zero=is_rank_zero,
+        )
     logs.info(describe_frozen_copy(model, key, parallel.world_size, node))
     return model
 
@@ -102,8 +128,11 @@ def describe_frozen_copy(model: nn.Module, key: str, ranks: int, node: str = "mo
     here = sum(_local(param).numel() * param.element_size() for param in model.parameters())
     trained = "policy" if node == "model" else "student"
     where = f", {here / 2**20:.3f} MiB on this rank (sharded over {ranks} ranks as the {trained})" if ranks > 1 else ""
-    what = f"Reference model ({key}): a frozen copy of the model" if node == "model" else \
-        f"Teacher model ({node}, weights from {key}): frozen"
+    what = (
+        f"Reference model ({key}): a frozen copy of the model"
+        if node == "model"
+        else f"Teacher model ({node}, weights from {key}): frozen"
+    )
     return f"{what}, {whole / 2**20:.3f} MiB of weights{where}; no gradients, eval mode, in no optimizer or checkpoint"
 
 

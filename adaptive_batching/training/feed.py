@@ -9,7 +9,8 @@ is counted (samples or a token budget) is the batching policy's; the feed only a
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -29,20 +30,29 @@ class Feed:
     an OOM's cut) and :meth:`load_state_dict`. ``step_in_epoch`` tells where the run stands, for the saved loader
     position; ``elastic``: a resume on other ranks keeps the global batch."""
 
-    def __init__(self, batching: SampleBatching, recovery: OomRecovery, guard: StepGuard, guard_steps: int,
-                 batch: BatchShape, *, step_in_epoch: Callable[[], int], elastic: bool = False) -> None:
+    def __init__(
+        self,
+        batching: SampleBatching,
+        recovery: OomRecovery,
+        guard: StepGuard,
+        guard_steps: int,
+        batch: BatchShape,
+        *,
+        step_in_epoch: Callable[[], int],
+        elastic: bool = False,
+    ) -> None:
         self.batching = batching
         self.recovery = recovery
         self.guard, self.guard_steps = guard, guard_steps
         self.batch = batch
         self.span = SamplerSpan()
         self.step_in_epoch, self.elastic = step_in_epoch, elastic
-        self.lr: Optional[SampleDrivenLR] = None  # the schedule, once the plan is made (:meth:`follow`)
+        self.lr: SampleDrivenLR | None = None  # the schedule, once the plan is made (:meth:`follow`)
         self.dataloader: Any = None
         self._batches: Any = None
-        self._served: Optional[tuple[int, int, int]] = None  # (micro batch, split, token budget) last served
-        self._saved_position: Optional[dict[str, Any]] = None  # a resumed run's loader state, served once
-        self._saved_ranks: Optional[int] = None
+        self._served: tuple[int, int, int] | None = None  # (micro batch, split, token budget) last served
+        self._saved_position: dict[str, Any] | None = None  # a resumed run's loader state, served once
+        self._saved_ranks: int | None = None
 
     @property
     def split(self) -> int:
@@ -91,13 +101,15 @@ class Feed:
         """The next epoch is served from its start by one sampler."""
         self.span = SamplerSpan()
 
-    def _take_saved_position(self) -> Optional[dict[str, Any]]:
+    def _take_saved_position(self) -> dict[str, Any] | None:
         """The resumed run's saved loader position (it serves once). An elastic run resumed on another number of
         ranks has the same global batch, so the same samples per step: it starts at the saved step instead."""
         state, self._saved_position = self._saved_position, None
         if state and self.elastic and self._saved_ranks != self.batch.ranks:
-            logs.info(f"Resuming on {self.batch.ranks} rank(s) instead of {self._saved_ranks}: the same global batch "
-                      f"{self.batch.global_batch}, as {self.batch.describe()}")
+            logs.info(
+                f"Resuming on {self.batch.ranks} rank(s) instead of {self._saved_ranks}: the same global batch "
+                f"{self.batch.global_batch}, as {self.batch.describe()}"
+            )
             return None
         return state
 
@@ -109,12 +121,13 @@ class Feed:
             self._saved_position = None
         return deeper
 
-    def serve(self, epoch: int, start_step: int, state: Optional[dict[str, Any]] = None) -> None:
+    def serve(self, epoch: int, start_step: int, state: dict[str, Any] | None = None) -> None:
         """Serve ``epoch`` from its step ``start_step`` on; ``state`` (a saved loader state) puts the loader
         where it stood and is checked against the new loader, so a resume with another dataset, seed or
         ranks fails instead of silently training on other samples."""
-        self.dataloader = self.batching.loader(epoch, self.split, 0 if state else self.span.local(start_step),
-                                               self.span)
+        self.dataloader = self.batching.loader(
+            epoch, self.split, 0 if state else self.span.local(start_step), self.span
+        )
         served = (self.batch.micro_batch, self.split, self.batching.served(epoch))
         if served != self._served:
             self._served = served

@@ -27,7 +27,8 @@ Where each is called, in the order a run meets them:
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 

@@ -7,7 +7,8 @@ train, which weights a checkpoint holds and what a save writes; everything about
 from __future__ import annotations
 
 import warnings
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -29,12 +30,15 @@ _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrappe
 
 def checkpoint_mismatch(what: str, missing: Sequence[str], unexpected: Sequence[str]) -> ConfigError:
     """The checkpoint's weights do not fit the configured model: a wrong ``model`` or ``checkpointer``."""
+
     def names(keys: Sequence[str]) -> str:
         keys = list(keys)
         return f"{keys[:4]}{f' and {len(keys) - 4} more' if len(keys) > 4 else ''}"
 
-    return ConfigError(f"the checkpoint in 'checkpointer.checkpoint_dir' does not match {what} of config key 'model': "
-                       f"missing {names(missing)}, unexpected {names(unexpected)}")
+    return ConfigError(
+        f"the checkpoint in 'checkpointer.checkpoint_dir' does not match {what} of config key 'model': "
+        f"missing {names(missing)}, unexpected {names(unexpected)}"
+    )
 
 
 class FullFinetune:
@@ -85,8 +89,9 @@ class LoRAFinetune:
             # warns at each random draw that its DTensor random ops "may not have complete support", and each rank
             # draws its shard of ``lora_a`` from its own generator (seeded seed + rank). For the adapters' random
             # start that is what is wanted, any draw of the same distribution; nothing a user can act on.
-            warnings.filterwarnings("ignore", message="DTensor random operators may not have complete support on cpu",
-                                    category=UserWarning)
+            warnings.filterwarnings(
+                "ignore", message="DTensor random operators may not have complete support on cpu", category=UserWarning
+            )
             for module in model.modules():
                 if hasattr(module, "initialize_parameters") and hasattr(module, "lora_a"):
                     module.initialize_parameters()
@@ -109,9 +114,7 @@ class LoRAFinetune:
             training.ADAPTER_CONFIG: {
                 "r": self.rank,
                 "lora_alpha": self.alpha,
-                "target_modules": get_lora_module_names(
-                    self.attn_modules, self.apply_to_mlp, self.apply_to_output
-                ),
+                "target_modules": get_lora_module_names(self.attn_modules, self.apply_to_mlp, self.apply_to_output),
                 "peft_type": "LORA",
             }
         }

@@ -7,9 +7,10 @@ then materialised on the device and loaded (via torchtune's distributed loader w
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
-from typing import Any, Optional, Sequence
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -30,7 +31,7 @@ class ModelOptions:
 
     activation_checkpointing: bool = False
     compile: bool = False
-    custom_sharded_layers: Optional[Sequence[str]] = None
+    custom_sharded_layers: Sequence[str] | None = None
     reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
 
@@ -59,15 +60,11 @@ def build_model(
     if options.compile:
         compiling.compile_model(model, verbose=is_rank_zero)
     if options.activation_checkpointing:
-        training.set_activation_checkpointing(
-            model, auto_wrap_policy={modules.TransformerSelfAttentionLayer}
-        )
+        training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     if parallel.is_distributed:
         training.shard_model(
             model=model,
-            shard_conditions=[
-                partial(training.get_shard_conditions, names_to_match=options.custom_sharded_layers)
-            ],
+            shard_conditions=[partial(training.get_shard_conditions, names_to_match=options.custom_sharded_layers)],
             cpu_offload=options.fsdp_cpu_offload,
             reshard_after_forward=options.reshard_after_forward,
         )
@@ -114,8 +111,10 @@ class FrozenWeights(FullFinetune):
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
         if missing or unexpected:
-            raise ConfigError(f"the checkpoint of config key '{self.key}' does not match config key '{self.node}': "
-                              f"missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]}")
+            raise ConfigError(
+                f"the checkpoint of config key '{self.key}' does not match config key '{self.node}': "
+                f"missing {list(missing)[:4]}, unexpected {list(unexpected)[:4]}"
+            )
         training.disable_dropout(model)
         model.eval()
 
@@ -123,8 +122,9 @@ class FrozenWeights(FullFinetune):
         return {}
 
 
-def full_state_dict(model: nn.Module, parallel: ParallelInfo, device: torch.device,
-                    trainable_only: bool = False) -> dict[str, torch.Tensor]:
+def full_state_dict(
+    model: nn.Module, parallel: ParallelInfo, device: torch.device, trainable_only: bool = False
+) -> dict[str, torch.Tensor]:
     """The whole model's weights on CPU (on rank 0; empty on other ranks when sharded)."""
     if parallel.is_distributed:
         return training.gather_cpu_state_dict(
@@ -138,19 +138,22 @@ def full_state_dict(model: nn.Module, parallel: ParallelInfo, device: torch.devi
     return state
 
 
-def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                              parallel: ParallelInfo, device: torch.device) -> dict[str, Any]:
+def full_optimizer_state_dict(
+    model: nn.Module, optimizer: torch.optim.Optimizer, parallel: ParallelInfo, device: torch.device
+) -> dict[str, Any]:
     """The optimizer state as a full (unsharded) state dict, on rank 0."""
     if parallel.is_distributed:
-        return training.get_full_optimizer_state_dict(
-            model, optimizer, parallel.is_rank_zero, device=device
-        )
+        return training.get_full_optimizer_state_dict(model, optimizer, parallel.is_rank_zero, device=device)
     return optimizer.state_dict()
 
 
-def load_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
-                              state: dict[str, Any], parallel: ParallelInfo,
-                              device: torch.device) -> None:
+def load_optimizer_state_dict(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    state: dict[str, Any],
+    parallel: ParallelInfo,
+    device: torch.device,
+) -> None:
     """Restore the optimizer state saved by :func:`full_optimizer_state_dict`."""
     if parallel.is_distributed:
         training.load_from_full_optimizer_state_dict(model, optimizer, state, device)

@@ -7,7 +7,8 @@ Each is a :class:`~adaptive_batching.core.objective.TrainingObjective` the train
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, ContextManager, Optional
+from collections.abc import Callable
+from typing import Any, ContextManager
 
 import torch
 import torch.nn.functional as F
@@ -40,14 +41,15 @@ class SupervisedFinetune:
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         return build_collate(collate_path, packed, pad_id, loss_fn.ignore_index)
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         return summed_token_loss(model, loss_fn, batch, activations)
 
-    def worst_case_batch(self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
-                         packed: bool) -> dict[str, torch.Tensor]:
-        return worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size,
-                                packed=packed)
+    def worst_case_batch(
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+    ) -> dict[str, torch.Tensor]:
+        return worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=packed)
 
     def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
         return {}
@@ -60,15 +62,22 @@ class PairCollate:
 
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
-        self.empty = {"chosen_input_ids": [pad_id], "chosen_labels": [CROSS_ENTROPY_IGNORE_IDX],
-                      "rejected_input_ids": [pad_id], "rejected_labels": [CROSS_ENTROPY_IGNORE_IDX]}
+        self.empty = {
+            "chosen_input_ids": [pad_id],
+            "chosen_labels": [CROSS_ENTROPY_IGNORE_IDX],
+            "rejected_input_ids": [pad_id],
+            "rejected_labels": [CROSS_ENTROPY_IGNORE_IDX],
+        }
 
     def __call__(self, samples: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-        tokens, labels = padded_collate_dpo(samples or [self.empty], padding_idx=self.pad_id,
-                                            ignore_idx=CROSS_ENTROPY_IGNORE_IDX)
+        tokens, labels = padded_collate_dpo(
+            samples or [self.empty], padding_idx=self.pad_id, ignore_idx=CROSS_ENTROPY_IGNORE_IDX
+        )
         pairs = tokens.size(0) // 2
-        return {"tokens": tokens.view(2, pairs, -1).transpose(0, 1).contiguous(),
-                "labels": labels.view(2, pairs, -1).transpose(0, 1).contiguous()}
+        return {
+            "tokens": tokens.view(2, pairs, -1).transpose(0, 1).contiguous(),
+            "labels": labels.view(2, pairs, -1).transpose(0, 1).contiguous(),
+        }
 
 
 def _concatenated(pairs: torch.Tensor) -> torch.Tensor:
@@ -102,19 +111,22 @@ class LoRADPO:
         """The reference model: the policy with its adapters off."""
         return disable_adapter(model)
 
-    def _reference_log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                             activations: ContextManager) -> torch.Tensor:
+    def _reference_log_probs(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+    ) -> torch.Tensor:
         with torch.no_grad(), self.reference(model):
             return self._log_probs(model, tokens, labels, activations)[0]
 
-    def _log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+    def _log_probs(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         with activations:
             logits = model(tokens)
         return rlhf.get_batch_log_probs(logits, labels), logits
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = batch["tokens"].size(0)
         tokens, labels = _concatenated(batch.pop("tokens")), _concatenated(batch.pop("labels"))
         reference = self._reference_log_probs(model, tokens, labels, activations)
@@ -124,26 +136,43 @@ class LoRADPO:
         chosen, rejected = log_probs[:pairs], log_probs[pairs:]
         losses, chosen_rewards, rejected_rewards = loss_fn(chosen, rejected, reference[:pairs], reference[pairs:])
         counts = (labels != CROSS_ENTROPY_IGNORE_IDX).any(dim=-1).view(2, pairs).any(dim=0)
-        self.last = {"rewards/chosen": chosen_rewards.mean(), "rewards/rejected": rejected_rewards.mean(),
-                     "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
-                     "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
-                     "log_probs/rejected": rejected.detach().mean(), "log_probs/chosen": chosen.detach().mean(),
-                     "logits/rejected": logits_rejected, "logits/chosen": logits_chosen}
+        self.last = {
+            "rewards/chosen": chosen_rewards.mean(),
+            "rewards/rejected": rejected_rewards.mean(),
+            "rewards/accuracies": (chosen_rewards > rejected_rewards).float().mean(),
+            "rewards/margins": (chosen_rewards - rejected_rewards).mean(),
+            "log_probs/rejected": rejected.detach().mean(),
+            "log_probs/chosen": chosen.detach().mean(),
+            "logits/rejected": logits_rejected,
+            "logits/chosen": logits_chosen,
+        }
         return (losses * counts).sum(), counts.sum()
 
-    def worst_case_batch(self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int,
-                         packed: bool) -> dict[str, torch.Tensor]:
+    def worst_case_batch(
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+    ) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (micro_batch, 2, seq_len), generator=generator).tolist()
-        return collate([{"chosen_input_ids": chosen, "chosen_labels": chosen, "rejected_input_ids": rejected,
-                         "rejected_labels": rejected} for chosen, rejected in tokens])
+        return collate(
+            [
+                {
+                    "chosen_input_ids": chosen,
+                    "chosen_labels": chosen,
+                    "rejected_input_ids": rejected,
+                    "rejected_labels": rejected,
+                }
+                for chosen, rejected in tokens
+            ]
+        )
 
     def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
         """As ``lora_dpo_single_device`` logs them: the rewards and log-probabilities of the step's last micro
         batch, and the tokens per second of the policy's forwards (both sequences of each pair, padding
         included) in place of the pairs per second the step's count would give."""
-        return {"tokens_per_second_per_gpu": padded_tokens / seconds,
-                **{name: float(value) for name, value in self.last.items()}}
+        return {
+            "tokens_per_second_per_gpu": padded_tokens / seconds,
+            **{name: float(value) for name, value in self.last.items()},
+        }
 
 
 class FullDPO(LoRADPO):
@@ -157,7 +186,7 @@ class FullDPO(LoRADPO):
 
     def __init__(self) -> None:
         super().__init__()
-        self.reference_model: Optional[nn.Module] = None
+        self.reference_model: nn.Module | None = None
 
     def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
         self.reference_model = frozen_copy("ref_checkpointer")
@@ -166,8 +195,9 @@ class FullDPO(LoRADPO):
     def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
         return () if self.reference_model is None else (self.reference_model,)
 
-    def _reference_log_probs(self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor,
-                             activations: ContextManager) -> torch.Tensor:
+    def _reference_log_probs(
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+    ) -> torch.Tensor:
         """The frozen reference's forward, without autograd or activation offloading (nothing is saved for a
         backward), as ``full_dpo_distributed`` runs it."""
         assert self.reference_model is not None, "the reference model is built with the other parts"
@@ -192,7 +222,7 @@ class KnowledgeDistillation(SupervisedFinetune):
     name = "kd"
 
     def __init__(self) -> None:
-        self.teacher: Optional[nn.Module] = None
+        self.teacher: nn.Module | None = None
         self.kd_loss_fn: Any = None
         self.kd_ratio = 0.5
         self._sums: list[torch.Tensor] = []  # the step's (cross-entropy, KD, tokens) so far, on the device
@@ -211,8 +241,9 @@ class KnowledgeDistillation(SupervisedFinetune):
     def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
         return () if self.teacher is None else (self.teacher,)
 
-    def micro_loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor],
-                   activations: ContextManager) -> tuple[torch.Tensor, torch.Tensor]:
+    def micro_loss(
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's forward without autograd, then the student's (under ``activations``), both losses on the
         labels shifted by one token; returns the mixed loss summed over the tokens that count, and their number.
         (Stock runs the student first: the same arithmetic, but the teacher's forward then runs on top of the

@@ -8,8 +8,9 @@ window, or save and stop when even one sample does not fit.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable, NoReturn
+from typing import NoReturn
 
 import torch
 
@@ -29,9 +30,18 @@ class OomResponse:
     """The response to an OOM in training (see the module docstring). ``save(epoch)`` writes a checkpoint;
     the cut goes into ``profiler``'s cache."""
 
-    def __init__(self, feed: Feed, progress: Progress, *, parallel: ParallelInfo, device: torch.device,
-                 guard: StepGuard, output_dir: Path, save: Callable[[int], None],
-                 profiler: StartupProfiler) -> None:
+    def __init__(
+        self,
+        feed: Feed,
+        progress: Progress,
+        *,
+        parallel: ParallelInfo,
+        device: torch.device,
+        guard: StepGuard,
+        output_dir: Path,
+        save: Callable[[int], None],
+        profiler: StartupProfiler,
+    ) -> None:
         self.feed, self.progress = feed, progress
         self.parallel, self.device, self.guard = parallel, device, guard
         self.output_dir = output_dir
@@ -54,10 +64,19 @@ class OomResponse:
             logs.info("glibc set to return freed tensors' memory at once, so the smaller micro batch keeps fitting")
             memory.release_memory(self.device)
         feed.serve(epoch, start_step=index)
-        logs.info(feed.batching.oom_line(failed=failed, where=where, error=self.guard.last_error,
-                                         samples=feed.samples_in_step(index), split=feed.split,
-                                         micro_piece=feed.micro_piece, batch=feed.batch,
-                                         ranks=self.parallel.world_size, cap=cap))
+        logs.info(
+            feed.batching.oom_line(
+                failed=failed,
+                where=where,
+                error=self.guard.last_error,
+                samples=feed.samples_in_step(index),
+                split=feed.split,
+                micro_piece=feed.micro_piece,
+                batch=feed.batch,
+                ranks=self.parallel.world_size,
+                cap=cap,
+            )
+        )
         self.profiler.remember_cap(recovery.cache_cap, any_rank=False)
 
     def maybe_grow_back(self, epoch: int) -> None:
@@ -69,8 +88,11 @@ class OomResponse:
         recovery.grow_back(feed.batch.micro_batch)
         if self.progress.step_in_epoch < feed.epoch_steps:
             feed.serve(epoch, start_step=self.progress.step_in_epoch)
-        logs.info(feed.batching.grow_back_line(waited=waited, before=before, micro_piece=feed.micro_piece,
-                                               split=feed.split, cap=recovery.oom_cap))
+        logs.info(
+            feed.batching.grow_back_line(
+                waited=waited, before=before, micro_piece=feed.micro_piece, split=feed.split, cap=recovery.oom_cap
+            )
+        )
 
     def stop_for_restart(self, epoch: int, index: int, error: str) -> NoReturn:
         """An OOM outside a guard window: the other ranks cannot be told, so record the cut the rest of the
@@ -79,8 +101,14 @@ class OomResponse:
         feed = self.feed
         failed = feed.largest_piece(index)
         feed.recovery.out_of_memory(failed, feed.batch.micro_batch)
-        path = restart.record_cut(self.output_dir, feed.recovery.state_dict(), step=self.progress.global_step + 1,
-                                  failed_micro_batch=failed, rank=self.parallel.rank, job_id=restart.job_id())
+        path = restart.record_cut(
+            self.output_dir,
+            feed.recovery.state_dict(),
+            step=self.progress.global_step + 1,
+            failed_micro_batch=failed,
+            rank=self.parallel.rank,
+            job_id=restart.job_id(),
+        )
         self.profiler.remember_cap(feed.recovery.cache_cap, any_rank=True)
         self.process_group_broken = True  # the other ranks wait in a collective this rank never joins
         cut = feed.batching.cut_description(feed.split, feed.micro_piece)
@@ -106,8 +134,11 @@ class OomResponse:
         a guard window)."""
         self.process_group_broken = broken
         failed = self.feed.largest_piece(index)
-        saved = (f"the last complete checkpoint (optimizer step {self.progress.saved_step}) is in {self.output_dir}"
-                 if self.progress.saved_step is not None else "nothing was saved yet")
+        saved = (
+            f"the last complete checkpoint (optimizer step {self.progress.saved_step}) is in {self.output_dir}"
+            if self.progress.saved_step is not None
+            else "nothing was saved yet"
+        )
         raise OutOfMemoryStop(
             f"out of memory at micro batch {failed} in {self._where(epoch, index)} ({error}). With "
             f"optimizer_in_bwd=True a step is not run again in smaller micro batches (that needs gradient "
@@ -131,8 +162,10 @@ class OomResponse:
             except Exception as error:  # noqa: BLE001 - the previous checkpoint is still whole
                 if not is_out_of_memory(error):
                     raise
-                saved = (f"saving ran out of memory too; the last complete checkpoint (optimizer step "
-                         f"{progress.saved_step}) is in {output_dir}")
+                saved = (
+                    f"saving ran out of memory too; the last complete checkpoint (optimizer step "
+                    f"{progress.saved_step}) is in {output_dir}"
+                )
         else:
             saved = f"the checkpoint of optimizer step {progress.global_step} in {output_dir} is up to date"
         raise OutOfMemoryStop(

@@ -20,7 +20,8 @@ from __future__ import annotations
 import logging
 import weakref
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Optional, Protocol
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig
@@ -34,7 +35,8 @@ from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 # bitsandbytes 0.50 tries, at import, to fetch a CPU 4-bit matmul kernel from the Hugging Face hub and logs a
 # warning when it cannot. Only its optimizers are used here, which do not need that kernel.
 logging.getLogger("bitsandbytes.backends.cpu.ops").addFilter(
-    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community"))
+    lambda record: not str(record.msg).startswith("Failed to load CPU gemm_4bit_forward from kernels-community")
+)
 
 
 class InBackwardOptimizer(torch.optim.Optimizer):
@@ -82,7 +84,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def step(self, closure: Optional[Callable[[], float]] = None) -> Optional[float]:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
         for optimizer in self.optimizers:
             if optimizer.param_groups[0]["params"][0].grad is not None:
                 optimizer.step()
@@ -95,12 +97,14 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if len(groups) != len(self.optimizers):
             raise ValueError(
                 f"the optimizer state has {len(groups)} param group(s); with optimizer_in_bwd=True there is one per "
-                f"trainable parameter ({len(self.optimizers)}): resume with the optimizer_in_bwd the run was saved with")
+                f"trainable parameter ({len(self.optimizers)}): resume with the optimizer_in_bwd the run was saved with"
+            )
         states = state_dict["state"]
         for optimizer, group in zip(self.optimizers, groups):
             (index,) = group["params"]
-            optimizer.load_state_dict({"state": {0: states[index]} if index in states else {},
-                                       "param_groups": [{**group, "params": [0]}]})
+            optimizer.load_state_dict(
+                {"state": {0: states[index]} if index in states else {}, "param_groups": [{**group, "params": [0]}]}
+            )
         self._share()
 
 
@@ -157,7 +161,7 @@ class InBackward:
 
     def __init__(self, optimizer: InBackwardOptimizer, guard: StepGuard, parallel: ParallelInfo) -> None:
         self.optimizer, self.guard, self.parallel = optimizer, guard, parallel
-        self.total: Optional[torch.Tensor] = None
+        self.total: torch.Tensor | None = None
 
     def backward(self, loss: torch.Tensor, tokens: torch.Tensor) -> None:
         self.guard.sync_point()
@@ -171,12 +175,15 @@ class InBackward:
         tokens.copy_(self.total)
 
 
-def offloading(model: nn.Module, enabled: Optional[bool]) -> Any:
+def offloading(model: nn.Module, enabled: bool | None) -> Any:
     """What wraps each forward: torchtune's activation offloading (``enable_activation_offloading``: saved
     activations go to host memory, the output projection's stay), or nothing."""
     return training.get_act_offloading_ctx_manager(model, bool(enabled))
 
 
 def gradients_for(optimizer: torch.optim.Optimizer, guard: StepGuard, parallel: ParallelInfo) -> Gradients:
-    return InBackward(optimizer, guard, parallel) if isinstance(optimizer, InBackwardOptimizer) \
+    return (
+        InBackward(optimizer, guard, parallel)
+        if isinstance(optimizer, InBackwardOptimizer)
         else AfterBackward(guard, parallel)
+    )

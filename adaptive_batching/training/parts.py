@@ -3,8 +3,9 @@ fixes (:func:`build_schedule`)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from omegaconf import DictConfig
@@ -63,10 +64,20 @@ class Schedule:
     growth: Growth
 
 
-def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObjective, hooks: TrainerHooks, *,
-                resume: tuple[bool, Optional[str]], elastic: bool, guard: StepGuard, parallel: ParallelInfo,
-                device: torch.device, oom_recovery: bool,
-                where: Callable[[], tuple[int, Optional[int], str]]) -> tuple[Parts, dict[str, Any]]:
+def build_parts(
+    cfg: DictConfig,
+    method: FinetuneMethod,
+    objective: TrainingObjective,
+    hooks: TrainerHooks,
+    *,
+    resume: tuple[bool, str | None],
+    elastic: bool,
+    guard: StepGuard,
+    parallel: ParallelInfo,
+    device: torch.device,
+    oom_recovery: bool,
+    where: Callable[[], tuple[int, int | None, str]],
+) -> tuple[Parts, dict[str, Any]]:
     """Every part of a run, and the checkpoint its weights came from (a resumed run restores the rest from it).
 
     The data comes first, so a wrong path fails before any weights load; then the checkpoint (``resume``: whether
@@ -79,28 +90,69 @@ def build_parts(cfg: DictConfig, method: FinetuneMethod, objective: TrainingObje
     if resume[0]:
         check_resumable_on(checkpoint, parallel.world_size, elastic=elastic)
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=device)
-    components = build_components(cfg, method, objective, checkpoint, data, device=device, dtype=dtype,
-                                  parallel=parallel, is_rank_zero=parallel.is_rank_zero)
+    components = build_components(
+        cfg,
+        method,
+        objective,
+        checkpoint,
+        data,
+        device=device,
+        dtype=dtype,
+        parallel=parallel,
+        is_rank_zero=parallel.is_rank_zero,
+    )
     components.collate = hooks.collate(components.collate)
     model, optimizer = components.model, components.optimizer
     guard.install(model)
-    checkpoints = Checkpoints(checkpointer, method, parallel, device, total_epochs=cfg.epochs,
-                              max_steps_per_epoch=cfg.get("max_steps_per_epoch", None))
-    runner = StepRunner(model, optimizer, components.loss_fn, guard, parallel, device,
-                        clip_grad_norm=cfg.get("clip_grad_norm", None), oom_recovery=oom_recovery, where=where,
-                        activations=offloading(model, cfg.get("enable_activation_offloading", None)),
-                        objective=objective, hooks=hooks)
+    checkpoints = Checkpoints(
+        checkpointer,
+        method,
+        parallel,
+        device,
+        total_epochs=cfg.epochs,
+        max_steps_per_epoch=cfg.get("max_steps_per_epoch", None),
+    )
+    runner = StepRunner(
+        model,
+        optimizer,
+        components.loss_fn,
+        guard,
+        parallel,
+        device,
+        clip_grad_norm=cfg.get("clip_grad_norm", None),
+        oom_recovery=oom_recovery,
+        where=where,
+        activations=offloading(model, cfg.get("enable_activation_offloading", None)),
+        objective=objective,
+        hooks=hooks,
+    )
     return Parts(data, components, runner, checkpoints, [group["lr"] for group in optimizer.param_groups]), checkpoint
 
 
-def build_schedule(cfg: DictConfig, parts: Parts, plan: BatchPlan, feed: Feed, progress: Progress, *,
-                   saved_lr: Optional[dict[str, Any]], total_steps: int, reference_global_batch: int, rule: str,
-                   verify: Verifier) -> Schedule:
+def build_schedule(
+    cfg: DictConfig,
+    parts: Parts,
+    plan: BatchPlan,
+    feed: Feed,
+    progress: Progress,
+    *,
+    saved_lr: dict[str, Any] | None,
+    total_steps: int,
+    reference_global_batch: int,
+    rule: str,
+    verify: Verifier,
+) -> Schedule:
     """The schedule of ``plan`` (made): the config's LR schedule over ``total_steps`` reference steps, scaled by
     ``rule`` for each step's global batch (``saved_lr``: a resumed run's state), which ``feed`` sets at each step;
     and growth, which ``verify`` checks a larger batch with."""
-    lr = SampleDrivenLR.from_config(optional_component(cfg.get("lr_scheduler", None)), parts.optimizer, parts.base_lrs,
-                                    total_steps=total_steps, reference_global_batch=reference_global_batch, rule=rule,
-                                    state=saved_lr)
+    lr = SampleDrivenLR.from_config(
+        optional_component(cfg.get("lr_scheduler", None)),
+        parts.optimizer,
+        parts.base_lrs,
+        total_steps=total_steps,
+        reference_global_batch=reference_global_batch,
+        rule=rule,
+        state=saved_lr,
+    )
     feed.follow(lr)
     return Schedule(plan, lr, Growth(plan, feed, lr, parts.runner.noise, progress, verify=verify))

@@ -18,7 +18,8 @@ as torchtune's QAT recipes save it, for ``tune run quantize`` with the same quan
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -44,13 +45,23 @@ class FakeQuantizedLoRALinear(LoRALinear):
     torchtune's ``QATLoRALinear`` on torchao 0.13's fake quantizers (built from any of its configs); no bias, no
     DoRA, no NF4 base weight, as there."""
 
-    def __init__(self, in_dim: int, out_dim: int, rank: int, alpha: float, dropout: float,
-                 activation_config: Any, weight_config: Any) -> None:
+    def __init__(
+        self,
+        in_dim: int,
+        out_dim: int,
+        rank: int,
+        alpha: float,
+        dropout: float,
+        activation_config: Any,
+        weight_config: Any,
+    ) -> None:
         super().__init__(in_dim, out_dim, rank, alpha, dropout, use_bias=False, quantize_base=False)
         group = getattr(weight_config, "group_size", None)
         if group is not None and in_dim % group != 0:
-            raise ConfigError(f"config key 'quantizer.groupsize' = {group}: it must divide every adapted layer's "
-                              f"input size, and {in_dim} is not a multiple of it")
+            raise ConfigError(
+                f"config key 'quantizer.groupsize' = {group}: it must divide every adapted layer's "
+                f"input size, and {in_dim} is not a multiple of it"
+            )
         self.activation_fake_quantizer = _fake_quantizer(activation_config)
         self.weight_fake_quantizer = _fake_quantizer(weight_config)
 
@@ -71,19 +82,27 @@ def swap_lora_linears(model: nn.Module, activation_config: Any, weight_config: A
     swapped = 0
     for name, child in list(model.named_children()):
         if isinstance(child, DoRALinear):
-            raise ConfigError("config key 'quantizer' cannot train with DoRA adapters (model.use_dora=True), as in "
-                              "torchtune's qat_lora_finetune_distributed; use LoRA")
+            raise ConfigError(
+                "config key 'quantizer' cannot train with DoRA adapters (model.use_dora=True), as in "
+                "torchtune's qat_lora_finetune_distributed; use LoRA"
+            )
         if isinstance(child, LoRALinear):
             if child._quantize_base or child.use_bias:
-                raise ConfigError("config key 'quantizer' cannot fake-quantize a QLoRA (NF4) base or a biased LoRA "
-                                  "layer; use a plain LoRA model builder")
+                raise ConfigError(
+                    "config key 'quantizer' cannot fake-quantize a QLoRA (NF4) base or a biased LoRA "
+                    "layer; use a plain LoRA model builder"
+                )
             dropout = child.dropout.p if isinstance(child.dropout, nn.Dropout) else 0.0
             with torch.device(child.weight.device):
-                new = FakeQuantizedLoRALinear(child.in_dim, child.out_dim, child.rank, child.alpha, dropout,
-                                              activation_config, weight_config).to(child.weight.dtype)
+                new = FakeQuantizedLoRALinear(
+                    child.in_dim, child.out_dim, child.rank, child.alpha, dropout, activation_config, weight_config
+                ).to(child.weight.dtype)
             if child.weight.device.type != "meta":
-                new.weight, new.lora_a.weight, new.lora_b.weight = (child.weight, child.lora_a.weight,
-                                                                    child.lora_b.weight)
+                new.weight, new.lora_a.weight, new.lora_b.weight = (
+                    child.weight,
+                    child.lora_a.weight,
+                    child.lora_b.weight,
+                )
             setattr(model, name, new)
             swapped += 1
         else:
@@ -106,8 +125,9 @@ class QuantizationAware:
     """A fine-tuning method (full or LoRA) trained with fake quantization: ``configure`` swaps the linear layers
     on the meta-device model first; what trains, loads and is saved is the method's."""
 
-    def __init__(self, method: FinetuneMethod, quantizer: Any, dtype: torch.dtype,
-                 fake_quant_after_n_steps: Optional[int]) -> None:
+    def __init__(
+        self, method: FinetuneMethod, quantizer: Any, dtype: torch.dtype, fake_quant_after_n_steps: int | None
+    ) -> None:
         self.method, self.quantizer = method, quantizer
         self.mode = get_quantizer_mode(quantizer) or type(quantizer).__name__
         self.fake_quant_after_n_steps = fake_quant_after_n_steps
@@ -124,16 +144,21 @@ class QuantizationAware:
 
     def configure(self, model: nn.Module) -> None:
         if self.method.name == "lora":
-            self.swapped = swap_lora_linears(model, self.quantizer.get_activation_fake_quantize_config(),
-                                             self.quantizer.get_weight_fake_quantize_config())
+            self.swapped = swap_lora_linears(
+                model,
+                self.quantizer.get_activation_fake_quantize_config(),
+                self.quantizer.get_weight_fake_quantize_config(),
+            )
         else:
             linears = sum(isinstance(module, nn.Linear) for module in model.modules())
             with building("quantizer"):
                 self.quantizer.prepare(model)
             self.swapped = linears - sum(type(module) is nn.Linear for module in model.modules())
         if not fake_quantizers(model):
-            raise ConfigError(f"config key 'quantizer' = {self.mode!r} fake-quantized no layer of config key 'model' "
-                              f"(its groupsize must divide the layers' input sizes)")
+            raise ConfigError(
+                f"config key 'quantizer' = {self.mode!r} fake-quantized no layer of config key 'model' "
+                f"(its groupsize must divide the layers' input sizes)"
+            )
         self.method.configure(model)
 
     def describe(self, profiled: bool = False) -> str:
@@ -145,8 +170,10 @@ class QuantizationAware:
         after = self.fake_quant_after_n_steps
         when = f"off for the first {after} optimizer steps, then on" if after else "on from the first step"
         trials = "; the profiler's trial steps run with it on" if profiled else ""
-        return (f"Quantization-aware training ({type(self.quantizer).__name__}, {self.mode}{group}): {self.swapped} "
-                f"{layers} fake-quantized, {when}{trials}")
+        return (
+            f"Quantization-aware training ({type(self.quantizer).__name__}, {self.mode}{group}): {self.swapped} "
+            f"{layers} fake-quantized, {when}{trials}"
+        )
 
     def enabled_at(self, global_step: int) -> bool:
         """Whether the optimizer step after ``global_step`` finished steps trains with fake quantization."""
@@ -172,8 +199,8 @@ class FakeQuantSteps(TrainerHooks):
 
     def __init__(self, qat: QuantizationAware, then: TrainerHooks) -> None:
         self.qat, self.then = qat, then
-        self.model: Optional[nn.Module] = None
-        self.enabled: Optional[bool] = None
+        self.model: nn.Module | None = None
+        self.enabled: bool | None = None
 
     def _switch(self, enabled: bool) -> None:
         if self.model is not None and enabled != self.enabled:
@@ -195,20 +222,32 @@ class FakeQuantSteps(TrainerHooks):
         self._switch(self.qat.enabled_at(step))
         after = self.qat.fake_quant_after_n_steps
         if after and was is not self.enabled and (step == 0 or step == after or was is None):
-            logs.info(f"Step {step}: fake quantization {'on' if self.enabled else 'off'}"
-                      + ("" if self.enabled else f", on from step {after}"))
+            logs.info(
+                f"Step {step}: fake quantization {'on' if self.enabled else 'off'}"
+                + ("" if self.enabled else f", on from step {after}")
+            )
         self.then.before_step(trainer, micro_batches)
 
 
 def _delegate(name: str) -> Callable[..., Any]:
     def call(self: FakeQuantSteps, *args: Any) -> Any:
         return getattr(self.then, name)(*args)
+
     call.__name__ = name
     return call
 
 
-for _name in ("before_setup", "collate", "before_train", "after_train", "before_epoch", "after_epoch",
-              "before_forward", "after_loss", "after_step"):
+for _name in (
+    "before_setup",
+    "collate",
+    "before_train",
+    "after_train",
+    "before_epoch",
+    "after_epoch",
+    "before_forward",
+    "after_loss",
+    "after_step",
+):
     setattr(FakeQuantSteps, _name, _delegate(_name))
 
 
@@ -219,32 +258,37 @@ def with_quantizer(cfg: DictConfig, method: FinetuneMethod) -> FinetuneMethod:
     after = fake_quant_steps(cfg)
     if node is None:
         if after is not None:
-            raise ConfigError(f"config key 'fake_quant_after_n_steps' = {after} needs config key 'quantizer' (a QAT "
-                              f"quantizer: {_QAT_QUANTIZERS}); without one nothing is fake-quantized")
+            raise ConfigError(
+                f"config key 'fake_quant_after_n_steps' = {after} needs config key 'quantizer' (a QAT "
+                f"quantizer: {_QAT_QUANTIZERS}); without one nothing is fake-quantized"
+            )
         return method
     with building("quantizer"):
         quantizer = config.instantiate(node)
     mode = get_quantizer_mode(quantizer)
     if not hasattr(quantizer, "get_weight_fake_quantize_config") or (mode is not None and "qat" not in mode):
-        raise ConfigError(f"config key 'quantizer' = {node.get('_component_')!r} is not a QAT quantizer; "
-                          f"use {_QAT_QUANTIZERS}")
+        raise ConfigError(
+            f"config key 'quantizer' = {node.get('_component_')!r} is not a QAT quantizer; use {_QAT_QUANTIZERS}"
+        )
     from torchtune import training
 
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))  # the trainer checks the device
     return QuantizationAware(method, quantizer, dtype, after)
 
 
-def step_hooks(method: FinetuneMethod, hooks: Optional[TrainerHooks] = None) -> TrainerHooks:
+def step_hooks(method: FinetuneMethod, hooks: TrainerHooks | None = None) -> TrainerHooks:
     """The hooks a recipe gives its trainer: ``hooks`` (default: those installed for the process), with the
     switching of fake quantization (:class:`FakeQuantSteps`) when ``method`` is quantization-aware."""
     hooks = hooks or installed()
     return FakeQuantSteps(method, hooks) if isinstance(method, QuantizationAware) else hooks
 
 
-def fake_quant_steps(cfg: DictConfig) -> Optional[int]:
+def fake_quant_steps(cfg: DictConfig) -> int | None:
     """``fake_quant_after_n_steps``: None (on from the start) or a whole number of optimizer steps >= 0."""
     value = cfg.get("fake_quant_after_n_steps", None)
     if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-        raise ConfigError(f"config key 'fake_quant_after_n_steps' = {value!r}: a whole number of optimizer steps "
-                          ">= 0, or null (fake quantization on from the first step)")
+        raise ConfigError(
+            f"config key 'fake_quant_after_n_steps' = {value!r}: a whole number of optimizer steps "
+            ">= 0, or null (fake quantization on from the first step)"
+        )
     return value

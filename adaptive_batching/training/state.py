@@ -9,9 +9,10 @@ it travels inside the checkpoint folder with the weights (see :mod:`~adaptive_ba
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional
+from typing import Any
 
 import torch
 from torch.distributed.checkpoint.stateful import Stateful
@@ -34,11 +35,14 @@ class Progress:
     epochs_run: int = 0
     step_in_epoch: int = 0
     global_step: int = 0
-    saved_step: Optional[int] = None
+    saved_step: int | None = None
 
     def where(self) -> str:
-        return (f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}" if self.step_in_epoch
-                else f"the end of epoch {self.epochs_run}")
+        return (
+            f"step {self.step_in_epoch} of epoch {self.epochs_run + 1}"
+            if self.step_in_epoch
+            else f"the end of epoch {self.epochs_run}"
+        )
 
     def state_dict(self) -> dict[str, Any]:
         return {"global_step": self.global_step, "epoch": self.epochs_run, "step_in_epoch": self.step_in_epoch}
@@ -77,7 +81,8 @@ def read_state(saved: Mapping[str, Any]) -> dict[str, Any]:
         raise ConfigError(
             f"the checkpoint to resume holds adaptive state format version {version}, and this adaptive-batching "
             f"reads version {STATE_VERSION} only: start a fresh output_dir, or resume it with the adaptive-batching "
-            "version that wrote it")
+            "version that wrote it"
+        )
     return dict(saved)
 
 
@@ -93,23 +98,42 @@ def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool)
         raise ConfigError(
             f"the checkpoint was saved inside epoch {checkpoint.get(training.EPOCHS_KEY, 0) + 1} on {saved_ranks} "
             f"rank(s); resume it on {saved_ranks} rank(s) (tune run --nproc_per_node {saved_ranks} ...), or give a run "
-            "that must change ranks an elastic global batch (adaptive_batching.elastic)")
-    logs.info(f"Resuming on {ranks} rank(s) instead of {saved_ranks}: the global batch follows the ranks (batch_size x "
-              "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks")
+            "that must change ranks an elastic global batch (adaptive_batching.elastic)"
+        )
+    logs.info(
+        f"Resuming on {ranks} rank(s) instead of {saved_ranks}: the global batch follows the ranks (batch_size x "
+        "gradient_accumulation_steps x ranks); adaptive_batching.elastic keeps it across a change of ranks"
+    )
 
 
 class Checkpoints:
     """Saves the weights with everything an exact resume needs, and restores a run from them."""
 
-    def __init__(self, checkpointer: Any, method: FinetuneMethod, parallel: ParallelInfo, device: torch.device, *,
-                 total_epochs: int, max_steps_per_epoch: Optional[int]) -> None:
+    def __init__(
+        self,
+        checkpointer: Any,
+        method: FinetuneMethod,
+        parallel: ParallelInfo,
+        device: torch.device,
+        *,
+        total_epochs: int,
+        max_steps_per_epoch: int | None,
+    ) -> None:
         self.checkpointer = checkpointer
         self.method = method
         self.parallel, self.device = parallel, device
         self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
 
-    def restore(self, checkpoint: dict[str, Any], *, seed: int, parts: Mapping[str, Stateful],
-                model: torch.nn.Module, optimizer: torch.optim.Optimizer, output_dir: Path) -> int:
+    def restore(
+        self,
+        checkpoint: dict[str, Any],
+        *,
+        seed: int,
+        parts: Mapping[str, Stateful],
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        output_dir: Path,
+    ) -> int:
         """Put each of ``parts`` (its key in the adaptive state: the part; among them ``progress`` and ``feed``),
         the OOM cut a rank recorded before a restart and the optimizer where the saved run stood (the end of an
         epoch, or a step inside one); return the run's seed."""
@@ -126,15 +150,25 @@ class Checkpoints:
         recorded = restart.recorded_cut(output_dir)
         if recorded is not None and feed.adopt_cut(recorded["recovery"]):
             capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
-            logs.info(f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
-                      f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}")
+            logs.info(
+                f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
+                f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}"
+            )
         load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
         cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
         logs.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
         return seed
 
-    def save(self, epoch: int, *, model: torch.nn.Module, optimizer: torch.optim.Optimizer, seed: int,
-             progress: Progress, adaptive_state: Callable[[], dict[str, Any]]) -> None:
+    def save(
+        self,
+        epoch: int,
+        *,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        seed: int,
+        progress: Progress,
+        adaptive_state: Callable[[], dict[str, Any]],
+    ) -> None:
         """Write the weights and the full recipe state, at the end of an epoch or inside one.
 
         Both go to ``epoch_{epoch}``, swapped in whole (see checkpoints): a kill at any moment leaves
@@ -145,20 +179,38 @@ class Checkpoints:
         optimizer_state = full_optimizer_state_dict(model, optimizer, self.parallel, self.device)
         if self.parallel.is_rank_zero:
             state = self.method.checkpoint_entries(weights)
-            state.update(checkpointing.recipe_state(
-                seed=seed, epochs_run=progress.epochs_run, total_epochs=self.total_epochs,
-                max_steps_per_epoch=self.max_steps_per_epoch, optimizer_state=optimizer_state,
-                adaptive_state=adaptive_state(),
-            ))
-            folder = checkpointing.save_checkpoint_atomically(
-                self.checkpointer, state, epoch=epoch, adapter_only=self.method.adapter_only,
-                record={"global_step": progress.global_step, "epoch": epoch,
-                        "step_in_epoch": progress.step_in_epoch, "epochs_run": progress.epochs_run,
-                        "total_epochs": self.total_epochs, "job_id": restart.job_id()},
+            state.update(
+                checkpointing.recipe_state(
+                    seed=seed,
+                    epochs_run=progress.epochs_run,
+                    total_epochs=self.total_epochs,
+                    max_steps_per_epoch=self.max_steps_per_epoch,
+                    optimizer_state=optimizer_state,
+                    adaptive_state=adaptive_state(),
+                )
             )
-            what = f"step {progress.step_in_epoch} of epoch {epoch + 1}" if progress.step_in_epoch \
+            folder = checkpointing.save_checkpoint_atomically(
+                self.checkpointer,
+                state,
+                epoch=epoch,
+                adapter_only=self.method.adapter_only,
+                record={
+                    "global_step": progress.global_step,
+                    "epoch": epoch,
+                    "step_in_epoch": progress.step_in_epoch,
+                    "epochs_run": progress.epochs_run,
+                    "total_epochs": self.total_epochs,
+                    "job_id": restart.job_id(),
+                },
+            )
+            what = (
+                f"step {progress.step_in_epoch} of epoch {epoch + 1}"
+                if progress.step_in_epoch
                 else f"epoch {epoch + 1}"
-            logs.info(f"Saved the checkpoint of {what} (optimizer step {progress.global_step}) to {folder} "
-                      f"in {time.perf_counter() - start:.1f} s")
+            )
+            logs.info(
+                f"Saved the checkpoint of {what} (optimizer step {progress.global_step}) to {folder} "
+                f"in {time.perf_counter() - start:.1f} s"
+            )
         barrier(self.parallel)
         progress.saved_step = progress.global_step

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import contextlib
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Optional
+from typing import Any
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -31,7 +32,7 @@ from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.optimizers import Gradients, gradients_for
 
 
-def _host_norm(norm: Optional[torch.Tensor]) -> Optional[float]:
+def _host_norm(norm: torch.Tensor | None) -> float | None:
     return None if norm is None else float(norm)
 
 
@@ -42,14 +43,22 @@ class StepStats:
     loss: float
     tokens: int
     seconds: float
-    grad_norm: Optional[float] = None
+    grad_norm: float | None = None
     samples: int = 0
-    noise_scale: Optional[float] = None  # the smoothed gradient noise scale after this step, in samples
+    noise_scale: float | None = None  # the smoothed gradient noise scale after this step, in samples
     padded_tokens: int = 0  # token positions the step's forwards ran on, padding included (this rank)
 
 
-def step_metrics(stats: StepStats, *, lr: float, accumulation: int, ranks: int, device: torch.device,
-                 batching: dict[str, float], peak_memory_stats: bool = False) -> dict[str, float]:
+def step_metrics(
+    stats: StepStats,
+    *,
+    lr: float,
+    accumulation: int,
+    ranks: int,
+    device: torch.device,
+    batching: dict[str, float],
+    peak_memory_stats: bool = False,
+) -> dict[str, float]:
     """One optimizer step's metrics as logged: what ran (micro batch and accumulation after any cut);
     ``peak_memory_stats`` (``log_peak_memory_stats``) adds torchtune's CUDA memory statistics, as its recipes do."""
     metrics: dict[str, float] = {
@@ -83,15 +92,15 @@ class StepRunner:
     guard: StepGuard
     parallel: ParallelInfo
     device: torch.device
-    clip_grad_norm: Optional[float]
+    clip_grad_norm: float | None
     oom_recovery: bool
-    where: Callable[[], tuple[int, Optional[int], str]]  # (next optimizer step, last saved step, output dir)
+    where: Callable[[], tuple[int, int | None, str]]  # (next optimizer step, last saved step, output dir)
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
     objective: TrainingObjective = field(default_factory=SupervisedFinetune)  # a micro batch's forward and loss
     hooks: TrainerHooks = field(default_factory=TrainerHooks)  # before each forward, with each loss
     gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
-    last_loss: Optional[torch.Tensor] = field(default=None, init=False, repr=False)
+    last_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.gradients = gradients_for(self.optimizer, self.guard, self.parallel)
@@ -102,7 +111,7 @@ class StepRunner:
         models the objective keeps resident (full DPO's reference)."""
         return (self.model, self.optimizer, *self.objective.resident)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> Optional[StepStats]:
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepStats | None:
         """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
 
         Returns None, with nothing changed, when the forward or backward ran out of memory on any rank
@@ -149,9 +158,14 @@ class StepRunner:
         if noise:
             self._update_noise(noise[0])
         n_tokens = int(tokens.item())
-        return StepStats(loss=loss_sum.item() / max(n_tokens, 1), tokens=n_tokens,
-                         seconds=time.perf_counter() - start, grad_norm=_host_norm(norm), noise_scale=self.noise.value,
-                         padded_tokens=padded)
+        return StepStats(
+            loss=loss_sum.item() / max(n_tokens, 1),
+            tokens=n_tokens,
+            seconds=time.perf_counter() - start,
+            grad_norm=_host_norm(norm),
+            noise_scale=self.noise.value,
+            padded_tokens=padded,
+        )
 
     def _noise_sample(self, first: list[torch.Tensor], big: torch.Tensor, samples: list[float]) -> torch.Tensor:
         """One step's measurement for the noise scale, summed over ranks in one all-reduce and left on the device:
@@ -160,8 +174,9 @@ class StepRunner:
         small, first_tokens = first
         # The sizes go to the device without waiting (``torch.tensor(x, device=cuda)`` would wait for the stream).
         sizes = torch.tensor([samples[0], sum(samples)], dtype=torch.float32).to(small.device, non_blocking=True)
-        packed = torch.cat([torch.stack([small.float(), big.float(), first_tokens.to(small.device, torch.float32)]),
-                            sizes])
+        packed = torch.cat(
+            [torch.stack([small.float(), big.float(), first_tokens.to(small.device, torch.float32)]), sizes]
+        )
         all_reduce_sum(packed, self.parallel)
         return packed
 
@@ -172,8 +187,9 @@ class StepRunner:
             # The first micro batch's gradient is a sum over its tokens, averaged over ranks by FSDP.
             self.noise.update(small_sq * (self.parallel.world_size / first_total) ** 2, small_size, big_sq, big_size)
 
-    def trial_step(self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable,
-                   vocab_size: int, packed: bool) -> StepMemory:
+    def trial_step(
+        self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable, vocab_size: int, packed: bool
+    ) -> StepMemory:
         """One full training step on a worst-case batch, measured; the LR schedule does not move.
 
         An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
@@ -189,21 +205,30 @@ class StepRunner:
                     if param.requires_grad:
                         param.grad = torch.zeros_like(param)
             with memory.PeakMeter(self.device, *meters) as forward_backward:
-                batch = self.objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len,
-                                                        vocab_size=vocab_size, packed=packed)
+                batch = self.objective.worst_case_batch(
+                    collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=packed
+                )
                 _, tokens = self.forward_backward(batch)
                 del batch
             with memory.PeakMeter(self.device, *meters) as optimizer_step:
                 self.apply_gradients(tokens)
-            measured.append(StepMemory(
-                activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
-                forward_backward_peak=forward_backward.peak_bytes,
-                optimizer_peak=optimizer_step.peak_bytes,
-                steady_bytes=memory.current_bytes(self.device, *meters),
-                reserved_peak=max((m.reserved_peak_bytes for m in (forward_backward, optimizer_step)
-                                   if m.reserved_peak_bytes is not None), default=None),
-                alloc_retries=forward_backward.alloc_retries + optimizer_step.alloc_retries,
-            ))
+            measured.append(
+                StepMemory(
+                    activation_bytes=forward_backward.peak_bytes - forward_backward.start_bytes,
+                    forward_backward_peak=forward_backward.peak_bytes,
+                    optimizer_peak=optimizer_step.peak_bytes,
+                    steady_bytes=memory.current_bytes(self.device, *meters),
+                    reserved_peak=max(
+                        (
+                            m.reserved_peak_bytes
+                            for m in (forward_backward, optimizer_step)
+                            if m.reserved_peak_bytes is not None
+                        ),
+                        default=None,
+                    ),
+                    alloc_retries=forward_backward.alloc_retries + optimizer_step.alloc_retries,
+                )
+            )
 
         try:
             if self.guard.run(step) != OK:
@@ -230,8 +255,9 @@ class StepRunner:
         self.last_loss = loss
         return loss.detach(), tokens
 
-    def apply_gradients(self, tokens: torch.Tensor,
-                        measure: Optional[Callable[[torch.Tensor], None]] = None) -> Optional[torch.Tensor]:
+    def apply_gradients(
+        self, tokens: torch.Tensor, measure: Callable[[torch.Tensor], None] | None = None
+    ) -> torch.Tensor | None:
         """Normalise the summed gradients by the step's tokens on all ranks, clip, step; return the norm before
         clipping (None without ``clip_grad_norm``), a tensor not read here, so nothing waits for the device
         before the optimizer step (as torchtune's recipes, which read it when they log).
@@ -260,12 +286,18 @@ class StepRunner:
             self.optimizer.step()
             return
         except Exception as error:  # noqa: BLE001 - only a clean OOM is retried
-            if counts is None or not is_out_of_memory(error) or not optimizer_step_counts(self.optimizer).same_as(counts):
+            if (
+                counts is None
+                or not is_out_of_memory(error)
+                or not optimizer_step_counts(self.optimizer).same_as(counts)
+            ):
                 raise
         memory.release_memory(self.device)
         step, saved, output_dir = self.where()
-        logs.info(f"Out of memory in the optimizer step of optimizer step {step}: "
-                  "memory released, the optimizer step retried with the same gradients")
+        logs.info(
+            f"Out of memory in the optimizer step of optimizer step {step}: "
+            "memory released, the optimizer step retried with the same gradients"
+        )
         try:
             self.optimizer.step()
         except Exception as error:  # noqa: BLE001
