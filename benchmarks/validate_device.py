@@ -183,8 +183,8 @@ def _instrument(record: dict[str, Any], spec: dict[str, Any]) -> None:
 
     import torch
 
+    from adaptive_batching.profiling import profiler as profiling_run
     from adaptive_batching.profiling import report as profile_report
-    from adaptive_batching.profiling import run as profiling_run
     from adaptive_batching.runtime import memory
     from adaptive_batching.training import hooks
 

@@ -222,7 +222,7 @@ def signal_in(fault: dict, trainer: Callable[[], Any], once_file: str) -> Callab
     counts and the compile step are met in the library's functions; for the profile's first trial step, the
     returned callable sends it (the hooks call it before each trial step; it sends once)."""
     import adaptive_batching.batching.worst_case as worst_case
-    import adaptive_batching.profiling.run as profiling_run
+    import adaptive_batching.profiling.profiler as profiling_run
     from adaptive_batching.faults.preemption import run_pending_handlers
 
     number, to, phase = getattr(signal, fault["signal"]), fault.get("to", "self"), fault["signal_in"]

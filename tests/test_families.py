@@ -14,7 +14,7 @@ from torchtune.data import Message
 
 from adaptive_batching.assets.families import FAMILIES, build_family_model, write_family_assets
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.profiling.profiler import preserved_training_state
+from adaptive_batching.profiling.max_micro_batch import preserved_training_state
 
 NAMES = list(FAMILIES)
 TEXT = "Describe a quiet river in the morning, then list three colours."

@@ -6,7 +6,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from adaptive_batching.growth.functions import geometric, linear_ramp, step_increase
-from adaptive_batching.growth.schedule import load_increase_function
+from adaptive_batching.growth.planning import load_increase_function
 
 
 def increments(f, epochs: range, current: int = 16) -> list[int]:

@@ -11,7 +11,7 @@ from adaptive_batching.batching.shape import BatchShape, EpochBatch
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.interval import GrowthInterval, parse_growth_interval
-from adaptive_batching.growth.schedule import grow_entry, plan_batches
+from adaptive_batching.growth.planning import grow_entry, plan_batches
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,7 @@ import pytest
 
 from adaptive_batching.batching.lr_scaling import lr_factor
 from adaptive_batching.growth.functions import linear_ramp
-from adaptive_batching.growth.schedule import load_increase_function, plan_batches
+from adaptive_batching.growth.planning import load_increase_function, plan_batches
 from adaptive_batching.growth.statistics import (
     accepts_stats,
     call_increase,

@@ -18,7 +18,7 @@ from adaptive_batching.config.settings import validate_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.growth.plan import starting_batch
-from adaptive_batching.profiling.profiler import preserved_training_state
+from adaptive_batching.profiling.max_micro_batch import preserved_training_state
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.optimizers import AfterBackward, InBackward, InBackwardOptimizer, gradients_for
 

@@ -6,7 +6,7 @@ import pytest
 
 from adaptive_batching.batching.checks import ALLOW_KEY, check_plan_against_data, lr_factor_warnings
 from adaptive_batching.config.settings import ConfigError
-from adaptive_batching.growth.schedule import plan_batches
+from adaptive_batching.growth.planning import plan_batches
 
 
 def plan(start: int, accumulation: int, ranks: int = 1, epochs: int = 1):  # type: ignore[no-untyped-def]

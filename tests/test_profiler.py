@@ -15,7 +15,7 @@ from adaptive_batching.config.settings import KNOBS
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import ProfileError
 from adaptive_batching.profiling.budget import Budget
-from adaptive_batching.profiling.profiler import find_max_micro_batch, preserved_training_state
+from adaptive_batching.profiling.max_micro_batch import find_max_micro_batch, preserved_training_state
 
 MIB = 2**20
 OOM = "DefaultCPUAllocator: can't allocate memory: you tried to allocate 123 bytes."
@@ -256,7 +256,7 @@ def test_profiling_leaves_no_trace_bitwise() -> None:
 def test_the_weight_copies_are_held_in_host_memory(monkeypatch: pytest.MonkeyPatch) -> None:
     """The copies the profiler restores from never sit on the model's device (where they would be part
     of every trial's measured peak): one host tensor per trainable weight, sharing no storage."""
-    import adaptive_batching.profiling.profiler as profiler
+    import adaptive_batching.profiling.max_micro_batch as profiler
 
     model = llama3(**TINY_MODEL_ARGS)
     model.tok_embeddings.weight.requires_grad_(False)

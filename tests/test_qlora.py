@@ -20,7 +20,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 from adaptive_batching.assets.models import TINY_QLORA_ARGS, write_model_assets
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.estimate.fake_steps import build_fake
-from adaptive_batching.profiling.profiler import preserved_training_state
+from adaptive_batching.profiling.max_micro_batch import preserved_training_state
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import current_bytes, live_tensor_bytes
 from adaptive_batching.training.methods import method_for

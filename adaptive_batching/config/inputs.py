@@ -2,7 +2,7 @@
 run reads from disk, checked before any model is built (:func:`check_inputs`).
 
 A part never receives the config (docs/contributing.md): the profiler gets a
-:class:`~adaptive_batching.profiling.run.ProfiledSetup`, the batching a
+:class:`~adaptive_batching.profiling.profiler.ProfiledSetup`, the batching a
 :class:`~adaptive_batching.batching.worst_case.LengthSource`, both built from the config by the functions below.
 """
 
@@ -22,7 +22,7 @@ from adaptive_batching.batching.worst_case import LengthSource, WorstCase, measu
 from adaptive_batching.core.nodes import one_line, optional_component, packed, plain
 from adaptive_batching.core.paths import cache_dir
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.profiling.run import ProfiledSetup
+from adaptive_batching.profiling.profiler import ProfiledSetup
 
 # Optimizer arguments that change the numbers, not the state tensors kept per parameter.
 _OPTIMIZER_SCALARS = ("lr", "weight_decay", "betas", "eps")

@@ -31,7 +31,7 @@ from adaptive_batching.faults import preemption
 from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.interval import KEY as GROWTH_KEY
 from adaptive_batching.growth.interval import GrowthInterval, growth_interval_error, parse_growth_interval
-from adaptive_batching.growth.schedule import GROW_PAST_MEMORY, load_increase_function, plan_batches
+from adaptive_batching.growth.planning import GROW_PAST_MEMORY, load_increase_function, plan_batches
 from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.profiling.budget import fraction_error
 from adaptive_batching.profiling.search import round_to_error

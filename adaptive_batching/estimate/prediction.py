@@ -41,8 +41,8 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
+from adaptive_batching.profiling.max_micro_batch import fit_probes, probe_until_slope
 from adaptive_batching.profiling.memory_fit import LinearFit, max_micro_batch_under
-from adaptive_batching.profiling.profiler import fit_probes, probe_until_slope
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
 
 EXTRAPOLATED = "layer extrapolation"

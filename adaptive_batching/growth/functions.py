@@ -13,7 +13,7 @@ Each function here takes its settings as keyword-only arguments, so a YAML node 
       every: 2
 
 Bad settings raise ValueError naming the argument; as the function is only called per epoch,
-``adaptive_batching.growth.schedule.plan_batches`` calls it for every epoch before training starts.
+``adaptive_batching.growth.planning.plan_batches`` calls it for every epoch before training starts.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from adaptive_batching.batching.shape import EpochBatch
 from adaptive_batching.core import logs
 from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator
 from adaptive_batching.growth.plan import BatchPlan
-from adaptive_batching.growth.schedule import epoch_switch_reason
+from adaptive_batching.growth.planning import epoch_switch_reason
 from adaptive_batching.growth.statistics import TrainingStatistics
 
 

@@ -1,7 +1,7 @@
 """The batch over the whole run: the plan made before training, and its growth while training.
 
 One state machine for growth. The plan fixes every epoch's batch from the growth function and the memory
-cap (:func:`~adaptive_batching.growth.schedule.plan_batches`). While training it changes in two ways only:
+cap (:func:`~adaptive_batching.growth.planning.plan_batches`). While training it changes in two ways only:
 
 * at an epoch start, a growth function that reads training statistics decides that epoch's increment
   from what the run measured, and the epochs from there are planned again;
@@ -21,7 +21,7 @@ from adaptive_batching.batching.elastic import ElasticSpec, shape_at
 from adaptive_batching.batching.shape import BatchShape, EpochBatch, shape_keeping_global_batch
 from adaptive_batching.core import logs
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.growth.schedule import (
+from adaptive_batching.growth.planning import (
     checked_increment,
     describe_plan,
     epoch_switch_reason,

@@ -73,7 +73,7 @@ def accepts_stats(fn: Callable[..., Any]) -> bool:
     True when its signature has a parameter named ``stats`` that is keyword-passable; a bare
     ``**kwargs`` does not count (a user's function that forwards its keywords did not ask for
     statistics). ``functools.partial`` objects, nested or not, and the partials that
-    :func:`adaptive_batching.growth.schedule.load_increase_function` builds from a YAML node are seen
+    :func:`adaptive_batching.growth.planning.load_increase_function` builds from a YAML node are seen
     through by :func:`inspect.signature`, as are callable objects. A callable without a readable
     signature (some builtins) gives False.
     """
@@ -88,7 +88,7 @@ def accepts_stats(fn: Callable[..., Any]) -> bool:
 def call_increase(fn: Callable[..., Any], epoch: int, current: int, stats: Mapping[str, Any] | None) -> Any:
     """``fn(epoch, current, stats=stats)`` if ``fn`` accepts ``stats``, else ``fn(epoch, current)``.
 
-    The result is returned unchecked; :mod:`adaptive_batching.growth.schedule` checks increments.
+    The result is returned unchecked; :mod:`adaptive_batching.growth.planning` checks increments.
     """
     if accepts_stats(fn):
         return fn(epoch, current, stats=stats)

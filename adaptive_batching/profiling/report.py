@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from adaptive_batching.profiling.profiler import ProfileResult
+from adaptive_batching.profiling.max_micro_batch import ProfileResult
 from adaptive_batching.runtime.files import write_atomically
 
 GIB = 2**30

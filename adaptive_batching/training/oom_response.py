@@ -19,7 +19,7 @@ from adaptive_batching.errors import OutOfMemoryStop, UnguardedOutOfMemory
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.oom import is_out_of_memory
-from adaptive_batching.profiling.run import StartupProfiler
+from adaptive_batching.profiling.profiler import StartupProfiler
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.feed import Feed

@@ -37,8 +37,8 @@ from adaptive_batching.faults.guard import StepGuard
 from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.faults.recovery import OomRecovery
 from adaptive_batching.growth.plan import BatchPlan, reference_batch, starting_batch
-from adaptive_batching.profiling.profiler import ProfileResult, preserved_training_state
-from adaptive_batching.profiling.run import ProfilerContext, StartupProfiler
+from adaptive_batching.profiling.max_micro_batch import ProfileResult, preserved_training_state
+from adaptive_batching.profiling.profiler import ProfilerContext, StartupProfiler
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import init_parallel, shutdown
 from adaptive_batching.training.feed import Feed
