@@ -25,7 +25,7 @@ from pathlib import Path
 from common import ROOT, command_line, commit, machine, report, tiny_assets, unclean_exit, write_json
 
 HERE = Path(__file__).resolve()
-FAULTY_RUN = HERE.parent.parent / "tests" / "faulty_run.py"  # the recipe with a fault injected, run as a script
+FAULTY_RUN = HERE.parent / "faulty_run.py"  # the recipe with a fault injected, run as a script
 RESULTS = ROOT / "benchmarks" / "results"
 
 KINDS = ("kill9", "agent_sigterm", "worker_sigusr1", "oom", "kill_in_save")
@@ -108,7 +108,7 @@ class Fault:
     save_every: int = 5
 
     def spec(self) -> dict:
-        """The fault as tests/faulty_run.py reads it."""
+        """The fault as benchmarks/faulty_run.py reads it."""
         return {
             "kill9": {"kill_after": self.step, "rank": self.rank},
             "agent_sigterm": {"signal": "SIGTERM", "signal_at": self.step, "to": "parent", "rank": 0},

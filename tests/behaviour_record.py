@@ -26,7 +26,7 @@ from safetensors.torch import load_file
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from recipe_runs import read_metrics, run_command  # noqa: E402
+from recipe_runs import FAULTY_RUN, read_metrics, run_command  # noqa: E402
 
 FIXED = ["use_maximum_batch_size=False", "lr_scheduler.num_warmup_steps=2"]
 SAMPLES = 40
@@ -50,7 +50,7 @@ def faulty(
     )
     argv = [
         *how[1],
-        str(HERE / "faulty_run.py"),
+        str(FAULTY_RUN),
         json.dumps(fault),
         str(out / f"{name}-"),
         recipe,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,9 +22,6 @@ from adaptive_batching.core import logs
 # process is told directly, the processes it starts by the environment.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "0")
 inductor_config.cpp.vec_isa_ok = os.environ["TORCHINDUCTOR_VEC_ISA_OK"] == "1"
-
-# The benchmark scripts some tests load import their sibling ``common.py`` (as ``python benchmarks/<script>.py`` finds it).
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 
 @pytest.fixture(scope="module")

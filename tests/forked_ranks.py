@@ -52,8 +52,8 @@ def run_forked_ranks(
 
 def fork_ranks(module: str, function: str, ranks: int, args: list[Any], path: list[str]) -> None:
     """In this process (which has run no autograd): fork ``ranks`` processes running ``module.function(rank, *args)``
-    and wait for them; a rank's exception is raised here. ``path``: the test process's ``sys.path`` (conftest.py
-    adds to it), searched after this one."""
+    and wait for them; a rank's exception is raised here. ``path``: the test process's ``sys.path`` (pytest's
+    pythonpath adds to it), searched after this one."""
     import torch.multiprocessing as mp
 
     sys.path.extend(entry for entry in path if entry not in sys.path)

@@ -2,7 +2,7 @@
 that recipe with its gradient normalised as the fine-tuning recipes normalise it (``stock_fixed``).
 
     python tests/kd_parity_run.py RECIPE --config CONFIG KEY=VALUE...
-    python tests/faulty_run.py FAULT_JSON PREFIX kd_parity_run --config CONFIG KEY=VALUE...  (ours, its faults)
+    python benchmarks/faulty_run.py FAULT_JSON PREFIX kd_parity_run --config CONFIG KEY=VALUE...  (ours, its faults)
 
 As tests/dpo_parity_run.py (whose LoRA A generator and exact logger it uses). torchtune 0.6.1's KD recipes
 backpropagate each micro batch's *mean* loss and then divide the step's gradients by its tokens again (counted
@@ -68,7 +68,7 @@ def same_adapters() -> None:
 
 def recipe_main() -> Any:
     """``adaptive_knowledge_distillation`` with the LoRA A matrices of :func:`same_adapters`, for the harnesses
-    that import a recipe module and call its ``recipe_main`` (tests/faulty_run.py, crashing_run.py)."""
+    that import a recipe module and call its ``recipe_main`` (benchmarks/faulty_run.py, crashing_run.py)."""
     same_adapters()
     import adaptive_knowledge_distillation
 

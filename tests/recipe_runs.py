@@ -21,6 +21,8 @@ from pathlib import Path
 from typing import IO
 
 HERE = Path(__file__).parent
+# The fault harness the fault tests and benchmarks/chaos.py run as a script (a recipe with faults injected).
+FAULTY_RUN = HERE.parent / "benchmarks" / "faulty_run.py"
 TUNE = str(Path(sys.executable).with_name("tune"))
 CLI = str(Path(sys.executable).with_name("adaptive-batching"))
 _COMMANDS = {"tune": [TUNE], "cli": [CLI], "module": [sys.executable, "-m"], "script": [sys.executable]}

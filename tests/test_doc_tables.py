@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from common import report  # the benchmarks folder is on sys.path (conftest.py)
+from common import report  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
 PAGE = "# Page\n\nabove\n\n<!-- table: speed -->\nold figures\n<!-- /table: speed -->\n\nbelow\n"
 

@@ -628,7 +628,7 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "tune run adaptive_lora_finetune --config tiny_qat_lora": (
         "tests/test_qat.py::chain",
         f"with {TINY}, 40 samples, a 256 MiB budget, through "
-        "tests/faulty_run.py (growth, an injected OOM, SIGTERM and a resume)",
+        "benchmarks/faulty_run.py (growth, an injected OOM, SIGTERM and a resume)",
     ),
     "tune run adaptive_lora_finetune --config llama3_2/1B_qat_lora use_maximum_batch_size=True": (
         "tests/test_qat.py::test_the_stock_qat_configs_validate_by_name_for_our_recipe_with_their_quantizer",

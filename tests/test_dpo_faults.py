@@ -1,6 +1,6 @@
 """What the fine-tuning recipes promise, for ``adaptive_lora_dpo`` (issue 37.3), on the tiny preference pairs.
 
-Four recipe runs, shared by the tests (tests/faulty_run.py injects the faults and records the pairs of each step):
+Four recipe runs, shared by the tests (benchmarks/faulty_run.py injects the faults and records the pairs of each step):
 - one process, the batch growing every 3 steps with an out-of-memory error injected at step 7: uninterrupted
   (``straight``), and the same run stopped by SIGTERM after step 5 then resumed (``chain``);
 - two ranks under torchrun with a token budget, killed inside its second save and restarted by torchrun.

@@ -12,14 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from config_edits import stock_on_tiny
-from recipe_runs import check, losses, run_command, tune_run
+from recipe_runs import FAULTY_RUN, check, losses, run_command, tune_run
 from safetensors.torch import load_file
 
 from adaptive_batching.assets.families import write_family_assets
 
 pytestmark = pytest.mark.e2e
 pytest.importorskip("bitsandbytes")
-HERE = Path(__file__).parent
 
 # stock config -> (our tiny config of the same family, the family's tiny assets or None for the tiny Llama)
 STOCK = {
@@ -111,7 +110,7 @@ def faulty(tmp: Path, name: str, fault: str, assets: Path, *overrides: str):
     return run_command(
         "script",
         [
-            str(HERE / "faulty_run.py"),
+            str(FAULTY_RUN),
             fault,
             str(tmp / f"{name}-"),
             "adaptive_full_finetune",

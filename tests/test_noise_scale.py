@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from forked_ranks import run_forked_ranks
-from noise_scale_accuracy import (  # benchmarks/ is on sys.path (conftest.py)
+from noise_scale_accuracy import (  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
     MICRO,
     RANKS,
     SIGMA,

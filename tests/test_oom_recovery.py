@@ -1,7 +1,7 @@
 """Recovery from an out-of-memory error in the middle of training (real recipe runs, injected and real OOMs).
 
 Every run trains on the first 40 samples of the tiny dataset, two whole epochs, so "every sample
-once per epoch" is checked on whole epochs. tests/faulty_run.py injects torch's own
+once per epoch" is checked on whole epochs. benchmarks/faulty_run.py injects torch's own
 ``torch.OutOfMemoryError`` (or sets a real address-space limit) and records which samples each
 finished optimizer step trained on.
 """
@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from recipe_runs import read_metrics, run_command, unclean_exit
+from recipe_runs import FAULTY_RUN, read_metrics, run_command, unclean_exit
 from safetensors.torch import load_file
 
 from adaptive_batching.errors import PeerOutOfMemory
@@ -139,8 +139,9 @@ def faulty_run(
     launcher: Sequence[str] = (),
     env: dict[str, str] | None = None,
 ) -> subprocess.CompletedProcess:
-    """tests/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``;
-    ``env``: variables set on top of this process's."""
+    """benchmarks/faulty_run.py under python (or torchrun), output in ``tmp/name``; records in ``tmp/name-rank*.json``;
+    ``env``: variables set on top of this process's. ``recipe`` may be a module of tests/ (kd_parity_run): the
+    harness imports it by name, so tests/ is on its PYTHONPATH."""
     how = (
         ("script", [])
         if nproc is None
@@ -148,7 +149,7 @@ def faulty_run(
     )
     argv = [
         *how[1],
-        str(HERE / "faulty_run.py"),
+        str(FAULTY_RUN),
         json.dumps(fault),
         str(tmp / f"{name}-"),
         recipe,
@@ -159,7 +160,8 @@ def faulty_run(
         *COMMON,
         *overrides,
     ]
-    return run_command(how[0], argv, cwd=tmp, timeout=timeout, env=None if env is None else {**os.environ, **env})
+    path = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    return run_command(how[0], argv, cwd=tmp, timeout=timeout, env={**os.environ, "PYTHONPATH": path, **(env or {})})
 
 
 def ok(result: subprocess.CompletedProcess) -> str:

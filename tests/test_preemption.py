@@ -284,7 +284,7 @@ def documented_slurm_script() -> str:
 
 def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Callable[[], subprocess.CompletedProcess]:
     """The SLURM script of docs/preemption.md as written there, at 2 ranks on CPU with a stub scontrol (its calls in
-    ``tmp_path/scontrol_calls``), torchrun's workers forked from tune, and tests/faulty_run.py's ``fault`` (the
+    ``tmp_path/scontrol_calls``), torchrun's workers forked from tune, and benchmarks/faulty_run.py's ``fault`` (the
     script's pid in SCRIPT_PID); output folder ``tmp_path/run``. Returns a function that runs the job once, as SLURM
     starts it and requeues it."""
     out, calls = tmp_path / "run", tmp_path / "scontrol_calls"
@@ -333,7 +333,7 @@ def slurm_job(tmp_path: Path, assets: Path, fault: dict, *overrides: str) -> Cal
         PATH=f"{bin_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}",
         SLURM_JOB_ID="42",
         OMP_NUM_THREADS="1",
-        PYTHONPATH=str(Path(__file__).parent),
+        PYTHONPATH=os.pathsep.join(str(Path(__file__).parent.parent / folder) for folder in ("tests", "benchmarks")),
     )
 
     def job() -> subprocess.CompletedProcess:

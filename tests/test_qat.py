@@ -5,7 +5,7 @@ Four recipe runs, shared by module fixtures:
   fixed, against the same two steps built by hand (the quantizer's ``prepare`` applied by hand, AdamW); then
   ``tune run quantize`` on its checkpoint;
 - ``chain``: ``tiny_qat_lora`` with ``fake_quant_after_n_steps=4``, the batch growing every 3 steps, an injected
-  out-of-memory error at step 7 (tests/faulty_run.py): uninterrupted, and stopped by SIGTERM after step 3 then
+  out-of-memory error at step 7 (benchmarks/faulty_run.py): uninterrupted, and stopped by SIGTERM after step 3 then
   resumed;
 - a ``tune cp`` copy of the stock ``llama3_2/1B_qat_lora`` pointed at the tiny model, profiled by name.
 """

@@ -25,7 +25,7 @@ FEW_STEPS = ("epochs=1", "max_steps_per_epoch=3", "batch_size=4")  # after COMMO
 PROFILED = ("use_maximum_batch_size=True", "adaptive_batching.memory_budget=64MiB")  # a short profile
 COMPILE_ENV = {"TORCH_COMPILE_BACKEND": "aot_eager"}  # torchtune's compile reads it: traced, not built by inductor
 NO_CHECKPOINT = "nothing to save, and no checkpoint yet: a resume starts from the beginning"
-MOMENTS = {  # where the signal lands: the fault (tests/faulty_run.py) and the overrides
+MOMENTS = {  # where the signal lands: the fault (benchmarks/faulty_run.py) and the overrides
     "token_counts": ({"signal": "SIGUSR1", "signal_in": "token_counts"}, PROFILED),
     "profile": ({"signal": "SIGTERM", "signal_in": "profile"}, PROFILED),
     "compile": ({"signal": "SIGUSR1", "signal_in": "compile"}, (*PROFILED, "compile=True")),

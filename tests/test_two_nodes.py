@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from recipe_runs import check, losses, run_command, unclean_exit
+from recipe_runs import FAULTY_RUN, check, losses, run_command, unclean_exit
 from test_preemption import logged_steps
 
-HERE = Path(__file__).parent
 # 24 MiB: a micro batch of about 7 per node, so the profile's trials and the steps train half the samples they
 # would at 48 MiB.
 RUN = (
@@ -65,7 +64,7 @@ def two_nodes(
         f"127.0.0.1:{free_port()}",
         "--rdzv_id",
         name,
-        str(HERE / "faulty_run.py"),
+        str(FAULTY_RUN),
         json.dumps(fault),
         str(tmp / f"{name}-"),
         "adaptive_full_finetune",

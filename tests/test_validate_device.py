@@ -153,7 +153,7 @@ def test_stock_torchtune_runs_beside_ours(validation: dict) -> None:
     """Stock full_finetune_single_device and lora_dpo_single_device at batch 4 beside our rows at their profiled
     micro batch; the figures are each recipe's logged tokens/s (no speed is asserted). Stock with compile=True, which
     the GPU run adds, is left out here (--no-stock-compile: about 13 s of CPU with aot_eager); ours compiled is in."""
-    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+    import validate_device  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
     stock = validation["stock"]
     assert set(stock) == {"finetune", "dpo"}
@@ -204,7 +204,7 @@ def test_the_table_has_a_row_per_setting(validation: dict, runs: Path) -> None:
     ):
         assert line in table
     assert "NO" not in table.split("|") and "FAILED" not in table
-    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+    import validate_device  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
     assert set(validation["phases"]) == set(validate_device.PHASES)
 
@@ -225,7 +225,7 @@ def test_bad_options_are_named(runs: Path) -> None:
 def test_every_settings_overrides_pass_the_config_check(model: str, tmp_path: Path) -> None:
     """Each setting's config with the script's overrides passes validation before a model loads. The GPU run
     (llama3_2_1b) is only seen on a GPU: its LoRA config's ``growth_interval`` once stopped both LoRA rows there."""
-    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+    import validate_device  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
@@ -298,7 +298,7 @@ def test_gpu_check_skips_each_phase_it_has_no_time_for(tmp_path: Path, part: str
 def test_lanes_merge_into_one_table() -> None:
     """gpu_check.sh's lanes each write a results file; --merge joins them: every row and check, each row with the
     fields any lane gave it (the estimate lane adds its estimate to the main lane's row), the first lane's header."""
-    import validate_device  # benchmarks/ is on sys.path (conftest.py)
+    import validate_device  # benchmarks/ is on pytest's pythonpath (pyproject.toml)
 
     main = {
         "device": {"name": "gpu"},
