@@ -1,6 +1,7 @@
 #!/usr/bin/env python
-"""Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation) against torchtune's stock single-device one: optimizer
-steps per second, per-step losses, and the epoch switch's cost. What it runs and how to read it: docs/benchmarks.md."""
+"""Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation) against torchtune's
+stock single-device one: optimizer steps per second, per-step losses, and the epoch switch's cost. What it runs and how
+to read it: docs/benchmarks.md."""
 
 from __future__ import annotations
 
@@ -210,7 +211,7 @@ def throughput_runs(args: argparse.Namespace) -> dict[str, Any]:
     for i in range(args.repeats):
         if args.together:
             with ThreadPoolExecutor(max_workers=2) as pool:
-                pair = dict(zip(("stock", "ours"), pool.map(lambda name: one(i, name), ("stock", "ours"))))
+                pair = dict(zip(("stock", "ours"), pool.map(lambda name, i=i: one(i, name), ("stock", "ours"))))
         else:
             # alternate, each first in every other repeat, so that noise hits both alike
             pair = {name: one(i, name) for name in (("stock", "ours") if i % 2 == 0 else ("ours", "stock"))}
@@ -375,8 +376,9 @@ def print_switch(switch: dict[str, Any] | None) -> None:
         print(f"epoch switch: n/a ({why})")
     if switch["boundary_gap_ms"] and switch["ordinary_step_ms"] is not None:
         print(
-            f"  (the recipe times the new dataloader and LR; the whole gap between the last step of an epoch and "
-            f"the first of the next, with the checkpoint save, is median {statistics.median(switch['boundary_gap_ms']):.0f} ms "
+            "  (the recipe times the new dataloader and LR; the whole gap between the last step of an epoch and "
+            "the first of the next, with the checkpoint save, is median "
+            f"{statistics.median(switch['boundary_gap_ms']):.0f} ms "
             f"against {switch['ordinary_step_ms']:.0f} ms for the step after it)"
         )
 

@@ -29,9 +29,10 @@ HERE = Path(__file__).resolve().parent
 def run_forked_ranks(
     worker: Callable[..., None], args: tuple[Any, ...], ranks: int, *, seconds: float, what: str
 ) -> None:
-    """``worker(rank, *args)`` on ``ranks`` processes (``worker``: a module-level function of a file in tests/; ``args``:
-    JSON values). Forked from a child of the fork server, which has torch imported (a spawn re-imports it, about 10 s
-    on a busy machine). Past ``seconds`` the ranks are killed and the test fails; so it does if a rank raises."""
+    """``worker(rank, *args)`` on ``ranks`` processes (``worker``: a module-level function of a file in tests/;
+    ``args``: JSON values). Forked from a child of the fork server, which has torch imported (a spawn re-imports it,
+    about 10 s on a busy machine). Past ``seconds`` the ranks are killed and the test fails; so it does if a rank
+    raises."""
     from recipe_runs import run_command
 
     argv = [

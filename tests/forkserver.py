@@ -9,7 +9,8 @@ address space, and exits. Output goes to files, the exit status is a subprocess-
 
 Protocol, one JSON object per line. Request on stdin:
 ``{"kind": "tune"|"cli"|"module"|"script", "argv": [...], "cwd": ..., "env": {...}, "stdout": path, "stderr": path,
-"fork_python": bool}`` (``fork_python``: the run's own ``python`` children forked too, see :func:`fork_python_children`).
+"fork_python": bool}`` (``fork_python``: the run's own ``python`` children forked too, see
+:func:`fork_python_children`).
 Replies on stdout: ``{"pid": N}`` once the child runs, then ``{"returncode": R}`` when it ends.
 """
 

@@ -1,6 +1,6 @@
-"""FakeOffload (adaptive_batching/estimate/activation_offload.py), counted exactly: which saves go to host, the forward stash as the
-largest total of distinct offloaded tensors among 5 consecutive saves, and a freed tensor's storage address taken
-by a later one (each is its own tensor, both counted)."""
+"""FakeOffload (adaptive_batching/estimate/activation_offload.py), counted exactly: which saves go to host, the forward
+stash as the largest total of distinct offloaded tensors among 5 consecutive saves, and a freed tensor's storage address
+taken by a later one (each is its own tensor, both counted)."""
 
 from __future__ import annotations
 

@@ -79,8 +79,8 @@ def test_estimate_stock_configs(tmp_path: Path) -> None:
     [
         (
             ["--only", "llama3_2/1B_lora_single_devic"],
-            "error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: 'llama3_2/1B_lora_single_devic' "
-            "(did you mean 'llama3_2/1B_lora_single_device'?)",
+            "error: --only: not a stock full, LoRA, QLoRA, DPO, KD or QAT config of torchtune: "
+            "'llama3_2/1B_lora_single_devic' (did you mean 'llama3_2/1B_lora_single_device'?)",
         ),
         (
             ["--only", "llama3_2/1B_lora_single_device", "--markdown", "page.md"],

@@ -90,7 +90,8 @@ def samples_once_per_epoch(runs: Path, name: str, resumed_from: int, samples: in
 @dataclass
 class Faults(chaos.Fault):
     """Two faults in one run, on one rank: this one (its kind decides torchrun's restarts), then ``then``; a
-    torchrun restart runs without the first (benchmarks/faulty_run.py), so ``then`` must come later or in the restart."""
+    torchrun restart runs without the first (benchmarks/faulty_run.py), so ``then`` must come later or in the
+    restart."""
 
     then: chaos.Fault | None = None
 

@@ -766,17 +766,20 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "smallest size: ours alone (the peers' searches take minutes)",
     ),
     **{
-        f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} --publish": (
+        f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} "
+        "--publish": (
             "tests/test_benchmarks.py::test_profiler_whole_process_limit",
             "smallest size: 1 repeat, the python launcher",
         )
         for extra in ("--tolerance 0.01", "--optimizer-in-bwd")
     },
-    "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 --publish": (
+    "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 "
+    "--publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit",
         "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
     ),
-    "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 --publish": (
+    "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 "
+    "--publish": (
         "tests/test_benchmarks.py::test_profiler_whole_process_limit",
         "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
     ),
@@ -794,7 +797,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
         "smallest size: 2 steps, 1 repeat",
     ),
-    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together --publish": (
+    "python benchmarks/recipe_vs_torchtune.py --objective dpo --repeats 6 --steps 25 --no-switch --together "
+    "--publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
         "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)",
     ),
@@ -836,7 +840,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
     ),
     "python benchmarks/estimate_fidelity.py": (
         "tests/test_estimate_fidelity.py::test_every_row_names_each_key_once_and_a_real_source",
-        "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are tested",
+        "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are "
+        "tested",
     ),
     # docs/fault-tolerance.md
     "python benchmarks/chaos.py --runs 20 --publish": (
@@ -939,8 +944,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "its order and deadline; the phases it calls run in tests/test_validate_device.py::validation",
     ),
     **{
-        f"PART={part} DEADLINE={deadline} OUT=$OUT bash benchmarks/gpu_check.sh --steps 10 --max-trials 2 --tolerance 0.05 "
-        "--long-samples 1024": (
+        f"PART={part} DEADLINE={deadline} OUT=$OUT bash benchmarks/gpu_check.sh --steps 10 --max-trials 2 "
+        "--tolerance 0.05 --long-samples 1024": (
             "tests/test_validate_device.py::test_gpu_check_skips_each_phase_it_has_no_time_for",
             "its parts, lanes and deadline; their phases run in tests/test_validate_device.py::validation",
         )
@@ -1220,7 +1225,9 @@ CHECKED_BY: dict[tuple[str, str], str] = {
     (
         "docs/logs-and-metrics.md",
         "| `max_tokens` | with token budgets, instead of `micro_batch_size`",
-    ): "tests/test_token_and_elastic_recipe.py::test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step",
+    ): (
+        "tests/test_token_and_elastic_recipe.py::test_token_budget_run_sees_every_sample_once_and_scales_the_lr_per_step"
+    ),
     (
         "docs/logs-and-metrics.md",
         "with `log_peak_memory_stats: true`, on CUDA",

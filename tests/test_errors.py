@@ -37,17 +37,19 @@ def last_line(result: object) -> str:
         ),
         (
             "save_every_n_step=5",
-            "config error: config key 'save_every_n_step' is not read by the recipes; did you mean 'save_every_n_steps'?",
+            "config error: config key 'save_every_n_step' is not read by the recipes; did you mean "
+            "'save_every_n_steps'?",
         ),
         (
             "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
-            "config error: config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks "
-            "for quantizing a trained model (post-training quantization), which adaptive_full_finetune does not do yet; use "
-            "torchtune's quantize",
+            "config error: config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' "
+            "asks for quantizing a trained model (post-training quantization), which adaptive_full_finetune does not "
+            "do yet; use torchtune's quantize",
         ),
         (
             "model.no_such_argument=1",
-            "config error: config key 'model': TypeError: llama3() got an unexpected keyword argument 'no_such_argument'",
+            "config error: config key 'model': TypeError: llama3() got an unexpected keyword argument "
+            "'no_such_argument'",
         ),
         ("adaptive_batching.memory_budget=1MiB", "profile error: micro batch 1 does not fit the memory budget"),
     ],
@@ -72,16 +74,16 @@ def test_a_recipe_reports_a_config_or_profile_error_in_one_line(
             "adaptive_knowledge_distillation",
             "tiny_kd",
             "teacher_checkpointer.checkpoint_files=[nothere.safetensors]",
-            "config error: config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is not in "
-            "{assets}/model; it holds config.json, model.safetensors",
+            "config error: config key 'teacher_checkpointer.checkpoint_files' names 'nothere.safetensors', which is "
+            "not in {assets}/model; it holds config.json, model.safetensors",
         ),
         (
             "adaptive_lora_dpo",
             "tiny_lora_dpo",
             "dataset.data_files={assets}/data/alpaca_tiny.json",
-            "config error: config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column 'chosen': "
-            "torchtune.datasets.preference_dataset reads the columns 'chosen', 'rejected' and the data has 'input', "
-            "'instruction', 'output'; give data with those columns, or map them with dataset.column_map",
+            "config error: config key 'dataset': the first sample of {assets}/data/alpaca_tiny.json has no column "
+            "'chosen': torchtune.datasets.preference_dataset reads the columns 'chosen', 'rejected' and the data has "
+            "'input', 'instruction', 'output'; give data with those columns, or map them with dataset.column_map",
         ),
     ],
 )

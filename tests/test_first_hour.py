@@ -1,6 +1,7 @@
 """What a new user runs first, as the README and docs show it, at its smallest size: ``adaptive-batching
 estimate`` (on a bf16 config), ``profile``, the demo (``tune run adaptive_full_finetune --config tiny_full``) and
-the LoRA and QLoRA starts, and those of DPO (LoRA and full), KD and QAT, print no warning (QAT LoRA at 2 ranks too); and the demo's metrics follow the condition docs/growth.md states for
+the LoRA and QLoRA starts, and those of DPO (LoRA and full), KD and QAT, print no warning (QAT LoRA at 2 ranks too); and
+the demo's metrics follow the condition docs/growth.md states for
 ``gradient_noise_scale``.
 
 The profile and the demo share one output folder and budget: the demo reads the profile the command cached.

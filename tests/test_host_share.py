@@ -17,8 +17,9 @@ BUDGET = re.compile(r"Profiler: budget ([0-9.]+) GiB \((CPU: .*)\); worst-case")
 @pytest.mark.e2e
 @pytest.mark.multiprocess
 def test_two_cpu_ranks_budgets_sum_to_at_most_the_host(assets: Path, tmp_path: Path) -> None:
-    """2 ranks profile with no memory_budget (the tiny config's 512MiB taken off): the budget both use (the smaller of theirs) is at most half the host's
-    memory, so together they ask for no more than it has (before: each took the whole host's room, 19.5 GiB of 23)."""
+    """2 ranks profile with no memory_budget (the tiny config's 512MiB taken off): the budget both use (the smaller of
+    theirs) is at most half the host's memory, so together they ask for no more than it has (before: each took the whole
+    host's room, 19.5 GiB of 23)."""
     result = check(
         tune_run(
             "adaptive_full_finetune",

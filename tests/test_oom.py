@@ -149,7 +149,7 @@ def test_an_interrupt_during_oom_handling_is_not_an_oom() -> None:
     def interrupted() -> None:
         try:
             raise torch.OutOfMemoryError("CUDA out of memory")
-        except RuntimeError:
-            raise KeyboardInterrupt
+        except RuntimeError as error:
+            raise KeyboardInterrupt from error
 
     assert not is_out_of_memory(_raised(interrupted))

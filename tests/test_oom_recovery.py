@@ -378,7 +378,8 @@ def test_two_ranks_oom_on_one_rank_both_recover_without_hanging(
     phase: str, step: int, runs: Path, assets: Path, two_rank_reference: dict[str, torch.Tensor]
 ) -> None:
     name = f"two-{phase}"
-    # Steps 2 and 4 fall in the default window (the first 4 steps); step 8 (epoch 2, same micro batch) needs a longer one.
+    # Steps 2 and 4 fall in the default window (the first 4 steps); step 8 (epoch 2, same micro batch) needs a longer
+    # one.
     window = [] if step <= 4 else [f"adaptive_batching.guard_steps={step}"]
     output = ok(
         faulty_run(

@@ -416,8 +416,8 @@ def test_empty_micro_batch_adds_no_loss_and_no_tokens() -> None:
         tokens = int((labels != IGNORE).sum())
         summed = F.cross_entropy(logits.reshape(-1, vocab), labels.reshape(-1), ignore_index=IGNORE, reduction="sum")
         chunked = sum(
-            loss_fn.compute_cross_entropy(c.reshape(-1, vocab), l.reshape(-1))
-            for c, l in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1))
+            loss_fn.compute_cross_entropy(c.reshape(-1, vocab), labels_chunk.reshape(-1))
+            for c, labels_chunk in zip(logits.chunk(2, dim=1), labels.chunk(2, dim=1))
         )
         assert torch.allclose(summed, chunked)
         if batch["tokens"].numel() == 1:

@@ -1,6 +1,7 @@
 """A stop signal before the run's first checkpoint (issue 40.1): during the token counts, the profile, its compiling
 or the steps before the first save, the stop line, ``adaptive-batching status`` and ``resume_from_checkpoint=True``
-agree, and the run goes on, from the beginning when nothing was saved. Also: ``profile`` and ``plan`` leave no log file."""
+agree, and the run goes on, from the beginning when nothing was saved. Also: ``profile`` and ``plan`` leave no log
+file."""
 
 from __future__ import annotations
 

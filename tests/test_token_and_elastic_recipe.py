@@ -108,7 +108,7 @@ def test_the_profiler_sets_the_token_budget_and_checks_it_on_the_shortest_sample
             "epochs=1",
         )
     )
-    line = next(l for l in output.splitlines() if l.startswith("Token budget: "))
+    line = next(text for text in output.splitlines() if text.startswith("Token budget: "))
     budget = int(line.split()[2])
     assert "the longest sample's" in line and budget > 2048
     assert f"Token budget {budget} verified with" in output

@@ -68,7 +68,8 @@ def _save(path: Path, key: str, lengths: list[int]) -> None:
 
 
 def sequence_lengths(dataset: Any, *, cache_dir: Path | None, key_parts: Mapping[str, Any]) -> list[int]:
-    """The padded length of every sample (``len(dataset[i]["tokens"])``, a pair's longer sequence), from the cache under ``cache_dir`` when it has them.
+    """The padded length of every sample (``len(dataset[i]["tokens"])``, a pair's longer sequence), from the cache under
+    ``cache_dir`` when it has them.
 
     The key is ``fingerprint`` of ``key_parts`` (the caller's dataset config, tokenizer config and
     data files digest) and the dataset size. ``cache_dir=None``: computed every time, nothing stored.

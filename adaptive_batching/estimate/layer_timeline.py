@@ -18,9 +18,9 @@ is computed exactly, at no extra cost, for any N.
 
 A DPO or KD step has a second forward: the reference's (the policy with its adapters off, a frozen copy, or KD's
 teacher, another architecture traced on three of its own layers), under ``no_grad``, before the policy's forward
-(as DPO and KD run it) or between the policy's forward and backward. Its layers are segments of their own ("reference forward
-i"), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory, and its transient
-peak is counted where it happens: before the policy's activations exist, or on top of them.
+(as DPO and KD run it) or between the policy's forward and backward. Its layers are segments of their own
+("reference forward i"), whose middle one repeats as the others do; it saves nothing, so a repeat moves no memory,
+and its transient peak is counted where it happens: before the policy's activations exist, or on top of them.
 """
 
 from __future__ import annotations

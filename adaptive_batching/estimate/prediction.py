@@ -162,11 +162,13 @@ class Estimate:
             [
                 (
                     f"predicted largest micro batch: {self.max_micro_batch} ({self._samples()}, "
-                    f"{self.world_size} rank(s){', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
+                    f"{self.world_size} rank(s)"
+                    f"{', the paged optimizer state evicted' if self.paged_state_evicted else ''})\n"
                     f"worst-case sample: {self.seq_len} tokens, {self.seq_len_source or 'as given'}\n"
                     f"budget {self.budget_bytes / gib:.2f} GiB of {self.device_memory_bytes / gib:.2f} GiB; "
                     f"weights + optimizer state {self.model_state_bytes / gib:.2f} GiB per rank; "
-                    f"step peak = {self.fixed_bytes / gib:.2f} GiB + {self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
+                    f"step peak = {self.fixed_bytes / gib:.2f} GiB + "
+                    f"{self.bytes_per_sample / 2**20:.1f} MiB x micro batch; "
                     f"optimizer step peak {self.optimizer_peak_bytes / gib:.2f} GiB; computed in {self.seconds:.1f} s\n"
                     f"{verified}\n"
                     f"method: {how}"

@@ -7,8 +7,8 @@ period's 0-based index in the place of the epoch: with ``epoch`` the two are the
 keeps its meaning (``linear_ramp`` with ``every: 2`` grows at every second boundary).
 
 Growth inside an epoch swaps the sampler at a step boundary; the new one continues the epoch's
-order where the old one stopped (:class:`~adaptive_batching.batching.sampler.SamplerSpan`), so no sample is skipped or repeated, and a
-checkpoint saves the segment so resume stays exact.
+order where the old one stopped (:class:`~adaptive_batching.batching.sampler.SamplerSpan`), so no sample is skipped or
+repeated, and a checkpoint saves the segment so resume stays exact.
 """
 
 from __future__ import annotations

@@ -6,8 +6,8 @@ Two stages, both on the real training set-up with worst-case inputs:
    optimizer state; when it does not fit, a second step at 1 decides), probe steps at micro batch
    2, 4, ... measure the forward/backward peak above the memory the step starts from. That part
    grows with the micro batch (activations); the optimizer step's peak does not and is checked on
-   its own, so batch-independent peaks never distort the slope. A linear fit predicts the largest micro batch under the budget; one more
-   probe, at an eighth of that prediction, measures the slope over many samples and refits.
+   its own, so batch-independent peaks never distort the slope. A linear fit predicts the largest micro batch under the
+   budget; one more probe, at an eighth of that prediction, measures the slope over many samples and refits.
 2. Verify. Real steps from the estimate (gallop, then bisect) find the largest micro batch
    that ran without an out-of-memory error and under the budget.
 

@@ -26,7 +26,8 @@ def format_table(result: ProfileResult) -> str:
     fit = (
         ""
         if result.bytes_per_sample is None
-        else f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + {result.bytes_per_sample / 2**20:.2f} MiB x micro batch; "
+        else f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + "
+        f"{result.bytes_per_sample / 2**20:.2f} MiB x micro batch; "
     )
     lines.append(
         f"{fit}budget {result.budget_bytes / GIB:.3f} GiB ({result.budget_source}); "

@@ -15,11 +15,11 @@ import os
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-Content = Union[bytes, str, Callable[[Path], None]]
+Content = bytes | str | Callable[[Path], None]
 
 
 def write_atomically(path: Path, content: Content) -> None:

@@ -15,8 +15,8 @@ became two kernels, where the graph specialised on micro batch 8, and the hinted
 
 The marks are needed only while Dynamo traces: a graph whose micro batch dimension is unbacked guards nothing on
 it, so later inputs reuse it unmarked. Marked on every call (each of the chunked loss's 8 chunks, twice), the loss
-cost 157 us a micro batch more than torchtune's on the 2-core machine (a benchmark since removed, commit 89c5ee5), so the
-marks step aside after the first call that ran with gradients.
+cost 157 us a micro batch more than torchtune's on the 2-core machine (a benchmark since removed, commit 89c5ee5), so
+the marks step aside after the first call that ran with gradients.
 
 On CUDA, torch 2.11's inductor cannot compile the backward with an unbacked micro batch. It fuses the RMSNorm
 backward's two reductions (one along the rows, one along the columns) into a "mix-order reduction" whenever its size

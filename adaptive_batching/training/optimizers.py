@@ -43,8 +43,8 @@ class InBackwardOptimizer(torch.optim.Optimizer):
     """One optimizer per parameter (each built by ``build([param])``), stepped inside the backward.
 
     :meth:`register_hooks` makes each parameter's post-accumulate-grad hook step its optimizer and free the
-    gradient. :meth:`step` steps the parameters whose gradient is still there (none after a backward; all of them when FSDP's state-dict code
-    initialises the state with zero gradients).
+    gradient. :meth:`step` steps the parameters whose gradient is still there (none after a backward; all of them when
+    FSDP's state-dict code initialises the state with zero gradients).
     """
 
     def __init__(self, params: Iterable[nn.Parameter], build: Callable[[list[nn.Parameter]], torch.optim.Optimizer]):
