@@ -144,7 +144,7 @@ def build_family_model(family: Family, seed: int = 0) -> torch.nn.Module:
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = family.builder(**family.args)
-        torch.nn.init.normal_(model.tok_embeddings.weight, std=0.02)
+        torch.nn.init.normal_(model.get_parameter("tok_embeddings.weight"), std=0.02)
     return model
 
 

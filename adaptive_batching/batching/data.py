@@ -5,11 +5,11 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable
 from functools import partial
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from omegaconf import DictConfig, ListConfig
-from torch.utils.data import ConcatDataset, Dataset
+from torch.utils.data import ConcatDataset
 from torchdata.stateful_dataloader import StatefulDataLoader
 from torchtune import config
 from torchtune.config._utils import _get_component_from_path
@@ -26,7 +26,16 @@ DEFAULT_COLLATE = "torchtune.data.padded_collate_sft"
 warnings.filterwarnings("ignore", message="'set_vital' is deprecated", category=UserWarning)
 
 
-def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple[Dataset, bool]:
+class MapDataset(Protocol):
+    """A data set read by index (torchtune's SFT, preference and packed data sets, or a ``ConcatDataset`` of them):
+    torch's ``Dataset`` type declares no length."""
+
+    def __len__(self) -> int: ...
+
+    def __getitem__(self, index: int) -> Any: ...
+
+
+def build_dataset(cfg_dataset: DictConfig | ListConfig, tokenizer: Any) -> tuple[MapDataset, bool]:
     """Instantiate the configured dataset (or several, concatenated); say whether it is packed."""
     if isinstance(cfg_dataset, ListConfig):
         return ConcatDataset([config.instantiate(c, tokenizer) for c in cfg_dataset]), packed(cfg_dataset)
@@ -49,7 +58,7 @@ def build_collate(collate_path: str, packed: bool, pad_id: int, ignore_index: in
 
 
 def build_dataloader(
-    dataset: Dataset,
+    dataset: MapDataset,
     *,
     micro_batch: int,
     accumulation: int,
@@ -86,7 +95,7 @@ def build_dataloader(
 
 
 def build_token_dataloader(
-    dataset: Dataset, lengths: list[int], *, collate_fn: Callable, parallel: ParallelInfo, **sampler_args: Any
+    dataset: MapDataset, lengths: list[int], *, collate_fn: Callable, parallel: ParallelInfo, **sampler_args: Any
 ) -> StatefulDataLoader:
     """Like :func:`build_dataloader`, with micro batches cut by a padded-token budget: ``sampler_args`` are
     :class:`~adaptive_batching.batching.token_sampler.TokenBudgetBatchSampler`'s, less the rank and the ranks."""

@@ -14,8 +14,8 @@ it, every param group's LR is multiplied by a factor of the global batch against
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 
 import torch
 from torch.optim.lr_scheduler import LambdaLR
@@ -111,16 +111,22 @@ class SampleDrivenLR:
     def factor(self) -> float:
         return lr_factor(self.global_batch, self.reference_global_batch, self.rule)
 
+    def _shapes(self) -> list[float] | None:
+        """Each param group's schedule multiplier at :attr:`progress`, or None without a schedule. torch types a
+        LambdaLR's functions for whole epochs; torchtune's schedules take a (fractional) step count."""
+        if self.scheduler is None:
+            return None
+        functions = cast(list[Callable[[float], float]], self.scheduler.lr_lambdas)
+        return [float(function(self.progress)) for function in functions]
+
     def schedule_shape(self) -> float | None:
         """The LR schedule's multiplier now (1.0 at its peak), or None without a schedule."""
-        return None if self.scheduler is None else float(self.scheduler.lr_lambdas[0](self.progress))
+        shapes = self._shapes()
+        return None if shapes is None else shapes[0]
 
     def lrs(self) -> list[float]:
         """What each param group's LR is now."""
-        if self.scheduler is None:
-            shape = [1.0] * len(self.base_lrs)
-        else:
-            shape = [float(fn(self.progress)) for fn in self.scheduler.lr_lambdas]
+        shape = self._shapes() or [1.0] * len(self.base_lrs)
         return [base * s * self.factor for base, s in zip(self.base_lrs, shape)]
 
     def apply(self) -> None:

@@ -241,6 +241,7 @@ class TokenBatching(SampleBatching):
     def _base(self, start: int, profiled: int | None, verify: Verifier) -> int:
         """The first epoch's padded tokens per micro batch: the config's, the profiler's, or the smaller of both."""
         value = self.settings.max_tokens
+        assert value is not None, "a token budget policy is made only when adaptive_batching.max_tokens is set"
         if profiled is None:
             return int(value)
         seq_len = max(self.lengths)

@@ -162,8 +162,8 @@ def balance_over_ranks(tokens: Sequence[int], world_size: int) -> list[list[int 
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     slots = _ceil_div(len(tokens), world_size)
-    ranked: list[int | None] = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
-    ranked += [None] * (slots * world_size - len(tokens))
+    largest_first = sorted(range(len(tokens)), key=lambda i: (-tokens[i], i))
+    ranked: list[int | None] = [*largest_first, *[None] * (slots * world_size - len(tokens))]
     loads = [0] * world_size
     dealt: list[list[int | None]] = [[] for _ in range(world_size)]
     for start in range(0, len(ranked), world_size):

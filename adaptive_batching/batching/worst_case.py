@@ -56,10 +56,11 @@ class LengthSource:
 def pack_size(dataset: Any, source: LengthSource) -> int:
     """Tokens in every pack of a packed data set (torchtune packs to ``tokenizer.max_seq_len``)."""
     parts = getattr(dataset, "datasets", None) or getattr(dataset, "_datasets", None) or [dataset]
-    sizes = {getattr(part, "max_seq_len", None) for part in parts} - {None}
+    sizes = {size for part in parts if (size := getattr(part, "max_seq_len", None)) is not None}
     if len(sizes) == 1:
         return int(sizes.pop())
-    return int(source.max_seq_len)  # type: ignore[arg-type]
+    assert source.max_seq_len is not None, "torchtune packs to tokenizer.max_seq_len, so a packed data set has one"
+    return int(source.max_seq_len)
 
 
 def sample_lengths(dataset: Any, source: LengthSource) -> list[int]:

@@ -240,7 +240,7 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
     component, files = _select(node, "_component_", None), _select(node, "data_files", None)
     shown = files if isinstance(files, str) else files[0] if isinstance(files, list) and len(files) == 1 else source
     where = f"the first sample of {shown}"
-    streamed = {"streaming": True, **({"packed": False} if "packed" in node else {})}
+    streamed: dict[str, Any] = {"streaming": True, **({"packed": False} if "packed" in node else {})}
     if isinstance(split := _select(node, "split", None), str) and "[" in split:  # streaming takes no slice
         streamed["split"] = split.split("[", 1)[0]
     try:

@@ -112,7 +112,8 @@ def load_config(name: str, overrides: Sequence[str] = ()) -> DictConfig:
     from torchtune.config._utils import _merge_yaml_and_cli_args
 
     yaml = OmegaConf.to_container(OmegaConf.load(resolve_config(name)), resolve=False)
-    return _merge_yaml_and_cli_args(Namespace(**yaml), list(overrides))
+    assert isinstance(yaml, dict), f"{name}: a config file is a mapping of keys"
+    return _merge_yaml_and_cli_args(Namespace(**{str(key): value for key, value in yaml.items()}), list(overrides))
 
 
 _GIVEN_ARGV: list[str] = []

@@ -338,7 +338,9 @@ def resume_config(cfg_checkpointer: DictConfig, job_id: str | None = None) -> Di
             f"folder with {MARKER}, {RECIPE_STATE_FILE} and weights); set resume_from_checkpoint=False "
             f"or point output_dir at the run to resume"
         )
-    resumed = OmegaConf.create(OmegaConf.to_container(cfg_checkpointer, resolve=True))
+    values = OmegaConf.to_container(cfg_checkpointer, resolve=True)
+    assert isinstance(values, dict), "a checkpointer node is a mapping"
+    resumed = OmegaConf.create(values)
     resumed.recipe_checkpoint = f"{latest.name}/{RECIPE_STATE_FILE}"
     if (latest / ADAPTER_FILE).is_file():
         resumed.adapter_checkpoint = f"{latest.name}/{ADAPTER_FILE}"

@@ -88,7 +88,7 @@ class StepGuard:
         self.device = device
         self._armed = False
         self._handles: list[RemovableHandle] = []
-        self._root: FSDPModule | None = None
+        self._root: nn.Module | None = None  # the outermost FSDPModule
         self._model: nn.Module | None = None
         self.window = 0  # optimizer steps left in the current window
         self.last_error = ""
@@ -191,8 +191,8 @@ class StepGuard:
     def abandon(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         """Drop a failed step's gradients and FSDP's half-done state (unsharded parameters, hooks)."""
         optimizer.zero_grad(set_to_none=True)
-        root = self._root if self._root is not None else model if isinstance(model, FSDPModule) else None
-        if root is None:
+        root = self._root if self._root is not None else model
+        if not isinstance(root, FSDPModule):
             return
         root.reset_iter_state()
         # reset_iter_state keeps gradients that autograd left on unsharded parameters whose

@@ -147,7 +147,7 @@ class Preemption:
         run_pending_handlers()
         if self.received is not None and self.seen_at is None:
             self.seen_at = step
-        if self._work is not None:
+        if self._work is not None and self._flag is not None:  # set together by begin_step
             self._work.wait()
             self._work = None
             self.stopping = bool(self._flag.item())

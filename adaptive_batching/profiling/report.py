@@ -25,7 +25,7 @@ def format_table(result: ProfileResult) -> str:
         lines.append(f"{t['phase']:<7}{t['micro_batch']:>12}{peak:>10}{outcome:>6}{t['seconds']:>9.2f}")
     fit = (
         ""
-        if result.bytes_per_sample is None
+        if result.bytes_per_sample is None or result.fixed_bytes is None
         else f"fit: peak = {result.fixed_bytes / GIB:.3f} GiB + "
         f"{result.bytes_per_sample / 2**20:.2f} MiB x micro batch; "
     )

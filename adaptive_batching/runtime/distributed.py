@@ -152,9 +152,9 @@ def _clear_torch_distributed_caches() -> None:
     propagator = getattr(
         getattr(getattr(dtensor, "DTensor", None), "_op_dispatcher", None), "sharding_propagator", None
     )
-    cached = getattr(propagator, "propagate_op_sharding", None)
-    if hasattr(cached, "cache_clear"):
-        cached.cache_clear()
+    clear = getattr(getattr(propagator, "propagate_op_sharding", None), "cache_clear", None)
+    if clear is not None:
+        clear()
 
 
 def backend_threads() -> list[str]:

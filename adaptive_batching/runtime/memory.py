@@ -11,6 +11,7 @@ import os
 import resource
 import sys
 from collections.abc import Mapping, Sequence
+from types import ModuleType
 from typing import Any
 
 import torch
@@ -21,7 +22,7 @@ from adaptive_batching.runtime import nf4
 GIB = 1024**3
 
 
-def _accelerator(device: torch.device) -> object | None:
+def _accelerator(device: torch.device) -> ModuleType | None:
     """The torch module with memory statistics for ``device`` (cuda, xpu, ...), if any."""
     if device.type == "cpu":
         return None

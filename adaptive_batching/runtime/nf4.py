@@ -98,7 +98,7 @@ def fast_on_meta() -> Iterator[None]:
     NF4 in their constructors, about 0.1 s a weight on meta tensors (a minute for a 70B model, which holds
     no values yet); inside this context each shape is quantized once and the other weights of that shape
     get its layout. Weights on other devices are quantized as usual."""
-    modules = [importlib.import_module(name) for name in _BUILDERS]
+    modules: list[Any] = [importlib.import_module(name) for name in _BUILDERS]  # their to_nf4 is swapped below
     layouts: dict[tuple, NF4Tensor] = {}
 
     def quantize(tensor: torch.Tensor, block_size: int = 64, scaler_block_size: int = 256) -> NF4Tensor:
