@@ -9,17 +9,23 @@ TORCH_INDEX ?=
 PYTHON ?= python3
 BIN := $(abspath $(VENV))/bin
 
-.PHONY: install demo test test-fast clean
+.PHONY: install demo lint test test-fast clean
 
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
-	$(BIN)/python -m pip install -q ".[test]"
+	$(BIN)/python -m pip install -q ".[test,lint]"
 
 demo: install
 	$(BIN)/adaptive-batching tiny-assets
 	cd /tmp && $(BIN)/tune run adaptive_full_finetune --config tiny_full
+
+# What CI checks before the suite (settings in pyproject.toml): lint rules, the formatter's layout, types.
+lint: install
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/mypy
 
 # Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once; the 15
 # slowest tests are listed at the end.

@@ -821,6 +821,10 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "the suite without its e2e tests; the target exists",
     ),
     "make install": ("tests/test_docs.py::test_every_make_target_a_page_runs_exists", NO_NETWORK),
+    "make lint": (
+        "tests/test_docs.py::test_every_make_target_a_page_runs_exists",
+        "not run: CI runs it before the suite (.ci/run); the target exists",
+    ),
     **{
         f"python tests/behaviour_record.py {args}": (
             "tests/test_docs.py::test_every_make_target_a_page_runs_exists",
