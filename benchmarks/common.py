@@ -1,4 +1,5 @@
-"""What the benchmark scripts share (imported as a sibling: ``python benchmarks/<script>.py`` puts benchmarks/ on sys.path)."""
+"""What the benchmark scripts share (imported as a sibling: ``python benchmarks/<script>.py`` puts benchmarks/ on
+sys.path)."""
 
 from __future__ import annotations
 
@@ -146,10 +147,10 @@ def tune_child(
     record: dict[str, Any] = {"train_start": None, "train_end": None}
 
     class TrainTimer(hooks.TrainerHooks):
-        def before_train(self, trainer: Any) -> None:
+        def before_train(self, parts: Any) -> None:
             record["train_start"] = time.perf_counter()
 
-        def after_train(self, trainer: Any) -> None:
+        def after_train(self, parts: Any) -> None:
             record["train_end"] = time.perf_counter()
 
     hooks.install(TrainTimer())
@@ -334,7 +335,8 @@ def markdown_of(text: str) -> str:
 
 
 def publish(page: str, name: str, body: str, *, docs: Path = DOCS) -> Path:
-    """Put ``body`` with a line naming command, date, commit and machine between ``name``'s markers on ``docs/<page>``."""
+    """Put ``body`` with a line naming command, date, commit and machine between ``name``'s markers on
+    ``docs/<page>``."""
     path = docs / page
     text = path.read_text(encoding="utf-8")
     pattern = re.compile(rf"(<!-- table: {re.escape(name)} -->\n).*?(<!-- /table: {re.escape(name)} -->)", re.S)

@@ -89,12 +89,13 @@ def main() -> None:
         """The faults of FAULT_JSON, through the trainer's public hooks."""
 
         def __init__(self) -> None:
-            self.trainer: Callable[[], Any] = lambda: None
+            self.parts: Callable[[], Any] = lambda: None
+            self.preemption: Any = None
             self.affected, self.send_in_profile = False, lambda: None
 
         def next_step_affected(self) -> bool:
-            trainer = self.trainer()
-            return failing_rank and trainer is not None and from_step <= trainer.global_step + 1 <= to_step
+            parts = self.parts()
+            return failing_rank and parts is not None and from_step <= parts.progress.global_step + 1 <= to_step
 
         def collate(self, inner):  # type: ignore[no-untyped-def]
             ids = state["ids"]
@@ -106,11 +107,12 @@ def main() -> None:
 
             return collate
 
-        def before_setup(self, trainer):  # type: ignore[no-untyped-def]
-            self.trainer = weakref.ref(trainer)  # weak: the harness must not keep the run (and its process group) alive
+        def before_setup(self, preemption):  # type: ignore[no-untyped-def]
+            self.preemption = preemption
 
-        def after_setup(self, trainer):  # type: ignore[no-untyped-def]
-            dataset, ids = trainer.parts.data.dataset, state["ids"]
+        def after_setup(self, parts):  # type: ignore[no-untyped-def]
+            self.parts = weakref.ref(parts)  # weak: the harness must not keep the run (and its process group) alive
+            dataset, ids = parts.data.dataset, state["ids"]
             for i in range(len(dataset)):
                 key = sample_key(dataset[i])
                 assert key not in ids, "the test dataset must not hold two identical samples"
@@ -126,17 +128,12 @@ def main() -> None:
 
                         output.register_hook(fail)
 
-                trainer.parts.model.tok_embeddings.register_forward_hook(hook_embedding)
-            optimizer = trainer.parts.optimizer
+                parts.model.tok_embeddings.register_forward_hook(hook_embedding)
+            optimizer, guard = parts.optimizer, parts.guard
             optimizer_step = optimizer.step
 
             def step(optimizer, *args, **kwargs):  # type: ignore[no-untyped-def]
-                if (
-                    phase == "optimizer"
-                    and self.next_step_affected()
-                    and optimizer_failures[0] > 0
-                    and not trainer.guard.armed
-                ):
+                if phase == "optimizer" and self.next_step_affected() and optimizer_failures[0] > 0 and not guard.armed:
                     optimizer_failures[0] -= 1
                     raise oom("optimizer step")
                 return optimizer_step(*args, **kwargs)
@@ -159,14 +156,14 @@ def main() -> None:
 
                 loss.register_hook(fail)
 
-        def before_step(self, trainer, micro_batches):  # type: ignore[no-untyped-def]
+        def before_step(self, parts, micro_batches):  # type: ignore[no-untyped-def]
             state["taken"], state["pending"] = state["pending"], []
 
-        def after_step(self, trainer, stats):  # type: ignore[no-untyped-def]
+        def after_step(self, parts, stats):  # type: ignore[no-untyped-def]
             if stats is None:
                 return
-            step = trainer.global_step + 1
-            state["steps"].append({"step": step, "epoch": trainer.progress.epochs_run, "samples": state["taken"]})
+            step = parts.progress.global_step + 1
+            state["steps"].append({"step": step, "epoch": parts.progress.epochs_run, "samples": state["taken"]})
             with open(record, "w") as f:
                 json.dump(state["steps"], f)
             if kill_after is not None and step == int(kill_after) and failing_rank:
@@ -200,7 +197,7 @@ def main() -> None:
 
         checkpoints._write_marker = signalled_write_marker
     if "signal_in" in fault and failing_rank:
-        fault_hooks.send_in_profile = signal_in(fault, lambda: fault_hooks.trainer(), f"{record_prefix}signalled")
+        fault_hooks.send_in_profile = signal_in(fault, lambda: fault_hooks.preemption, f"{record_prefix}signalled")
     if "kill_in_save" in fault:
         import adaptive_batching.faults.checkpoints as checkpointing
 
@@ -217,7 +214,7 @@ def main() -> None:
     importlib.import_module(module_name).recipe_main()
 
 
-def signal_in(fault: dict, trainer: Callable[[], Any], once_file: str) -> Callable[[], None]:
+def signal_in(fault: dict, preemption: Callable[[], Any], once_file: str) -> Callable[[], None]:
     """Send ``fault["signal"]`` as the phase ``fault["signal_in"]`` begins (see the module docstring): the token
     counts and the compile step are met in the library's functions; for the profile's first trial step, the
     returned callable sends it (the hooks call it before each trial step; it sends once)."""
@@ -241,11 +238,11 @@ def signal_in(fault: dict, trainer: Callable[[], Any], once_file: str) -> Callab
             open(once_file, "w").close()
         target = os.getppid() if to == "parent" else int(os.environ[to[4:]]) if to.startswith("env:") else os.getpid()
         os.kill(target, number)
-        run, deadline = trainer(), time.monotonic() + 120
-        while run.preemption.received is None and time.monotonic() < deadline:
+        stops, deadline = preemption(), time.monotonic() + 120
+        while stops.received is None and time.monotonic() < deadline:
             run_pending_handlers()
             time.sleep(0.01)
-        assert run.preemption.received is not None, f"{fault['signal']} sent to {to} never reached this process"
+        assert stops.received is not None, f"{fault['signal']} sent to {to} never reached this process"
 
     def sending(function):  # type: ignore[no-untyped-def]
         def call(*args, **kwargs):  # type: ignore[no-untyped-def]

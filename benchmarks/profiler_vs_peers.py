@@ -61,11 +61,12 @@ def limit_address_space(room_gib: float) -> dict[str, int]:
     return {"vm_size_at_limit": vm, "rlimit_as": limit}
 
 
-def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
+def set_up_run(args: argparse.Namespace, run_name: str) -> tuple[Any, Any, Any]:
+    """The run's parts, set up as the recipe sets them up (before its profile), with its config and settings."""
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training.parts import set_up
+    from adaptive_batching.training.recipe_table import method_and_objective
 
     work = args.workdir
     overrides = [
@@ -84,28 +85,27 @@ def build_trainer(args: argparse.Namespace, run_name: str) -> Any:
         "max_steps_per_epoch=null",
     ]
     cfg = load_config("tiny_full", overrides)
-    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
-    trainer.setup()
-    return trainer
+    settings = validate_config(cfg)
+    return cfg, settings, set_up(cfg, settings, *method_and_objective(cfg, profiled=settings.needs_profile))
 
 
-def plain_step(trainer: Any, micro_batch: int) -> None:
+def plain_step(parts: Any, micro_batch: int) -> None:
     """One training step on a worst-case batch, as the trainer trains (no measuring); raises on OOM."""
     from adaptive_batching.batching.data import worst_case_batch
 
     try:
         batch = worst_case_batch(
-            trainer.parts.collate,
+            parts.collate,
             micro_batch=micro_batch,
-            seq_len=trainer.seq_len,
-            vocab_size=trainer.parts.data.tokenizer.vocab_size,
-            packed=trainer.parts.data.packed,
+            seq_len=parts.seq_len,
+            vocab_size=parts.data.tokenizer.vocab_size,
+            packed=parts.data.packed,
         )
-        _, tokens = trainer.parts.runner.forward_backward(batch)
+        _, tokens = parts.runner.forward_backward(batch)
         del batch
-        trainer.parts.runner.apply_gradients(tokens)
+        parts.runner.apply_gradients(tokens)
     finally:
-        trainer.parts.optimizer.zero_grad(set_to_none=True)
+        parts.optimizer.zero_grad(set_to_none=True)
 
 
 def _describe_error(error: BaseException) -> str:
@@ -123,12 +123,13 @@ def _epoch_time_cap_reached(signum: int, frame: Any) -> None:
 def child_ours(args: argparse.Namespace) -> dict[str, Any]:
     from adaptive_batching.batching.sampler import epoch_extent
     from adaptive_batching.faults.oom import is_out_of_memory
+    from adaptive_batching.training.trainer import Trainer, plan_training
 
-    trainer = build_trainer(args, "ours")
+    cfg, settings, parts = set_up_run(args, "ours")
     out: dict[str, Any] = {"limits": (limits := limit_address_space(args.room))}
     t0 = time.perf_counter()
     try:
-        result = trainer.profile()
+        result = parts.profiler.find(parts.trial_step)
     except Exception as error:  # report whatever happened
         out.update(wall_s=time.perf_counter() - t0, error=_describe_error(error))
         return out
@@ -147,24 +148,27 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
     )
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
-    schedule = trainer.make_plan(result)
-    first = schedule.plan.entries[0].shape
+    reference, lr, growth = plan_training(cfg, settings, parts, result)
+    trainer = Trainer(cfg, parts, reference=reference, lr=lr, growth=growth)
+    first = parts.plan.entries[0].shape
     epoch: dict[str, Any] = {
         "micro_batch": first.micro_batch,
         "capped": False,
-        "steps_planned": epoch_extent(len(trainer.parts.data.dataset), first.global_batch, None)[0],
+        "steps_planned": epoch_extent(len(parts.data.dataset), first.global_batch, None)[0],
     }
     if args.epoch_time_cap > 0:
         signal.signal(signal.SIGALRM, _epoch_time_cap_reached)
         signal.setitimer(signal.ITIMER_REAL, args.epoch_time_cap)
     t0 = time.perf_counter()
     try:
-        trainer.train(schedule)
-        epoch.update(ok=True, steps=trainer.global_step)
+        trainer.train()
+        epoch.update(ok=True, steps=parts.progress.global_step)
     except EpochTimeCap:
-        epoch.update(ok=True, capped=True, steps=trainer.global_step)
+        epoch.update(ok=True, capped=True, steps=parts.progress.global_step)
     except Exception as error:
-        epoch.update(ok=False, steps=trainer.global_step, error=_describe_error(error), oom=is_out_of_memory(error))
+        epoch.update(
+            ok=False, steps=parts.progress.global_step, error=_describe_error(error), oom=is_out_of_memory(error)
+        )
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
     out["epoch"] = dict(epoch, seconds=time.perf_counter() - t0)
@@ -179,12 +183,12 @@ def child_exhaustive(args: argparse.Namespace) -> dict[str, Any]:
 
         if not memory.pin_cpu_allocator():
             raise RuntimeError("pin_cpu_allocator() failed in the exhaustive child")
-    trainer = build_trainer(args, f"exhaustive_{args.micro_batch}")
+    _, _, parts = set_up_run(args, f"exhaustive_{args.micro_batch}")
     limits = limit_address_space(args.room)
     t0, steps_done = time.perf_counter(), 0
     try:
         for _ in range(2):  # the first step creates the optimizer state
-            plain_step(trainer, args.micro_batch)
+            plain_step(parts, args.micro_batch)
             steps_done += 1
         outcome, error = "ok", None
     except Exception as err:
@@ -226,12 +230,12 @@ def child_accelerate(args: argparse.Namespace) -> dict[str, Any]:
     from accelerate.utils import find_executable_batch_size
     from accelerate.utils.memory import should_reduce_batch_size
 
-    trainer = build_trainer(args, "accelerate")
+    _, _, parts = set_up_run(args, "accelerate")
     calls: list[dict[str, Any]] = []
 
     @find_executable_batch_size(starting_batch_size=ACCELERATE_START)
     def search(batch_size: int) -> int:
-        observed(calls, batch_size, lambda: plain_step(trainer, batch_size), "accelerate", should_reduce_batch_size)
+        observed(calls, batch_size, lambda: plain_step(parts, batch_size), "accelerate", should_reduce_batch_size)
         return batch_size
 
     out: dict[str, Any] = {"limits": limit_address_space(args.room), "start": ACCELERATE_START, "trials": calls}
@@ -259,14 +263,14 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
 
     warnings.filterwarnings("ignore")
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
-    trainer = build_trainer(args, "lightning")
-    seq_len, vocab = trainer.seq_len, trainer.parts.data.tokenizer.vocab_size
+    _, _, parts = set_up_run(args, "lightning")
+    seq_len, vocab = parts.seq_len, parts.data.tokenizer.vocab_size
 
     class WorstCaseSamples(Dataset):
         """Full-length samples, labels = tokens (every token in the loss), as many as the real data set."""
 
         def __len__(self) -> int:
-            return len(trainer.parts.data.dataset)
+            return len(parts.data.dataset)
 
         def __getitem__(self, index: int) -> dict[str, list[int]]:
             row = torch.randint(0, vocab, (seq_len,), generator=torch.Generator().manual_seed(index)).tolist()
@@ -275,7 +279,7 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
     class TunedModule(pl.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            self.net = trainer.parts.model
+            self.net = parts.model
             self.batch_size = 2  # the tuner sets this attribute
             self.automatic_optimization = False  # the trainer's own step; Lightning counts opt.step()
             self.trials: list[dict[str, Any]] = []
@@ -285,12 +289,12 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
                 WorstCaseSamples(),
                 batch_size=self.batch_size,
                 shuffle=False,
-                collate_fn=trainer.parts.collate,
+                collate_fn=parts.collate,
                 num_workers=0,
             )
 
         def configure_optimizers(self) -> torch.optim.Optimizer:
-            return trainer.parts.optimizer
+            return parts.optimizer
 
         def training_step(self, batch: dict[str, torch.Tensor], batch_idx: int) -> None:
             optimizer = self.optimizers()
@@ -298,7 +302,7 @@ def child_lightning(args: argparse.Namespace) -> dict[str, Any]:
             def step() -> None:
                 # StepRunner.apply_gradients on one rank without clipping, the optimizer step through Lightning
                 try:
-                    _, tokens = trainer.parts.runner.forward_backward(batch)
+                    _, tokens = parts.runner.forward_backward(batch)
                     training.scale_grads(self.net, 1 / tokens.clamp(min=1))
                     optimizer.step()
                 finally:
@@ -594,7 +598,8 @@ def main(argv: list[str] | None = None) -> int:
                 fit = (
                     ""
                     if ours.get("bytes_per_sample") is None
-                    else f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} MiB/sample"
+                    else f"; fit {ours['fixed_bytes'] / GIB:.3f} GiB + {ours['bytes_per_sample'] / 2**20:.2f} "
+                    "MiB/sample"
                 )
                 print(
                     f"ours: budget {ours['budget_bytes'] / GIB:.3f} GiB ({ours.get('budget_source', '')}){fit}; "

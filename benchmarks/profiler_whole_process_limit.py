@@ -94,9 +94,8 @@ def trains(
 def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool, objective: str) -> int:
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.objectives import objective_for
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training.parts import set_up
+    from adaptive_batching.training.recipe_table import method_and_objective
 
     _, config, profiles = OBJECTIVES[objective]
     cfg = load_config(
@@ -109,10 +108,10 @@ def child(micro_batch: int, assets: Path, out: Path, in_bwd: bool, objective: st
             *(IN_BWD if in_bwd else []),
         ],
     )
-    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg), objective_for(cfg))
-    trainer.setup()  # measures the worst case (the run would profile); profile() is not called
-    for _ in range(2):
-        trainer.trial_step(micro_batch)
+    settings = validate_config(cfg)
+    parts = set_up(cfg, settings, *method_and_objective(cfg, profiled=settings.needs_profile))  # the worst case
+    for _ in range(2):  # no profile: two trial steps at the size asked
+        parts.trial_step(micro_batch)
     return 0
 
 
@@ -212,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
         # the fresh-process maximum: double from --start, then bisect; (largest, the sizes tried)
         maxima = {
             launcher: largest_fit(
-                lambda size: trains(limit_kib, work, assets, size, launcher, args.optimizer_in_bwd, args.objective),
+                lambda size, launcher=launcher: trains(
+                    limit_kib, work, assets, size, launcher, args.optimizer_in_bwd, args.objective
+                ),
                 args.start,
                 args.fresh_trials,
             )[::2]

@@ -194,7 +194,7 @@ def _instrument(record: dict[str, Any], spec: dict[str, Any]) -> None:
         meter: Any = None
         samples = 0
         epoch_start = 0.0
-        trainer: Any = staticmethod(lambda: None)
+        parts: Any = staticmethod(lambda: None)
         in_step = False
         ballast: Any = None
         pending: list = []
@@ -211,38 +211,38 @@ def _instrument(record: dict[str, Any], spec: dict[str, Any]) -> None:
 
             return collate
 
-        def before_setup(self, trainer: Any) -> None:
-            self.trainer = weakref.ref(trainer)
-
-        def after_setup(self, trainer: Any) -> None:
+        def after_setup(self, parts: Any) -> None:
             import torch.distributed as dist
 
+            from adaptive_batching.training.state import Checkpoints
+
+            self.parts = weakref.ref(parts)
             record["parallel"] = {
-                "world_size": trainer.parallel.world_size,
+                "world_size": parts.parallel.world_size,
                 "backend": dist.get_backend() if dist.is_initialized() else None,
-                "fsdp": any("FSDP" in type(m).__name__ for m in trainer.parts.model.modules()),
+                "fsdp": any("FSDP" in type(m).__name__ for m in parts.model.modules()),
             }
             if not spec.get("keep_saves"):
-                trainer.parts.checkpoints.save = lambda *args, **kwargs: None
+                Checkpoints.save = lambda *args, **kwargs: None  # type: ignore[method-assign]  # this child only
 
-        def before_epoch(self, trainer: Any, epoch: int) -> None:
+        def before_epoch(self, parts: Any, epoch: int) -> None:
             self.epoch_start = time.perf_counter()
 
-        def after_epoch(self, trainer: Any, epoch: int) -> None:
+        def after_epoch(self, parts: Any, epoch: int) -> None:
             record["epoch_seconds"].append(time.perf_counter() - self.epoch_start)
 
-        def before_step(self, trainer: Any, micro_batches: list) -> None:
+        def before_step(self, parts: Any, micro_batches: list) -> None:
             self.taken, self.pending, self.in_step = self.pending, [], True
             self.sizes = [len(b["tokens"]) for b in micro_batches]
             self.samples = sum(self.sizes)
-            self.meter = memory.PeakMeter(trainer.device, trainer.parts.model, trainer.parts.optimizer).__enter__()
+            self.meter = memory.PeakMeter(parts.device, parts.model, parts.optimizer).__enter__()
 
         def before_forward(self, batch: dict[str, Any]) -> None:
-            trainer = self.trainer()
+            parts = self.parts()
             if (
                 not self.in_step
-                or trainer is None
-                or fault.get("oom_at") != trainer.global_step + 1
+                or parts is None
+                or fault.get("oom_at") != parts.progress.global_step + 1
                 or record.get("planted")
             ):
                 return
@@ -255,7 +255,7 @@ def _instrument(record: dict[str, Any], spec: dict[str, Any]) -> None:
             record["planted"] = "torch.OutOfMemoryError raised before the forward (no device memory to fill)"
             raise torch.OutOfMemoryError("planted: out of memory before the forward")
 
-        def after_step(self, trainer: Any, stats: Any) -> None:
+        def after_step(self, parts: Any, stats: Any) -> None:
             meter, self.meter, self.in_step = self.meter, None, False
             meter.__exit__(None, None, None)
             if self.ballast is not None:  # the planted error's memory back to the device, before the step again
@@ -264,10 +264,10 @@ def _instrument(record: dict[str, Any], spec: dict[str, Any]) -> None:
             if stats is None:  # out of memory, recovered in place by the library
                 record["oom_errors"] += 1
                 record["oom_steps"].append(
-                    {"step": trainer.global_step + 1, "micro_batches": self.sizes, "samples": self.taken}
+                    {"step": parts.progress.global_step + 1, "micro_batches": self.sizes, "samples": self.taken}
                 )
                 return
-            step = trainer.global_step + 1
+            step = parts.progress.global_step + 1
             record["steps"].append(
                 {
                     "step": step,

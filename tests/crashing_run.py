@@ -19,8 +19,8 @@ def main() -> None:
     from adaptive_batching.training import hooks
 
     class Crash(hooks.TrainerHooks):
-        def before_step(self, trainer, micro_batches):  # type: ignore[no-untyped-def]
-            if trainer.global_step == int(crash_after):
+        def before_step(self, parts, micro_batches):  # type: ignore[no-untyped-def]
+            if parts.progress.global_step == int(crash_after):
                 os._exit(17)
 
     hooks.install(Crash())

@@ -25,22 +25,30 @@ def main() -> int:
     room_mib, config_name, *overrides = sys.argv[1:]
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.config.settings import validate_config
-    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.hooks import TrainerHooks
+    from adaptive_batching.training.recipe_table import method_and_objective
     from adaptive_batching.training.trainer import Trainer
 
+    class Limit(TrainerHooks):
+        """The address-space limit, set once the run is set up (before its profile)."""
+
+        def after_setup(self, parts: object) -> None:
+            limit = virtual_size_bytes() + int(room_mib) * 2**20
+            resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+
     cfg = load_config(config_name, overrides)
-    trainer = Trainer(cfg, validate_config(cfg), method_for(cfg))
-    trainer.setup()
-    limit = virtual_size_bytes() + int(room_mib) * 2**20
-    resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
-    result = trainer.profile()
-    trainer.train(trainer.make_plan(result))
+    settings = validate_config(cfg)
+    method, objective = method_and_objective(cfg, profiled=settings.needs_profile)
+    with Trainer.build(cfg, settings, method, objective, hooks=Limit()) as trainer:
+        trainer.train()
+    result = trainer.parts.profiler.result
+    assert result is not None
     print(
         json.dumps(
             {
                 "profile": result.to_dict(),
-                "trained_steps": trainer.global_step,
-                "micro_batch": trainer.feed.batch.micro_batch,
+                "trained_steps": trainer.parts.progress.global_step,
+                "micro_batch": trainer.parts.feed.batch.micro_batch,
             }
         )
     )

@@ -14,7 +14,7 @@ from torchtune import training
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.runtime.distributed import ParallelInfo
-from adaptive_batching.training.state import STATE_VERSION, Checkpoints, PendingState, Progress, read_state
+from adaptive_batching.training.state import STATE_VERSION, Progress, SavedState, read_state, resume_training
 
 
 class Recorded:
@@ -31,7 +31,7 @@ class Recorded:
 
 
 class Feed(Recorded):
-    """What restore asks of the feed besides its state: the OOM cut and whether a recorded one is deeper."""
+    """What a resume asks of the feed besides its state: the OOM cut and whether a recorded one is deeper."""
 
     class recovery:
         oom_cap = None
@@ -61,8 +61,8 @@ def adaptive_state(version: Any = STATE_VERSION) -> dict[str, Any]:
 
 
 def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], torch.optim.Optimizer]:
-    """Checkpoints.restore, as a resume calls it, of a tiny model's checkpoint holding ``state``; the parts and
-    the optimizer it restored."""
+    """A resume as set-up runs it, of a tiny model's checkpoint holding ``state``: each part takes its entry
+    (SavedState.restore), then resume_training puts the optimizer back; the parts and the optimizer."""
     model = torch.nn.Linear(2, 2)
     saved_optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
     model(torch.ones(1, 2)).sum().backward()
@@ -72,20 +72,31 @@ def restore(state: dict[str, Any], tmp_path: Path) -> tuple[dict[str, Any], torc
         training.OPT_KEY: saved_optimizer.state_dict(),
         checkpointing.ADAPTIVE_KEY: state,
     }
-    owner = type("Owner", (), {"saved_lr": None})()
+    saved = SavedState(checkpoint[checkpointing.ADAPTIVE_KEY])
     parts = {
         "progress": Progress(),
         "feed": Feed(),
         "plan": Recorded(),
-        "lr": PendingState(owner, "saved_lr"),
+        "lr": Recorded(),
         "noise_scale": Recorded(),
         "profile": Recorded(),
     }
+    for key, part in parts.items():
+        saved.restore(key, part)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-    checkpoints = Checkpoints(None, None, ParallelInfo(), torch.device("cpu"), total_epochs=3, max_steps_per_epoch=None)
-    seed = checkpoints.restore(checkpoint, seed=7, parts=parts, model=model, optimizer=optimizer, output_dir=tmp_path)
+    seed = resume_training(
+        checkpoint,
+        seed=7,
+        feed=parts["feed"],  # type: ignore[arg-type]
+        progress=parts["progress"],
+        model=model,
+        optimizer=optimizer,
+        parallel=ParallelInfo(),
+        device=torch.device("cpu"),
+        output_dir=tmp_path,
+    )
     assert seed == 7
-    return {**parts, "saved_lr": owner.saved_lr}, optimizer
+    return parts, optimizer
 
 
 def test_a_resume_puts_each_part_back_where_the_run_stood(tmp_path: Path, said: Callable[[], list[str]]) -> None:
@@ -93,7 +104,7 @@ def test_a_resume_puts_each_part_back_where_the_run_stood(tmp_path: Path, said: 
     progress = parts["progress"]
     assert (progress.epochs_run, progress.step_in_epoch, progress.global_step) == (1, 5, 12)
     assert parts["feed"].loaded == {"ranks": 1, "span": None} and parts["plan"].loaded == {"grown": None}
-    assert parts["saved_lr"] == {"consumed_samples": 40} and parts["profile"].loaded == {"result": None, "ranks": 1}
+    assert parts["lr"].loaded == {"consumed_samples": 40} and parts["profile"].loaded == {"result": None, "ranks": 1}
     assert parts["noise_scale"].loaded is None  # a part saved as None keeps its own start
     assert said() == ["Resuming at step 5 of epoch 2 (optimizer step 12)"]
     assert all("momentum_buffer" in state for state in optimizer.state.values()) and optimizer.state

@@ -1,6 +1,7 @@
 """The trainer's public seam (``training.hooks``): each hook is called where its docstring says, in a real run.
 
-One profiled run (two epochs of two steps, each of two micro batches, under a small memory budget) records every hook call; the tests read the
+One profiled run (two epochs of two steps, each of two micro batches, under a small memory budget) records every hook
+call; the tests read the
 record against the run's own outputs (its metrics log, its profile, its checkpoints). Run as a script, this file
 is that run: ``python test_trainer_hooks.py RECORD_JSON RECIPE_MODULE --config CONFIG [key=value ...]``.
 """
@@ -10,6 +11,7 @@ from __future__ import annotations
 import atexit
 import importlib
 import json
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -40,12 +42,12 @@ def record_run(record: str, module_name: str, argv: list[str]) -> None:
     events: list[dict[str, Any]] = []
     atexit.register(lambda: Path(record).write_text(json.dumps(events)))
 
-    def saved(trainer: Any, epoch: int) -> bool:
-        return (trainer.output_dir / f"epoch_{epoch}").exists()
+    def saved(parts: Any, epoch: int) -> bool:
+        return (parts.output_dir / f"epoch_{epoch}").exists()
 
     class Recorder(hooks.TrainerHooks):
-        def before_setup(self, trainer: Any) -> None:
-            events.append({"hook": "before_setup", "built": trainer.built is not None})
+        def before_setup(self, preemption: Any) -> None:
+            events.append({"hook": "before_setup", "stop_signals": [int(n) for n in preemption.signals]})
 
         def collate(self, collate: Any) -> Any:
             events.append({"hook": "collate"})
@@ -56,36 +58,36 @@ def record_run(record: str, module_name: str, argv: list[str]) -> None:
 
             return counted
 
-        def after_setup(self, trainer: Any) -> None:
-            events.append({"hook": "after_setup", "built": trainer.built is not None})
+        def after_setup(self, parts: Any) -> None:
+            events.append({"hook": "after_setup", "built": parts.model is not None and parts.profiler is not None})
 
         def before_trial(self, micro_batch: int) -> None:
             events.append({"hook": "before_trial", "micro_batch": micro_batch})
 
-        def before_train(self, trainer: Any) -> None:
-            events.append({"hook": "before_train", "scheduled": trainer.schedule is not None})
+        def before_train(self, parts: Any) -> None:
+            events.append({"hook": "before_train", "scheduled": len(parts.plan.entries) > 0})
 
-        def after_train(self, trainer: Any) -> None:
-            events.append({"hook": "after_train", "step": trainer.global_step})
+        def after_train(self, parts: Any) -> None:
+            events.append({"hook": "after_train", "step": parts.progress.global_step})
 
-        def before_epoch(self, trainer: Any, epoch: int) -> None:
-            events.append({"hook": "before_epoch", "epoch": epoch, "saved": saved(trainer, epoch)})
+        def before_epoch(self, parts: Any, epoch: int) -> None:
+            events.append({"hook": "before_epoch", "epoch": epoch, "saved": saved(parts, epoch)})
 
-        def after_epoch(self, trainer: Any, epoch: int) -> None:
+        def after_epoch(self, parts: Any, epoch: int) -> None:
             events.append(
                 {
                     "hook": "after_epoch",
                     "epoch": epoch,
-                    "saved": saved(trainer, epoch),
-                    "epochs_run": trainer.progress.epochs_run,
+                    "saved": saved(parts, epoch),
+                    "epochs_run": parts.progress.epochs_run,
                 }
             )
 
-        def before_step(self, trainer: Any, micro_batches: list) -> None:
+        def before_step(self, parts: Any, micro_batches: list) -> None:
             events.append(
                 {
                     "hook": "before_step",
-                    "step": trainer.global_step,
+                    "step": parts.progress.global_step,
                     "micro_batches": len(micro_batches),
                     "samples": [len(b["tokens"]) for b in micro_batches],
                 }
@@ -99,8 +101,8 @@ def record_run(record: str, module_name: str, argv: list[str]) -> None:
         def after_loss(self, loss: Any) -> None:
             events.append({"hook": "after_loss", "requires_grad": bool(loss.requires_grad)})
 
-        def after_step(self, trainer: Any, stats: Any) -> None:
-            events.append({"hook": "after_step", "step": trainer.global_step, "loss": stats.loss})
+        def after_step(self, parts: Any, stats: Any) -> None:
+            events.append({"hook": "after_step", "step": parts.progress.global_step, "loss": stats.loss})
 
     hooks.install(Recorder())
     sys.argv = [module_name, *argv]
@@ -153,7 +155,8 @@ def test_each_hook_is_called_and_the_run_meets_them_in_the_documented_order(reco
     first = {hook: index_of(events, hook)[0] for hook in HOOKS if index_of(events, hook)}
     assert sorted(first) == sorted(HOOKS), f"never called: {sorted(set(HOOKS) - set(first))}"
     assert [named(events, h) and len(named(events, h)) for h in ("before_setup", "collate", "after_setup")] == [1, 1, 1]
-    assert named(events, "before_setup")[0]["built"] is False and named(events, "after_setup")[0]["built"] is True
+    assert named(events, "after_setup")[0]["built"] is True
+    assert named(events, "before_setup")[0]["stop_signals"] == [int(signal.SIGTERM), int(signal.SIGUSR1)]
     assert first["before_setup"] < first["collate"] < first["after_setup"] < first["before_trial"]
     assert max(index_of(events, "before_trial")) < first["before_train"] < first["before_epoch"]
     assert named(events, "before_train")[0]["scheduled"] is True

@@ -44,11 +44,11 @@ class Start:
     reference: BatchShape
 
 
-def reference_batch(cfg: Any, elastic: ElasticSpec | None, ranks: int) -> BatchShape:
-    """The batch as written in the config (or the elastic global batch at these ranks): the reference for LR
-    scaling and the LR schedule. An elastic spec that does not fit these ranks fails here, before any model
-    loads."""
-    reference = BatchShape(cfg.batch_size, cfg.get("gradient_accumulation_steps", 1), ranks)
+def reference_batch(batch_size: int, accumulation: int, elastic: ElasticSpec | None, ranks: int) -> BatchShape:
+    """The batch as written in the config (``batch_size``, ``gradient_accumulation_steps``), or the elastic global
+    batch at these ranks: the reference for LR scaling and the LR schedule. An elastic spec that does not fit these
+    ranks fails here, before any model loads."""
+    reference = BatchShape(batch_size, accumulation, ranks)
     if elastic is None:
         return reference
     try:

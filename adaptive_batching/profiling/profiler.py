@@ -200,17 +200,15 @@ def _compile_first(context: ProfilerContext, trial_step: TrialStep) -> float:
 class StartupProfiler:
     """A run's profile: the one its resumed checkpoint holds, the cached one, or one measured now (see
     :func:`measure_profile`); after an out-of-memory error in training, the micro batch the run fell back to is
-    written into the cache, so the next run on this set-up starts under it. ``context`` builds the
-    :class:`ProfilerContext` when it is needed (after set-up)."""
+    written into the cache, so the next run on this set-up starts under it."""
 
-    def __init__(self, context: Callable[[], ProfilerContext], ranks: int) -> None:
+    def __init__(self, context: ProfilerContext, ranks: int) -> None:
         self.context, self.ranks = context, ranks
         self.result: ProfileResult | None = None
         self.saved: Mapping[str, Any] = {}  # a resumed run's
 
     def find(self, trial_step: TrialStep) -> ProfileResult:
-        context = self.context()
-        self.result = saved_profile(self.saved, self.ranks) or measure_profile(context, trial_step)
+        self.result = saved_profile(self.saved, self.ranks) or measure_profile(self.context, trial_step)
         return self.result
 
     def state_dict(self) -> dict[str, Any]:
@@ -223,7 +221,7 @@ class StartupProfiler:
         """Write ``cap_for(profiled micro batch)`` into the profile cache (from rank 0, or from any rank)."""
         if self.result is None:
             return
-        context = self.context()
+        context = self.context
         self.result.oom_cap = limit = cap_for(self.result.micro_batch)
         if any_rank or context.parallel.is_rank_zero:
             path = remember_out_of_memory(context, self.result, limit)

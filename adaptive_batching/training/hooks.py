@@ -1,14 +1,17 @@
 """The trainer's public seam: where a harness sees or changes a run (fault injection in tests, timing in benchmarks).
 
-A :class:`TrainerHooks` subclass overrides what it needs; every method here does nothing. Give one to the
-:class:`~adaptive_batching.training.trainer.Trainer` (``hooks=``), or :func:`install` one for the whole process
-before a recipe builds its trainer (a recipe run through ``tune run`` takes no arguments but its config). The
-hooks are plain calls: none reads a device value, so none makes the host wait for the device.
+A :class:`TrainerHooks` subclass overrides what it needs; every method here does nothing. Give one to
+:meth:`Trainer.build <adaptive_batching.training.trainer.Trainer.build>` (``hooks=``), or :func:`install` one for the
+whole process before a recipe builds its trainer (a recipe run through ``tune run`` takes no arguments but its
+config). The hooks see the run's :class:`~adaptive_batching.training.parts.Parts` (``parts``): its model, optimizer,
+data, step guard, feed and progress. They are plain calls: none reads a device value, so none makes the host wait
+for the device. Production code uses none of them.
 
 Where each is called, in the order a run meets them:
 
-- :meth:`~TrainerHooks.before_setup` as set-up begins, and :meth:`~TrainerHooks.after_setup` at its end, every
-  part built (``trainer.parts``), before the profile;
+- :meth:`~TrainerHooks.before_setup` as set-up begins, with the run's stop handling (``preemption``, installed:
+  the one part that exists then), and :meth:`~TrainerHooks.after_setup` at its end, every part built, before the
+  profile;
 - :meth:`~TrainerHooks.collate` once in set-up, when the collate is built: the collate the run then uses
   everywhere (training, the profiler's trial steps); a hook may wrap it, to see which samples each step takes;
 - :meth:`~TrainerHooks.before_trial` before each trial step (the profiler's, and growth's checks of a batch);
@@ -16,13 +19,14 @@ Where each is called, in the order a run meets them:
   when it finishes: not after a stop signal or an error);
 - :meth:`~TrainerHooks.before_epoch` and :meth:`~TrainerHooks.after_epoch` around an epoch's step loop (after
   its batch switch, before its save);
-- :meth:`~TrainerHooks.before_step` before each optimizer step, its micro batches collated, ``trainer.global_step``
-  steps done;
+- :meth:`~TrainerHooks.before_step` before each optimizer step, its micro batches collated,
+  ``parts.progress.global_step`` steps done;
 - :meth:`~TrainerHooks.before_forward` and :meth:`~TrainerHooks.after_loss` for each micro batch, in training and
   trial steps alike: before its forward (its tensors on the device) and with its loss, before its backward (a hook
   may raise ``torch.OutOfMemoryError`` here, or register a tensor hook that raises in the backward);
-- :meth:`~TrainerHooks.after_step` after each optimizer step, before the trainer counts it (``trainer.global_step``
-  is still the step before), with its statistics, or None when it ran out of memory and is served again.
+- :meth:`~TrainerHooks.after_step` after each optimizer step, before the trainer counts it
+  (``parts.progress.global_step`` is still the step before), with its statistics, or None when it ran out of memory
+  and is served again.
 """
 
 from __future__ import annotations
@@ -32,38 +36,39 @@ from typing import Any
 
 import torch
 
-Trainer = Any  # the Trainer (training/trainer.py imports this module)
+Preemption = Any  # faults/preemption.py's: the run's stop handling
+Parts = Any  # training/parts.py's Parts (it imports this module): every part of the run
 StepStats = Any  # training/stepping.py's: the optimizer step's statistics, or None
 
 
 class TrainerHooks:
     """No-op hooks (see the module docstring for where each is called)."""
 
-    def before_setup(self, trainer: Trainer) -> None:
+    def before_setup(self, preemption: Preemption) -> None:
         pass
 
     def collate(self, collate: Callable) -> Callable:
         return collate
 
-    def after_setup(self, trainer: Trainer) -> None:
+    def after_setup(self, parts: Parts) -> None:
         pass
 
     def before_trial(self, micro_batch: int) -> None:
         pass
 
-    def before_train(self, trainer: Trainer) -> None:
+    def before_train(self, parts: Parts) -> None:
         pass
 
-    def after_train(self, trainer: Trainer) -> None:
+    def after_train(self, parts: Parts) -> None:
         pass
 
-    def before_epoch(self, trainer: Trainer, epoch: int) -> None:
+    def before_epoch(self, parts: Parts, epoch: int) -> None:
         pass
 
-    def after_epoch(self, trainer: Trainer, epoch: int) -> None:
+    def after_epoch(self, parts: Parts, epoch: int) -> None:
         pass
 
-    def before_step(self, trainer: Trainer, micro_batches: list[dict[str, Any]]) -> None:
+    def before_step(self, parts: Parts, micro_batches: list[dict[str, Any]]) -> None:
         pass
 
     def before_forward(self, batch: dict[str, torch.Tensor]) -> None:
@@ -72,7 +77,7 @@ class TrainerHooks:
     def after_loss(self, loss: torch.Tensor) -> None:
         pass
 
-    def after_step(self, trainer: Trainer, stats: StepStats) -> None:
+    def after_step(self, parts: Parts, stats: StepStats) -> None:
         pass
 
 

@@ -8,7 +8,6 @@ window, or save and stop when even one sample does not fit.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 from typing import NoReturn
 
@@ -23,12 +22,12 @@ from adaptive_batching.profiling.profiler import StartupProfiler
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo
 from adaptive_batching.training.feed import Feed
-from adaptive_batching.training.state import Progress
+from adaptive_batching.training.state import Checkpoints, Progress
 
 
 class OomResponse:
-    """The response to an OOM in training (see the module docstring). ``save(epoch)`` writes a checkpoint;
-    the cut goes into ``profiler``'s cache."""
+    """The response to an OOM in training (see the module docstring). ``checkpoints`` saves what is done before a
+    stop; the cut goes into ``profiler``'s cache."""
 
     def __init__(
         self,
@@ -39,13 +38,13 @@ class OomResponse:
         device: torch.device,
         guard: StepGuard,
         output_dir: Path,
-        save: Callable[[int], None],
+        checkpoints: Checkpoints,
         profiler: StartupProfiler,
     ) -> None:
         self.feed, self.progress = feed, progress
         self.parallel, self.device, self.guard = parallel, device, guard
         self.output_dir = output_dir
-        self.save, self.profiler = save, profiler
+        self.checkpoints, self.profiler = checkpoints, profiler
         self.process_group_broken = False
 
     def _where(self, epoch: int, index: int) -> str:
@@ -157,7 +156,7 @@ class OomResponse:
         elif progress.saved_step != progress.global_step:
             self.feed.serve(epoch, start_step=progress.step_in_epoch)  # the loader's position: before this step
             try:
-                self.save(epoch)
+                self.checkpoints.save(epoch)
                 saved = f"saved the checkpoint of optimizer step {progress.global_step} in {output_dir}"
             except Exception as error:  # noqa: BLE001 - the previous checkpoint is still whole
                 if not is_out_of_memory(error):

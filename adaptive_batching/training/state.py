@@ -9,7 +9,7 @@ it travels inside the checkpoint folder with the weights (see :mod:`~adaptive_ba
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,9 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import checkpoints as checkpointing
 from adaptive_batching.faults import restart
+from adaptive_batching.faults.preemption import Preemption
 from adaptive_batching.runtime.distributed import ParallelInfo, barrier
+from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.model import full_optimizer_state_dict, full_state_dict, load_optimizer_state_dict
 
 
@@ -54,20 +56,6 @@ class Progress:
         self.step_in_epoch = int(state["step_in_epoch"])
 
 
-class PendingState:
-    """Holds a part's saved state in ``owner.<name>`` until the part exists (the LR schedule, which the plan
-    builds after the checkpoint is loaded)."""
-
-    def __init__(self, owner: Any, name: str) -> None:
-        self.owner, self.name = owner, name
-
-    def state_dict(self) -> dict[str, Any]:
-        return getattr(self.owner, self.name) or {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        setattr(self.owner, self.name, state)
-
-
 STATE_VERSION = 2
 """The adaptive state's format. Until the first release it changes without a migration; from then on see
 docs/contributing.md ("Each part owns its state")."""
@@ -84,6 +72,18 @@ def read_state(saved: Mapping[str, Any]) -> dict[str, Any]:
             "version that wrote it"
         )
     return dict(saved)
+
+
+class SavedState:
+    """A resumed checkpoint's adaptive state, each part's under its key: :meth:`restore` puts one into its part as
+    the part is built (every part alike; a fresh run's is empty, and restores nothing)."""
+
+    def __init__(self, saved: Mapping[str, Any] | None = None) -> None:
+        self.saved = read_state(saved) if saved is not None else {}
+
+    def restore(self, key: str, part: Stateful) -> None:
+        if self.saved.get(key) is not None:
+            part.load_state_dict(self.saved[key])
 
 
 def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool) -> None:
@@ -106,87 +106,92 @@ def check_resumable_on(checkpoint: dict[str, Any], ranks: int, *, elastic: bool)
     )
 
 
+def resume_training(
+    checkpoint: dict[str, Any],
+    *,
+    seed: int,
+    feed: Feed,
+    progress: Progress,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    parallel: ParallelInfo,
+    device: torch.device,
+    output_dir: Path,
+) -> int:
+    """What a resumed run takes from its checkpoint besides its parts' states (:class:`SavedState`): the OOM cut a
+    rank recorded before a restart, the optimizer's state where the saved run stood (the end of an epoch, or a step
+    inside one) and the seed, which it returns."""
+    if checkpoint.get(training.SEED_KEY, seed) != seed:
+        logs.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
+        seed = checkpoint[training.SEED_KEY]
+    recovery = feed.recovery
+    recorded = restart.recorded_cut(output_dir)
+    if recorded is not None and feed.adopt_cut(recorded["recovery"]):
+        capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
+        logs.info(
+            f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
+            f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}"
+        )
+    load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], parallel, device)
+    cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
+    logs.info(f"Resuming at {progress.where()} (optimizer step {progress.global_step}){cap}")
+    return seed
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What a checkpoint records of the run's length: its epochs and ``max_steps_per_epoch``."""
+
+    total_epochs: int
+    max_steps_per_epoch: int | None
+
+
 class Checkpoints:
-    """Saves the weights with everything an exact resume needs, and restores a run from them."""
+    """Saves the run, as torchtitan's ``CheckpointManager`` does: the weights, the optimizer state and every part
+    in ``states`` alike, each part's ``state_dict()`` under its key, with the format's version."""
 
     def __init__(
         self,
         checkpointer: Any,
         method: FinetuneMethod,
-        parallel: ParallelInfo,
-        device: torch.device,
-        *,
-        total_epochs: int,
-        max_steps_per_epoch: int | None,
-    ) -> None:
-        self.checkpointer = checkpointer
-        self.method = method
-        self.parallel, self.device = parallel, device
-        self.total_epochs, self.max_steps_per_epoch = total_epochs, max_steps_per_epoch
-
-    def restore(
-        self,
-        checkpoint: dict[str, Any],
-        *,
-        seed: int,
-        parts: Mapping[str, Stateful],
-        model: torch.nn.Module,
-        optimizer: torch.optim.Optimizer,
-        output_dir: Path,
-    ) -> int:
-        """Put each of ``parts`` (its key in the adaptive state: the part; among them ``progress`` and ``feed``),
-        the OOM cut a rank recorded before a restart and the optimizer where the saved run stood (the end of an
-        epoch, or a step inside one); return the run's seed."""
-        if checkpoint.get(training.SEED_KEY, seed) != seed:
-            logs.info(f"Using the checkpoint's seed {checkpoint[training.SEED_KEY]} instead of {seed}")
-            seed = checkpoint[training.SEED_KEY]
-        state = read_state(checkpoint[checkpointing.ADAPTIVE_KEY])
-        for key, part in parts.items():
-            if state.get(key) is not None:
-                part.load_state_dict(state[key])
-        feed: Any = parts["feed"]
-        where: Any = parts["progress"]
-        recovery = feed.recovery
-        recorded = restart.recorded_cut(output_dir)
-        if recorded is not None and feed.adopt_cut(recorded["recovery"]):
-            capped = f", micro batch capped at {recovery.oom_cap}" if recovery.oom_cap is not None else ""
-            logs.info(
-                f"Resuming under the cut recorded after an out-of-memory error at optimizer step "
-                f"{recorded.get('step')}: micro batches run as {recovery.split} piece(s){capped}"
-            )
-        load_optimizer_state_dict(model, optimizer, checkpoint[training.OPT_KEY], self.parallel, self.device)
-        cap = "" if recovery.oom_cap is None else f"; micro batch capped at {recovery.oom_cap} after an earlier OOM"
-        logs.info(f"Resuming at {where.where()} (optimizer step {where.global_step}){cap}")
-        return seed
-
-    def save(
-        self,
-        epoch: int,
+        states: Mapping[str, Stateful],
         *,
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         seed: int,
         progress: Progress,
-        adaptive_state: Callable[[], dict[str, Any]],
+        shape: RunShape,
+        parallel: ParallelInfo,
+        device: torch.device,
+        preemption: Preemption,
     ) -> None:
+        self.checkpointer, self.method, self.states = checkpointer, method, states
+        self.model, self.optimizer, self.seed, self.progress = model, optimizer, seed, progress
+        self.shape, self.parallel, self.device, self.preemption = shape, parallel, device, preemption
+
+    def adaptive_state(self) -> dict[str, Any]:
+        """The adaptive part of the recipe state: each part's own state under its key."""
+        return {"version": STATE_VERSION, **{key: part.state_dict() for key, part in self.states.items()}}
+
+    def save(self, epoch: int) -> None:
         """Write the weights and the full recipe state, at the end of an epoch or inside one.
 
         Both go to ``epoch_{epoch}``, swapped in whole (see checkpoints): a kill at any moment leaves
         the previous checkpoint or the new one, complete. A save inside an epoch is replaced by the one at its end.
         """
-        start = time.perf_counter()
-        weights = full_state_dict(model, self.parallel, self.device, trainable_only=self.method.adapter_only)
-        optimizer_state = full_optimizer_state_dict(model, optimizer, self.parallel, self.device)
+        start, progress = time.perf_counter(), self.progress
+        weights = full_state_dict(self.model, self.parallel, self.device, trainable_only=self.method.adapter_only)
+        optimizer_state = full_optimizer_state_dict(self.model, self.optimizer, self.parallel, self.device)
         if self.parallel.is_rank_zero:
             state = self.method.checkpoint_entries(weights)
             state.update(
                 checkpointing.recipe_state(
-                    seed=seed,
+                    seed=self.seed,
                     epochs_run=progress.epochs_run,
-                    total_epochs=self.total_epochs,
-                    max_steps_per_epoch=self.max_steps_per_epoch,
+                    total_epochs=self.shape.total_epochs,
+                    max_steps_per_epoch=self.shape.max_steps_per_epoch,
                     optimizer_state=optimizer_state,
-                    adaptive_state=adaptive_state(),
+                    adaptive_state=self.adaptive_state(),
                 )
             )
             folder = checkpointing.save_checkpoint_atomically(
@@ -199,7 +204,7 @@ class Checkpoints:
                     "epoch": epoch,
                     "step_in_epoch": progress.step_in_epoch,
                     "epochs_run": progress.epochs_run,
-                    "total_epochs": self.total_epochs,
+                    "total_epochs": self.shape.total_epochs,
                     "job_id": restart.job_id(),
                 },
             )
@@ -214,3 +219,4 @@ class Checkpoints:
             )
         barrier(self.parallel)
         progress.saved_step = progress.global_step
+        self.preemption.saved()
