@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.batching.data import data_files
 from adaptive_batching.batching.worst_case import LengthSource, WorstCase, measure
+from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.nodes import one_line, optional_component, packed, plain
 from adaptive_batching.core.paths import cache_dir
 from adaptive_batching.errors import ConfigError
@@ -58,7 +59,7 @@ def memory_setup(cfg: DictConfig) -> dict[str, Any]:
 def profiled_setup(cfg: DictConfig) -> ProfiledSetup:
     """What the profiler needs from the config: its memory fingerprint, the report's folder, ``compile``."""
     return ProfiledSetup(
-        memory=memory_setup(cfg), output_dir=Path(cfg.output_dir), compile=bool(cfg.get("compile", False))
+        memory=memory_setup(cfg), output_dir=Path(cfg.output_dir), compile=bool(cfg.get("compile", DEFAULT_COMPILE))
     )
 
 
