@@ -82,6 +82,7 @@ def starting_batch(
         )
         return Start(reference.micro_batch, reference.accumulation, None, reference)
     if growth.keep_global_batch:
+        assert profiled is not None, "keep_global_batch needs use_maximum_batch_size (validate_config), so a profile"
         shape, why = shape_keeping_global_batch(reference.global_batch, ranks, profiled)
         if optimizer_in_bwd and shape.accumulation > 1:
             raise ConfigError(
@@ -95,8 +96,8 @@ def starting_batch(
             f"Keeping the config's global batch {reference.global_batch}: {shape.describe()} ({why}); LR unchanged"
         )
         return Start(shape.micro_batch, shape.accumulation, None, reference)
-    use_profile = profiled is not None and use_maximum_batch_size
-    return Start(profiled if use_profile else reference.micro_batch, reference.accumulation, profiled, reference)
+    micro_batch = profiled if profiled is not None and use_maximum_batch_size else reference.micro_batch
+    return Start(micro_batch, reference.accumulation, profiled, reference)
 
 
 class BatchPlan:
@@ -112,8 +113,14 @@ class BatchPlan:
         self._grown: Mapping[str, Any] | None = None  # a resumed run's batch grown inside its epoch
         self.entries: list[EpochBatch] = []
         self.measured: dict[int, int] = {}  # epoch -> what a statistics-reading function returned at its start
-        self.start, self.accumulation, self.memory_cap = 1, 1, None
+        self.start, self.accumulation = 1, 1
+        self.memory_cap: int | None = None
         self.start_global_batch = 1
+
+    def _function(self) -> Callable[..., int]:
+        """The growth function, which only a growing run calls."""
+        assert self.fn is not None, "the batch grows only with a batch_increase_function"
+        return self.fn
 
     @property
     def grows_per_epoch(self) -> bool:
@@ -151,14 +158,14 @@ class BatchPlan:
         """The growth function as the plan calls it: an increment measured at an epoch start, where one was."""
         if epoch in self.measured:
             return self.measured[epoch]
-        return self.fn(epoch, current)  # type: ignore[misc]
+        return self._function()(epoch, current)
 
     def measure_at_epoch_start(self, epoch: int, stats: Mapping[str, Any]) -> int | None:
         """Let a statistics-reading function decide ``epoch``'s increment now and plan the epochs again
         (the list is changed in place); the increment, or None when nothing was asked."""
-        if not self.grows_per_epoch or epoch == 0 or epoch in self.measured or not accepts_stats(self.fn):
+        if not self.grows_per_epoch or epoch == 0 or epoch in self.measured or not accepts_stats(self._function()):
             return None
-        self.measured[epoch] = int(call_increase(self.fn, epoch, self.entries[epoch - 1].requested, stats))
+        self.measured[epoch] = int(call_increase(self._function(), epoch, self.entries[epoch - 1].requested, stats))
         self.entries[:] = self._plan()
         return self.measured[epoch]
 
@@ -173,7 +180,7 @@ class BatchPlan:
     def grow_in_period(self, epoch: int, period: int, stats: Mapping[str, Any]) -> tuple[EpochBatch, EpochBatch]:
         """The batch from growth period ``period`` on (inside ``epoch``): the entry before and the new one."""
         previous = self.entries[epoch]
-        fn = self.fn
+        fn = self._function()
         inc = checked_increment(
             lambda p, c: call_increase(fn, p, c, stats), period, seen_size(previous, self.grow_past_memory)
         )

@@ -122,7 +122,8 @@ def measure_profile(context: ProfilerContext, trial_step: TrialStep) -> ProfileR
     path, key = cache_location(context)
     cached = None if settings.reprofile else load_profile(path, key)
     # Every rank must take the same branch: use the cache only if all ranks have it (caches can be per node).
-    if minimum_over_ranks(int(cached is not None), context.parallel, context.device):
+    everyone_has_it = minimum_over_ranks(int(cached is not None), context.parallel, context.device)
+    if everyone_has_it and cached is not None:  # this rank's among them
         result = ProfileResult.from_dict(cached)
         result.max_micro_batch = minimum_over_ranks(result.max_micro_batch, context.parallel, context.device)
         result.micro_batch = choose_micro_batch(result.max_micro_batch, settings.safety_margin, settings.round_to)

@@ -43,7 +43,7 @@ from torch.torch_version import TorchVersion
 from torchtune import training
 
 # The first torch whose mix-order reduction reads an unbacked size's hint_override (see the module docstring).
-MIX_ORDER_REDUCTION_HINTED = (2, 12)
+MIX_ORDER_REDUCTION_HINTED = "2.12"
 
 
 def _unbacked(tensor: torch.Tensor) -> None:
@@ -81,7 +81,7 @@ def compile_model(model: nn.Module, verbose: bool) -> None:
     first forward with gradients has compiled the layers; inductor set for the installed torch."""
     configure_inductor()
     training.compile_model(model, verbose=verbose)
-    hooks = [model.tok_embeddings.register_forward_hook(lambda module, args, output: _mark(output))]
+    hooks = [model.get_submodule("tok_embeddings").register_forward_hook(lambda module, args, output: _mark(output))]
 
     def compiled(module: nn.Module, args: Any, output: Any) -> None:
         if torch.is_grad_enabled():

@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, modules, training
 
+from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.runtime import nf4
@@ -30,7 +31,7 @@ class ModelOptions:
     """How the model is built, from the standard torchtune recipe keys."""
 
     activation_checkpointing: bool = False
-    compile: bool = False
+    compile: bool = DEFAULT_COMPILE
     custom_sharded_layers: Sequence[str] | None = None
     reshard_after_forward: bool = True
     fsdp_cpu_offload: bool = False
@@ -38,8 +39,9 @@ class ModelOptions:
 
 def _init_buffers(model: nn.Module) -> None:
     for module in model.modules():
-        if hasattr(module, "rope_init"):
-            module.rope_init()
+        rope_init = getattr(module, "rope_init", None)
+        if rope_init is not None:
+            rope_init()
 
 
 def build_model(
