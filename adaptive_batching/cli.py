@@ -65,10 +65,10 @@ def _recipe_file(name: str) -> Path:
 
 
 def recipe_for(config: Path) -> str:
-    """The recipe that runs a config (see :func:`~adaptive_batching.config.objectives.recipe_for_model`)."""
+    """The recipe that runs a config (see :func:`~adaptive_batching.config.training_kinds.recipe_for_model`)."""
     from omegaconf import OmegaConf
 
-    from adaptive_batching.config.objectives import recipe_for_model
+    from adaptive_batching.config.training_kinds import recipe_for_model
 
     return recipe_for_model(OmegaConf.load(config))
 
@@ -167,19 +167,16 @@ def cmd_profile(args: argparse.Namespace) -> int:
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.profiling.report import write_json
     from adaptive_batching.runtime.memory import freeze_long_lived_objects
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.objectives import objective_for
-    from adaptive_batching.training.quantization import step_hooks
-    from adaptive_batching.training.trainer import Trainer
+    from adaptive_batching.training.parts import set_up
+    from adaptive_batching.training.recipe_table import method_and_objective
 
     cfg = load_config(args.config, [*args.overrides, "use_maximum_batch_size=True"])
     freeze_long_lived_objects()
     settings = validate_config(cfg)
-    method = method_for(cfg)  # QAT: fake quantization switched as the recipe switches it (step_hooks)
-    with Trainer(cfg, settings, method, objective_for(cfg), hooks=step_hooks(method)) as trainer:
-        trainer.setup()
-        result = trainer.profile()  # logs its table (rank 0)
-        if trainer.is_rank_zero and args.json:
+    method, objective = method_and_objective(cfg, profiled=settings.needs_profile)  # the config's recipe's
+    with set_up(cfg, settings, method, objective) as parts:
+        result = parts.profiler.find(parts.trial_step)  # logs its table (rank 0)
+        if parts.is_rank_zero and args.json:
             print(f"JSON report: {write_json(result, Path(args.json))}")
     return 0
 
@@ -188,18 +185,15 @@ def cmd_plan(args: argparse.Namespace) -> int:
     """Set up, profile (or read the profile cache) and print the batch plan, without training a step."""
     from adaptive_batching.config.settings import validate_config
     from adaptive_batching.runtime.memory import freeze_long_lived_objects
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.objectives import objective_for
-    from adaptive_batching.training.quantization import step_hooks
+    from adaptive_batching.training.recipe_table import method_and_objective
     from adaptive_batching.training.trainer import Trainer
 
     cfg = load_config(args.config, args.overrides)
     freeze_long_lived_objects()
     settings = validate_config(cfg)
-    method = method_for(cfg)  # QAT: fake quantization switched as the recipe switches it (step_hooks)
-    with Trainer(cfg, settings, method, objective_for(cfg), hooks=step_hooks(method)) as trainer:
-        trainer.setup()
-        trainer.make_plan(trainer.profile())
+    method, objective = method_and_objective(cfg, profiled=settings.needs_profile)  # the config's recipe's
+    with Trainer.build(cfg, settings, method, objective):
+        pass  # the build logs the plan
     return 0
 
 
@@ -216,10 +210,9 @@ def cmd_estimate(args: argparse.Namespace) -> int:
 
     from adaptive_batching.batching import worst_case
     from adaptive_batching.config.inputs import worst_case_of
-    from adaptive_batching.config.objectives import check_objective
+    from adaptive_batching.config.training_kinds import check_training_kind
     from adaptive_batching.estimate.prediction import estimate_max_micro_batch
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.objectives import objective_for
+    from adaptive_batching.training.recipe_table import method_and_objective
     from adaptive_batching.units import parse_bytes
 
     try:
@@ -229,21 +222,21 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     if args.seq_len is not None and args.seq_len < 1:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
-    check_objective(cfg)  # keys no recipe of ours trains with: refused as the recipe refuses them, before any tracing
-    objective = objective_for(cfg)  # DPO, KD: checked as its recipe checks it; its step is traced
+    check_training_kind(cfg)  # keys no recipe of ours trains with: refused as the recipe refuses them, before tracing
+    method, objective = method_and_objective(cfg, profiled=False)  # checked as the recipe checks them; traced
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
         estimate = estimate_max_micro_batch(
             cfg,
-            method_for(cfg),
+            method,
+            objective,
             device_memory_bytes=device_memory,
             fraction=args.fraction,
             world_size=args.world_size,
             exact=args.full_trace,
             seq_len=worst.tokens,
             seq_len_source=worst.source,
-            objective=None if objective.name == "finetune" else objective,
         )
     except ConfigError:
         raise  # a config key's fault, reported as such by main()

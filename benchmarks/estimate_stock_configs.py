@@ -63,18 +63,10 @@ VISION_REASON = (
 def traced(cfg: Any, seq_len: int, exact: bool = False) -> tuple[Any, Any]:
     """The config's method and its fake steps at ``seq_len`` tokens (``exact``: every layer traced)."""
     from adaptive_batching.estimate.prediction import trace_steps
-    from adaptive_batching.training.methods import method_for
-    from adaptive_batching.training.objectives import objective_for
+    from adaptive_batching.training.recipe_table import method_and_objective
 
-    method, objective = method_for(cfg), objective_for(cfg)
-    return method, trace_steps(
-        cfg,
-        method,
-        seq_len=seq_len,
-        seq_len_source="--seq-len",
-        exact=exact,
-        objective=None if objective.name == "finetune" else objective,
-    )
+    method, objective = method_and_objective(cfg, profiled=False)
+    return method, trace_steps(cfg, method, objective, seq_len=seq_len, seq_len_source="--seq-len", exact=exact)
 
 
 def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:

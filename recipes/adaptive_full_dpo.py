@@ -16,10 +16,8 @@ import sys
 from omegaconf import DictConfig
 
 from adaptive_batching.config.loading import parse
-from adaptive_batching.config.objectives import check_full_dpo
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.training.methods import FullFinetune
-from adaptive_batching.training.objectives import FullDPO
+from adaptive_batching.training.recipe_table import method_and_objective
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -28,11 +26,9 @@ def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up (the policy and its frozen reference); profile the largest micro batch of pairs that fits,
     the reference's weights resident; plan every epoch's batch and LR; train every weight, saving as it goes."""
     settings = validate_config(cfg, "adaptive_full_dpo")
-    check_full_dpo(cfg)
-    with Trainer(cfg, settings, FullFinetune(), FullDPO()) as trainer:
-        trainer.setup()
-        profile = trainer.profile()
-        trainer.train(trainer.make_plan(profile))
+    method, objective = method_and_objective(cfg, "adaptive_full_dpo", profiled=settings.needs_profile)
+    with Trainer.build(cfg, settings, method, objective) as trainer:
+        trainer.train()
 
 
 if __name__ == "__main__":

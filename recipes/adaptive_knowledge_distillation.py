@@ -18,10 +18,8 @@ import sys
 from omegaconf import DictConfig
 
 from adaptive_batching.config.loading import parse
-from adaptive_batching.config.objectives import check_kd
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.training.methods import FullFinetune, LoRAFinetune
-from adaptive_batching.training.objectives import KnowledgeDistillation
+from adaptive_batching.training.recipe_table import method_and_objective
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -30,13 +28,9 @@ def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up (the student and its frozen teacher); profile the largest micro batch that fits, the
     teacher's weights resident; plan every epoch's batch and LR; train the student, saving as it goes."""
     settings = validate_config(cfg, "adaptive_knowledge_distillation")
-    check_kd(cfg)
-    lora = "lora" in str(cfg.model.get("_component_", ""))
-    student = LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False)) if lora else FullFinetune()
-    with Trainer(cfg, settings, student, KnowledgeDistillation()) as trainer:
-        trainer.setup()
-        profile = trainer.profile()
-        trainer.train(trainer.make_plan(profile))
+    method, objective = method_and_objective(cfg, "adaptive_knowledge_distillation", profiled=settings.needs_profile)
+    with Trainer.build(cfg, settings, method, objective) as trainer:
+        trainer.train()
 
 
 if __name__ == "__main__":

@@ -15,10 +15,8 @@ import sys
 from omegaconf import DictConfig
 
 from adaptive_batching.config.loading import parse
-from adaptive_batching.config.objectives import check_lora_dpo
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.training.methods import LoRAFinetune
-from adaptive_batching.training.objectives import LoRADPO
+from adaptive_batching.training.recipe_table import method_and_objective
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -27,12 +25,9 @@ def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up; profile the largest micro batch of pairs that fits; plan every epoch's batch and LR;
     train the adapters, saving as it goes."""
     settings = validate_config(cfg, "adaptive_lora_dpo")
-    check_lora_dpo(cfg)
-    adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
-    with Trainer(cfg, settings, adapters, LoRADPO()) as trainer:
-        trainer.setup()
-        profile = trainer.profile()
-        trainer.train(trainer.make_plan(profile))
+    method, objective = method_and_objective(cfg, "adaptive_lora_dpo", profiled=settings.needs_profile)
+    with Trainer.build(cfg, settings, method, objective) as trainer:
+        trainer.train()
 
 
 if __name__ == "__main__":

@@ -17,8 +17,7 @@ from omegaconf import DictConfig
 
 from adaptive_batching.config.loading import parse
 from adaptive_batching.config.settings import validate_config
-from adaptive_batching.training.methods import LoRAFinetune
-from adaptive_batching.training.quantization import step_hooks, with_quantizer
+from adaptive_batching.training.recipe_table import method_and_objective
 from adaptive_batching.training.trainer import Trainer
 
 
@@ -27,12 +26,9 @@ def recipe_main(cfg: DictConfig) -> None:
     """Validate; set up; profile the largest micro batch that fits; plan every epoch's batch and LR; train,
     saving as it goes. Only the adapters train."""
     settings = validate_config(cfg, "adaptive_lora_finetune")
-    adapters = LoRAFinetune(cfg.model, save_adapter_weights_only=cfg.get("save_adapter_weights_only", False))
-    method = with_quantizer(cfg, adapters)  # the base weights fake-quantized when the config has a quantizer (QAT)
-    with Trainer(cfg, settings, method, hooks=step_hooks(method)) as trainer:
-        trainer.setup()
-        profile = trainer.profile()
-        trainer.train(trainer.make_plan(profile))
+    method, objective = method_and_objective(cfg, "adaptive_lora_finetune", profiled=settings.needs_profile)
+    with Trainer.build(cfg, settings, method, objective) as trainer:
+        trainer.train()
 
 
 if __name__ == "__main__":

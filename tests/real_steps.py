@@ -9,12 +9,10 @@ from typing import Any
 
 import pytest
 import torch
-from torch import nn
 from torchtune import config, modules, training
 
 from adaptive_batching.runtime.mem_tracker import FrozenAwareMemTracker
-from adaptive_batching.training.methods import method_for
-from adaptive_batching.training.objectives import objective_for
+from adaptive_batching.training.recipe_table import method_and_objective
 
 FIDELITY = 0.05  # the fine-tuning estimate's tolerance against the profiler's real steps (docs/profiler.md)
 
@@ -45,7 +43,7 @@ def real_activation_bytes(cfg: Any, micro_batch: int, seq_len: int) -> int:
     """The bytes a real step's forward and backward take above where they start: the model built and prepared as
     the recipes build it (its dtype, activation checkpointing, a quantizer's fake quantization on), the step of
     the objective its recipe trains with (with a real frozen reference or teacher), on its worst-case micro batch."""
-    objective, method = objective_for(cfg), method_for(cfg)
+    method, objective = method_and_objective(cfg, profiled=False)
     torch.manual_seed(0)
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))
     with training.set_default_dtype(dtype):
@@ -57,11 +55,9 @@ def real_activation_bytes(cfg: Any, micro_batch: int, seq_len: int) -> int:
     if hasattr(loss_fn, "num_output_chunks"):
         model.set_num_output_chunks(loss_fn.num_output_chunks)
 
-    def frozen_copy(key: str, node: str = "model") -> nn.Module:
-        return config.instantiate(cfg[node]).requires_grad_(False).eval()
-
-    with training.set_default_dtype(dtype):
-        objective.build(cfg, frozen_copy)
+    if objective.frozen is not None:
+        with training.set_default_dtype(dtype):
+            objective.hold(config.instantiate(cfg[objective.frozen.model]).requires_grad_(False).eval())
     collate = objective.collate("torchtune.data.padded_collate_sft", False, 0, loss_fn)
     batch = objective.worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=1280, packed=False)
     with one_thread():

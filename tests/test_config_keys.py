@@ -15,10 +15,11 @@ from omegaconf import DictConfig, OmegaConf
 from adaptive_batching.config.inputs import check_inputs
 from adaptive_batching.config.keys import check_top_level_keys, interpolated_keys, meant_key
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.config.objectives import DATASETS, OBJECTIVES, TRAINING_KEYS, recipe_for_model
-from adaptive_batching.config.settings import ConfigError, validate_config
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import DATASETS, TRAINING_KEYS, TRAINING_KINDS, recipe_for_model
 from adaptive_batching.core.packages import NEEDS, PIP
-from adaptive_batching.training.objectives import objective_for
+from adaptive_batching.errors import ConfigError
+from adaptive_batching.training.recipe_table import method_and_objective
 
 
 @pytest.mark.parametrize(
@@ -115,25 +116,25 @@ def test_torchtunes_keys_that_change_nothing_trained_keep_the_warning(
     [
         (
             "quantizer._component_=torchtune.training.quantization.Int8DynActInt4WeightQuantizer",
-            "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks for quantizing a "
-            "trained model (post-training quantization), which adaptive_full_finetune does not do yet; use torchtune's "
-            "quantize",
+            "config key 'quantizer' = 'torchtune.training.quantization.Int8DynActInt4WeightQuantizer' asks for "
+            "quantizing a trained model (post-training quantization), which adaptive_full_finetune does not do yet; "
+            "use torchtune's quantize",
         ),
         (
             "kd_ratio=0.5",
-            "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which adaptive_full_finetune "
-            "does not do; use adaptive_knowledge_distillation",
+            "config key 'kd_ratio' = 0.5 asks for knowledge distillation from a teacher model, which "
+            "adaptive_full_finetune does not do; use adaptive_knowledge_distillation",
         ),
         (
             "loss._component_=torchtune.modules.loss.ForwardKLWithChunkedOutputLoss",
-            "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for knowledge "
-            "distillation from a teacher model, which adaptive_full_finetune does not do; use "
+            "config key 'loss._component_' = 'torchtune.modules.loss.ForwardKLWithChunkedOutputLoss' asks for "
+            "knowledge distillation from a teacher model, which adaptive_full_finetune does not do; use "
             "adaptive_knowledge_distillation",
         ),
         (
             "loss._component_=torchtune.rlhf.loss.RSOLoss",
-            "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on chosen "
-            "and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo",
+            "config key 'loss._component_' = 'torchtune.rlhf.loss.RSOLoss' asks for preference optimisation (DPO) on "
+            "chosen and rejected answers, which adaptive_full_finetune does not do; use adaptive_full_dpo",
         ),
         (
             "dataset._component_=torchtune.datasets.hh_rlhf_helpful_dataset",
@@ -198,7 +199,7 @@ def test_the_keys_page_quotes_the_codes_own_lines(
         cfg = load_config(name, [f"assets_dir={assets}", f"output_dir={tmp_path}", override])
         with pytest.raises(ConfigError) as error:
             validate_config(cfg, recipe_for_model(cfg))
-            check_inputs(cfg, objective_for(cfg).name)  # objective_for: the objective's check, as its recipe's
+            check_inputs(cfg, method_and_objective(cfg, profiled=False)[1].name)  # checked as its recipe checks it
         assert f"config error: {error.value}".replace(str(assets), "/tmp/adaptive-batching/tiny") == quoted[key]
 
 
@@ -207,8 +208,8 @@ def test_the_keys_page_tables_name_every_training_key_objective_and_package() ->
     training = text[text.index("| keys (any value but null) |") : text.index("### Components and optional packages")]
     spans = set(re.findall(r"`([^`]+)`", training))
     assert set(TRAINING_KEYS) <= spans
-    assert {recipe for objective in OBJECTIVES.values() for recipe in objective.torchtune} <= spans
-    assert all(objective.what in training for objective in OBJECTIVES.values())
+    assert {recipe for objective in TRAINING_KINDS.values() for recipe in objective.torchtune} <= spans
+    assert all(objective.what in training for objective in TRAINING_KINDS.values())
     assert all(name in training for name in [*DATASETS, "DPOLoss", "RSOLoss", "PPOLoss", "ForwardKLLoss"])
     packages = text[text.index("| package | needed by |") : text.index("## The torchtune keys the recipes read")]
     assert set(re.findall(r"^\| `(\w+)` \|", packages, flags=re.M)) == set(PIP)

@@ -20,8 +20,8 @@ from torchtune.models.llama3 import lora_llama3
 from torchtune.rlhf.loss import DPOLoss
 
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.config.objectives import check_lora_dpo, recipe_for_model
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import check_lora_dpo, recipe_for_model
 from adaptive_batching.core.objective import sample_length
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.training.objectives import LoRADPO, PairCollate
@@ -117,8 +117,8 @@ def test_the_stock_lora_dpo_configs_validate_by_name_for_adaptive_lora_dpo(name:
         ),
         (
             "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
-            "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_lora_dpo trains "
-            "with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss",
+            "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_lora_dpo "
+            "trains with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss",
         ),
     ],
 )

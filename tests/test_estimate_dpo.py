@@ -24,8 +24,8 @@ from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.estimate.layer_timeline import repeats
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
-from adaptive_batching.training.methods import method_for
-from adaptive_batching.training.objectives import FullDPO, LoRADPO, objective_for
+from adaptive_batching.training.objectives import FullDPO, LoRADPO, SupervisedFinetune
+from adaptive_batching.training.recipe_table import method_and_objective, student
 
 MiB = 2**20
 SEQ_LEN = 32
@@ -38,12 +38,12 @@ def _cfg(name: str, *overrides: str) -> Any:
     return load_config(str(CONFIGS / f"{name}.yaml"), [LAYERS, *overrides])
 
 
-def _trace(name: str, *overrides: str, objective: Any = "of the config") -> StepTrace:
+def _trace(name: str, *overrides: str, objective: Any = None) -> StepTrace:
+    """The trace of config ``name``, of the step of the objective its recipe trains with, or of ``objective``."""
     cfg = _cfg(name, *overrides)
-    if objective == "of the config":
-        objective = objective_for(cfg)
-        objective = None if objective.name == "finetune" else objective
-    return trace_steps(cfg, method_for(cfg), seq_len=SEQ_LEN, objective=objective)
+    if objective is not None:  # the model's method (LoRA or full), without the checks of the config's objective
+        return trace_steps(cfg, student(cfg), objective, seq_len=SEQ_LEN)
+    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=SEQ_LEN)
 
 
 def test_repeats_of_a_dpo_pass_expand_the_middle_layer_of_each_forward_and_the_backward() -> None:
@@ -183,7 +183,7 @@ def test_the_dpo_step_extrapolated_matches_the_full_trace(traces: dict[str, Any]
     below."""
     name = "tiny_full_dpo"
     cfg = _cfg(name)
-    full = trace_steps(cfg, method_for(cfg), seq_len=SEQ_LEN, exact=True, objective=objective_for(cfg))
+    full = trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=SEQ_LEN, exact=True)
     fast = traces[name]
     assert sorted(fast.probes) == sorted(full.probes) and fast.traced_layers == 3 and full.traced_layers == 5
     for micro_batch, exact in full.probes.items():
@@ -198,7 +198,7 @@ def test_full_dpo_counts_the_reference_weights_sharded_as_the_policy(traces: dic
     """The same model fine-tuned (cross-entropy) holds the policy and its optimizer state; full DPO holds the
     frozen reference's weights besides, whole on one rank and half of them on each of 2."""
     dpo = traces["tiny_full_dpo"]
-    finetune = _trace("tiny_full_dpo", CE, "~loss.beta", objective=None)
+    finetune = _trace("tiny_full_dpo", CE, "~loss.beta", objective=SupervisedFinetune())
     with torch.device("meta"):
         model = config.instantiate(_cfg("tiny_full_dpo").model)
     weights = sum(t.numel() * t.element_size() for t in (*model.parameters(), *model.buffers()))  # and rotary caches

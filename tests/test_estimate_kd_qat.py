@@ -25,8 +25,8 @@ from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.estimate.layer_timeline import repeats
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
-from adaptive_batching.training.methods import method_for
-from adaptive_batching.training.objectives import objective_for
+from adaptive_batching.training.objectives import SupervisedFinetune
+from adaptive_batching.training.recipe_table import method_and_objective
 
 MiB = 2**20
 SEQ_LEN = 32
@@ -52,9 +52,8 @@ def _cfg(name: str, overrides: tuple[str, ...]) -> Any:
 
 def _trace(name: str, overrides: tuple[str, ...], *, exact: bool = False, finetune: bool = False) -> StepTrace:
     cfg = _cfg(name, overrides)
-    objective = objective_for(cfg)
-    objective = None if finetune or objective.name == "finetune" else objective
-    return trace_steps(cfg, method_for(cfg), seq_len=SEQ_LEN, exact=exact, objective=objective)
+    method, objective = method_and_objective(cfg, profiled=False)
+    return trace_steps(cfg, method, SupervisedFinetune() if finetune else objective, seq_len=SEQ_LEN, exact=exact)
 
 
 class _Traces(dict):

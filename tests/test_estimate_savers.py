@@ -18,9 +18,9 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.estimate.optimizer_state import BitsAndBytesStandIn, build_optimizer, stand_in_spec
+from adaptive_batching.estimate.optimizer_state import BitsAndBytesStandIn, fake_optimizer, stand_in_spec
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
-from adaptive_batching.training.methods import method_for
+from adaptive_batching.training.recipe_table import method_and_objective
 
 MiB = 2**20
 IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
@@ -29,7 +29,7 @@ PAGED_8BIT = "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"
 
 def _trace(overrides: list[str], seq_len: int = 64, exact: bool = False, config: str = "tiny_full.yaml") -> StepTrace:
     cfg = load_config(str(CONFIGS / config), ["model.num_layers=4", *overrides])
-    return trace_steps(cfg, method_for(cfg), seq_len=seq_len, exact=exact)
+    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=seq_len, exact=exact)
 
 
 def _same_probes(fast: StepTrace, full: StepTrace) -> None:
@@ -134,9 +134,7 @@ def test_the_stand_in_keeps_bitsandbytes_state_at_its_real_size(name: str) -> No
     component = f"bitsandbytes.optim.{name}"
     from omegaconf import OmegaConf
 
-    optimizer = build_optimizer(
-        OmegaConf.create({"optimizer": {"_component_": component, "lr": 1e-3}}), list(model.parameters())
-    )
+    optimizer = fake_optimizer(OmegaConf.create({"_component_": component, "lr": 1e-3}), list(model.parameters()))
     assert isinstance(optimizer, BitsAndBytesStandIn)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
@@ -163,10 +161,8 @@ def test_a_parameter_of_exactly_min_8bit_size_values_keeps_8bit_state(min_8bit_s
     from omegaconf import OmegaConf
 
     at, below = nn.Parameter(torch.zeros(min_8bit_size)), nn.Parameter(torch.zeros(min_8bit_size - 1))
-    optimizer = build_optimizer(
-        OmegaConf.create(
-            {"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit", "min_8bit_size": min_8bit_size}}
-        ),
+    optimizer = fake_optimizer(
+        OmegaConf.create({"_component_": "bitsandbytes.optim.AdamW8bit", "min_8bit_size": min_8bit_size}),
         [at, below],
     )
     for p in (at, below):
@@ -190,8 +186,8 @@ def test_paged_state_is_that_of_parameters_of_100k_values() -> None:
         model = nn.Sequential(nn.Linear(512, 256), nn.Linear(256, 8))  # 131,072 and 2,048 values
         from omegaconf import OmegaConf
 
-        optimizer = build_optimizer(
-            OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.PagedAdamW8bit"}}),
+        optimizer = fake_optimizer(
+            OmegaConf.create({"_component_": "bitsandbytes.optim.PagedAdamW8bit"}),
             list(model.parameters()),
         )
         for p in model.parameters():
@@ -208,8 +204,8 @@ def test_the_stand_in_matches_bitsandbytes_when_it_is_installed() -> None:
     for name in ("AdamW8bit", "PagedAdamW8bit", "PagedAdamW"):
         model = _layers()
         real = getattr(bnb.optim, name)(model.parameters(), lr=1e-3)
-        stand_in = build_optimizer(
-            OmegaConf.create({"optimizer": {"_component_": f"bitsandbytes.optim.{name}"}}), list(model.parameters())
+        stand_in = fake_optimizer(
+            OmegaConf.create({"_component_": f"bitsandbytes.optim.{name}"}), list(model.parameters())
         )
         for p in model.parameters():
             p.grad = torch.zeros_like(p)
@@ -249,7 +245,7 @@ def test_the_stock_8b_paged_8bit_config_is_estimated(monkeypatch: pytest.MonkeyP
     bitsandbytes' step with it installed; its state is 2 bytes a parameter (8-bit moments), all paged."""
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     cfg = load_config("llama3_1/8B_full_single_device")
-    trace = trace_steps(cfg, method_for(cfg), seq_len=2048)
+    trace = trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=2048)
     estimate = predict(trace, device_memory_bytes=80 * 2**30, verify=False)
     parameters = 8_030_261_248
     assert estimate.paged_state_bytes == pytest.approx(2 * parameters, rel=0.01)
@@ -300,7 +296,7 @@ def test_an_argument_the_bitsandbytes_optimizer_does_not_take_is_named() -> None
 
     cfg = OmegaConf.create({"optimizer": {"_component_": "bitsandbytes.optim.AdamW8bit", "momentum": 0.9}})
     with pytest.raises(ConfigError, match=r"'optimizer.momentum'.*allowed:"):
-        build_optimizer(cfg, list(nn.Linear(2, 2).parameters()))
+        fake_optimizer(cfg.optimizer, list(nn.Linear(2, 2).parameters()))
     assert stand_in_spec("bitsandbytes.optim.adamw.PagedAdamW8bit") == (2, 8, True)
     assert stand_in_spec("torch.optim.AdamW") is None and stand_in_spec("bitsandbytes.optim.SGD") is None
 

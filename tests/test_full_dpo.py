@@ -17,10 +17,11 @@ from torchtune.models.llama3 import llama3
 from torchtune.rlhf.loss import DPOLoss
 
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.config.objectives import check_full_dpo, check_lora_dpo, recipe_for_model
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import check_full_dpo, check_lora_dpo, recipe_for_model
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.training.objectives import FullDPO, LoRADPO, PairCollate, objective_for
+from adaptive_batching.training.objectives import FullDPO, LoRADPO, PairCollate
+from adaptive_batching.training.recipe_table import method_and_objective
 
 HERE = Path(__file__).parent
 CONFIG = HERE.parent / "configs" / "tiny_full_dpo.yaml"
@@ -31,8 +32,8 @@ def test_the_stock_full_dpo_config_validates_by_name_for_adaptive_full_dpo() -> 
     assert recipe_for_model(cfg) == "adaptive_full_dpo"
     assert validate_config(cfg, "adaptive_full_dpo").use_maximum_batch_size
     check_full_dpo(cfg)
-    assert isinstance(objective_for(cfg), FullDPO)
-    assert type(objective_for(load_config("tiny_lora_dpo"))) is LoRADPO
+    assert isinstance(method_and_objective(cfg, profiled=True)[1], FullDPO)
+    assert type(method_and_objective(load_config("tiny_lora_dpo"), profiled=True)[1]) is LoRADPO
 
 
 def test_tune_cp_copies_the_stock_config_and_ours_names_the_recipe(
@@ -67,8 +68,8 @@ def test_tune_cp_copies_the_stock_config_and_ours_names_the_recipe(
         (
             "tiny_full_dpo",
             "loss._component_=torchtune.modules.loss.CEWithChunkedOutputLoss",
-            "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_full_dpo trains "
-            "with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss",
+            "config key 'loss._component_' = 'torchtune.modules.loss.CEWithChunkedOutputLoss': adaptive_full_dpo "
+            "trains with torchtune.rlhf.loss.DPOLoss or torchtune.rlhf.loss.RSOLoss",
         ),
         (
             "tiny_full_dpo",
@@ -176,7 +177,7 @@ def test_the_reference_forward_runs_without_autograd_on_the_reference_model() ->
     from torchtune.data import padded_collate_dpo
 
     policy, reference, objective = _tiny(0), _tiny(1), FullDPO()
-    objective.reference_model = reference.eval().requires_grad_(False)
+    objective.hold(reference.eval().requires_grad_(False))
     seen: list[tuple[str, tuple[int, ...], bool]] = []
     for name, model in (("policy", policy), ("reference", reference)):
         model.register_forward_pre_hook(
@@ -326,6 +327,8 @@ def test_two_ranks_profile_with_the_reference_sharded_and_train(assets: Path, ru
     assert report["micro_batch"] == int(chosen[2])
     saved = sorted(p.name for p in (out / "epoch_0").iterdir())
     assert "recipe_state.pt" in saved and not [name for name in saved if "ref" in name]
-    finals = [l.split("last loss ")[1] for l in result.stderr.splitlines() if "finished at optimizer step 2" in l]
+    finals = [
+        line.split("last loss ")[1] for line in result.stderr.splitlines() if "finished at optimizer step 2" in line
+    ]
     assert len(finals) == 2 and finals[0] == finals[1], result.stderr[-3000:]
     assert warning_lines(result) == []  # no warning at 2 ranks (issue 53)

@@ -29,11 +29,12 @@ from torchtune.models.llama3 import llama3, lora_llama3
 from torchtune.modules.loss import CEWithChunkedOutputLoss, ForwardKLWithChunkedOutputLoss
 
 from adaptive_batching.config.loading import load_config
-from adaptive_batching.config.objectives import check_kd, recipe_for_model
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import check_kd, recipe_for_model
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults.checkpoints import MARKER
-from adaptive_batching.training.objectives import KnowledgeDistillation, objective_for
+from adaptive_batching.training.objectives import KnowledgeDistillation
+from adaptive_batching.training.recipe_table import TEACHER, distillation, method_and_objective
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -53,7 +54,7 @@ def test_the_stock_kd_configs_validate_by_name_for_adaptive_knowledge_distillati
     assert recipe_for_model(cfg) == "adaptive_knowledge_distillation"
     assert validate_config(cfg, "adaptive_knowledge_distillation").use_maximum_batch_size
     check_kd(cfg)
-    assert isinstance(objective_for(cfg), KnowledgeDistillation)
+    assert isinstance(method_and_objective(cfg, profiled=True)[1], KnowledgeDistillation)
 
 
 def test_tune_cp_copies_a_stock_kd_config_and_ours_names_the_recipe(
@@ -141,7 +142,7 @@ def test_the_teacher_is_frozen_from_its_own_checkpoint_and_the_trials_count_its_
 
     cfg = load_config("tiny_kd", [f"assets_dir={assets}"])
     one_rank, cpu = ParallelInfo(world_size=1, rank=0, local_rank=0), torch.device("cpu")
-    objective = KnowledgeDistillation()
+    objective = distillation(cfg)
     checkpoint = config.instantiate(cfg.checkpointer, should_load_recipe_state=False).load_checkpoint()
     parts = build_components(
         cfg,
@@ -220,7 +221,7 @@ def test_a_student_without_adapters_trains_every_weight_against_the_frozen_teach
     )
     check_kd(cfg)
     assert recipe_for_model(cfg) == "adaptive_knowledge_distillation"
-    objective = KnowledgeDistillation()
+    objective = distillation(cfg)
     checkpoint = config.instantiate(cfg.checkpointer, should_load_recipe_state=False).load_checkpoint()
     parts = build_components(
         cfg,
@@ -240,7 +241,8 @@ def test_a_student_without_adapters_trains_every_weight_against_the_frozen_teach
 
 def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as_torchtune() -> None:
     """The teacher's forward (a larger model, same vocabulary) without autograd, then the student's with it, on the
-    same tokens; the loss is (1 - kd_ratio) x CE + kd_ratio x forward KL on the shifted labels, x the tokens that count."""
+    same tokens; the loss is (1 - kd_ratio) x CE + kd_ratio x forward KL on the shifted labels, x the tokens that
+    count."""
     torch.manual_seed(0)
     student = lora_llama3(
         lora_attn_modules=["q_proj", "v_proj"],
@@ -264,8 +266,8 @@ def test_a_micro_batch_runs_the_teacher_without_autograd_and_mixes_the_losses_as
     ce, kd = CEWithChunkedOutputLoss(num_output_chunks=2), ForwardKLWithChunkedOutputLoss(num_output_chunks=2)
     student.set_num_output_chunks(2)
     teacher.set_num_output_chunks(2)
-    objective = KnowledgeDistillation()
-    objective.teacher, objective.kd_loss_fn, objective.kd_ratio = teacher, kd, 0.25
+    objective = KnowledgeDistillation(kd, 0.25, TEACHER)
+    objective.hold(teacher)
     seen: list[tuple[str, bool]] = []
     for name, model in (("student", student), ("teacher", teacher)):
         model.register_forward_pre_hook(lambda module, args, name=name: seen.append((name, torch.is_grad_enabled())))
@@ -574,6 +576,8 @@ def test_two_ranks_profile_a_stock_kd_copy_with_the_teacher_sharded_and_exit_cle
     assert chosen and 1 <= int(chosen[2]) <= int(chosen[1]), result.stderr[-3000:]
     rows = read_metrics(out / "logs")
     assert [row["micro_batch_size"] for row in rows] == [int(chosen[2])] * 2 and "kd_loss" in rows[0]
-    finals = [l.split("last loss ")[1] for l in result.stderr.splitlines() if "finished at optimizer step 2" in l]
+    finals = [
+        line.split("last loss ")[1] for line in result.stderr.splitlines() if "finished at optimizer step 2" in line
+    ]
     assert len(finals) == 2 and finals[0] == finals[1], result.stderr[-3000:]
     assert warning_lines(result) == []  # the student's adapters drawn on a CPU mesh warned once per rank (issue 53)

@@ -17,8 +17,8 @@ from torchtune._recipe_registry import get_all_recipes
 from adaptive_batching.config.inputs import check_inputs
 from adaptive_batching.config.keys import RECIPE_KEYS
 from adaptive_batching.config.loading import load_config, stock_configs
-from adaptive_batching.config.objectives import check_full_dpo, check_kd, check_lora_dpo, recipe_for_model
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import check_full_dpo, check_kd, check_lora_dpo, recipe_for_model
 from adaptive_batching.errors import ConfigError
 
 # Each recipe: the objective it trains (``TrainingObjective.name``) and the check it runs after validate_config.

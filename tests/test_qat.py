@@ -28,20 +28,21 @@ from test_oom_recovery import faulty_run, ok
 from test_preemption import logged_steps, stopped
 
 from adaptive_batching.config.loading import load_config, stock_configs
-from adaptive_batching.config.objectives import recipe_for_model
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import recipe_for_model
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.training.hooks import TrainerHooks
-from adaptive_batching.training.methods import FullFinetune, method_for
+from adaptive_batching.faults.guard import StepGuard
+from adaptive_batching.runtime.distributed import ParallelInfo
+from adaptive_batching.training.methods import FullFinetune, LoRAFinetune
 from adaptive_batching.training.quantization import (
     FakeQuantizedLoRALinear,
-    FakeQuantSteps,
     QuantizationAware,
     fake_quantizers,
+    quantization_aware,
     set_fake_quant,
-    step_hooks,
-    with_quantizer,
 )
+from adaptive_batching.training.recipe_table import method_and_objective
+from adaptive_batching.training.stepping import StepRunner
 
 pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
 
@@ -64,10 +65,12 @@ def test_the_stock_qat_configs_validate_by_name_for_our_recipe_with_their_quanti
     cfg = load_config(name)
     assert recipe_for_model(cfg) == recipe
     validate_config(cfg, recipe)
-    method = method_for(cfg)
+    method, _ = method_and_objective(cfg, recipe, profiled=True)
     assert isinstance(method, QuantizationAware) and method.mode == "8da4w-qat"
     assert method.quantizer.groupsize == 256 and method.quantizer.precision == torch.bfloat16
-    assert method.method.name == ("lora" if "lora" in recipe else "full")
+    assert isinstance(method.method, LoRAFinetune if "lora" in recipe else FullFinetune) and method.lora == (
+        "lora" in recipe
+    )
 
 
 def test_the_dpo_recipes_refuse_a_quantizer_naming_the_fine_tuning_recipes() -> None:
@@ -86,9 +89,9 @@ def test_the_dpo_recipes_refuse_a_quantizer_naming_the_fine_tuning_recipes() -> 
     [
         (
             ["fake_quant_after_n_steps=3"],
-            "config key 'fake_quant_after_n_steps' = 3 needs config key 'quantizer' (a QAT "
-            "quantizer: torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer or Int4WeightOnlyQATQuantizer); "
-            "without one nothing is fake-quantized",
+            "config key 'fake_quant_after_n_steps' = 3 needs config key 'quantizer' (a QAT quantizer: "
+            "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer or Int4WeightOnlyQATQuantizer); without "
+            "one nothing is fake-quantized",
         ),
         (
             [f"quantizer._component_={QAT_QUANTIZER}", "fake_quant_after_n_steps=-1"],
@@ -106,7 +109,7 @@ def test_bad_qat_keys_are_one_line_before_any_model_loads(overrides: list[str], 
     cfg = load_config("tiny_full", overrides)
     validate_config(cfg, "adaptive_full_finetune")
     with pytest.raises(ConfigError) as error:
-        with_quantizer(cfg, FullFinetune())
+        quantization_aware(cfg, FullFinetune(), profiled=True)
     assert str(error.value) == line
 
 
@@ -121,11 +124,11 @@ def test_a_post_training_quantizer_is_refused_naming_torchtunes_quantize() -> No
         validate_config(cfg, "adaptive_lora_finetune")
 
 
-def _meta_model(name: str, overrides: list[str] = ()) -> tuple[Any, torch.nn.Module]:
+def _meta_model(name: str, overrides: list[str] = (), profiled: bool = True) -> tuple[Any, torch.nn.Module]:
     from torchtune import config
 
     cfg = load_config(name, list(overrides))
-    method = method_for(cfg)
+    method, _ = method_and_objective(cfg, profiled=profiled)
     with torch.device("meta"):
         model = config.instantiate(cfg.model)
     method.configure(model)
@@ -184,67 +187,67 @@ def test_the_lora_layer_is_torchtunes_qat_lora_step_on_torchaos_fake_quantizers(
     assert torch.equal(qat(x), lora(x))
 
 
-class _Recorder(TrainerHooks):
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    def before_trial(self, micro_batch: int) -> None:
-        self.calls.append(f"trial {micro_batch}")
-
-    def before_step(self, trainer: Any, micro_batches: list) -> None:
-        self.calls.append(f"step {trainer.global_step}")
-
-
-def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_training() -> None:
-    """Trials (the profile, growth's checks) always measure the fake-quantized step; each training step then runs
-    as ``fake_quant_after_n_steps=2`` says, whatever came before it (a resume, a trial); the installed hooks still
-    see every call."""
-    method, model = _meta_model("tiny_qat_lora", ["fake_quant_after_n_steps=2"])
-    inner = _Recorder()
-    hooks = step_hooks(method, inner)
-    assert isinstance(hooks, FakeQuantSteps) and step_hooks(FullFinetune(), inner) is inner
-    trainer = type(
-        "T",
-        (),
-        {
-            "global_step": 0,
-            "parts": type("P", (), {"model": model})(),
-            "settings": type("S", (), {"needs_profile": True})(),
-        },
-    )()
-    hooks.after_setup(trainer)
-    states = []
-    for event, step in (("trial", 4), ("step", 0), ("step", 1), ("trial", 8), ("step", 1), ("step", 2), ("step", 3)):
-        trainer.global_step = step
-        hooks.before_trial(step) if event == "trial" else hooks.before_step(trainer, [])
-        states.append({q.enabled for q in fake_quantizers(model)})
-    assert states == [{True}, {False}, {False}, {True}, {False}, {True}, {True}]
-    assert inner.calls == ["trial 4", "step 0", "step 1", "trial 8", "step 1", "step 2", "step 3"]
+def _runner(method: Any, model: torch.nn.Module) -> StepRunner:
+    one_rank = ParallelInfo(world_size=1, rank=0, local_rank=0)
+    cpu = torch.device("cpu")
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    return StepRunner(
+        model,
+        optimizer,
+        None,
+        StepGuard(one_rank, cpu),
+        one_rank,
+        cpu,
+        None,
+        True,
+        lambda: (1, None, "."),
+        method=method,
+    )
 
 
-def test_the_qat_line_is_the_trainers_and_names_the_trials_only_when_the_run_profiles(
+def test_fake_quantization_is_on_for_every_trial_and_follows_the_step_in_training(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """``estimate`` builds the model through ``configure`` and runs no trial: configure says nothing. The trainer's
-    set-up says the line, with the trials only when the run profiles (``adaptive-batching estimate`` prints its
-    own QAT line)."""
+    """The step runner asks the method before each step: trials (the profile, growth's checks) always measure the
+    fake-quantized step; each training step then runs as ``fake_quant_after_n_steps=2`` says, whatever came before it
+    (a resume, a trial). It says the state at the run's first step and where it turns on."""
+    method, model = _meta_model("tiny_qat_lora", ["fake_quant_after_n_steps=2"])
+    runner = _runner(method, model)
+    states = []
     with caplog.at_level("INFO"):
-        method, model = _meta_model("tiny_qat_lora", ["fake_quant_after_n_steps=2"])
-    assert not [r for r in caplog.records if "Quantization-aware training" in r.getMessage()]
+        for event, step in (
+            ("trial", 4),
+            ("step", 0),
+            ("step", 1),
+            ("trial", 8),
+            ("step", 1),
+            ("step", 2),
+            ("step", 3),
+        ):
+            runner._fake_quantize(None if event == "trial" else step)
+            states.append({q.enabled for q in fake_quantizers(model)})
+    assert states == [{True}, {False}, {False}, {True}, {False}, {True}, {True}]
+    said = [r.getMessage() for r in caplog.records if "fake quantization" in r.getMessage()]
+    assert said == ["Step 0: fake quantization off, on from step 2", "Step 2: fake quantization on"]
+    plain, plain_model = _meta_model("tiny_lora")
+    assert plain.fake_quantization is None
+    _runner(plain, plain_model)._fake_quantize(0)  # a method without fake quantization: nothing to switch
+
+
+def test_the_qat_line_is_said_when_the_weights_load_and_names_the_trials_only_when_the_run_profiles(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """``estimate`` builds the model through ``configure`` and runs no trial: configure says nothing. A run's set-up
+    says the line once the weights are loaded, with the trials only when the run profiles (``adaptive-batching
+    estimate`` prints its own QAT line)."""
     said = []
     for profiles in (True, False):
-        trainer = type(
-            "T",
-            (),
-            {
-                "global_step": 0,
-                "parts": type("P", (), {"model": model})(),
-                "settings": type("S", (), {"needs_profile": profiles})(),
-            },
-        )()
         caplog.clear()
         with caplog.at_level("INFO"):
-            step_hooks(method, _Recorder()).after_setup(trainer)
+            method, model = _meta_model("tiny_qat_lora", ["fake_quant_after_n_steps=2"], profiled=profiles)
+        assert not [r for r in caplog.records if "Quantization-aware training" in r.getMessage()]
+        with caplog.at_level("INFO"):
+            method.after_load(model, [], [])
         said += [r.getMessage() for r in caplog.records if "Quantization-aware training" in r.getMessage()]
     start = (
         "Quantization-aware training (Int8DynActInt4WeightQATQuantizer, 8da4w-qat, groupsize 32): 12 LoRA layers' "

@@ -23,7 +23,7 @@ from adaptive_batching.estimate.fake_steps import build_fake
 from adaptive_batching.profiling.max_micro_batch import preserved_training_state
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import current_bytes, live_tensor_bytes
-from adaptive_batching.training.methods import method_for
+from adaptive_batching.training.recipe_table import method_and_objective
 
 CPU = torch.device("cpu")
 
@@ -79,7 +79,7 @@ def test_estimate_counts_fake_nf4_weights_at_their_real_bytes() -> None:
     """The model ``estimate`` builds on fake tensors holds what the real one holds (within 1%)."""
     cfg = load_config(str(CONFIGS / "tiny_qlora.yaml"))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model, _, _ = build_fake(cfg, method_for(cfg), torch.float32, fake)
+    model, _, _ = build_fake(cfg, method_and_objective(cfg, profiled=False)[0], torch.float32, fake)
     assert all(isinstance(p, NF4Tensor) for n, p in model.named_parameters() if n.endswith("w1.weight"))
     with fake:
         counted = current_bytes(CPU, model)

@@ -18,8 +18,8 @@ from torchtune._recipe_registry import get_all_recipes
 from adaptive_batching.cli import main
 from adaptive_batching.config.keys import TORCHTUNE_OTHER_KEYS, check_top_level_keys
 from adaptive_batching.config.loading import FINETUNE_RECIPES, load_config, resolve_config, stock_configs
-from adaptive_batching.config.objectives import OBJECTIVES, OURS, TRAINING_KEYS
 from adaptive_batching.config.settings import validate_config
+from adaptive_batching.config.training_kinds import OURS, TRAINING_KEYS, TRAINING_KINDS
 from adaptive_batching.errors import ConfigError, ConfigNotFound
 from adaptive_batching.training import stepping
 from adaptive_batching.training.stepping import StepStats, step_metrics
@@ -127,7 +127,7 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
         rf"config key '[\w.\[\]]+'( = [^ ]+)?( \(with [^)]+\))? asks for (?P<what>.+), which "
         rf"{recipe} does not do(?: yet; use torchtune's (?P<recipes>[\w/, ]+)|; use (?P<ours>\w+))"
     )
-    trained = {stock for objective in OURS[recipe] for stock in OBJECTIVES[objective].torchtune}
+    trained = {stock for objective in OURS[recipe] for stock in TRAINING_KINDS[objective].torchtune}
     refused = {}
     for name, (stock_recipe, path) in EVERY_STOCK.items():
         if stock_recipe not in OTHER_TRAINING or stock_recipe in trained:
@@ -138,15 +138,15 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
         match = pattern.fullmatch(line)
         assert match and "\n" not in line, line
         if match["ours"]:
-            assert any(stock_recipe in OBJECTIVES[o].torchtune for o in OURS[match["ours"]]), line
+            assert any(stock_recipe in TRAINING_KINDS[o].torchtune for o in OURS[match["ours"]]), line
         else:
             assert stock_recipe in re.split(r", | or ", match["recipes"]), line
         refused[name] = match["what"]
     # 5 DPO, 4 KD, 6 QAT, 1 PPO, 1 quantize, 1 multi-data-set
     assert len(refused) == 18 - 5 * ("dpo" in OURS[recipe]) - 6 * ("qat" in OURS[recipe]) - 4 * ("kd" in OURS[recipe])
-    assert "dpo" in OURS[recipe] or refused["llama3_1/8B_lora_dpo_single_device"] == OBJECTIVES["dpo"].what
-    assert "kd" in OURS[recipe] or refused["llama3_2/8B_to_1B_KD_lora_single_device"] == OBJECTIVES["kd"].what
-    assert "qat" in OURS[recipe] or refused["llama3_2/1B_qat_lora"] == OBJECTIVES["qat"].what
+    assert "dpo" in OURS[recipe] or refused["llama3_1/8B_lora_dpo_single_device"] == TRAINING_KINDS["dpo"].what
+    assert "kd" in OURS[recipe] or refused["llama3_2/8B_to_1B_KD_lora_single_device"] == TRAINING_KINDS["kd"].what
+    assert "qat" in OURS[recipe] or refused["llama3_2/1B_qat_lora"] == TRAINING_KINDS["qat"].what
 
 
 @pytest.mark.parametrize(
@@ -154,9 +154,9 @@ def test_every_stock_config_of_another_training_recipe_is_refused_naming_that_re
     [
         (
             "mistral/7B_full_ppo_low_memory",
-            "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with "
-            "'reward_and_value_model', 'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement "
-            "learning from a reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
+            "config key 'policy_model' = 'torchtune.models.mistral.mistral_7b' (with 'reward_and_value_model', "
+            "'ref_policy_checkpointer', 'value_checkpointer' and 14 more) asks for reinforcement learning from a "
+            "reward model (PPO), which adaptive_full_finetune does not do yet; use torchtune's "
             "ppo_full_finetune_single_device",
         ),
     ],
@@ -214,7 +214,7 @@ def test_estimate_traces_a_stock_dpo_config(capsys: pytest.CaptureFixture) -> No
 def test_a_recipe_of_ours_that_trains_so_is_named_and_runs_the_config(name: str) -> None:
     """The 4 stock KD configs validate by name for adaptive_knowledge_distillation (the recipe that runs them, as
     ``cp`` says); a fine-tuning recipe refuses them naming it (issue 38.1)."""
-    from adaptive_batching.config.objectives import check_kd, recipe_for_model
+    from adaptive_batching.config.training_kinds import check_kd, recipe_for_model
 
     cfg = load_config(name)
     assert recipe_for_model(cfg) == "adaptive_knowledge_distillation"
@@ -298,10 +298,10 @@ def _trace_2048(name: str) -> Any:
     """The config's fine-tuning steps traced on fake tensors at 2048-token samples, once a module: predictions for
     several devices share one trace (``StepTrace``)."""
     from adaptive_batching.estimate.prediction import trace_steps
-    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.recipe_table import method_and_objective
 
     cfg = load_config(name)
-    return trace_steps(cfg, method_for(cfg), seq_len=2048, seq_len_source="--seq-len")
+    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=2048, seq_len_source="--seq-len")
 
 
 @pytest.mark.e2e
@@ -330,14 +330,14 @@ def test_estimate_fits_qlora_8b_on_24_gib_with_nf4_weights_at_their_real_bytes()
     from torchtune import config as tune_config
 
     from adaptive_batching.estimate.prediction import predict
-    from adaptive_batching.training.methods import method_for
+    from adaptive_batching.training.recipe_table import method_and_objective
 
     cfg = load_config("llama3_1/8B_qlora_single_device")
     estimate = predict(_trace_2048("llama3_1/8B_qlora_single_device"), device_memory_bytes=24 * 2**30, verify=False)
     assert estimate.max_micro_batch >= 1
     with torch.device("meta"):
         model = tune_config.instantiate(cfg.model)
-    method_for(cfg).configure(model)
+    method_and_objective(cfg, profiled=False)[0].configure(model)
     nf4 = [p.numel() for p in model.parameters() if isinstance(p, NF4Tensor)]
     layout = sum(n // 2 + n // 64 + 4 * (n // (64 * 256)) + 68 for n in nf4)
     dense = sum(2 * p.numel() for p in model.parameters() if not isinstance(p, NF4Tensor))

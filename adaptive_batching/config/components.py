@@ -32,7 +32,7 @@ from adaptive_batching.errors import ConfigError
 # Read keys whose components are not built from here: ours with their own check, and a refused one's.
 _NOT_BUILT = frozenset({"batch_increase_function", "profiler"})
 # The nodes every recipe builds, and what each is; the others are optional (null: off) or an objective's own
-# (``config.objectives`` requires them where its recipe needs them).
+# (``config.training_kinds`` requires them where its recipe needs them).
 REQUIRED: dict[str, str] = {
     "model": "the model",
     "tokenizer": "the tokenizer",

@@ -5,7 +5,7 @@ torchtune accepts any top-level key, so a misspelt key (``use_max_batch_size=Tru
 literally named ``+key``) would silently ask for something that never happens. Such keys are refused
 before the model loads, a misspelt one with the key it is closest to (one rule, :func:`meant_key`, for
 our keys and torchtune's); keys that ask for another kind of training are refused by
-``config.objectives``; other keys nobody reads get one warning line.
+``config.training_kinds``; other keys nobody reads get one warning line.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 from omegaconf import DictConfig, OmegaConf
 
-from adaptive_batching.config.objectives import TRAINING_KEYS
+from adaptive_batching.config.training_kinds import TRAINING_KEYS
 from adaptive_batching.errors import ConfigError
 
 ADAPTIVE_KEYS = ("use_maximum_batch_size", "batch_increase_function", "lr_scaling", "adaptive_batching")
@@ -57,7 +57,7 @@ RECIPE_KEYS = frozenset(
         "cudnn_deterministic_mode",
         "log_peak_memory_stats",
         "low_cpu_ram",
-        "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.objectives)
+        "ref_checkpointer",  # adaptive_full_dpo's reference model; the other recipes refuse it (config.training_kinds)
         "quantizer",
         "fake_quant_after_n_steps",  # QAT in the fine-tuning recipes; the others refuse them (same)
         "teacher_model",

@@ -23,7 +23,7 @@ from adaptive_batching.batching.lr_scaling import LR_SCALING_RULES, default_rule
 from adaptive_batching.batching.settings import BatchingSettings
 from adaptive_batching.config.components import check_components, check_nodes
 from adaptive_batching.config.keys import check_top_level_keys, meant_key
-from adaptive_batching.config.objectives import check_objective
+from adaptive_batching.config.training_kinds import check_training_kind
 from adaptive_batching.core.memory_savers import check_activation_offloading, check_optimizer_in_bwd
 from adaptive_batching.core.nodes import packed, plain
 from adaptive_batching.errors import ConfigError
@@ -270,7 +270,7 @@ def validate_config(cfg: DictConfig, recipe: str | None = None) -> AdaptiveSetti
     """Check every adaptive key and the recipe keys it relies on; raise ConfigError naming the key. ``recipe``:
     the recipe of ours that runs (default: the one for the config's model), named when it refuses a key that asks
     for training it does not do."""
-    check_objective(cfg, recipe)
+    check_training_kind(cfg, recipe)
     unread = check_top_level_keys(cfg)
     if unread and os.environ.get("RANK", "0") == "0":
         utils.get_logger("INFO").warning(f"config keys not read by the recipes (ignored): {', '.join(unread)}")

@@ -4,16 +4,20 @@ knowledge distillation (KD).
 The trainer composes one objective (see ``training.objectives``) as it composes a
 :class:`~adaptive_batching.core.method.FinetuneMethod`: the objective says how samples are collated, what one
 micro batch's forward and loss are, how a sample's padded length is measured and what a step logs besides its loss.
-Everything about the batch (its size, growth, the OOM response, checkpoints) is shared.
+It describes its own step, so the profiler, ``estimate`` and the CLI ask it rather than its name: the sequences of
+a sample, the frozen model it holds besides the policy (:class:`FrozenModel`: built with the other parts, then
+handed to it) and the step in words. Everything about the batch (its size, growth, the OOM response, checkpoints)
+is shared.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, ContextManager, Protocol
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 
 PAIR_KEYS = ("chosen_input_ids", "rejected_input_ids")  # a preference sample's two token lists (torchtune's names)
@@ -27,17 +31,31 @@ def sample_length(sample: Mapping[str, Any]) -> int:
     return max(len(sample[key]) for key in PAIR_KEYS)
 
 
+@dataclass(frozen=True)
+class FrozenModel:
+    """A frozen model an objective holds besides the policy (full DPO's reference, KD's teacher): built from config
+    key ``model`` (``model``: a second copy of the policy) with the weights of the checkpointer at config key
+    ``weights``, sharded as the policy is; its forward runs without autograd at every micro batch."""
+
+    model: str
+    weights: str
+
+
 class TrainingObjective(Protocol):
     """What one micro batch trains on and how its loss is made; everything else is the trainer's."""
 
     name: str
     sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
+    frozen: FrozenModel | None  # the frozen model to build for it with the other parts (:meth:`hold`); None: none
     resident: tuple[nn.Module, ...]  # models it holds besides the policy (a reference, a teacher): memory a step counts
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[[str], nn.Module]) -> None:
-        """Build what it needs besides the policy, with the other parts: ``frozen_copy(key, node="model")`` is a
-        frozen model built from config key ``node`` (the model itself, or a teacher) with the weights of the
-        checkpointer at config key ``key``, sharded as the policy is."""
+    def hold(self, model: nn.Module) -> None:
+        """Keep the frozen model built as :attr:`frozen` says (called once, with the other parts)."""
+
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        """The step in words, for ``adaptive-batching estimate`` ("" for fine-tuning's, which needs none): with
+        ``seq_len``-token sequences, a rank's ``frozen_bytes`` of the frozen model's weights and, of its layers,
+        ``frozen_layers`` (traced, total)."""
 
     def start_step(self) -> None:
         """A training step's micro batches begin (again, after an out-of-memory retry): forget what
@@ -48,7 +66,7 @@ class TrainingObjective(Protocol):
         sample (``len(batch["tokens"])`` is the micro batch's samples) and which an empty list also gives."""
 
     def micro_loss(
-        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: AbstractContextManager
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward one micro batch; its loss summed over what counts (tokens, pairs) and how many counted.
         The step divides the gradients by the count of all its micro batches and ranks."""

@@ -25,13 +25,13 @@ Both follow the config's memory savers (:class:`Savers`):
 * ``compile``: the decoder layers, the loss and NF4 dequantization hold memory as compiled: each layer through
   AOTAutograd's min-cut partition, as inductor (``compiled``).
 
-A training objective other than fine-tuning (DPO, KD: a :class:`~adaptive_batching.core.objective.TrainingObjective`
-the caller hands in, the one the trainer composes) has its own step traced: its worst-case micro batch, collated as
-training collates it, and its ``micro_loss`` (for DPO the policy's forward on the chosen and rejected sequences of
-each pair, the reference's forward without autograd, the loss; for KD the student's forward, the teacher's without
-autograd, both losses), then the backward. The models it holds besides the policy (full DPO's frozen reference,
-KD's teacher, built by its ``build`` from fake frozen models of the config key it names) count with the weights,
-sharded as the policy is; a teacher of another depth is traced on three of its own layers and extended to its own.
+The step traced is the training objective's (a :class:`~adaptive_batching.core.objective.TrainingObjective` the
+caller hands in, the one the trainer composes; ``traced_step``): its worst-case micro batch, collated as training
+collates it, and its ``micro_loss`` (fine-tuning's summed-token loss; for DPO the policy's forward on the chosen and
+rejected sequences of each pair, the reference's forward without autograd, the loss; for KD the student's forward,
+the teacher's without autograd, both losses), then the backward. The frozen model it holds besides the policy (full
+DPO's reference, KD's teacher: a fake frozen model of the builder it names) counts with the weights, sharded as the
+policy is; a teacher of another depth is traced on three of its own layers and extended to its own.
 
 A QAT config's model is the one its ``quantizer`` prepares (the method's ``configure``, as the recipes), traced with
 fake quantization on: torchao's fake quantizers are torch ops, so what they keep for the backward is counted.
@@ -51,10 +51,11 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
+from adaptive_batching.batching.data import DEFAULT_COLLATE
 from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
-from adaptive_batching.core.objective import TrainingObjective
+from adaptive_batching.core.objective import FrozenModel, TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.activation_offload import FakeOffload, offloading_forward
 from adaptive_batching.estimate.compiled import as_compiled, fused_nf4_dequantization, partitioned_layers
@@ -66,8 +67,8 @@ from adaptive_batching.estimate.layer_timeline import (
     layers_to_trace,
     repeats,
 )
-from adaptive_batching.estimate.objective_step import Step, step_of
-from adaptive_batching.estimate.optimizer_state import build_optimizer, paged_bytes, step_or_explain
+from adaptive_batching.estimate.optimizer_state import fake_optimizer, paged_bytes, step_or_explain
+from adaptive_batching.estimate.traced_step import TracedStep, traced_step
 from adaptive_batching.runtime import nf4
 from adaptive_batching.runtime.memory import PeakMeter, current_bytes
 
@@ -122,14 +123,15 @@ class Traced:
     savers: Savers
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
     resident_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
+    step: TracedStep | None = None  # the objective's step that was traced
 
 
-def frozen_copy(cfg: DictConfig, dtype: torch.dtype, fake: FakeTensorMode, node: str = "model") -> nn.Module:
-    """The model of config key ``node`` with fake storage, no parameter taking a gradient, in eval mode: full DPO's
-    reference (``model``) or KD's teacher (``teacher_model``), in the run's dtype (the recipes build both without
-    activation checkpointing; they run without autograd)."""
-    with building(node), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
-        model = config.instantiate(cfg[node])
+def frozen_copy(node: DictConfig, key: str, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
+    """The model of ``node`` (config key ``key``) with fake storage, no parameter taking a gradient, in eval mode:
+    full DPO's reference (``model``) or KD's teacher (``teacher_model``), in the run's dtype (the recipes build both
+    without activation checkpointing; they run without autograd)."""
+    with building(key), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
+        model = config.instantiate(node)
     model.requires_grad_(False)
     with fake:
         model.to_empty(device=CPU)
@@ -143,17 +145,17 @@ class FakeOptimizers:
     ``optimizer_in_bwd`` one per parameter, stepped from the parameter's post-accumulate-grad hook, which then
     frees its gradient (as torchtune's ``register_optim_in_bwd_hooks``)."""
 
-    def __init__(self, cfg: DictConfig, model: nn.Module, in_backward: bool) -> None:
-        self.component = str(cfg.optimizer.get("_component_", ""))
+    def __init__(self, node: DictConfig, model: nn.Module, in_backward: bool) -> None:
+        self.component = str(node.get("_component_", ""))
         self.in_backward = in_backward
         self.params = [p for p in model.parameters() if p.requires_grad]
         if in_backward:
-            self._of = {p: build_optimizer(cfg, [p]) for p in self.params}
+            self._of = {p: fake_optimizer(node, [p]) for p in self.params}
             self.all: list[torch.optim.Optimizer] = list(self._of.values())
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._step_one)
         else:
-            self.all = [build_optimizer(cfg, self.params)]
+            self.all = [fake_optimizer(node, self.params)]
 
     def _step_one(self, param: torch.Tensor) -> None:
         optimizer = self._of[param]
@@ -182,25 +184,22 @@ class FakeOptimizers:
         return paged_bytes(self.all)
 
 
-def _tracked(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[Any, ...]:
+def _tracked(model: nn.Module, optimizers: FakeOptimizers, step: TracedStep) -> tuple[Any, ...]:
     return (model, *step.resident, *optimizers.all)
 
 
 def _forward_backward(
     model: nn.Module,
     loss_fn: Any,
-    micro_batch: int,
-    seq_len: int,
-    vocab_size: int,
     offload: FakeOffload | None,
     compiled: bool,
-    step: Step = Step(),
-    batch: dict[str, Any] | None = None,
+    step: TracedStep,
+    batch: dict[str, Any],
 ) -> None:
     handles = offloading_forward(model, offload) if offload is not None else []
     with fused_nf4_dequantization() if compiled else contextlib.nullcontext():
         try:
-            loss = step.loss(model, loss_fn, batch, micro_batch, seq_len, vocab_size)
+            loss = step.loss(model, loss_fn, batch)
         finally:
             for handle in handles:
                 handle.remove()
@@ -214,18 +213,15 @@ def _fake_step(
     model: nn.Module,
     optimizers: FakeOptimizers,
     loss_fn: Any,
-    micro_batch: int,
-    seq_len: int,
-    vocab_size: int,
     offload: FakeOffload | None,
     compiled: bool,
-    step: Step,
-    batch: dict[str, Any] | None,
+    step: TracedStep,
+    batch: dict[str, Any],
 ) -> StepMemory:
     """The memory one training step would use; the tensors are fake, nothing is allocated."""
     tracked = _tracked(model, optimizers, step)
     with PeakMeter(CPU, *tracked) as forward_backward:
-        _forward_backward(model, loss_fn, micro_batch, seq_len, vocab_size, offload, compiled, step, batch)
+        _forward_backward(model, loss_fn, offload, compiled, step, batch)
     with PeakMeter(CPU, *tracked) as optimizer_step:
         optimizers.step()
     return StepMemory(
@@ -286,21 +282,30 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
                     module._buffers[name] = fake.from_tensor(buffer)
 
 
+def _traced_step(cfg: DictConfig, objective: TrainingObjective, dtype: torch.dtype, fake: FakeTensorMode) -> TracedStep:
+    """``objective``'s step, with the frozen model it holds (if any) built fake from the builder node it names."""
+
+    def frozen(model: FrozenModel) -> nn.Module:
+        return frozen_copy(cfg[model.model], model.model, dtype, fake)
+
+    return traced_step(objective, str(cfg.get("collate_fn", DEFAULT_COLLATE)), frozen)
+
+
 def full_trace(
     cfg: DictConfig,
     method: FinetuneMethod,
     dtype: torch.dtype,
     fake: FakeTensorMode,
     seq_len: int,
-    objective: TrainingObjective | None = None,
+    objective: TrainingObjective,
 ) -> Traced:
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
     savers = savers_of(cfg)
     model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
     vocab_size = model.tok_embeddings.num_embeddings
-    kind = step_of(cfg, objective, lambda node: frozen_copy(cfg, dtype, fake, node))
+    kind = _traced_step(cfg, objective, dtype, fake)
     with fake:
-        optimizers = FakeOptimizers(cfg, model, savers.optimizer_in_bwd)
+        optimizers = FakeOptimizers(cfg.optimizer, model, savers.optimizer_in_bwd)
         if savers.optimizer_in_bwd:  # the state exists before the first probe, as extrapolated() has it
             optimizers.step_on_fake_gradients()
     traced: dict[int, StepMemory] = {}
@@ -312,9 +317,7 @@ def full_trace(
             offload = FakeOffload() if savers.activation_offloading else None
             batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
             with fake:
-                memory = _fake_step(
-                    model, optimizers, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind, batch
-                )
+                memory = _fake_step(model, optimizers, loss_fn, offload, savers.compile, kind, batch)
             stash = offload.stash_bytes() if offload is not None else 0
             traced[micro_batch] = replace(
                 memory,
@@ -338,10 +341,11 @@ def full_trace(
         savers,
         _resident_bytes(kind),
         (depth, depth),
+        kind,
     )
 
 
-def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers, step: Step) -> tuple[int, int, list[int]]:
+def _optimizer_steps(model: nn.Module, optimizers: FakeOptimizers, step: TracedStep) -> tuple[int, int, list[int]]:
     """Bytes before the first step, after the steps, and each step's peak: two fake steps on fake gradients.
 
     The first step creates the optimizer state, the second runs with it, as the probes' steps do. With
@@ -371,7 +375,7 @@ def _bytes(module: nn.Module) -> int:
     return total
 
 
-def _resident_bytes(step: Step) -> int:
+def _resident_bytes(step: TracedStep) -> int:
     """The bytes of the models the step holds besides the policy (full DPO's reference), whole: weights and
     buffers (the rotary caches)."""
     return sum(_bytes(model) + sum(b.numel() * b.element_size() for b in model.buffers()) for model in step.resident)
@@ -390,7 +394,7 @@ def extrapolated(
     dtype: torch.dtype,
     fake: FakeTensorMode,
     seq_len: int,
-    objective: TrainingObjective | None = None,
+    objective: TrainingObjective,
 ) -> Traced:
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
@@ -398,11 +402,11 @@ def extrapolated(
     savers = savers_of(cfg)
     small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
     vocab_size = small.tok_embeddings.num_embeddings
-    kind = step_of(cfg, objective, lambda node: frozen_copy(cfg, dtype, fake, node))
+    kind = _traced_step(cfg, objective, dtype, fake)
     # FSDP gathers one model's layers at a time: the policy's, or the frozen model's while it runs
     gathered = max(gathered_bytes(model) for model in (small, *kind.resident))
     with fake:
-        optimizers = FakeOptimizers(cfg, small, savers.optimizer_in_bwd)
+        optimizers = FakeOptimizers(cfg.optimizer, small, savers.optimizer_in_bwd)
         initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers, kind)
     paged = optimizers.paged_bytes()
     resident = _resident_bytes(kind)
@@ -429,7 +433,7 @@ def extrapolated(
             ) as timeline,
         ):
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
-            _forward_backward(small, loss_fn, micro_batch, seq_len, vocab_size, offload, savers.compile, kind, batch)
+            _forward_backward(small, loss_fn, offload, savers.compile, kind, batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
         counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference, timeline.reference_first())
@@ -451,4 +455,4 @@ def extrapolated(
             trace(micro_batch)
         return host[micro_batch]
 
-    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident, reference or (0, 0))
+    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident, reference or (0, 0), kind)

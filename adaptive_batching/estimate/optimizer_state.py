@@ -184,11 +184,11 @@ def _stand_in(
     )
 
 
-def build_optimizer(cfg: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
-    """The optimizer of ``cfg.optimizer`` over ``params``, for fake steps: a :class:`BitsAndBytesStandIn` for
-    the bitsandbytes optimizers it models (bitsandbytes is never imported), else the config's component
-    (``fused`` dropped: there is no fused kernel for fake tensors)."""
-    options = {k: v for k, v in cfg.optimizer.items() if k != "fused"}
+def fake_optimizer(node: DictConfig, params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    """The optimizer of ``node`` (config key ``optimizer``) over ``params``, for fake steps: a
+    :class:`BitsAndBytesStandIn` for the bitsandbytes optimizers it models (bitsandbytes is never imported), else the
+    config's component (``fused`` dropped: there is no fused kernel for fake tensors)."""
+    options = {k: v for k, v in node.items() if k != "fused"}
     component = str(options.get("_component_", ""))
     spec = stand_in_spec(component)
     if spec is not None:

@@ -16,14 +16,15 @@ no optimizer step after the backward), activation offloading (the device figures
 device; the host memory the offloaded activations need is reported beside them), and bitsandbytes optimizers,
 counted at their real state size without bitsandbytes (paged state is counted as device memory).
 
-A DPO config's step is the objective's own (``objective``, the one its recipe trains with; see ``fake_steps``): a
-sample is a pair, chosen and rejected each ``seq_len`` tokens, so the policy's forward and backward run on twice
-the sequences of the micro batch, and the reference's forward, which keeps nothing for the backward, adds its
-transient peak; full DPO's reference weights are counted with the policy's, sharded as they are. A KD config's
-step is distillation's: the student's forward and backward, the teacher's forward on the same micro batch without
-autograd (it keeps nothing for the backward; its logits live until both losses are done), the teacher's weights
-counted with the student's, sharded as they are. A QAT config (a ``quantizer``) is traced with the model its recipe
-prepares, fake quantization on: what torchao's fake quantizers keep for the backward is counted as traced.
+The step traced is the training objective's (``objective``, the one the config's recipe trains with; see
+``fake_steps``), which also says it in words. A DPO config's sample is a pair, chosen and rejected each ``seq_len``
+tokens, so the policy's forward and backward run on twice the sequences of the micro batch, and the reference's
+forward, which keeps nothing for the backward, adds its transient peak; full DPO's reference weights are counted
+with the policy's, sharded as they are. A KD config's step is distillation's: the student's forward and backward,
+the teacher's forward on the same micro batch without autograd (it keeps nothing for the backward; its logits live
+until both losses are done), the teacher's weights counted with the student's, sharded as they are. A QAT config (a
+``quantizer``) is traced with the model its recipe prepares, fake quantization on: what torchao's fake quantizers
+keep for the backward is counted as traced.
 """
 
 from __future__ import annotations
@@ -41,13 +42,13 @@ from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.estimate.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
+from adaptive_batching.estimate.traced_step import TracedStep
 from adaptive_batching.profiling.max_micro_batch import fit_probes, probe_until_slope
 from adaptive_batching.profiling.memory_fit import LinearFit, max_micro_batch_under
 from adaptive_batching.profiling.search import Trial, search_max_micro_batch
 
 EXTRAPOLATED = "layer extrapolation"
 FULL_TRACE = "full trace"
-DPO = ("lora_dpo", "full_dpo")  # the objectives whose sample is a pair
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,12 @@ class Estimate:
     cannot hold that state beside one sample, so ``max_micro_batch`` is what the hardware does, the driver
     evicting the state's pages to host memory (the paged-out answer).
 
-    ``objective``: the training objective whose step was traced (``finetune``, ``lora_dpo``, ``full_dpo``); for
-    DPO a sample is a pair of ``seq_len``-token sequences. ``reference_bytes``: a rank's share of the weights of
-    full DPO's reference model (weights and buffers), counted in ``model_state_bytes``.
+    ``objective``: the name of the training objective whose step was traced (``finetune``, ``lora_dpo``,
+    ``full_dpo``, ``kd``); ``sequences_per_sample`` its sequences per sample (a DPO pair: 2, each of ``seq_len``
+    tokens) and ``step`` its step in words ("" for fine-tuning's). ``reference_bytes``: a rank's share of the
+    weights of the frozen model it holds (full DPO's reference, KD's teacher; weights and buffers), counted in
+    ``model_state_bytes``. ``sequences_per_sample`` and ``step`` are words for :meth:`describe`, not in
+    :meth:`to_dict`.
     """
 
     max_micro_batch: int
@@ -97,16 +101,20 @@ class Estimate:
     max_micro_batch_paged_out: int | None = None
     paged_state_evicted: bool = False
     compile: bool = False
-    objective: str = "finetune"
+    objective: str = ""  # the objective's name
     reference_bytes: int = 0
     quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
     reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
+    sequences_per_sample: int = 1
+    step: str = ""
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        return {key: value for key, value in asdict(self).items() if key not in ("sequences_per_sample", "step")}
 
     def _samples(self) -> str:
-        return f"pairs of {self.seq_len}-token sequences" if self.objective in DPO else f"{self.seq_len}-token samples"
+        if self.sequences_per_sample == 2:
+            return f"pairs of {self.seq_len}-token sequences"
+        return f"{self.seq_len}-token samples"
 
     def describe(self) -> str:
         gib = 2**30
@@ -179,33 +187,8 @@ class Estimate:
         )
 
     def _objective_lines(self) -> list[str]:
-        """What the traced step trains besides fine-tuning (QAT, then KD's teacher or DPO's pair and reference)."""
-        gib, lines = 2**30, []
-        if self.objective == "kd":
-            traced, total = self.reference_layers
-            layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
-            lines.insert(
-                0,
-                f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
-                f"on it without autograd (teacher_model, {self.reference_bytes / gib:.2f} GiB of weights "
-                f"per rank, sharded as the student's and counted with them; {layers}), which saves "
-                f"nothing for the backward; both models' logits live until the cross-entropy and KD "
-                f"losses are done",
-            )
-        elif self.objective in DPO:
-            reference = (
-                "the policy with its adapters off"
-                if not self.reference_bytes
-                else f"a frozen copy of the model, {self.reference_bytes / gib:.2f} GiB per rank, counted with the "
-                f"weights"
-            )
-            lines.insert(
-                0,
-                f"DPO ({self.objective}): a sample is a pair, chosen and rejected each {self.seq_len} "
-                f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
-                f"reference's forward without autograd ({reference}), which saves nothing for the "
-                f"backward",
-            )
+        """What the traced step trains besides fine-tuning: QAT, then the objective's step in its own words."""
+        lines = [self.step] if self.step else []
         if self.quantization:
             lines.insert(
                 0,
@@ -242,29 +225,30 @@ class StepTrace:
     optimizer: str = ""
     host_bytes: dict[int, int] = field(default_factory=dict)  # offloaded activations' host memory per probe
     paged_bytes: int = 0  # optimizer state in CUDA unified memory, whole model
-    objective: str = "finetune"  # the training objective whose step was traced
+    objective: str = ""  # the name of the training objective whose step was traced
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
     quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
     reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
+    step: TracedStep | None = field(default=None, repr=False, compare=False)  # what was traced, to say it in words
 
 
 def trace_steps(
     cfg: DictConfig,
     method: FinetuneMethod,
+    objective: TrainingObjective,
     *,
     seq_len: int,
     seq_len_source: str = "",
     exact: bool = False,
     max_probe: int = MAX_PROBE,
-    objective: TrainingObjective | None = None,
 ) -> StepTrace:
     """Count the memory of fake training steps at micro batch 1, 2, 4, ... of ``seq_len``-token samples (the
     worst case, see ``batching.worst_case``; ``seq_len_source`` says where it came from) until the peaks grow
     linearly.
 
     ``exact`` traces every layer (slow for deep models); by default 3 layers are traced and
-    extended to the model's depth (see the module docstring). ``objective``: the step of a training objective
-    other than fine-tuning (DPO: its pairs of ``seq_len``-token sequences), as its recipe's trainer runs it.
+    extended to the model's depth (see the module docstring). ``objective``: the training objective whose step is
+    traced (DPO: its pairs of ``seq_len``-token sequences), as its recipe's trainer runs it.
     """
     if not isinstance(max_probe, int) or isinstance(max_probe, bool) or max_probe < 2:
         raise ValueError(f"max_probe must be an integer >= 2, got {max_probe!r}")
@@ -294,21 +278,12 @@ def trace_steps(
         str(cfg.optimizer.get("_component_", "")),
         host,
         steps.paged_bytes,
-        objective.name if objective is not None else "finetune",
+        objective.name,
         steps.resident_bytes,
-        quantized(method),
+        method.quantized(),
         steps.resident_layers,
+        steps.step,
     )
-
-
-def quantized(method: FinetuneMethod) -> str:
-    """What a quantization-aware method fake-quantizes, in words ("" for another method)."""
-    if getattr(method, "quantizer", None) is None:  # training.quantization.QuantizationAware
-        return ""
-    config = method.quantizer.get_weight_fake_quantize_config()
-    group = f", groupsize {config.group_size}" if getattr(config, "group_size", None) else ""
-    layers = "LoRA layers' frozen base weights and inputs" if method.method.name == "lora" else "linear layers"
-    return f"{type(method.quantizer).__name__} ({method.mode}{group}), {method.swapped} {layers} fake-quantized"
 
 
 def _check_device(device_memory_bytes: Any, fraction: Any, world_size: Any) -> None:
@@ -381,6 +356,8 @@ def predict(
     if paged_out:
         fit_batch, largest, steps = evicted
     host_at = _host_line(trace.host_bytes)
+    reference_bytes = 0 if offload else trace.resident_bytes // world_size
+    step = trace.step.describe(trace.seq_len, reference_bytes, trace.reference_layers) if trace.step else ""
     return Estimate(
         max_micro_batch=largest,
         device_memory_bytes=device_memory_bytes,
@@ -408,9 +385,11 @@ def predict(
         paged_state_evicted=paged_out,
         compile=trace.savers.compile,
         objective=trace.objective,
-        reference_bytes=0 if offload else trace.resident_bytes // world_size,
+        reference_bytes=reference_bytes,
         quantization=trace.quantization,
         reference_layers=trace.reference_layers,
+        sequences_per_sample=trace.step.objective.sequences_per_sample if trace.step else 1,
+        step=step,
     )
 
 
@@ -458,6 +437,7 @@ def _verify(
 def estimate_max_micro_batch(
     cfg: DictConfig,
     method: FinetuneMethod,
+    objective: TrainingObjective,
     *,
     device_memory_bytes: int,
     seq_len: int,
@@ -466,19 +446,18 @@ def estimate_max_micro_batch(
     world_size: int = 1,
     max_probe: int = MAX_PROBE,
     exact: bool = False,
-    objective: TrainingObjective | None = None,
 ) -> Estimate:
     """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
-    ``seq_len``-token worst-case samples (``objective``: see :func:`trace_steps`): :func:`trace_steps`, then
+    ``seq_len``-token worst-case samples of ``objective``'s step (see :func:`trace_steps`): :func:`trace_steps`, then
     :func:`predict` (arguments are checked before any tracing)."""
     _check_device(device_memory_bytes, fraction, world_size)
     trace = trace_steps(
         cfg,
         method,
+        objective,
         seq_len=seq_len,
         seq_len_source=seq_len_source,
         exact=exact,
         max_probe=max_probe,
-        objective=objective,
     )
     return predict(trace, device_memory_bytes=device_memory_bytes, fraction=fraction, world_size=world_size)

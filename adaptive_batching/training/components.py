@@ -76,7 +76,8 @@ def build_components(
     place = dict(device=device, dtype=dtype, parallel=parallel, is_rank_zero=is_rank_zero)
     with building("model"):
         model = build_model(cfg.model, method, checkpoint, options=options, **place)
-    objective.build(cfg, lambda key, node="model": build_frozen_copy(cfg, key, options, node=node, **place))
+    if objective.frozen is not None:  # full DPO's reference, KD's teacher
+        objective.hold(build_frozen_copy(cfg, objective.frozen.weights, options, node=objective.frozen.model, **place))
     optimizer = build_optimizer(cfg, model)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)

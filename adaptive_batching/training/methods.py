@@ -1,7 +1,8 @@
-"""The fine-tuning methods: what is trained and what is saved. Both recipes and the CLI pick one here.
+"""The fine-tuning methods: what is trained and what is saved (``training.recipe_table`` picks each recipe's).
 
-A method is a :class:`~adaptive_batching.training.model.FinetuneMethod`: the trainer asks it which parameters
-train, which weights a checkpoint holds and what a save writes; everything about the batch is shared.
+A method is a :class:`~adaptive_batching.core.method.FinetuneMethod`: the trainer asks it which parameters
+train, which weights a checkpoint holds and what a save writes; everything about the batch is shared. Neither
+method here fake-quantizes (``training.quantization`` wraps either for QAT).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torchtune.modules.peft import (
     set_trainable_params,
 )
 
-from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.method import FakeQuantization
 from adaptive_batching.errors import ConfigError
 
 _CHECKPOINT_WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
@@ -46,6 +47,7 @@ class FullFinetune:
 
     name = "full"
     adapter_only = False
+    fake_quantization: FakeQuantization | None = None
 
     def configure(self, model: nn.Module) -> None:
         pass
@@ -63,11 +65,15 @@ class FullFinetune:
     def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
         return {training.MODEL_KEY: full_state_dict}
 
+    def quantized(self) -> str:
+        return ""
+
 
 class LoRAFinetune:
     """Train the adapters only; the base weights come from the checkpoint and stay frozen."""
 
     name = "lora"
+    fake_quantization: FakeQuantization | None = None
 
     def __init__(self, cfg_model: DictConfig, save_adapter_weights_only: bool) -> None:
         self.rank = cfg_model.lora_rank
@@ -125,12 +131,5 @@ class LoRAFinetune:
         entries[training.MODEL_KEY] = get_merged_lora_ckpt(dict(full_state_dict), rank=self.rank, alpha=self.alpha)
         return entries
 
-
-def method_for(cfg: DictConfig) -> FinetuneMethod:
-    """The method a config asks for: LoRA when its model builder is a LoRA one, else full fine-tuning; with fake
-    quantization when it has a ``quantizer`` (see ``training.quantization``)."""
-    from adaptive_batching.training.quantization import with_quantizer
-
-    if "lora" in str(cfg.model.get("_component_", "")):
-        return with_quantizer(cfg, LoRAFinetune(cfg.model, cfg.get("save_adapter_weights_only", False)))
-    return with_quantizer(cfg, FullFinetune())
+    def quantized(self) -> str:
+        return ""

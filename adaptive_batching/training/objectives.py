@@ -1,28 +1,28 @@
 """The training objectives: supervised fine-tuning, direct preference optimisation (DPO) of LoRA adapters or of
 the whole model, and knowledge distillation (KD) from a frozen teacher.
 
-Each is a :class:`~adaptive_batching.core.objective.TrainingObjective` the trainer composes; the recipes pick one.
+Each is a :class:`~adaptive_batching.core.objective.TrainingObjective` the trainer composes, built from typed
+values; ``training.recipe_table`` picks the one of each recipe and reads those values from the config.
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable
-from typing import Any, ContextManager
+from contextlib import AbstractContextManager
+from typing import Any
 
 import torch
-import torch.nn.functional as F
-from omegaconf import DictConfig
 from torch import nn
-from torchtune import config, rlhf
+from torchtune import rlhf
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
-from adaptive_batching.config.objectives import check_full_dpo, check_kd, check_lora_dpo, recipe_for_model
-from adaptive_batching.core.loss import summed_token_loss
-from adaptive_batching.core.nodes import building
-from adaptive_batching.training import compiling
+from adaptive_batching.core.loss import flat, shifted_labels, summed_token_loss
+from adaptive_batching.core.objective import FrozenModel
+
+_GIB = 2**30
 
 
 class SupervisedFinetune:
@@ -30,10 +30,14 @@ class SupervisedFinetune:
 
     name = "finetune"
     sequences_per_sample = 1
+    frozen: FrozenModel | None = None
     resident: tuple[nn.Module, ...] = ()
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
-        pass
+    def hold(self, model: nn.Module) -> None:
+        raise TypeError(f"{type(self).__name__} holds no frozen model")
+
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        return ""
 
     def start_step(self) -> None:
         pass
@@ -42,7 +46,7 @@ class SupervisedFinetune:
         return build_collate(collate_path, packed, pad_id, loss_fn.ignore_index)
 
     def micro_loss(
-        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: AbstractContextManager
     ) -> tuple[torch.Tensor, torch.Tensor]:
         return summed_token_loss(model, loss_fn, batch, activations)
 
@@ -86,46 +90,51 @@ def _concatenated(pairs: torch.Tensor) -> torch.Tensor:
     return pairs.transpose(0, 1).reshape(-1, pairs.size(-1))
 
 
-class LoRADPO:
+class LoRADPO(SupervisedFinetune):
     """DPO with LoRA: the policy is the model with its adapters, the reference the same model with them
     disabled, as torchtune's ``lora_dpo_single_device`` computes it. The loss is ``loss`` (``DPOLoss``,
-    ``RSOLoss``) summed over a micro batch's pairs; the step divides by the pairs of the whole step."""
+    ``RSOLoss``) summed over a micro batch's pairs; the step divides by the pairs of the whole step. (No frozen
+    model, and nothing to forget at a step's start: :class:`SupervisedFinetune`'s.)"""
 
     name = "lora_dpo"
     sequences_per_sample = 2
-    resident: tuple[nn.Module, ...] = ()
 
     def __init__(self) -> None:
         self.last: dict[str, torch.Tensor] = {}
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
-        pass
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        return self._describe_pairs(seq_len, "the policy with its adapters off")
 
-    def start_step(self) -> None:
-        pass
+    def _describe_pairs(self, seq_len: int, reference: str) -> str:
+        return (
+            f"DPO ({self.name}): a sample is a pair, chosen and rejected each {seq_len} "
+            f"tokens: the policy's forward and backward on 2 x micro batch sequences, then the "
+            f"reference's forward without autograd ({reference}), which saves nothing for the "
+            f"backward"
+        )
 
     def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
         return PairCollate(pad_id)
 
-    def reference(self, model: nn.Module) -> ContextManager:
+    def reference(self, model: nn.Module) -> AbstractContextManager:
         """The reference model: the policy with its adapters off."""
         return disable_adapter(model)
 
     def _reference_log_probs(
-        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: AbstractContextManager
     ) -> torch.Tensor:
         with torch.no_grad(), self.reference(model):
             return self._log_probs(model, tokens, labels, activations)[0]
 
     def _log_probs(
-        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: AbstractContextManager
     ) -> tuple[torch.Tensor, torch.Tensor]:
         with activations:
             logits = model(tokens)
         return rlhf.get_batch_log_probs(logits, labels), logits
 
     def micro_loss(
-        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: AbstractContextManager
     ) -> tuple[torch.Tensor, torch.Tensor]:
         pairs = batch["tokens"].size(0)
         tokens, labels = _concatenated(batch.pop("tokens")), _concatenated(batch.pop("labels"))
@@ -183,20 +192,26 @@ class FullDPO(LoRADPO):
     micro batch, never kept. The step, loss and metrics are :class:`LoRADPO`'s."""
 
     name = "full_dpo"
+    frozen = FrozenModel("model", "ref_checkpointer")
 
     def __init__(self) -> None:
         super().__init__()
         self.reference_model: nn.Module | None = None
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
-        self.reference_model = frozen_copy("ref_checkpointer")
+    def hold(self, model: nn.Module) -> None:
+        self.reference_model = model
 
     @property
     def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
         return () if self.reference_model is None else (self.reference_model,)
 
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        return self._describe_pairs(
+            seq_len, f"a frozen copy of the model, {frozen_bytes / _GIB:.2f} GiB per rank, counted with the weights"
+        )
+
     def _reference_log_probs(
-        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: ContextManager
+        self, model: nn.Module, tokens: torch.Tensor, labels: torch.Tensor, activations: AbstractContextManager
     ) -> torch.Tensor:
         """The frozen reference's forward, without autograd or activation offloading (nothing is saved for a
         backward), as ``full_dpo_distributed`` runs it."""
@@ -221,19 +236,15 @@ class KnowledgeDistillation(SupervisedFinetune):
 
     name = "kd"
 
-    def __init__(self) -> None:
+    def __init__(self, kd_loss: Any, kd_ratio: float, teacher: FrozenModel) -> None:
+        """``kd_loss``: the KL loss (a torchtune ``...KLLoss`` module, compiled or not); ``kd_ratio``: its weight
+        against the cross-entropy; ``teacher``: the teacher's builder and weights."""
+        self.kd_loss_fn, self.kd_ratio, self.frozen = kd_loss, kd_ratio, teacher
         self.teacher: nn.Module | None = None
-        self.kd_loss_fn: Any = None
-        self.kd_ratio = 0.5
         self._sums: list[torch.Tensor] = []  # the step's (cross-entropy, KD, tokens) so far, on the device
 
-    def build(self, cfg: DictConfig, frozen_copy: Callable[..., nn.Module]) -> None:
-        self.kd_ratio = float(cfg.get("kd_ratio", 0.5))
-        with building("kd_loss"):
-            self.kd_loss_fn = config.instantiate(cfg.kd_loss)
-        if cfg.get("compile", False):
-            self.kd_loss_fn = compiling.compile_loss(self.kd_loss_fn, verbose=False)
-        self.teacher = frozen_copy("teacher_checkpointer", "teacher_model")
+    def hold(self, model: nn.Module) -> None:
+        self.teacher = model
         if hasattr(self.kd_loss_fn, "num_output_chunks"):
             self.teacher.set_num_output_chunks(self.kd_loss_fn.num_output_chunks)
 
@@ -241,27 +252,33 @@ class KnowledgeDistillation(SupervisedFinetune):
     def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
         return () if self.teacher is None else (self.teacher,)
 
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        traced, total = frozen_layers
+        layers = f"{traced} of its {total} layers traced" if traced < total else f"all its {total} layers traced"
+        return (
+            f"KD: the student's forward and backward on the micro batch, and the teacher's forward "
+            f"on it without autograd ({self.frozen.model}, {frozen_bytes / _GIB:.2f} GiB of weights "
+            f"per rank, sharded as the student's and counted with them; {layers}), which saves "
+            f"nothing for the backward; both models' logits live until the cross-entropy and KD "
+            f"losses are done"
+        )
+
     def micro_loss(
-        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: ContextManager
+        self, model: nn.Module, loss_fn: Any, batch: dict[str, torch.Tensor], activations: AbstractContextManager
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The teacher's forward without autograd, then the student's (under ``activations``), both losses on the
-        labels shifted by one token; returns the mixed loss summed over the tokens that count, and their number.
-        (Stock runs the student first: the same arithmetic, but the teacher's forward then runs on top of the
-        student's saved activations, and on CPU glibc hands its freed pages back to be faulted in again.)"""
+        labels shifted by one token (as :func:`~adaptive_batching.core.loss.summed_token_loss`); returns the mixed
+        loss summed over the tokens that count, and their number. (Stock runs the student first: the same
+        arithmetic, but the teacher's forward then runs on top of the student's saved activations, and on CPU glibc
+        hands its freed pages back to be faulted in again.)"""
         assert self.teacher is not None, "the teacher is built with the other parts"
-        labels = batch.pop("labels")
-        ignore = loss_fn.ignore_index
-        labels = F.pad(labels[..., 1:], (0, 1), value=ignore)
-        tokens = (labels != ignore).sum()
-        labels.view(-1)[:1].masked_fill_(tokens == 0, 0)  # as summed_token_loss: finite means, then x 0
+        labels, tokens = shifted_labels(batch.pop("labels"), loss_fn.ignore_index)
         with torch.no_grad():  # first: its transients are gone before the student's activations are saved
             teacher_logits = self.teacher(**batch)
         with activations:
             logits = model(**batch)
-        if not isinstance(logits, list):
-            labels = labels.reshape(-1)
-            logits = logits.reshape(-1, logits.size(-1))
-            teacher_logits = teacher_logits.reshape(-1, teacher_logits.size(-1))
+        logits, labels = flat(logits, labels)
+        teacher_logits, _ = flat(teacher_logits, labels)
         kd_loss = self.kd_loss_fn(logits, teacher_logits, labels)
         class_loss = loss_fn(logits, labels)
         del logits, teacher_logits
@@ -280,20 +297,3 @@ class KnowledgeDistillation(SupervisedFinetune):
         class_sum, kd_sum, tokens = torch.stack(self._sums).sum(dim=0).tolist()
         self._sums.clear()
         return {"class_loss": class_sum / max(tokens, 1), "kd_loss": kd_sum / max(tokens, 1)}
-
-
-def objective_for(cfg: DictConfig) -> Any:
-    """The objective of the recipe that runs ``cfg`` (``adaptive-batching profile`` and ``plan`` have no recipe),
-    checked as its recipe checks it: LoRA or full DPO for a config that asks for DPO, distillation for one with a
-    teacher, else supervised fine-tuning."""
-    recipe = recipe_for_model(cfg)
-    if recipe == "adaptive_knowledge_distillation":
-        check_kd(cfg)
-        return KnowledgeDistillation()
-    if recipe == "adaptive_lora_dpo":
-        check_lora_dpo(cfg)
-        return LoRADPO()
-    if recipe == "adaptive_full_dpo":
-        check_full_dpo(cfg)
-        return FullDPO()
-    return SupervisedFinetune()

@@ -7,10 +7,11 @@
   fake-quantized with the quantizer's own configs (int8 dynamic per token activations, int4 per group weights for
   ``Int8DynActInt4WeightQATQuantizer``), the adapters' path is not (as torchtune's ``QATLoRALinear``, whose type check
   fails with torchao 0.13's config classes).
-- ``fake_quant_after_n_steps: N``: steps 0 .. N-1 train with fake quantization off, then on; decided from the
-  optimizer step at every step, so a resumed run is in the state an uninterrupted one was.
-- The profiler's trial steps always run with fake quantization on (:class:`FakeQuantSteps`): the plan fits the
-  steps after it turns on, not only the cheaper ones before.
+- ``fake_quant_after_n_steps: N``: steps 0 .. N-1 train with fake quantization off, then on; the step runner asks
+  the method (its :class:`~adaptive_batching.core.method.FakeQuantization`) at every step, so a resumed run is in the
+  state an uninterrupted one was (:func:`switch_fake_quant`).
+- The profiler's trial steps always run with fake quantization on: the plan fits the steps after it turns on, not
+  only the cheaper ones before.
 
 The fake-quantized modules add no weights: the saved checkpoint is the plain model (or the merged LoRA model),
 as torchtune's QAT recipes save it, for ``tune run quantize`` with the same quantizer.
@@ -18,7 +19,7 @@ as torchtune's QAT recipes save it, for ``tune run quantize`` with the same quan
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -31,10 +32,10 @@ from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training.quantization import get_quantizer_mode
 
 from adaptive_batching.core import logs
-from adaptive_batching.core.method import FinetuneMethod
+from adaptive_batching.core.method import FakeQuantization, FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.errors import ConfigError
-from adaptive_batching.training.hooks import TrainerHooks, installed
+from adaptive_batching.training.methods import LoRAFinetune
 
 _QAT_QUANTIZERS = "torchtune.training.quantization.Int8DynActInt4WeightQATQuantizer or Int4WeightOnlyQATQuantizer"
 
@@ -121,16 +122,40 @@ def set_fake_quant(model: nn.Module, enabled: bool) -> None:
         module.enabled = enabled
 
 
+def switch_fake_quant(model: nn.Module, when: FakeQuantization, was: bool | None, global_step: int | None) -> bool:
+    """Fake quantization of ``model`` as ``when`` says for the optimizer step after ``global_step`` finished ones,
+    or on for a trial step (``global_step`` None); ``was``: its state before (None: not yet set in this run). Says
+    the switch at the run's first step and at the step it turns on. Returns the state now."""
+    enabled = True if global_step is None else when.enabled_at(global_step)
+    if enabled != was:
+        set_fake_quant(model, enabled)
+    after = when.after_n_steps
+    if global_step is not None and after and was is not enabled:
+        if global_step == 0 or global_step == after or was is None:
+            logs.info(
+                f"Step {global_step}: fake quantization {'on' if enabled else 'off'}"
+                + ("" if enabled else f", on from step {after}")
+            )
+    return enabled
+
+
 class QuantizationAware:
     """A fine-tuning method (full or LoRA) trained with fake quantization: ``configure`` swaps the linear layers
-    on the meta-device model first; what trains, loads and is saved is the method's."""
+    on the meta-device model first; what trains, loads and is saved is the method's. Once the weights are loaded it
+    says what is fake-quantized and when (``profiled``: and that the profiler's trial steps run with it on)."""
 
     def __init__(
-        self, method: FinetuneMethod, quantizer: Any, dtype: torch.dtype, fake_quant_after_n_steps: int | None
+        self,
+        method: FinetuneMethod,
+        quantizer: Any,
+        dtype: torch.dtype,
+        fake_quant_after_n_steps: int | None,
+        *,
+        profiled: bool,
     ) -> None:
-        self.method, self.quantizer = method, quantizer
+        self.method, self.quantizer, self.profiled = method, quantizer, profiled
         self.mode = get_quantizer_mode(quantizer) or type(quantizer).__name__
-        self.fake_quant_after_n_steps = fake_quant_after_n_steps
+        self.fake_quantization = FakeQuantization(fake_quant_after_n_steps)
         quantizer.precision = dtype  # as torchtune's qat_distributed: the fake-quantized weights in the run's dtype
         self.swapped = 0
 
@@ -142,8 +167,13 @@ class QuantizationAware:
     def adapter_only(self) -> bool:
         return self.method.adapter_only
 
+    @property
+    def lora(self) -> bool:
+        """Whether the adapters' base layers are what is fake-quantized (a LoRA method), or every linear layer."""
+        return isinstance(self.method, LoRAFinetune)
+
     def configure(self, model: nn.Module) -> None:
-        if self.method.name == "lora":
+        if self.lora:
             self.swapped = swap_lora_linears(
                 model,
                 self.quantizer.get_activation_fake_quantize_config(),
@@ -161,23 +191,28 @@ class QuantizationAware:
             )
         self.method.configure(model)
 
-    def describe(self, profiled: bool = False) -> str:
-        """One line: what is fake-quantized, and when (``profiled``: and that the profiler's trial steps run with it
-        on; a run's set-up says it, :class:`FakeQuantSteps`, not the offline estimate, which runs no trial)."""
+    def _what(self) -> tuple[str, str]:
+        """The groupsize (", groupsize N", or "") and the layers fake-quantized, in words."""
         config = self.quantizer.get_weight_fake_quantize_config()
         group = f", groupsize {config.group_size}" if getattr(config, "group_size", None) else ""
-        layers = "LoRA layers' frozen base weights and inputs" if self.method.name == "lora" else "linear layers"
-        after = self.fake_quant_after_n_steps
+        return group, "LoRA layers' frozen base weights and inputs" if self.lora else "linear layers"
+
+    def quantized(self) -> str:
+        """What is fake-quantized, in words: the quantizer, its mode and groupsize, and the layers."""
+        group, layers = self._what()
+        return f"{type(self.quantizer).__name__} ({self.mode}{group}), {self.swapped} {layers} fake-quantized"
+
+    def describe(self) -> str:
+        """One line: what is fake-quantized, and when (and that the trial steps run with it on, when they run: a
+        run's set-up says it, not the offline estimate, which runs no trial and says :meth:`quantized`)."""
+        group, layers = self._what()
+        after = self.fake_quantization.after_n_steps
         when = f"off for the first {after} optimizer steps, then on" if after else "on from the first step"
-        trials = "; the profiler's trial steps run with it on" if profiled else ""
+        trials = "; the profiler's trial steps run with it on" if self.profiled else ""
         return (
             f"Quantization-aware training ({type(self.quantizer).__name__}, {self.mode}{group}): {self.swapped} "
             f"{layers} fake-quantized, {when}{trials}"
         )
-
-    def enabled_at(self, global_step: int) -> bool:
-        """Whether the optimizer step after ``global_step`` finished steps trains with fake quantization."""
-        return self.fake_quant_after_n_steps is None or global_step >= self.fake_quant_after_n_steps
 
     def initialize(self, model: nn.Module) -> None:
         self.method.initialize(model)
@@ -187,73 +222,15 @@ class QuantizationAware:
 
     def after_load(self, model: nn.Module, missing: Sequence[str], unexpected: Sequence[str]) -> None:
         self.method.after_load(model, missing, unexpected)
+        logs.info(self.describe())
 
     def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
         return self.method.checkpoint_entries(full_state_dict)
 
 
-class FakeQuantSteps(TrainerHooks):
-    """The trainer's hooks that switch fake quantization: on for every trial step, and at each optimizer step
-    as ``fake_quant_after_n_steps`` says; every other call goes on to ``then`` (the hooks installed for the process,
-    a harness's)."""
-
-    def __init__(self, qat: QuantizationAware, then: TrainerHooks) -> None:
-        self.qat, self.then = qat, then
-        self.model: nn.Module | None = None
-        self.enabled: bool | None = None
-
-    def _switch(self, enabled: bool) -> None:
-        if self.model is not None and enabled != self.enabled:
-            set_fake_quant(self.model, enabled)
-            self.enabled = enabled
-
-    def after_setup(self, trainer: Any) -> None:
-        self.model = trainer.parts.model
-        self.enabled = None
-        logs.info(self.qat.describe(profiled=trainer.settings.needs_profile))
-        self.then.after_setup(trainer)
-
-    def before_trial(self, micro_batch: int) -> None:
-        self._switch(True)
-        self.then.before_trial(micro_batch)
-
-    def before_step(self, trainer: Any, micro_batches: list[dict[str, Any]]) -> None:
-        step, was = trainer.global_step, self.enabled
-        self._switch(self.qat.enabled_at(step))
-        after = self.qat.fake_quant_after_n_steps
-        if after and was is not self.enabled and (step == 0 or step == after or was is None):
-            logs.info(
-                f"Step {step}: fake quantization {'on' if self.enabled else 'off'}"
-                + ("" if self.enabled else f", on from step {after}")
-            )
-        self.then.before_step(trainer, micro_batches)
-
-
-def _delegate(name: str) -> Callable[..., Any]:
-    def call(self: FakeQuantSteps, *args: Any) -> Any:
-        return getattr(self.then, name)(*args)
-
-    call.__name__ = name
-    return call
-
-
-for _name in (
-    "before_setup",
-    "collate",
-    "before_train",
-    "after_train",
-    "before_epoch",
-    "after_epoch",
-    "before_forward",
-    "after_loss",
-    "after_step",
-):
-    setattr(FakeQuantSteps, _name, _delegate(_name))
-
-
-def with_quantizer(cfg: DictConfig, method: FinetuneMethod) -> FinetuneMethod:
+def quantization_aware(cfg: DictConfig, method: FinetuneMethod, *, profiled: bool) -> FinetuneMethod:
     """``method`` trained with fake quantization when ``cfg`` has a ``quantizer`` (a QAT quantizer: refused in one
-    line otherwise), else ``method`` itself."""
+    line otherwise), else ``method`` itself (``profiled``: see :class:`QuantizationAware`)."""
     node = optional_component(cfg.get("quantizer", None))
     after = fake_quant_steps(cfg)
     if node is None:
@@ -273,14 +250,7 @@ def with_quantizer(cfg: DictConfig, method: FinetuneMethod) -> FinetuneMethod:
     from torchtune import training
 
     dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))  # the trainer checks the device
-    return QuantizationAware(method, quantizer, dtype, after)
-
-
-def step_hooks(method: FinetuneMethod, hooks: TrainerHooks | None = None) -> TrainerHooks:
-    """The hooks a recipe gives its trainer: ``hooks`` (default: those installed for the process), with the
-    switching of fake quantization (:class:`FakeQuantSteps`) when ``method`` is quantization-aware."""
-    hooks = hooks or installed()
-    return FakeQuantSteps(method, hooks) if isinstance(method, QuantizationAware) else hooks
+    return QuantizationAware(method, quantizer, dtype, after, profiled=profiled)
 
 
 def fake_quant_steps(cfg: DictConfig) -> int | None:

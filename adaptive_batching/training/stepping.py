@@ -3,7 +3,8 @@
 :class:`StepRunner` owns the model, the optimizer, the loss and the step guard: forward and backward
 of each micro batch (loss summed over tokens), the gradients normalised by the step's tokens on all
 ranks, clipping, and the optimizer step (retried once after a clean OOM). The profiler reaches the
-model only through :meth:`StepRunner.trial_step`, one measured worst-case step.
+model only through :meth:`StepRunner.trial_step`, one measured worst-case step. Before each step it asks the
+fine-tuning method whether the step trains with fake quantization (QAT), which a trial step always does.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from torch.distributed.tensor import DTensor
 from torchtune import training, utils
 
 from adaptive_batching.core import logs
+from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
 from adaptive_batching.errors import OutOfMemoryStop, PeerOutOfMemory, StepNotRetried, UnguardedOutOfMemory
@@ -28,8 +30,10 @@ from adaptive_batching.growth.gradient_noise import NoiseScaleEstimator, squared
 from adaptive_batching.runtime import memory
 from adaptive_batching.runtime.distributed import ParallelInfo, all_reduce_sum
 from adaptive_batching.training.hooks import TrainerHooks
+from adaptive_batching.training.methods import FullFinetune
 from adaptive_batching.training.objectives import SupervisedFinetune
 from adaptive_batching.training.optimizers import Gradients, gradients_for
+from adaptive_batching.training.quantization import switch_fake_quant
 
 
 def _host_norm(norm: torch.Tensor | None) -> float | None:
@@ -83,8 +87,8 @@ def step_metrics(
 
 @dataclass
 class StepRunner:
-    """Runs optimizer steps on ``model``, each micro batch's forward and loss from ``objective``; ``where`` names
-    the next optimizer step and the last save for messages."""
+    """Runs optimizer steps on ``model``, each micro batch's forward and loss from ``objective``, with fake
+    quantization as ``method`` says; ``where`` names the next optimizer step and the last save for messages."""
 
     model: torch.nn.Module
     optimizer: torch.optim.Optimizer
@@ -98,9 +102,11 @@ class StepRunner:
     activations: Any = field(default_factory=contextlib.nullcontext)  # around each forward (activation offloading)
     noise: NoiseScaleEstimator = field(default_factory=lambda: NoiseScaleEstimator(decay=0.99))
     objective: TrainingObjective = field(default_factory=SupervisedFinetune)  # a micro batch's forward and loss
+    method: FinetuneMethod = field(default_factory=FullFinetune)  # asked before each step: fake quantization (QAT)
     hooks: TrainerHooks = field(default_factory=TrainerHooks)  # before each forward, with each loss
     gradients: Gradients = field(init=False)  # after the backward, or inside it (optimizer_in_bwd)
     last_loss: torch.Tensor | None = field(default=None, init=False, repr=False)
+    fake_quant: bool | None = field(default=None, init=False)  # whether the model's fake quantizers are on (QAT)
 
     def __post_init__(self) -> None:
         self.gradients = gradients_for(self.optimizer, self.guard, self.parallel)
@@ -111,13 +117,22 @@ class StepRunner:
         models the objective keeps resident (full DPO's reference)."""
         return (self.model, self.optimizer, *self.objective.resident)
 
-    def train_step(self, micro_batches: list[dict[str, torch.Tensor]]) -> StepStats | None:
-        """One optimizer step over ``micro_batches``: loss normalised by the tokens of the whole step.
+    def _fake_quantize(self, global_step: int | None) -> None:
+        """Fake quantization as the method says for the optimizer step after ``global_step`` finished ones, or on
+        for a trial step (None): the profile fits the steps after it turns on (nothing for a method without it)."""
+        when = self.method.fake_quantization
+        if when is not None:
+            self.fake_quant = switch_fake_quant(self.model, when, self.fake_quant, global_step)
+
+    def train_step(self, micro_batches: list[dict[str, torch.Tensor]], global_step: int) -> StepStats | None:
+        """One optimizer step over ``micro_batches``, after ``global_step`` finished ones: loss normalised by the
+        tokens of the whole step.
 
         Returns None, with nothing changed, when the forward or backward ran out of memory on any rank
         inside a guard window; raises :class:`UnguardedOutOfMemory` for one outside it, and
         :class:`StepNotRetried` for one the gradients cannot recover from in place (optimizer_in_bwd).
         """
+        self._fake_quantize(global_step)
         start = time.perf_counter()
         memory.reset_peak_memory(self.device)
         loss_sum = torch.zeros((), device=self.device)
@@ -194,6 +209,7 @@ class StepRunner:
 
         An OOM on any rank is an OOM on every rank (see :class:`StepGuard`), so no rank waits for another.
         """
+        self._fake_quantize(None)
         meters = self.tracked
         measured: list[StepMemory] = []
         self.guard.attach()  # profiling is always guarded; training opens its own windows

@@ -1,10 +1,12 @@
-"""The config keys that change what is trained, and which recipe trains that way: one place for all of them.
+"""torchtune's catalogue of kinds of training, the config keys that ask for each, and which recipe trains that way:
+one place for all of them.
 
 torchtune's other recipes read keys that turn fine-tuning into another kind of training (a ``quantizer`` for
 quantization-aware training, a ``teacher_model`` for distillation, a DPO loss, ...). Ignored, such a key would
 train a plain fine-tune that nobody asked for; so a recipe of ours that does not train that way refuses it in one
 line, before any model loads, naming the recipes that do. When a recipe of ours learns one, it is listed in
-:data:`OURS` and named instead of torchtune's.
+:data:`OURS` and named instead of torchtune's. (A kind of training is not the training objective a recipe composes,
+``core.objective``: QAT is a kind here and a fine-tuning method there.)
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ QAT, PTQ, KD, DPO, PPO, GRPO, EARLY_EXIT, MULTI_DATASET = (
 
 
 @dataclass(frozen=True)
-class Objective:
+class TrainingKind:
     """A way of training other than supervised fine-tuning: what it is, in words, and torchtune 0.6.1's recipes
     that train so."""
 
@@ -38,28 +40,28 @@ class Objective:
     torchtune: tuple[str, ...]
 
 
-OBJECTIVES: dict[str, Objective] = {
-    QAT: Objective("quantization-aware training", ("qat_distributed", "qat_lora_finetune_distributed")),
-    PTQ: Objective("quantizing a trained model (post-training quantization)", ("quantize",)),
-    KD: Objective(
+TRAINING_KINDS: dict[str, TrainingKind] = {
+    QAT: TrainingKind("quantization-aware training", ("qat_distributed", "qat_lora_finetune_distributed")),
+    PTQ: TrainingKind("quantizing a trained model (post-training quantization)", ("quantize",)),
+    KD: TrainingKind(
         "knowledge distillation from a teacher model",
         ("knowledge_distillation_single_device", "knowledge_distillation_distributed"),
     ),
-    DPO: Objective(
+    DPO: TrainingKind(
         "preference optimisation (DPO) on chosen and rejected answers",
         ("lora_dpo_single_device", "lora_dpo_distributed", "full_dpo_distributed"),
     ),
-    PPO: Objective("reinforcement learning from a reward model (PPO)", ("ppo_full_finetune_single_device",)),
-    GRPO: Objective("group relative policy optimisation (GRPO)", ("dev/grpo_full_finetune_distributed",)),
-    EARLY_EXIT: Objective(
+    PPO: TrainingKind("reinforcement learning from a reward model (PPO)", ("ppo_full_finetune_single_device",)),
+    GRPO: TrainingKind("group relative policy optimisation (GRPO)", ("dev/grpo_full_finetune_distributed",)),
+    EARLY_EXIT: TrainingKind(
         "early-exit training (layer dropout, an early-exit loss)", ("dev/early_exit_finetune_distributed",)
     ),
-    MULTI_DATASET: Objective(
+    MULTI_DATASET: TrainingKind(
         "training on several data sets, each with its own loader", ("dev/lora_finetune_distributed_multi_dataset",)
     ),
 }
 
-# Our recipes and the objectives above that each trains (besides supervised fine-tuning).
+# Our recipes and the kinds of training above that each trains (besides supervised fine-tuning).
 OURS: dict[str, frozenset[str]] = {
     "adaptive_full_finetune": frozenset({QAT}),
     "adaptive_lora_finetune": frozenset({QAT}),
@@ -68,7 +70,7 @@ OURS: dict[str, frozenset[str]] = {
     "adaptive_knowledge_distillation": frozenset({KD}),
 }
 
-# Top-level keys that only torchtune's recipes of one objective read (``quantizer``: see :func:`_quantizer`).
+# Top-level keys that only torchtune's recipes of one kind of training read (``quantizer``: see :func:`_quantizer`).
 TRAINING_KEYS: dict[str, str] = {
     "quantizer": QAT,
     "fake_quant_after_n_steps": QAT,
@@ -121,14 +123,25 @@ DATASETS: dict[str, str] = {
     for name in ("preference_dataset", "PreferenceDataset", "stack_exchange_paired_dataset", "hh_rlhf_helpful_dataset")
 }
 _NAMED = 3  # other keys a refusal names besides the first
+KD_RATIO = 0.5  # the weight of the KD loss against the cross-entropy when the config sets no 'kd_ratio'
+LORA_ARGUMENT = "lora_attn_modules"  # an argument every LoRA model builder of torchtune's requires, and no other takes
+
+
+def builds_lora(cfg: DictConfig) -> bool:
+    """Whether config key ``model`` builds a LoRA model (LoRA, QLoRA, DoRA adapters): its builder is one of
+    torchtune's LoRA builders, which all require ``lora_attn_modules`` (and the node must give it), and which the
+    full builders do not take. Read from the node, so that the commands which only read files (``ls``, ``cp``)
+    import no builder."""
+    model = OmegaConf.select(cfg, "model", default=None)
+    return OmegaConf.is_dict(model) and LORA_ARGUMENT in model
 
 
 def recipe_for_model(cfg: DictConfig) -> str:
     """The recipe of ours that runs a config: LoRA (and QLoRA, DoRA) when its model builder is a LoRA one, full
     otherwise; ``adaptive_lora_dpo`` or ``adaptive_full_dpo`` when the config asks for DPO,
     ``adaptive_knowledge_distillation`` (a LoRA or a full student) when it asks for distillation."""
-    lora = "lora" in str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    asked = {objective for _, objective, _ in training_asked(cfg)}
+    lora = builds_lora(cfg)
+    asked = {kind for _, kind, _ in training_asked(cfg)}
     if KD in asked:
         return "adaptive_knowledge_distillation"
     dpo = DPO in asked
@@ -136,7 +149,7 @@ def recipe_for_model(cfg: DictConfig) -> str:
 
 
 def _torchtune_name(component: Any, names: dict[str, str]) -> str | None:
-    """The objective of a torchtune component path found in ``names`` by its last name, else None."""
+    """The kind of training of a torchtune component path found in ``names`` by its last name, else None."""
     path = str(component or "")
     return names.get(path.rsplit(".", 1)[-1]) if path.startswith("torchtune.") else None
 
@@ -153,25 +166,25 @@ def _asks(value: Any) -> bool:
 
 
 def training_asked(cfg: DictConfig) -> list[tuple[str, str, Any]]:
-    """``(key, objective, value shown)`` for every key of ``cfg`` that asks for training other than supervised
+    """``(key, kind, value shown)`` for every key of ``cfg`` that asks for training other than supervised
     fine-tuning: the keys first, then losses, then data sets (the weakest sign), each in the config's order."""
     found: list[tuple[str, str, Any]] = []
     for key in (str(k) for k in cfg.keys()):
         value = cfg.get(key)
         if key in TRAINING_KEYS and _asks(value):
-            objective = _quantizer(value) if key == "quantizer" else TRAINING_KEYS[key]
-            found.append((key, objective, _shown(value)))
+            kind = _quantizer(value) if key == "quantizer" else TRAINING_KEYS[key]
+            found.append((key, kind, _shown(value)))
         elif key == "loss" and OmegaConf.is_dict(value):
-            objective = _torchtune_name(value.get("_component_"), LOSSES)
-            if objective:
-                found.append(("loss._component_", objective, value.get("_component_")))
+            kind = _torchtune_name(value.get("_component_"), LOSSES)
+            if kind:
+                found.append(("loss._component_", kind, value.get("_component_")))
         elif key == "dataset" and value is not None:
             parts = list(value) if OmegaConf.is_list(value) else [value]
             for i, part in enumerate(parts):
-                objective = _torchtune_name(part.get("_component_") if OmegaConf.is_dict(part) else None, DATASETS)
-                if objective:
+                kind = _torchtune_name(part.get("_component_") if OmegaConf.is_dict(part) else None, DATASETS)
+                if kind:
                     where = "dataset" if not OmegaConf.is_list(value) else f"dataset[{i}]"
-                    found.append((f"{where}._component_", objective, part.get("_component_")))
+                    found.append((f"{where}._component_", kind, part.get("_component_")))
     return sorted(found, key=lambda item: item[0].startswith(("dataset.", "dataset[")))
 
 
@@ -182,17 +195,17 @@ def _shown(value: Any) -> Any:
     return None if OmegaConf.is_config(value) else plain(value)
 
 
-def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: str | None = None) -> str:
+def refusal(recipe: str, keys: list[tuple[str, Any]], kind: str, runs: str | None = None) -> str:
     """The one line that refuses ``keys`` (key, value shown; the first is shown with its value, at most
-    :data:`_NAMED` of the others are named) asking for ``objective`` in ``recipe``; ``runs``, the recipe of ours
+    :data:`_NAMED` of the others are named) asking for ``kind`` in ``recipe``; ``runs``, the recipe of ours
     for the config's model, is the one named when it trains so (the full or the LoRA DPO recipe)."""
-    what = OBJECTIVES[objective]
+    what = TRAINING_KINDS[kind]
     (key, shown), others = keys[0], [f"'{other}'" for other, _ in keys[1:]]
     subject = f"config key '{key}'" + ("" if shown is None else f" = {shown!r}")
     if others:
         more = f" and {len(others) - _NAMED} more" if len(others) > _NAMED else ""
         subject += f" (with {', '.join(others[:_NAMED])}{more})"
-    ours = [name for name, objectives in OURS.items() if objective in objectives]
+    ours = [name for name, kinds in OURS.items() if kind in kinds]
     ours = [runs] if runs in ours else ours
     if ours:
         return f"{subject} asks for {what.what}, which {recipe} does not do; use {' or '.join(ours)}"
@@ -200,19 +213,19 @@ def refusal(recipe: str, keys: list[tuple[str, Any]], objective: str, runs: str 
     return f"{subject} asks for {what.what}, which {recipe} does not do yet; use torchtune's {recipes}"
 
 
-def check_objective(cfg: DictConfig, recipe: str | None = None) -> None:
+def check_training_kind(cfg: DictConfig, recipe: str | None = None) -> None:
     """Refuse, in one line, keys asking for training that ``recipe`` (default: the one of ours that runs the
-    config) does not do: the objective of the first such key (see :func:`training_asked`), with all of its keys."""
+    config) does not do: the kind of the first such key (see :func:`training_asked`), with all of its keys."""
     recipe = recipe or recipe_for_model(cfg)
     done = OURS.get(recipe, frozenset())
-    asked = [(key, objective, shown) for key, objective, shown in training_asked(cfg) if objective not in done]
+    asked = [(key, kind, shown) for key, kind, shown in training_asked(cfg) if kind not in done]
     if asked:
-        objective = asked[0][1]
+        kind = asked[0][1]
         raise ConfigError(
             refusal(
                 recipe,
-                [(key, shown) for key, o, shown in asked if o == objective],
-                objective,
+                [(key, shown) for key, o, shown in asked if o == kind],
+                kind,
                 runs=recipe_for_model(cfg),
             )
         )
@@ -245,7 +258,7 @@ def check_lora_dpo(cfg: DictConfig) -> None:
     adapters (the reference is the policy with its adapters off), a separate reference model, and what neither DPO
     recipe trains (see :func:`_check_pairs`)."""
     component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    if "lora" not in component:
+    if not builds_lora(cfg):
         raise ConfigError(
             f"config key 'model._component_' = {component!r} has no LoRA adapters; adaptive_lora_dpo's "
             "reference model is the policy with its adapters off, so it needs a LoRA model builder; "
@@ -265,7 +278,7 @@ def check_full_dpo(cfg: DictConfig) -> None:
     reference model's weights, as torchtune's ``full_dpo_distributed`` reads them), and what neither DPO recipe
     trains (see :func:`_check_pairs`)."""
     component = str(OmegaConf.select(cfg, "model._component_", default="") or "")
-    if "lora" in component:
+    if builds_lora(cfg):
         raise ConfigError(
             f"config key 'model._component_' = {component!r} is a LoRA model, whose reference is the "
             "policy with its adapters off; use adaptive_lora_dpo"
@@ -320,12 +333,7 @@ def check_kd(cfg: DictConfig) -> None:
         raise ConfigError(
             f"config key {subject}: {recipe} distils with one of torchtune.modules.loss.{', '.join(_KD_LOSSES)}"
         )
-    ratio = plain(cfg.get("kd_ratio", 0.5))
-    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
-        raise ConfigError(
-            f"config key 'kd_ratio' = {ratio!r}: the weight of the KD loss against the cross-entropy "
-            "must be a number in [0, 1]"
-        )
+    kd_ratio(cfg)
     loss = str(OmegaConf.select(cfg, "loss._component_", default="") or "").rsplit(".", 1)[-1]
     chunked = (loss == _CHUNKED_CE, kd_loss.endswith("WithChunkedOutputLoss"))
     if chunked[0] != chunked[1]:
@@ -341,3 +349,15 @@ def check_kd(cfg: DictConfig) -> None:
             f"'loss.num_output_chunks' = {chunks[0]!r} (the student's and teacher's logits are chunked "
             "alike)"
         )
+
+
+def kd_ratio(cfg: DictConfig) -> float:
+    """``kd_ratio``: the weight of the KD loss against the cross-entropy, a number in [0, 1] (default
+    :data:`KD_RATIO`, as torchtune's KD recipes)."""
+    ratio = plain(cfg.get("kd_ratio", KD_RATIO))
+    if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not 0 <= ratio <= 1:
+        raise ConfigError(
+            f"config key 'kd_ratio' = {ratio!r}: the weight of the KD loss against the cross-entropy "
+            "must be a number in [0, 1]"
+        )
+    return float(ratio)
