@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling.budget import Budget, cpu_room_bytes, memory_budget
 
 GIB = 2**30

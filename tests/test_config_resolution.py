@@ -21,7 +21,8 @@ from adaptive_batching.config.loading import (
     shipped_config_names,
     shipped_configs_dir,
 )
-from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
+from adaptive_batching.config.settings import KNOBS, validate_config
+from adaptive_batching.errors import ConfigError
 
 REPO = Path(__file__).resolve().parents[1]
 SHIPPED = ("tiny_full", "tiny_lora")

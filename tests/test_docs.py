@@ -61,9 +61,10 @@ from omegaconf import OmegaConf
 
 from adaptive_batching import growth
 from adaptive_batching.cli import build_parser, recipe_for
+from adaptive_batching.config.checks import check_recipe_keys
 from adaptive_batching.config.keys import ADAPTIVE_KEYS, RECIPE_KEYS
 from adaptive_batching.config.loading import RECIPES, shipped_config_names, shipped_configs_dir, stock_configs
-from adaptive_batching.config.settings import KNOBS, _check_recipe_keys
+from adaptive_batching.config.settings import KNOBS
 from adaptive_batching.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -198,7 +199,7 @@ def _is_required(key: str) -> bool:
         return False
     del cfg[key]
     try:
-        _check_recipe_keys(cfg)
+        check_recipe_keys(cfg)
     except ConfigError as error:
         return f"'{key}' is missing" in str(error)
     return False
@@ -208,7 +209,7 @@ def _null_passes(key: str) -> bool:
     cfg = OmegaConf.load(shipped_configs_dir() / "tiny_full.yaml")
     cfg[key] = None
     try:
-        _check_recipe_keys(cfg)
+        check_recipe_keys(cfg)
     except ConfigError:
         return False
     return True

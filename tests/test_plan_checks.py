@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from adaptive_batching.batching.checks import ALLOW_KEY, check_plan_against_data, lr_factor_warnings
-from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.planning import plan_batches
 
 

@@ -13,7 +13,8 @@ from config_edits import modified
 from test_oom_recovery import SAMPLES, faulty_run, ok
 from torch import nn
 
-from adaptive_batching.config.settings import ConfigError, validate_config
+from adaptive_batching.config.settings import validate_config
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults import guard as oom_recovery
 from adaptive_batching.faults import restart
 from adaptive_batching.faults.checkpoints import MARKER

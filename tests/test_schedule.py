@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from adaptive_batching.batching.shape import BatchShape, EpochBatch
-from adaptive_batching.config.settings import ConfigError
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.growth.functions import geometric, linear_ramp
 from adaptive_batching.growth.planning import describe_plan, epoch_switch_reason, load_increase_function, plan_batches
 

@@ -10,7 +10,8 @@ from config_edits import CONFIGS, DELETE, modified, setting, typed
 from omegaconf import DictConfig, OmegaConf
 
 from adaptive_batching.batching.settings import BatchingSettings
-from adaptive_batching.config.settings import KNOBS, ConfigError, validate_config
+from adaptive_batching.config.settings import KNOBS, validate_config
+from adaptive_batching.errors import ConfigError
 from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.settings import GrowthSettings
 from adaptive_batching.profiling.settings import ProfilerSettings
@@ -102,6 +103,7 @@ def test_each_sections_own_defaults_are_the_documented_ones(base_cfg: DictConfig
 
 def test_the_known_keys_and_their_defaults_are_the_sections_fields(monkeypatch: pytest.MonkeyPatch) -> None:
     """KNOBS follows the dataclasses: a changed default, a new field or a field without a check shows there."""
+    from adaptive_batching.config import checks
     from adaptive_batching.config import settings as module
 
     @dataclasses.dataclass(frozen=True)
@@ -112,7 +114,7 @@ def test_the_known_keys_and_their_defaults_are_the_sections_fields(monkeypatch: 
     monkeypatch.setitem(module.SECTIONS, module.FAULTS, Faults)
     with pytest.raises(TypeError, match=r"\['extra_knob'\]"):
         module._knobs()
-    monkeypatch.setitem(module.CHECKS, "extra_knob", module._bool)
+    monkeypatch.setitem(checks.CHECKS, "extra_knob", checks._bool)
     knobs = module._knobs()
     assert (knobs["guard_steps"].default, knobs["extra_knob"].default) == (7, True)
     assert knobs["extra_knob"].section == module.FAULTS
