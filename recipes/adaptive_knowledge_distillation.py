@@ -1,8 +1,8 @@
 """Knowledge distillation (KD) of a student model from a frozen teacher, with automatic and adaptive batch sizes.
 
-    tune run adaptive_knowledge_distillation --config tiny_kd
-    tune run adaptive_knowledge_distillation --config qwen2/1.5_to_0.5B_KD_lora_single_device use_maximum_batch_size=True
-    tune run --nproc_per_node 2 adaptive_knowledge_distillation --config llama3_2/8B_to_1B_KD_lora_distributed
+  tune run adaptive_knowledge_distillation --config tiny_kd
+  tune run adaptive_knowledge_distillation --config qwen2/1.5_to_0.5B_KD_lora_single_device use_maximum_batch_size=True
+  tune run --nproc_per_node 2 adaptive_knowledge_distillation --config llama3_2/8B_to_1B_KD_lora_distributed
 
 The step is torchtune's ``knowledge_distillation_single_device``'s (and ``_distributed``'s): the student's forward,
 the teacher's (``teacher_model`` with the weights of ``teacher_checkpointer``, frozen, sharded as the student is)
