@@ -212,7 +212,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     from adaptive_batching.config.inputs import worst_case_of
     from adaptive_batching.config.training_kinds import check_training_kind
     from adaptive_batching.estimate.prediction import estimate_max_micro_batch
-    from adaptive_batching.training.recipe_table import method_and_objective
+    from adaptive_batching.training.recipe_table import traced_parts
     from adaptive_batching.units import parse_bytes
 
     try:
@@ -223,12 +223,12 @@ def cmd_estimate(args: argparse.Namespace) -> int:
         raise UsageError(f"--seq-len must be an integer >= 1, got {args.seq_len}")
     cfg = load_config(args.config, args.overrides)
     check_training_kind(cfg)  # keys no recipe of ours trains with: refused as the recipe refuses them, before tracing
-    method, objective = method_and_objective(cfg, profiled=False)  # checked as the recipe checks them; traced
+    inputs, method, objective = traced_parts(cfg)  # checked as the recipe checks them
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
     try:
         estimate = estimate_max_micro_batch(
-            cfg,
+            inputs,
             method,
             objective,
             device_memory_bytes=device_memory,

@@ -142,13 +142,11 @@ def predict_one(row: Published) -> dict[str, Any]:
     """Trace ``row``'s config and predict its peak at the published micro batch (run in a child process)."""
     from adaptive_batching.config.loading import load_config
     from adaptive_batching.estimate.prediction import peak_at, trace_steps
-    from adaptive_batching.training.recipe_table import method_and_objective
+    from adaptive_batching.training.recipe_table import traced_parts
 
     cfg = load_config(row.config, row.overrides)
     start = time.perf_counter()
-    trace = trace_steps(
-        cfg, *method_and_objective(cfg, profiled=False), seq_len=row.seq_len, seq_len_source="published"
-    )
+    trace = trace_steps(*traced_parts(cfg), seq_len=row.seq_len, seq_len_source="published")
     paged = trace.paged_bytes > 0
     peak = peak_at(trace, row.micro_batch, row.ranks, paged_out=paged) / GIB
     result = {

@@ -63,10 +63,10 @@ VISION_REASON = (
 def traced(cfg: Any, seq_len: int, exact: bool = False) -> tuple[Any, Any]:
     """The config's method and its fake steps at ``seq_len`` tokens (``exact``: every layer traced)."""
     from adaptive_batching.estimate.prediction import trace_steps
-    from adaptive_batching.training.recipe_table import method_and_objective
+    from adaptive_batching.training.recipe_table import traced_parts
 
-    method, objective = method_and_objective(cfg, profiled=False)
-    return method, trace_steps(cfg, method, objective, seq_len=seq_len, seq_len_source="--seq-len", exact=exact)
+    inputs, method, objective = traced_parts(cfg)
+    return method, trace_steps(inputs, method, objective, seq_len=seq_len, seq_len_source="--seq-len", exact=exact)
 
 
 def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from adaptive_batching.estimate.prediction import (
     trace_steps,
 )
 from adaptive_batching.training.objectives import SupervisedFinetune
-from adaptive_batching.training.recipe_table import method_and_objective
+from adaptive_batching.training.recipe_table import traced_parts
 
 MiB = 2**20
 FOUR_LAYERS = {
@@ -182,8 +182,8 @@ def traces() -> dict[str, tuple]:
         cfg = load_config(str(CONFIGS / name), overrides)
         seq_len = int(cfg.tokenizer.max_seq_len)
         result[case] = (
-            trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=seq_len),
-            trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=seq_len, exact=True),
+            trace_steps(*traced_parts(cfg), seq_len=seq_len),
+            trace_steps(*traced_parts(cfg), seq_len=seq_len, exact=True),
         )
     return result
 
@@ -235,7 +235,7 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(
     asked = []
 
     def recorded(
-        cfg: object,
+        inputs: object,
         method: object,
         objective: object,
         *,
@@ -245,7 +245,7 @@ def test_cli_says_which_method_ran_and_what_the_fake_steps_found(
         max_probe: int,
     ) -> StepTrace:
         assert type(objective) is SupervisedFinetune  # the step of the recipe that runs the config
-        asked.append((exact, cfg.model.num_layers, method.name, seq_len, seq_len_source))
+        asked.append((exact, inputs.model.num_layers, method.name, seq_len, seq_len_source))
         return replace(full, measure=None) if exact else fast  # verifying the full trace costs seconds
 
     monkeypatch.setattr(estimate, "trace_steps", recorded)
@@ -300,15 +300,13 @@ def test_cli_bad_input_names_the_flag(argv: list[str], flag: str, capsys: pytest
 def test_bad_arguments_are_refused_before_any_tracing() -> None:
     cfg = load_config(str(CONFIGS / "tiny_full.yaml"))
     with pytest.raises(ValueError, match=r"device_memory_bytes \(--device-memory\)"):
-        estimate_max_micro_batch(cfg, *method_and_objective(cfg, profiled=False), device_memory_bytes=0, seq_len=256)
+        estimate_max_micro_batch(*traced_parts(cfg), device_memory_bytes=0, seq_len=256)
     with pytest.raises(ValueError, match=r"world_size \(--world-size\)"):
-        estimate_max_micro_batch(
-            cfg, *method_and_objective(cfg, profiled=False), device_memory_bytes=MiB, world_size=1.5, seq_len=256
-        )
+        estimate_max_micro_batch(*traced_parts(cfg), device_memory_bytes=MiB, world_size=1.5, seq_len=256)
     with pytest.raises(ValueError, match="max_probe"):
-        trace_steps(cfg, *method_and_objective(cfg, profiled=False), max_probe=1, seq_len=256)
+        trace_steps(*traced_parts(cfg), max_probe=1, seq_len=256)
     with pytest.raises(ValueError, match=r"seq_len \(--seq-len\)"):
-        trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=0)
+        trace_steps(*traced_parts(cfg), seq_len=0)
 
 
 def test_the_optimizer_state_and_its_step_peak_are_divided_over_the_ranks() -> None:

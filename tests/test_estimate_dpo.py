@@ -22,10 +22,11 @@ from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.trace_inputs import trace_inputs
 from adaptive_batching.estimate.layer_timeline import repeats
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
 from adaptive_batching.training.objectives import FullDPO, LoRADPO, SupervisedFinetune
-from adaptive_batching.training.recipe_table import method_and_objective, student
+from adaptive_batching.training.recipe_table import student, traced_parts
 
 MiB = 2**20
 SEQ_LEN = 32
@@ -42,8 +43,8 @@ def _trace(name: str, *overrides: str, objective: Any = None) -> StepTrace:
     """The trace of config ``name``, of the step of the objective its recipe trains with, or of ``objective``."""
     cfg = _cfg(name, *overrides)
     if objective is not None:  # the model's method (LoRA or full), without the checks of the config's objective
-        return trace_steps(cfg, student(cfg), objective, seq_len=SEQ_LEN)
-    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=SEQ_LEN)
+        return trace_steps(trace_inputs(cfg, objective.frozen), student(cfg), objective, seq_len=SEQ_LEN)
+    return trace_steps(*traced_parts(cfg), seq_len=SEQ_LEN)
 
 
 def test_repeats_of_a_dpo_pass_expand_the_middle_layer_of_each_forward_and_the_backward() -> None:
@@ -183,7 +184,7 @@ def test_the_dpo_step_extrapolated_matches_the_full_trace(traces: dict[str, Any]
     below."""
     name = "tiny_full_dpo"
     cfg = _cfg(name)
-    full = trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=SEQ_LEN, exact=True)
+    full = trace_steps(*traced_parts(cfg), seq_len=SEQ_LEN, exact=True)
     fast = traces[name]
     assert sorted(fast.probes) == sorted(full.probes) and fast.traced_layers == 3 and full.traced_layers == 5
     for micro_batch, exact in full.probes.items():

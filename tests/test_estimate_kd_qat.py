@@ -23,10 +23,11 @@ from torchtune import config
 
 from adaptive_batching.cli import main
 from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.trace_inputs import trace_inputs
 from adaptive_batching.estimate.layer_timeline import repeats
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
 from adaptive_batching.training.objectives import SupervisedFinetune
-from adaptive_batching.training.recipe_table import method_and_objective
+from adaptive_batching.training.recipe_table import traced_parts
 
 MiB = 2**20
 SEQ_LEN = 32
@@ -52,8 +53,10 @@ def _cfg(name: str, overrides: tuple[str, ...]) -> Any:
 
 def _trace(name: str, overrides: tuple[str, ...], *, exact: bool = False, finetune: bool = False) -> StepTrace:
     cfg = _cfg(name, overrides)
-    method, objective = method_and_objective(cfg, profiled=False)
-    return trace_steps(cfg, method, SupervisedFinetune() if finetune else objective, seq_len=SEQ_LEN, exact=exact)
+    inputs, method, objective = traced_parts(cfg)
+    if finetune:
+        inputs, objective = trace_inputs(cfg), SupervisedFinetune()
+    return trace_steps(inputs, method, objective, seq_len=SEQ_LEN, exact=exact)
 
 
 class _Traces(dict):

@@ -20,7 +20,7 @@ from adaptive_batching.config.loading import load_config
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.estimate.optimizer_state import BitsAndBytesStandIn, fake_optimizer, stand_in_spec
 from adaptive_batching.estimate.prediction import StepTrace, predict, trace_steps
-from adaptive_batching.training.recipe_table import method_and_objective
+from adaptive_batching.training.recipe_table import traced_parts
 
 MiB = 2**20
 IN_BWD = ["optimizer_in_bwd=True", "clip_grad_norm=null"]
@@ -29,7 +29,7 @@ PAGED_8BIT = "optimizer._component_=bitsandbytes.optim.PagedAdamW8bit"
 
 def _trace(overrides: list[str], seq_len: int = 64, exact: bool = False, config: str = "tiny_full.yaml") -> StepTrace:
     cfg = load_config(str(CONFIGS / config), ["model.num_layers=4", *overrides])
-    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=seq_len, exact=exact)
+    return trace_steps(*traced_parts(cfg), seq_len=seq_len, exact=exact)
 
 
 def _same_probes(fast: StepTrace, full: StepTrace) -> None:
@@ -245,7 +245,7 @@ def test_the_stock_8b_paged_8bit_config_is_estimated(monkeypatch: pytest.MonkeyP
     bitsandbytes' step with it installed; its state is 2 bytes a parameter (8-bit moments), all paged."""
     monkeypatch.setitem(sys.modules, "bitsandbytes", None)
     cfg = load_config("llama3_1/8B_full_single_device")
-    trace = trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=2048)
+    trace = trace_steps(*traced_parts(cfg), seq_len=2048)
     estimate = predict(trace, device_memory_bytes=80 * 2**30, verify=False)
     parameters = 8_030_261_248
     assert estimate.paged_state_bytes == pytest.approx(2 * parameters, rel=0.01)

@@ -19,6 +19,7 @@ from torchtune.modules.peft import get_adapter_params, set_trainable_params
 
 from adaptive_batching.assets.models import TINY_QLORA_ARGS, write_model_assets
 from adaptive_batching.config.loading import load_config
+from adaptive_batching.config.trace_inputs import trace_inputs
 from adaptive_batching.estimate.fake_steps import build_fake
 from adaptive_batching.profiling.max_micro_batch import preserved_training_state
 from adaptive_batching.runtime import nf4
@@ -79,7 +80,7 @@ def test_estimate_counts_fake_nf4_weights_at_their_real_bytes() -> None:
     """The model ``estimate`` builds on fake tensors holds what the real one holds (within 1%)."""
     cfg = load_config(str(CONFIGS / "tiny_qlora.yaml"))
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    model, _, _ = build_fake(cfg, method_and_objective(cfg, profiled=False)[0], torch.float32, fake)
+    model, _, _ = build_fake(trace_inputs(cfg), method_and_objective(cfg, profiled=False)[0], torch.float32, fake)
     assert all(isinstance(p, NF4Tensor) for n, p in model.named_parameters() if n.endswith("w1.weight"))
     with fake:
         counted = current_bytes(CPU, model)

@@ -298,10 +298,10 @@ def _trace_2048(name: str) -> Any:
     """The config's fine-tuning steps traced on fake tensors at 2048-token samples, once a module: predictions for
     several devices share one trace (``StepTrace``)."""
     from adaptive_batching.estimate.prediction import trace_steps
-    from adaptive_batching.training.recipe_table import method_and_objective
+    from adaptive_batching.training.recipe_table import traced_parts
 
     cfg = load_config(name)
-    return trace_steps(cfg, *method_and_objective(cfg, profiled=False), seq_len=2048, seq_len_source="--seq-len")
+    return trace_steps(*traced_parts(cfg), seq_len=2048, seq_len_source="--seq-len")
 
 
 @pytest.mark.e2e

@@ -51,8 +51,6 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
 
-from adaptive_batching.batching.data import DEFAULT_COLLATE
-from adaptive_batching.core.memory_savers import check_activation_offloading, optimizer_in_bwd
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import FrozenModel, TrainingObjective
@@ -91,16 +89,19 @@ class Savers:
     compile: bool = False  # layers, loss and NF4 dequantization as compiled (``compiled``)
 
 
-def savers_of(cfg: DictConfig) -> Savers:
-    """The config's memory savers, checked as the recipes check them (a combination torchtune refuses is a
-    one-line :class:`ConfigError` naming the key; the device is the one predicted for, so not checked)."""
-    return Savers(
-        optimizer_in_bwd(cfg),
-        check_activation_offloading(cfg, needs_cuda=False),
-        bool(cfg.get("enable_activation_checkpointing", False)),
-        bool(cfg.get("fsdp_cpu_offload", False)),
-        bool(cfg.get("compile", False)),
-    )
+@dataclass(frozen=True)
+class TraceInputs:
+    """What a trace builds its steps from: the nodes of the torchtune components it instantiates (their
+    ``_component_``: the model, its loss and optimizer, the frozen model the objective names) and the run's settings
+    a step follows; ``config.trace_inputs`` reads them from a config, checked as the recipes check them."""
+
+    model: DictConfig  # config key ``model``
+    loss: DictConfig  # config key ``loss``
+    optimizer: DictConfig  # config key ``optimizer``
+    dtype: str | None  # config key ``dtype`` (torchtune's get_dtype reads it)
+    collate_path: str  # config key ``collate_fn``
+    savers: Savers = Savers()
+    frozen_model: DictConfig | None = None  # the builder node of the objective's frozen model (reference, teacher)
 
 
 @dataclass(frozen=True)
@@ -233,7 +234,7 @@ def _fake_step(
 
 
 def build_fake(
-    cfg: DictConfig,
+    inputs: TraceInputs,
     method: FinetuneMethod,
     dtype: torch.dtype,
     fake: FakeTensorMode,
@@ -248,24 +249,24 @@ def build_fake(
     the layers are identical, which extrapolating over them assumes.
     """
     with building("model"), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
-        model = config.instantiate(cfg.model)
+        model = config.instantiate(inputs.model)
     num_layers = len(getattr(model, "layers", ()))
     method.configure(model)
     if uniform:
         decoder_layers(model)
     if keep_layers is not None:
         model.layers = nn.ModuleList(list(model.layers)[:keep_layers])
-    if cfg.get("enable_activation_checkpointing", False):
+    if inputs.savers.activation_checkpointing:
         training.set_activation_checkpointing(model, auto_wrap_policy={modules.TransformerSelfAttentionLayer})
     with fake:
         model.to_empty(device=CPU)
         nf4.quantize_empty(model)  # QLoRA: NF4 base weights at their real layout and bytes
     _init_buffers(model, dtype, fake)
     with building("loss"):
-        loss_fn = config.instantiate(cfg.loss)
+        loss_fn = config.instantiate(inputs.loss)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)
-    if cfg.get("compile", False):
+    if inputs.savers.compile:
         as_compiled(loss_fn)
         partitioned_layers(model)
     return model, loss_fn, num_layers
@@ -282,17 +283,20 @@ def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) ->
                     module._buffers[name] = fake.from_tensor(buffer)
 
 
-def _traced_step(cfg: DictConfig, objective: TrainingObjective, dtype: torch.dtype, fake: FakeTensorMode) -> TracedStep:
+def _traced_step(
+    inputs: TraceInputs, objective: TrainingObjective, dtype: torch.dtype, fake: FakeTensorMode
+) -> TracedStep:
     """``objective``'s step, with the frozen model it holds (if any) built fake from the builder node it names."""
 
     def frozen(model: FrozenModel) -> nn.Module:
-        return frozen_copy(cfg[model.model], model.model, dtype, fake)
+        assert inputs.frozen_model is not None, f"config key {model.model!r}: the trace's inputs lack its node"
+        return frozen_copy(inputs.frozen_model, model.model, dtype, fake)
 
-    return traced_step(objective, str(cfg.get("collate_fn", DEFAULT_COLLATE)), frozen)
+    return traced_step(objective, inputs.collate_path, frozen)
 
 
 def full_trace(
-    cfg: DictConfig,
+    inputs: TraceInputs,
     method: FinetuneMethod,
     dtype: torch.dtype,
     fake: FakeTensorMode,
@@ -300,12 +304,12 @@ def full_trace(
     objective: TrainingObjective,
 ) -> Traced:
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
-    savers = savers_of(cfg)
-    model, loss_fn, num_layers = build_fake(cfg, method, dtype, fake)
+    savers = inputs.savers
+    model, loss_fn, num_layers = build_fake(inputs, method, dtype, fake)
     vocab_size = model.tok_embeddings.num_embeddings
-    kind = _traced_step(cfg, objective, dtype, fake)
+    kind = _traced_step(inputs, objective, dtype, fake)
     with fake:
-        optimizers = FakeOptimizers(cfg.optimizer, model, savers.optimizer_in_bwd)
+        optimizers = FakeOptimizers(inputs.optimizer, model, savers.optimizer_in_bwd)
         if savers.optimizer_in_bwd:  # the state exists before the first probe, as extrapolated() has it
             optimizers.step_on_fake_gradients()
     traced: dict[int, StepMemory] = {}
@@ -389,7 +393,7 @@ def gathered_bytes(model: nn.Module) -> int:
 
 
 def extrapolated(
-    cfg: DictConfig,
+    inputs: TraceInputs,
     method: FinetuneMethod,
     dtype: torch.dtype,
     fake: FakeTensorMode,
@@ -399,14 +403,14 @@ def extrapolated(
     """Steps whose forward/backward is traced on 3 layers and extended to all; exact optimizer steps. At more
     than one rank each layer's gradients shrink to the rank's shard once its backward is done (none with
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
-    savers = savers_of(cfg)
-    small, loss_fn, num_layers = build_fake(cfg, method, dtype, fake, uniform=True)
+    savers = inputs.savers
+    small, loss_fn, num_layers = build_fake(inputs, method, dtype, fake, uniform=True)
     vocab_size = small.tok_embeddings.num_embeddings
-    kind = _traced_step(cfg, objective, dtype, fake)
+    kind = _traced_step(inputs, objective, dtype, fake)
     # FSDP gathers one model's layers at a time: the policy's, or the frozen model's while it runs
     gathered = max(gathered_bytes(model) for model in (small, *kind.resident))
     with fake:
-        optimizers = FakeOptimizers(cfg.optimizer, small, savers.optimizer_in_bwd)
+        optimizers = FakeOptimizers(inputs.optimizer, small, savers.optimizer_in_bwd)
         initial, steady, optimizer_peaks = _optimizer_steps(small, optimizers, kind)
     paged = optimizers.paged_bytes()
     resident = _resident_bytes(kind)

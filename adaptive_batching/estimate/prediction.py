@@ -34,14 +34,13 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from omegaconf import DictConfig
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torchtune import training
 
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.steps import StepMemory
-from adaptive_batching.estimate.fake_steps import CPU, Measure, Savers, extrapolated, full_trace
+from adaptive_batching.estimate.fake_steps import CPU, Measure, Savers, TraceInputs, extrapolated, full_trace
 from adaptive_batching.estimate.traced_step import TracedStep
 from adaptive_batching.profiling.max_micro_batch import fit_probes, probe_until_slope
 from adaptive_batching.profiling.memory_fit import LinearFit, max_micro_batch_under
@@ -233,7 +232,7 @@ class StepTrace:
 
 
 def trace_steps(
-    cfg: DictConfig,
+    inputs: TraceInputs,
     method: FinetuneMethod,
     objective: TrainingObjective,
     *,
@@ -255,9 +254,9 @@ def trace_steps(
     if not isinstance(seq_len, int) or isinstance(seq_len, bool) or seq_len < 1:
         raise ValueError(f"seq_len (--seq-len) must be an integer >= 1, got {seq_len!r}")
     started = time.perf_counter()
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=CPU)
+    dtype = training.get_dtype(inputs.dtype, device=CPU)
     fake = FakeTensorMode(allow_non_fake_inputs=True)
-    steps = (full_trace if exact else extrapolated)(cfg, method, dtype, fake, seq_len, objective)
+    steps = (full_trace if exact else extrapolated)(inputs, method, dtype, fake, seq_len, objective)
     measure = steps.measure
     probed = probe_until_slope(lambda micro_batch: measure(micro_batch, 1), max_probe)
     if fit_probes(probed) is None:
@@ -275,7 +274,7 @@ def trace_steps(
         measure,
         max_probe,
         steps.savers,
-        str(cfg.optimizer.get("_component_", "")),
+        str(inputs.optimizer.get("_component_", "")),
         host,
         steps.paged_bytes,
         objective.name,
@@ -435,7 +434,7 @@ def _verify(
 
 
 def estimate_max_micro_batch(
-    cfg: DictConfig,
+    inputs: TraceInputs,
     method: FinetuneMethod,
     objective: TrainingObjective,
     *,
@@ -447,12 +446,12 @@ def estimate_max_micro_batch(
     max_probe: int = MAX_PROBE,
     exact: bool = False,
 ) -> Estimate:
-    """Predict the largest micro batch for ``cfg`` on a device with ``device_memory_bytes``, for
+    """Predict the largest micro batch for the config ``inputs`` come from on a device with ``device_memory_bytes``, for
     ``seq_len``-token worst-case samples of ``objective``'s step (see :func:`trace_steps`): :func:`trace_steps`, then
     :func:`predict` (arguments are checked before any tracing)."""
     _check_device(device_memory_bytes, fraction, world_size)
     trace = trace_steps(
-        cfg,
+        inputs,
         method,
         objective,
         seq_len=seq_len,

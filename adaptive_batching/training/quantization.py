@@ -32,6 +32,7 @@ from torchtune.modules.peft import DoRALinear, LoRALinear
 from torchtune.training.quantization import get_quantizer_mode
 
 from adaptive_batching.core import logs
+from adaptive_batching.core.defaults import DEFAULT_DTYPE
 from adaptive_batching.core.method import FakeQuantization, FinetuneMethod
 from adaptive_batching.core.nodes import building, optional_component
 from adaptive_batching.errors import ConfigError
@@ -249,7 +250,8 @@ def quantization_aware(cfg: DictConfig, method: FinetuneMethod, *, profiled: boo
         )
     from torchtune import training
 
-    dtype = training.get_dtype(cfg.get("dtype", "fp32"), device=torch.device("cpu"))  # the trainer checks the device
+    # the fake-quantized weights in the run's dtype (the trainer checks the device)
+    dtype = training.get_dtype(cfg.get("dtype", DEFAULT_DTYPE), device=torch.device("cpu"))
     return QuantizationAware(method, quantizer, dtype, after, profiled=profiled)
 
 

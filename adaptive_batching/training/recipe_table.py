@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from omegaconf import DictConfig
 from torchtune import config
 
+from adaptive_batching.config.trace_inputs import trace_inputs
 from adaptive_batching.config.training_kinds import (
     builds_lora,
     check_full_dpo,
@@ -22,10 +23,12 @@ from adaptive_batching.config.training_kinds import (
     kd_ratio,
     recipe_for_model,
 )
+from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import FrozenModel, TrainingObjective
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.estimate.fake_steps import TraceInputs
 from adaptive_batching.training import compiling
 from adaptive_batching.training.methods import FullFinetune, LoRAFinetune
 from adaptive_batching.training.objectives import FullDPO, KnowledgeDistillation, LoRADPO, SupervisedFinetune
@@ -68,7 +71,7 @@ def distillation(cfg: DictConfig) -> TrainingObjective:
     check_kd(cfg)
     with building("kd_loss"):
         kd_loss = config.instantiate(cfg.kd_loss)
-    if cfg.get("compile", False):
+    if cfg.get("compile", DEFAULT_COMPILE):
         kd_loss = compiling.compile_loss(kd_loss, verbose=False)
     return KnowledgeDistillation(kd_loss, kd_ratio(cfg), TEACHER)
 
@@ -104,3 +107,11 @@ def method_and_objective(
     trains = RECIPE_TABLE[recipe]
     objective = trains.objective(cfg)
     return quantization_aware(cfg, trains.method(cfg), profiled=profiled), objective
+
+
+def traced_parts(cfg: DictConfig, recipe: str | None = None) -> tuple[TraceInputs, FinetuneMethod, TrainingObjective]:
+    """What ``adaptive-batching estimate`` traces of ``cfg``: the inputs of the trace (see ``config.trace_inputs``),
+    and the method and objective of ``recipe`` (default: the recipe that runs ``cfg``), as
+    :func:`~adaptive_batching.estimate.prediction.trace_steps` takes them."""
+    method, objective = method_and_objective(cfg, recipe, profiled=False)
+    return trace_inputs(cfg, objective.frozen), method, objective

@@ -1,11 +1,13 @@
 """The config checks of torchtune's single-device memory savers (``optimizer_in_bwd``, activation offloading): each
-error one line naming the keys, before any model loads. (The optional packages their optimizers come from are
-checked with every other component's, in ``config.components``.)"""
+error one line naming the keys, before any model loads; the recipes' settings and ``estimate``'s inputs
+(``config.trace_inputs``) read them through these. (The optional packages their optimizers come from are checked
+with every other component's, in ``config.components``.)"""
 
 from __future__ import annotations
 
 from omegaconf import DictConfig
 
+from adaptive_batching.core.defaults import DEFAULT_DEVICE
 from adaptive_batching.core.nodes import plain
 from adaptive_batching.errors import ConfigError
 
@@ -63,7 +65,7 @@ def check_activation_offloading(cfg: DictConfig, *, needs_cuda: bool = True) -> 
         )
     if not value:
         return False
-    device = str(plain(cfg.get("device", "cpu")))
+    device = str(plain(cfg.get("device", DEFAULT_DEVICE)))
     if needs_cuda and not device.startswith("cuda"):
         raise ConfigError(
             f"config key 'enable_activation_offloading' = True needs device=cuda (device is "
