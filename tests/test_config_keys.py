@@ -199,7 +199,7 @@ def test_the_keys_page_quotes_the_codes_own_lines(
         cfg = load_config(name, [f"assets_dir={assets}", f"output_dir={tmp_path}", override])
         with pytest.raises(ConfigError) as error:
             validate_config(cfg, recipe_for_model(cfg))
-            check_inputs(cfg, method_and_objective(cfg, profiled=False)[1].name)  # checked as its recipe checks it
+            check_inputs(cfg, method_and_objective(cfg, profiled=False)[1])  # checked as its recipe checks it
         assert f"config error: {error.value}".replace(str(assets), "/tmp/adaptive-batching/tiny") == quoted[key]
 
 

@@ -20,14 +20,16 @@ from adaptive_batching.config.loading import load_config, stock_configs
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.config.training_kinds import check_full_dpo, check_kd, check_lora_dpo, recipe_for_model
 from adaptive_batching.errors import ConfigError
+from adaptive_batching.training.objectives import SupervisedFinetune
+from adaptive_batching.training.recipe_table import method_and_objective
 
-# Each recipe: the objective it trains (``TrainingObjective.name``) and the check it runs after validate_config.
-RECIPES: dict[str, tuple[str, Callable[[DictConfig], None]]] = {
-    "adaptive_full_finetune": ("finetune", lambda cfg: None),
-    "adaptive_lora_finetune": ("finetune", lambda cfg: None),
-    "adaptive_lora_dpo": ("lora_dpo", check_lora_dpo),
-    "adaptive_full_dpo": ("full_dpo", check_full_dpo),
-    "adaptive_knowledge_distillation": ("kd", check_kd),
+# Each recipe's check it runs after validate_config (its objective comes from the recipe table).
+RECIPES: dict[str, Callable[[DictConfig], None]] = {
+    "adaptive_full_finetune": lambda cfg: None,
+    "adaptive_lora_finetune": lambda cfg: None,
+    "adaptive_lora_dpo": check_lora_dpo,
+    "adaptive_full_dpo": check_full_dpo,
+    "adaptive_knowledge_distillation": check_kd,
 }
 # Our tiny config of each objective, and the recipe that runs it.
 TINY = {
@@ -56,10 +58,9 @@ NOT_THERE = "/nonexistent/adaptive-batching-53"
 def before_any_model(cfg: DictConfig, recipe: str) -> None:
     """What ``recipe`` runs on ``cfg`` before it builds anything: the validation, its objective's check and the
     inputs' check (the trainer's first step of set-up)."""
-    objective, check = RECIPES[recipe]
     validate_config(cfg, recipe)
-    check(cfg)
-    check_inputs(cfg, objective)
+    RECIPES[recipe](cfg)
+    check_inputs(cfg, method_and_objective(cfg, recipe, profiled=False)[1])
 
 
 def refusal(cfg: DictConfig, recipe: str) -> str:
@@ -285,9 +286,9 @@ def test_a_packed_data_set_is_read_unpacked_and_a_resumed_runs_weights_are_the_r
     )
     assert "has no column 'instruction'" in refusal(cfg, "adaptive_full_finetune")
     cfg = with_override("tiny_full", assets, tmp_path, "checkpointer.checkpoint_files=[nothere.safetensors]")
-    check_inputs(cfg, "finetune", resume=True)
+    check_inputs(cfg, SupervisedFinetune(), resume=True)
     with pytest.raises(ConfigError, match=r"^config key 'checkpointer.checkpoint_files' names 'nothere.safetensors'"):
-        check_inputs(cfg, "finetune")
+        check_inputs(cfg, SupervisedFinetune())
 
 
 def test_what_streaming_cannot_read_is_read_as_the_run_builds_it(assets: Path, tmp_path: Path) -> None:

@@ -21,6 +21,7 @@ from adaptive_batching.batching.data import data_files
 from adaptive_batching.batching.worst_case import LengthSource, WorstCase, measure
 from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.nodes import one_line, optional_component, packed, plain
+from adaptive_batching.core.objective import TrainingObjective
 from adaptive_batching.core.paths import cache_dir
 from adaptive_batching.errors import ConfigError
 from adaptive_batching.profiling.profiler import ProfiledSetup
@@ -95,14 +96,6 @@ def worst_case_of(cfg: DictConfig, folder: str | Path | None) -> WorstCase:
     return measure(dataset, length_source(cfg, folder), packed=is_packed, quiet=True)[0]
 
 
-# The recipes' objectives (``TrainingObjective.name``) whose samples are preference pairs, and what each is called.
-_PAIRS = frozenset({"lora_dpo", "full_dpo"})
-_RECIPE = {
-    "finetune": "fine-tuning",
-    "lora_dpo": "adaptive_lora_dpo",
-    "full_dpo": "adaptive_full_dpo",
-    "kd": "adaptive_knowledge_distillation",
-}
 # The checkpointers a recipe reads: the model's, full DPO's reference and distillation's teacher (the others
 # refuse the last two before this runs).
 CHECKPOINTERS = ("checkpointer", "ref_checkpointer", "teacher_checkpointer")
@@ -114,9 +107,9 @@ _HEAD = 1 << 20  # characters of a JSON array read for its first record
 _FULL_MODEL_CHECKPOINTERS = ("FullModelHFCheckpointer", "FullModelMetaCheckpointer", "FullModelTorchTuneCheckpointer")
 
 
-def check_inputs(cfg: DictConfig, objective: str, resume: bool = False) -> None:
+def check_inputs(cfg: DictConfig, objective: TrainingObjective, resume: bool = False) -> None:
     """Raise ConfigError, in one line naming the key, for an input of the run that is not there or does not fit
-    ``objective`` (a ``TrainingObjective.name``), before any model is built: the metric logger (the run builds
+    ``objective``, before any model is built: the metric logger (the run builds
     it), the tokenizer's files, the data set's local files and its first sample (:func:`check_first_sample`),
     each checkpointer's folder and weight files (the model's files but with ``resume``, whose weights are the
     run's own, checked by the resume: ``faults.checkpoints``)."""
@@ -224,14 +217,15 @@ def _holds(folder: Path) -> str:
     return (", ".join(names[:_SHOWN]) + more) if names else "nothing"
 
 
-def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
-    """Read the first sample of the data set at config key ``key`` (one part of ``dataset``) as its builder reads
-    it and raise ConfigError, in one line, when its columns are not the ones the builder's column map reads (naming
-    both), when the builder cannot read it, or when its samples do not fit ``objective`` (pairs of chosen and
-    rejected answers for DPO, one answer otherwise). Only local data (one of Hugging Face's file loaders, or a
-    local folder) is read, cheaply: the builder streams it (a JSON array's first record comes from the file's
-    head), nothing is tokenized or cached. A builder that fails so is built as the run builds it: its error is
-    the config's, else the check is left to the run (a builder that does not stream, a split streaming lacks)."""
+def check_first_sample(key: str, node: DictConfig, objective: TrainingObjective) -> None:
+    """Read the first sample of the data set at config key ``key`` (one part of ``dataset``) as its builder reads it and
+    raise ConfigError, in one line, when its columns are not the ones the builder's column map reads (naming both),
+    when the builder cannot read it, or when its samples do not fit ``objective`` (pairs of chosen and rejected
+    answers for an objective whose samples are two sequences, DPO's; one answer otherwise). Only local data (one of
+    Hugging Face's file loaders, or a local folder) is read, cheaply: the builder streams it (a JSON array's first
+    record comes from the file's head), nothing is tokenized or cached. A builder that fails so is built as the run
+    builds it: its error is the config's, else the check is left to the run (a builder that does not stream, a split
+    streaming lacks)."""
     from datasets.packaged_modules import _PACKAGED_DATASETS_MODULES
     from torchtune import config
 
@@ -277,16 +271,16 @@ def check_first_sample(key: str, node: DictConfig, objective: str) -> None:
             f"config key '{key}': {where} cannot be read as {component} reads it: {one_line(error)}"
         ) from None
     pairs = isinstance(sample, Mapping) and "chosen" in sample and "rejected" in sample
-    if pairs != (objective in _PAIRS):
+    wants_pairs = objective.sequences_per_sample == 2
+    if pairs != wants_pairs:
         gives = "pairs of chosen and rejected answers" if pairs else "one answer per sample"
         wants = (
             "pairs of chosen and rejected answers, as torchtune.datasets.preference_dataset gives"
-            if objective in _PAIRS
+            if wants_pairs
             else "one answer per sample (DPO trains on pairs: adaptive_lora_dpo, adaptive_full_dpo)"
         )
         raise ConfigError(
-            f"config key '{key}._component_' = {component!r} gives {gives}; "
-            f"{_RECIPE.get(objective, objective)} trains on {wants}"
+            f"config key '{key}._component_' = {component!r} gives {gives}; {objective.trained_by} trains on {wants}"
         )
 
 

@@ -45,6 +45,7 @@ class TrainingObjective(Protocol):
     """What one micro batch trains on and how its loss is made; everything else is the trainer's."""
 
     name: str
+    trained_by: str  # what trains with it, as messages name it: its recipe, or "fine-tuning"
     sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
     frozen: FrozenModel | None  # the frozen model to build for it with the other parts (:meth:`hold`); None: none
     resident: tuple[nn.Module, ...]  # models it holds besides the policy (a reference, a teacher): memory a step counts

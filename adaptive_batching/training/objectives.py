@@ -29,6 +29,7 @@ class SupervisedFinetune:
     """Next-token cross-entropy on each sample's labels, summed over the tokens that count."""
 
     name = "finetune"
+    trained_by = "fine-tuning"
     sequences_per_sample = 1
     frozen: FrozenModel | None = None
     resident: tuple[nn.Module, ...] = ()
@@ -97,6 +98,7 @@ class LoRADPO(SupervisedFinetune):
     model, and nothing to forget at a step's start: :class:`SupervisedFinetune`'s.)"""
 
     name = "lora_dpo"
+    trained_by = "adaptive_lora_dpo"
     sequences_per_sample = 2
 
     def __init__(self) -> None:
@@ -192,6 +194,7 @@ class FullDPO(LoRADPO):
     micro batch, never kept. The step, loss and metrics are :class:`LoRADPO`'s."""
 
     name = "full_dpo"
+    trained_by = "adaptive_full_dpo"
     frozen = FrozenModel("model", "ref_checkpointer")
 
     def __init__(self) -> None:
@@ -235,6 +238,7 @@ class KnowledgeDistillation(SupervisedFinetune):
     tokens again; see docs/distillation.md.) A step logs its ``class_loss`` and ``kd_loss`` besides ``loss``."""
 
     name = "kd"
+    trained_by = "adaptive_knowledge_distillation"
 
     def __init__(self, kd_loss: Any, kd_ratio: float, teacher: FrozenModel) -> None:
         """``kd_loss``: the KL loss (a torchtune ``...KLLoss`` module, compiled or not); ``kd_ratio``: its weight

@@ -181,7 +181,7 @@ def build_parts(
     a torchrun restart may take; ``preemption`` stops the run at the end of set-up if a stop signal came."""
     hooks.before_setup(preemption)
     seed = training.set_seed(cfg.get("seed", None), debug_mode=cfg.get("cudnn_deterministic_mode", None))
-    check_inputs(cfg, objective.name, resume=resume[0])  # files, data columns, weights: one line, before any build
+    check_inputs(cfg, objective, resume=resume[0])  # files, data columns, weights: one line, before any build
     with building("metric_logger"):  # built when training starts (``profile`` and ``plan`` log nothing)
         config._utils._get_component_from_path(cfg.metric_logger._component_)
     data = build_data(cfg)
