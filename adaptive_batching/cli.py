@@ -66,11 +66,13 @@ def _recipe_file(name: str) -> Path:
 
 def recipe_for(config: Path) -> str:
     """The recipe that runs a config (see :func:`~adaptive_batching.config.training_kinds.recipe_for_model`)."""
-    from omegaconf import OmegaConf
+    from omegaconf import DictConfig, OmegaConf
 
     from adaptive_batching.config.training_kinds import recipe_for_model
 
-    return recipe_for_model(OmegaConf.load(config))
+    cfg = OmegaConf.load(config)
+    assert isinstance(cfg, DictConfig), f"{config}: a config file is a mapping of keys"
+    return recipe_for_model(cfg)
 
 
 # What the tiny assets run: a recipe and a shipped config for each recipe, and QAT (``adaptive-batching
@@ -110,14 +112,16 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
         # A real architecture, randomly initialised, next to the tiny tokenizer and data (model_assets).
         from adaptive_batching.assets.models import describe_model_assets, write_model_assets
 
-        paths = write_model_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
-        print(describe_model_assets(paths))
+        model_paths = write_model_assets(args.output_dir, args.model, seed=args.seed, num_samples=args.num_samples)
+        print(describe_model_assets(model_paths))
         return 0
     from adaptive_batching.assets.tiny import DEFAULT_TINY_DIR, describe, write_tiny_assets
 
-    paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
-    print(describe(paths), end="")
-    where = "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={paths.root}"
+    tiny_paths = write_tiny_assets(args.output_dir, seed=args.seed, num_samples=args.num_samples)
+    print(describe(tiny_paths), end="")
+    where = (
+        "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={tiny_paths.root}"
+    )
     for recipe, config in TINY_RUNS:
         print(f"run: tune run {recipe} --config {config}{where}")
     return 0
@@ -126,7 +130,7 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     width = max(len(recipe) for recipe in RECIPES) + 2
     print(f"{'RECIPE':<{width}}CONFIG")
-    by_recipe = {recipe: [] for recipe in RECIPES}
+    by_recipe: dict[str, list[str]] = {recipe: [] for recipe in RECIPES}
     for name in shipped_config_names():
         by_recipe[recipe_for(shipped_configs_dir() / f"{name}.yaml")].append(name)
     for recipe, configs in by_recipe.items():

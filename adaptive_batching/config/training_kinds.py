@@ -175,16 +175,16 @@ def training_asked(cfg: DictConfig) -> list[tuple[str, str, Any]]:
             kind = _quantizer(value) if key == "quantizer" else TRAINING_KEYS[key]
             found.append((key, kind, _shown(value)))
         elif key == "loss" and OmegaConf.is_dict(value):
-            kind = _torchtune_name(value.get("_component_"), LOSSES)
-            if kind:
-                found.append(("loss._component_", kind, value.get("_component_")))
+            loss_kind = _torchtune_name(value.get("_component_"), LOSSES)
+            if loss_kind:
+                found.append(("loss._component_", loss_kind, value.get("_component_")))
         elif key == "dataset" and value is not None:
             parts = list(value) if OmegaConf.is_list(value) else [value]
             for i, part in enumerate(parts):
-                kind = _torchtune_name(part.get("_component_") if OmegaConf.is_dict(part) else None, DATASETS)
-                if kind:
+                data_kind = _torchtune_name(part.get("_component_") if OmegaConf.is_dict(part) else None, DATASETS)
+                if data_kind:
                     where = "dataset" if not OmegaConf.is_list(value) else f"dataset[{i}]"
-                    found.append((f"{where}._component_", kind, part.get("_component_")))
+                    found.append((f"{where}._component_", data_kind, part.get("_component_")))
     return sorted(found, key=lambda item: item[0].startswith(("dataset.", "dataset[")))
 
 

@@ -26,8 +26,13 @@ class FakeQuantization:
 class FinetuneMethod(Protocol):
     """What differs between full and LoRA fine-tuning; everything else is shared."""
 
-    name: str
-    fake_quantization: FakeQuantization | None  # when its linear layers are fake-quantized (QAT); None: never
+    # Read-only members (a property or a frozen dataclass's field implements each).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def fake_quantization(self) -> FakeQuantization | None:
+        """When its linear layers are fake-quantized (QAT); None: never."""
 
     def configure(self, model: nn.Module) -> None:
         """Choose the trainable parameters (called on the meta-device model)."""

@@ -44,11 +44,25 @@ class FrozenModel:
 class TrainingObjective(Protocol):
     """What one micro batch trains on and how its loss is made; everything else is the trainer's."""
 
-    name: str
-    trained_by: str  # what trains with it, as messages name it: its recipe, or "fine-tuning"
-    sequences_per_sample: int  # sequences the policy's forward sees per sample (a preference pair: 2)
-    frozen: FrozenModel | None  # the frozen model to build for it with the other parts (:meth:`hold`); None: none
-    resident: tuple[nn.Module, ...]  # models it holds besides the policy (a reference, a teacher): memory a step counts
+    # Read-only members (a property or a frozen dataclass's field implements each).
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def trained_by(self) -> str:
+        """What trains with it, as messages name it: its recipe, or "fine-tuning"."""
+
+    @property
+    def sequences_per_sample(self) -> int:
+        """Sequences the policy's forward sees per sample (a preference pair: 2)."""
+
+    @property
+    def frozen(self) -> FrozenModel | None:
+        """The frozen model to build for it with the other parts (:meth:`hold`); None: none."""
+
+    @property
+    def resident(self) -> tuple[nn.Module, ...]:
+        """Models it holds besides the policy (a reference, a teacher): memory a step counts."""
 
     def hold(self, model: nn.Module) -> None:
         """Keep the frozen model built as :attr:`frozen` says (called once, with the other parts)."""

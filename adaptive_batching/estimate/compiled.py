@@ -74,7 +74,7 @@ def as_compiled(loss_fn: Any) -> bool:
         loss_fn.compute_cross_entropy = types.MethodType(_chunk_cross_entropy, loss_fn)
         return True
     if type(loss_fn) is nn.CrossEntropyLoss:
-        loss_fn.forward = types.MethodType(_module_cross_entropy, loss_fn)
+        loss_fn.forward = types.MethodType(_module_cross_entropy, loss_fn)  # type: ignore[method-assign]  # traceable
         return True
     return False
 

@@ -50,6 +50,7 @@ from omegaconf import DictConfig
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
+from torchtune.modules import TransformerDecoder
 
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
@@ -151,7 +152,7 @@ class FakeOptimizers:
         self.in_backward = in_backward
         self.params = [p for p in model.parameters() if p.requires_grad]
         if in_backward:
-            self._of = {p: fake_optimizer(node, [p]) for p in self.params}
+            self._of: dict[torch.Tensor, torch.optim.Optimizer] = {p: fake_optimizer(node, [p]) for p in self.params}
             self.all: list[torch.optim.Optimizer] = list(self._of.values())
             for p in self.params:
                 p.register_post_accumulate_grad_hook(self._step_one)
@@ -241,7 +242,7 @@ def build_fake(
     *,
     uniform: bool = False,
     keep_layers: int | None = None,
-) -> tuple[nn.Module, Any, int]:
+) -> tuple[TransformerDecoder, Any, int]:
     """The model with fake storage, its loss and its number of layers (before ``keep_layers`` cuts them).
 
     Built on the meta device and then given fake storage, as the recipes build it (Llama 3.1+'s
@@ -275,9 +276,10 @@ def build_fake(
 def _init_buffers(model: nn.Module, dtype: torch.dtype, fake: FakeTensorMode) -> None:
     """Compute the rotary caches for real (small), then hand them to ``fake`` like every other tensor."""
     for module in model.modules():
-        if hasattr(module, "rope_init"):
+        rope_init = getattr(module, "rope_init", None)
+        if rope_init is not None:
             with training.set_default_dtype(dtype):
-                module.rope_init()
+                rope_init()
             for name, buffer in module._buffers.items():
                 if buffer is not None and not isinstance(buffer, FakeTensor):
                     module._buffers[name] = fake.from_tensor(buffer)
@@ -388,7 +390,7 @@ def _resident_bytes(step: TracedStep) -> int:
 def gathered_bytes(model: nn.Module) -> int:
     """What FSDP holds unsharded at once while it runs a layer: that layer and the next one, prefetched (the
     largest of the layers, the embedding and the output projection, twice)."""
-    units = [*model.layers, getattr(model, "tok_embeddings", None), getattr(model, "output", None)]
+    units = [*decoder_layers(model), getattr(model, "tok_embeddings", None), getattr(model, "output", None)]
     return 2 * max(_bytes(unit) for unit in units if isinstance(unit, nn.Module))
 
 
@@ -418,7 +420,7 @@ def extrapolated(
     depths = [len(decoder_layers(model)) for model in kind.resident]  # KD's teacher: its own depth
     reference = (layers_to_trace(depths[0]), depths[0]) if depths else None
     for model in (small, *kind.resident):  # the whole models' weights and optimizer state are gone with them
-        model.layers = nn.ModuleList(list(decoder_layers(model))[: layers_to_trace(len(model.layers))])
+        model.layers = nn.ModuleList(list(decoder_layers(model))[: layers_to_trace(len(decoder_layers(model)))])
     counts: dict[int, list[int]] = {}  # how often each segment runs: the forwards the step ran (DPO: two)
     segments: dict[int, list[PassStretch]] = {}
     host: dict[int, int] = {}
@@ -433,7 +435,7 @@ def extrapolated(
                 small,
                 *kind.resident,
                 *optimizers.all,
-                reference_layers=[model.layers for model in kind.resident],
+                reference_layers=[decoder_layers(model) for model in kind.resident],
             ) as timeline,
         ):
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None

@@ -126,7 +126,7 @@ class BitsAndBytesStandIn(torch.optim.Optimizer):
         return state
 
     @torch.no_grad()
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]  # torch's overloads; no closure here
         for group in self.param_groups:
             for param in group["params"]:
                 if param.grad is None:
@@ -188,7 +188,7 @@ def fake_optimizer(node: DictConfig, params: list[nn.Parameter]) -> torch.optim.
     """The optimizer of ``node`` (config key ``optimizer``) over ``params``, for fake steps: a
     :class:`BitsAndBytesStandIn` for the bitsandbytes optimizers it models (bitsandbytes is never imported), else the
     config's component (``fused`` dropped: there is no fused kernel for fake tensors)."""
-    options = {k: v for k, v in node.items() if k != "fused"}
+    options = {str(k): v for k, v in node.items() if k != "fused"}
     component = str(options.get("_component_", ""))
     spec = stand_in_spec(component)
     if spec is not None:

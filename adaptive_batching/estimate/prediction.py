@@ -305,8 +305,9 @@ def _rank_fit(trace: StepTrace, world_size: int, offload: bool) -> tuple[LinearF
     Weights, gradients and optimizer state are a rank's FSDP shard (none of them with ``offload``).
     """
     probed = trace.probes
-    if trace.measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
-        probed = probe_until_slope(lambda micro_batch: trace.measure(micro_batch, world_size), trace.max_probe)
+    measure = trace.measure
+    if measure is not None:  # a rank's share: sharded state can hide the slope longer, so probe again
+        probed = probe_until_slope(lambda micro_batch: measure(micro_batch, world_size), trace.max_probe)
     fit = fit_probes(probed)
     if fit is None:
         raise ValueError(f"the probes at micro batches {sorted(probed)} show no growth with the micro batch")
@@ -352,7 +353,7 @@ def predict(
     paged = 0 if offload else trace.paged_bytes // world_size
     evicted = search(budget + paged) if paged else None  # the paged state off the device: as if more room
     paged_out = largest == 0 and evicted is not None and evicted[1] >= 1  # the driver evicts it, as the GPU would
-    if paged_out:
+    if paged_out and evicted is not None:
         fit_batch, largest, steps = evicted
     host_at = _host_line(trace.host_bytes)
     reference_bytes = 0 if offload else trace.resident_bytes // world_size
@@ -422,10 +423,11 @@ def _verify(
     """The largest micro batch whose fake step fits ``budget`` on one of ``ranks``, searched from ``start``;
     and the number of steps the search looked at (steps already measured cost nothing). ``world_size`` 0:
     the optimizer steps off the device."""
-    assert trace.measure is not None
+    measure = trace.measure
+    assert measure is not None
 
     def run(micro_batch: int) -> Trial:
-        memory = trace.measure(micro_batch, max(world_size, ranks))
+        memory = measure(micro_batch, max(world_size, ranks))
         peak = max(model_state + memory.activation_bytes, memory.optimizer_peak // world_size if world_size else 0)
         return Trial(micro_batch, peak <= budget, float(peak), 0.0, "verify")
 

@@ -99,8 +99,9 @@ class LoRAFinetune:
                 "ignore", message="DTensor random operators may not have complete support on cpu", category=UserWarning
             )
             for module in model.modules():
-                if hasattr(module, "initialize_parameters") and hasattr(module, "lora_a"):
-                    module.initialize_parameters()
+                initialize = getattr(module, "initialize_parameters", None)
+                if initialize is not None and hasattr(module, "lora_a"):
+                    initialize()
 
     def weights(self, checkpoint: dict[str, Any]) -> Sequence[dict[str, torch.Tensor]]:
         adapter = checkpoint.get(training.ADAPTER_KEY)
@@ -112,8 +113,9 @@ class LoRAFinetune:
         if not_adapter or unexpected:
             raise checkpoint_mismatch("the LoRA model", not_adapter, unexpected)
         for module in model.modules():
-            if hasattr(module, "initialize_dora_magnitude"):
-                module.initialize_dora_magnitude()
+            initialize = getattr(module, "initialize_dora_magnitude", None)
+            if initialize is not None:
+                initialize()
 
     def checkpoint_entries(self, full_state_dict: dict[str, torch.Tensor]) -> dict[str, Any]:
         entries: dict[str, Any] = {

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torchtune import rlhf
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
+from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
@@ -243,14 +244,15 @@ class KnowledgeDistillation(SupervisedFinetune):
     def __init__(self, kd_loss: Any, kd_ratio: float, teacher: FrozenModel) -> None:
         """``kd_loss``: the KL loss (a torchtune ``...KLLoss`` module, compiled or not); ``kd_ratio``: its weight
         against the cross-entropy; ``teacher``: the teacher's builder and weights."""
-        self.kd_loss_fn, self.kd_ratio, self.frozen = kd_loss, kd_ratio, teacher
+        self.kd_loss_fn, self.kd_ratio = kd_loss, kd_ratio
+        self.frozen: FrozenModel = teacher
         self.teacher: nn.Module | None = None
         self._sums: list[torch.Tensor] = []  # the step's (cross-entropy, KD, tokens) so far, on the device
 
-    def hold(self, model: nn.Module) -> None:
+    def hold(self, model: TransformerDecoder) -> None:
         self.teacher = model
         if hasattr(self.kd_loss_fn, "num_output_chunks"):
-            self.teacher.set_num_output_chunks(self.kd_loss_fn.num_output_chunks)
+            model.set_num_output_chunks(self.kd_loss_fn.num_output_chunks)
 
     @property
     def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]

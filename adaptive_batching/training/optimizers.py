@@ -52,7 +52,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         if not params:
             raise ValueError("optimizer_in_bwd needs at least one trainable parameter")
         self.optimizers = [build([param]) for param in params]
-        self._of = {param: optimizer for param, optimizer in zip(params, self.optimizers)}
+        self._of: dict[torch.Tensor, torch.optim.Optimizer] = dict(zip(params, self.optimizers))
         super().__init__([{"params": [param]} for param in params], dict(self.optimizers[0].defaults))
         self._share()
 

@@ -112,7 +112,7 @@ def swap_lora_linears(model: nn.Module, activation_config: Any, weight_config: A
     return swapped
 
 
-def fake_quantizers(model: nn.Module) -> list[nn.Module]:
+def fake_quantizers(model: nn.Module) -> list[FakeQuantizerBase]:
     """Every fake quantizer of ``model`` (activations' and weights'), each switched by its ``enabled``."""
     return [module for module in model.modules() if isinstance(module, FakeQuantizerBase)]
 
