@@ -12,10 +12,11 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config
-from torchtune.modules import common_utils
+from torchtune.modules import TransformerDecoder, common_utils
 
 from adaptive_batching.batching.data import DEFAULT_COLLATE, build_dataset
 from adaptive_batching.core import logs
+from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import TrainingObjective
@@ -34,7 +35,7 @@ class Data:
 
 @dataclass
 class Components:
-    model: nn.Module
+    model: TransformerDecoder
     optimizer: torch.optim.Optimizer
     loss_fn: Any
     collate: Callable
@@ -68,12 +69,12 @@ def build_components(
     common_utils._use_low_cpu_ram = cfg.get("low_cpu_ram", False)  # as torchtune's LoRA recipe sets it (QLoRA saves)
     options = ModelOptions(
         activation_checkpointing=cfg.get("enable_activation_checkpointing", False),
-        compile=cfg.get("compile", False),
+        compile=cfg.get("compile", DEFAULT_COMPILE),
         custom_sharded_layers=cfg.get("custom_sharded_layers", None),
         reshard_after_forward=cfg.get("fsdp_reshard_after_forward", True),
         fsdp_cpu_offload=cfg.get("fsdp_cpu_offload", False),
     )
-    place = dict(device=device, dtype=dtype, parallel=parallel, is_rank_zero=is_rank_zero)
+    place: dict[str, Any] = dict(device=device, dtype=dtype, parallel=parallel, is_rank_zero=is_rank_zero)
     with building("model"):
         model = build_model(cfg.model, method, checkpoint, options=options, **place)
     if objective.frozen is not None:  # full DPO's reference, KD's teacher
@@ -81,7 +82,7 @@ def build_components(
     optimizer = build_optimizer(cfg, model)
     with building("loss"):
         loss_fn = config.instantiate(cfg.loss)
-    if cfg.get("compile", False):
+    if cfg.get("compile", DEFAULT_COMPILE):
         loss_fn = compiling.compile_loss(loss_fn, verbose=is_rank_zero)
     if loss_fn.__class__.__name__ == "CEWithChunkedOutputLoss":
         model.set_num_output_chunks(loss_fn.num_output_chunks)

@@ -16,6 +16,7 @@ import torch
 from omegaconf import DictConfig
 from torch import nn
 from torchtune import config, modules, training
+from torchtune.modules import TransformerDecoder
 
 from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.method import FinetuneMethod
@@ -54,7 +55,7 @@ def build_model(
     parallel: ParallelInfo,
     options: ModelOptions,
     is_rank_zero: bool = True,
-) -> nn.Module:
+) -> TransformerDecoder:
     """Build the model on ``device``, sharded with FSDP2 when running under torchrun."""
     with training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
         model = config.instantiate(cfg_model)

@@ -84,6 +84,7 @@ class OomResponse:
         if not recovery.grow_back_due():
             return
         waited, before = recovery.state.wait, feed.micro_piece
+        assert waited is not None, "a grow-back follows an out-of-memory cut, which starts the wait"
         recovery.grow_back(feed.batch.micro_batch)
         if self.progress.step_in_epoch < feed.epoch_steps:
             feed.serve(epoch, start_step=self.progress.step_in_epoch)

@@ -15,8 +15,8 @@ from typing import Any
 
 import torch
 from omegaconf import DictConfig
-from torch import nn
 from torchtune import config, training
+from torchtune.modules import TransformerDecoder
 
 from adaptive_batching.batching import worst_case
 from adaptive_batching.batching.policy import DataContext, SampleBatching, batching_for
@@ -24,6 +24,7 @@ from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.inputs import check_inputs, length_source, profiled_setup
 from adaptive_batching.config.loading import given_argv
 from adaptive_batching.config.settings import AdaptiveSettings
+from adaptive_batching.core.defaults import DEFAULT_DEVICE, DEFAULT_DTYPE
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
 from adaptive_batching.core.objective import TrainingObjective
@@ -59,7 +60,7 @@ class Parts:
     hooks: TrainerHooks
     method: FinetuneMethod
     data: Data
-    model: nn.Module
+    model: TransformerDecoder
     optimizer: torch.optim.Optimizer
     loss_fn: Any
     collate: Callable
@@ -140,7 +141,9 @@ def set_up(
     and build every part (``hooks``: those :func:`~adaptive_batching.training.hooks.install` set, if not given).
     A failure leaves the process as it found it, the process group left."""
     hooks = hooks or installed()
-    device, parallel = start_process(cfg.get("device", "cpu"), profiles=settings.needs_profile, argv=given_argv())
+    device, parallel = start_process(
+        cfg.get("device", DEFAULT_DEVICE), profiles=settings.needs_profile, argv=given_argv()
+    )
     output_dir = Path(cfg.checkpointer.output_dir)
     # A torchrun restart resumes by itself, and only its own job's checkpoints (``resume_job``).
     resume = restart.resume_decision(cfg.get("resume_from_checkpoint", False), output_dir)
@@ -197,7 +200,7 @@ def build_parts(
         checkpoint,
         data,
         device=device,
-        dtype=training.get_dtype(cfg.get("dtype", "fp32"), device=device),
+        dtype=training.get_dtype(cfg.get("dtype", DEFAULT_DTYPE), device=device),
         parallel=parallel,
         is_rank_zero=parallel.is_rank_zero,
     )

@@ -225,7 +225,7 @@ def plan_training(
             reference.global_batch,
             lr.rule,
             total_steps,
-            batching.worst.describe() if profile else "",
+            batching.worst.describe() if profile and batching.worst is not None else "",
         )
     )
     return reference, lr, growth
