@@ -175,7 +175,7 @@ def _interpreted(gm: torch.fx.GraphModule, example_inputs: Any) -> Any:
                 del env[used]
         raise RuntimeError("a graph without an output node")
 
-    run._boxed_call = True  # type: ignore[attr-defined]
+    run._boxed_call = True  # type: ignore[attr-defined]  # AOTAutograd's mark on a boxed function
     return run
 
 

@@ -96,7 +96,7 @@ def compile_loss(loss_fn: Any, verbose: bool) -> Any:
     the first call with gradients has compiled it; inductor set for the installed torch."""
     configure_inductor()
     compiled = training.compile_loss(loss_fn, verbose=verbose)
-    inner: Callable[..., torch.Tensor] = getattr(compiled, "compute_cross_entropy", None)  # type: ignore[assignment]
+    inner: Callable[..., torch.Tensor] = getattr(compiled, "compute_cross_entropy", None)  # type: ignore[assignment]  # None for a plain loss
     if inner is not None and not isinstance(compiled, torch._dynamo.eval_frame.OptimizedModule):
 
         def compute_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, *args: Any, **kwargs: Any) -> Any:

@@ -206,7 +206,7 @@ class FullDPO(LoRADPO):
         self.reference_model = model
 
     @property
-    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
+    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]  # the base class attribute, read-only here
         return () if self.reference_model is None else (self.reference_model,)
 
     def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
@@ -255,7 +255,7 @@ class KnowledgeDistillation(SupervisedFinetune):
             model.set_num_output_chunks(self.kd_loss_fn.num_output_chunks)
 
     @property
-    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]
+    def resident(self) -> tuple[nn.Module, ...]:  # type: ignore[override]  # the base class attribute, read-only here
         return () if self.teacher is None else (self.teacher,)
 
     def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:

@@ -84,7 +84,7 @@ class InBackwardOptimizer(torch.optim.Optimizer):
         optimizer.zero_grad(set_to_none=True)
 
     @torch.no_grad()
-    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]  # one of torch's overloads
         for optimizer in self.optimizers:
             if optimizer.param_groups[0]["params"][0].grad is not None:
                 optimizer.step()
