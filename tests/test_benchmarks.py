@@ -5,7 +5,8 @@ processes where the script measures something of a fresh process (its memory, it
 losses and collectives (``recipe_vs_torchtune.py``, ``step_overhead.py``), they are forked from the script too
 (``fork_python``). A script whose report several tests read runs once per module. What is checked is what the
 script reports about the runs it made; its figures at this size mean nothing. ``validate_device.py``
-(test_validate_device) and ``chaos.py`` (test_chaos) have tests of their own. ``profiler_vs_peers.py`` runs ours
+(test_validate_device), ``chaos.py`` (test_chaos) and ``profiler_whole_process_limit.py``
+(test_benchmark_limit) have tests of their own. ``profiler_vs_peers.py`` runs ours
 alone (``--methods ours``): the true maximum takes about 10 fresh processes and the peers' searches minutes.
 """
 
@@ -292,46 +293,6 @@ def test_largest_fit_doubles_then_bisects_within_its_trials() -> None:
     )
     assert common.largest_fit(lambda size: size <= 37, 16, trials=2) == (32, None, ["16", "32"])
     assert common.largest_fit(lambda size: False, 8) == (0, 1, ["8x", "4x", "2x", "1x"])
-
-
-@pytest.mark.parametrize("objective, start, trials", [("finetune", 16, ["16"]), ("dpo", 8, []), ("kd", 16, [])])
-def test_profiler_whole_process_limit(
-    tmp_path: Path, assets: Path, objective: str, start: int, trials: list[str]
-) -> None:
-    js = tmp_path / "limit.json"
-    # 0.33 GiB above what a fresh process has mapped once it has imported the recipe, measured by the script in the
-    # same run (1.92 GiB with torch 2.13's CPU build, 4.6 GiB with PyPI's CUDA build of 2.14.1: a constant limit
-    # fits one build only): 2.25 GiB here, room for a machine that takes more, and smaller trials than at 2.5 GiB
-    # (KD's script: 45 s of CPU there, 40 s at 2.2 GiB, where its profile reached 42)
-    # finetune: one fresh process of 16 samples (about 90 MiB) instead of the whole bisection
-    # (test_largest_fit_doubles_then_bisects_within_its_trials). DPO and KD: none, the profiled run alone; its
-    # trials are the fresh process's trial steps (Trainer.trial_step), and it must run 8 pairs (about 130 MiB) and
-    # 16 samples with the tiny_kd teacher (about 120 MiB) as that process would
-    script(
-        "profiler_whole_process_limit.py",
-        "--objective",
-        objective,
-        "--above-import-gib",
-        "0.33",
-        "--start",
-        str(start),
-        "--fresh-trials",
-        str(len(trials)),
-        "--repeats",
-        "1",
-        "--launchers",
-        "python",
-        "--assets",
-        str(assets),
-        "--json",
-        str(js),
-        cwd=tmp_path,
-    )
-    result = json.loads(js.read_text())
-    (run,) = result["runs"]
-    assert result["import_gib"] > 1 and result["limit_gib"] == pytest.approx(result["import_gib"] + 0.33, abs=0.002)
-    assert result["objective"] == objective and run["returncode"] == 0 and run["max_micro_batch"] >= start
-    assert result["fresh_python_trials"] == trials and result["fresh_python_max"] == int((trials or ["0"])[-1])
 
 
 def test_profiler_vs_peers(tmp_path: Path) -> None:

@@ -769,19 +769,19 @@ RUN_BY: dict[str, tuple[str, str]] = {
     **{
         f"python benchmarks/profiler_whole_process_limit.py --limit-gib 3.5 --start 128 --repeats 3 {extra} "
         "--publish": (
-            "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+            "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
             "smallest size: 1 repeat, the python launcher",
         )
         for extra in ("--tolerance 0.01", "--optimizer-in-bwd")
     },
     "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 "
     "--publish": (
-        "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+        "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
         "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
     ),
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 "
     "--publish": (
-        "tests/test_benchmarks.py::test_profiler_whole_process_limit",
+        "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
         "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
     ),
     "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 20 --steps 40 --no-switch --publish": (
