@@ -777,7 +777,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "python benchmarks/profiler_whole_process_limit.py --objective dpo --limit-gib 3.5 --start 64 --repeats 3 "
     "--publish": (
         "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
-        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
+        "not run at --objective dpo (25 s of fresh processes the suite has no room for): the same script runs for "
+        "finetune and kd, and DPO's profile is test_dpo's",
     ),
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 "
     "--publish": (

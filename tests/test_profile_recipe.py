@@ -176,14 +176,16 @@ def test_real_out_of_memory_under_an_address_space_limit(budget: str, assets: Pa
     assert summary["trained_steps"] == 2 and summary["micro_batch"] == report["micro_batch"]
 
 
-@pytest.mark.parametrize("ranks", [1, pytest.param(2, marks=pytest.mark.multiprocess)])
+@pytest.mark.parametrize("ranks", [pytest.param(2, marks=pytest.mark.multiprocess)])
 def test_under_ulimit_v_the_recipe_starts_again_with_glibc_pinned_from_its_start(
     ranks: int, assets: Path, tmp_path: Path
 ) -> None:
     """A user's ``ulimit -v`` and ``tune run``, as a shell starts it (not forked from the test's server,
     whose command line is another program's): the recipe runs its own command again once per rank (each
     torchrun worker before it joins the process group), with ``GLIBC_TUNABLES`` set, then profiles and trains.
-    At 2 ranks, both train at the micro batch of the one profile, whose budget is the minimum over the ranks."""
+    At 2 ranks, both train at the micro batch of the one profile, whose budget is the minimum over the ranks. (One
+    rank, ``tune run`` alone under a limit: test_benchmark_limit's runs, each a profiled ``tune run`` under a
+    whole-process limit that starts again as here; its command line: test_glibc_restart.)"""
     launcher = ["--nproc_per_node", str(ranks)] if ranks > 1 else []
     command = [
         TUNE,

@@ -16,10 +16,19 @@ SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "validate_device.p
 # Every phase, so every check runs here once (the token, OOM and preemption phases take the full/ac_off profile).
 # LoRA and checkpointing run the same code of this script with other configs: the command's own CPU run covers them
 # (docs/validation.md), and LoRA with checkpointing has a test of its own (test_components). The fresh-process truth
-# runs for full fine-tuning and QLoRA (no other test tries its chosen micro batch in a fresh process); every other
-# row is the profile and the steps at its chosen micro batch, the GPU run's rows on the tiny configs.
-TRUTH = ("full/ac_off", "qlora/ac_off")
-ROWS = ("lora_dpo/ac_off", "full_dpo/ac_off", "kd/ac_off", "qat_lora/ac_off", "qat_full/ac_off", "bwd/ac_off")
+# run for full fine-tuning (the script's code for every row: QLoRA's fresh processes ran in the command's own CPU run,
+# docs/validation.md, and run on the GPU); every other row is the profile and the steps at its chosen micro batch,
+# the GPU run's rows on the tiny configs.
+TRUTH = ("full/ac_off",)
+ROWS = (
+    "qlora/ac_off",
+    "lora_dpo/ac_off",
+    "full_dpo/ac_off",
+    "kd/ac_off",
+    "qat_lora/ac_off",
+    "qat_full/ac_off",
+    "bwd/ac_off",
+)
 # Compiled LoRA (the GPU run's lora/ac_off/compile) is the compiled full row's code on another config: left out here.
 SETTINGS = (*TRUTH, "full/ac_off/compile", *ROWS, "offload/ac_on")  # offloading: CUDA only, marked so
 STEPS = 2  # the first step at the chosen size, then one with the optimizer state in place (tokens/s from it)
