@@ -2,8 +2,10 @@
 that command prints when a test runs it.
 
 On CPU the profiler measures a step by the process's resident memory, so a run's figures move from run to run:
-a quoted figure agrees with a run within ``RELATIVE`` of the run's, a micro batch within one sample too. A page that
-quotes 4.05 MiB where the command now gives 2.71 fails.
+a quoted micro batch agrees with a run's within ``RELATIVE`` of it or one sample. The fit's cost of a sample moves
+more, being a slope over a few small steps: the KD page's command gave 0.74 to 1.36 MiB across runs on the 2-core
+machine, choosing micro batch 8 each time; a quoted cost agrees within ``PER_SAMPLE_RELATIVE``. A page that quotes
+4.05 MiB where the command now gives 2.71 still fails.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 RELATIVE = 0.2
+PER_SAMPLE_RELATIVE = 0.4
 _FIT = re.compile(
     r"fit: peak = [\d.]+ GiB \+ ([\d.]+) MiB x micro batch; .*?largest micro batch that ran (\d+); "
     r"chosen micro batch (\d+)"
@@ -55,5 +58,8 @@ def overrides(command: str) -> list[str]:
 
 
 def agrees(page: float, run: float, *, samples: bool = False) -> bool:
-    """A quoted figure agrees with a run's: within ``RELATIVE`` of it (a micro batch, ``samples``: or one sample)."""
-    return abs(page - run) <= max(RELATIVE * run, 1 if samples else 0)
+    """A quoted figure agrees with a run's: a micro batch (``samples``) within ``RELATIVE`` of it or one sample, a
+    cost of a sample in MiB within ``PER_SAMPLE_RELATIVE`` of it."""
+    if samples:
+        return abs(page - run) <= max(RELATIVE * run, 1)
+    return abs(page - run) <= PER_SAMPLE_RELATIVE * run
