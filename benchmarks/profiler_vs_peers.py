@@ -148,8 +148,8 @@ def child_ours(args: argparse.Namespace) -> dict[str, Any]:
         vm_after_profile=_vm_size_bytes() - limits["vm_size_at_limit"],
     )
     # The epoch check: one epoch over the real data set at the chosen micro batch, same limit.
-    reference, lr, growth = plan_training(cfg, settings, parts, result)
-    trainer = Trainer(cfg, parts, reference=reference, lr=lr, growth=growth)
+    lr, growth = plan_training(cfg, settings, parts, result)
+    trainer = Trainer(cfg, parts, lr=lr, growth=growth)
     first = parts.plan.entries[0].shape
     epoch: dict[str, Any] = {
         "micro_batch": first.micro_batch,

@@ -54,17 +54,11 @@ class EpochLoop:
         oom: OomResponse,
         step_log: StepLog,
         *,
-        total_epochs: int,
         log_every: int,
         save_every: int | None,
     ) -> None:
         self.parts, self.lr, self.growth, self.checkpoints, self.oom = parts, lr, growth, checkpoints, oom
-        self.step_log, self.total_epochs, self.log_every, self.save_every = (
-            step_log,
-            total_epochs,
-            log_every,
-            save_every,
-        )
+        self.step_log, self.log_every, self.save_every = step_log, log_every, save_every
 
     def run(self, epoch: int) -> StepStats | None:
         """Train one epoch (from ``step_in_epoch`` when resumed inside it); return the last step's statistics."""
@@ -75,7 +69,7 @@ class EpochLoop:
             total=feed.epoch_steps,
             initial=progress.step_in_epoch,
             disable=not parts.is_rank_zero,
-            desc=f"epoch {epoch + 1}/{self.total_epochs}",
+            desc=f"epoch {epoch + 1}/{parts.plan.epochs}",
         )
         last = None
         while progress.step_in_epoch < feed.epoch_steps:

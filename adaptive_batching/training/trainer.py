@@ -15,7 +15,6 @@ import time
 from omegaconf import DictConfig
 
 from adaptive_batching.batching.lr_scaling import SampleDrivenLR, reference_steps
-from adaptive_batching.batching.shape import BatchShape
 from adaptive_batching.config.settings import AdaptiveSettings
 from adaptive_batching.core import logs
 from adaptive_batching.core.method import FinetuneMethod
@@ -52,21 +51,17 @@ class Trainer:
         parts = set_up(cfg, settings, method, objective, hooks)
         try:
             profile = parts.profiler.find(parts.trial_step) if settings.needs_profile else None
-            reference, lr, growth = plan_training(cfg, settings, parts, profile)
-            return cls(cfg, parts, reference=reference, lr=lr, growth=growth)
+            lr, growth = plan_training(cfg, settings, parts, profile)
+            return cls(cfg, parts, lr=lr, growth=growth)
         except BaseException as error:
             parts.close(together=isinstance(error, Preempted))
             raise
 
-    def __init__(
-        self, cfg: DictConfig, parts: Parts, *, reference: BatchShape, lr: SampleDrivenLR, growth: Growth
-    ) -> None:
+    def __init__(self, cfg: DictConfig, parts: Parts, *, lr: SampleDrivenLR, growth: Growth) -> None:
         self.cfg = cfg
         self.parts = parts
-        self.reference = reference
         self.lr = lr
         self.growth = growth
-        self.total_epochs: int = cfg.epochs
         self.checkpoints = Checkpoints(
             parts.checkpointer,
             parts.method,
@@ -109,7 +104,6 @@ class Trainer:
             self.checkpoints,
             self.oom,
             self.step_log,
-            total_epochs=self.total_epochs,
             log_every=cfg.get("log_every_n_steps", 1),
             save_every=cfg.get("save_every_n_steps", None),
         )
@@ -125,7 +119,7 @@ class Trainer:
         last: StepStats | None = None
         progress = parts.progress
         first = progress.epochs_run
-        for epoch in range(first, self.total_epochs):
+        for epoch in range(first, parts.plan.epochs):
             self.start_epoch(epoch, switch=epoch > first)
             parts.hooks.before_epoch(parts, epoch)
             last = self.loop.run(epoch) or last
@@ -148,7 +142,7 @@ class Trainer:
         took_ms = (time.perf_counter() - start) * 1e3
         if not switch:
             logs.info(
-                f"Epoch {epoch + 1}/{self.total_epochs}: {feed.describe_epoch(epoch)}, "
+                f"Epoch {epoch + 1}/{plan.epochs}: {feed.describe_epoch(epoch)}, "
                 f"LR {lr.lrs()[0]:.3e} (x{lr.factor:.3f} for the global batch)"
             )
             return
@@ -182,10 +176,10 @@ class Trainer:
 
 def plan_training(
     cfg: DictConfig, settings: AdaptiveSettings, parts: Parts, profile: ProfileResult | None
-) -> tuple[BatchShape, SampleDrivenLR, Growth]:
+) -> tuple[SampleDrivenLR, Growth]:
     """Fix every epoch's batch from ``profile`` (the profiler's answer: growth function, memory cap) and the
-    sample-driven LR schedule, and log both; the reference batch (the plan's: elastic batches change it), the LR
-    schedule and growth, which the feed and the epoch loop follow."""
+    sample-driven LR schedule, and log both; the LR schedule (scaled from the plan's reference batch: an elastic one
+    changes it) and growth, which the feed and the epoch loop follow."""
     parallel, batching, plan = parts.parallel, parts.batching, parts.plan
     start = starting_batch(
         settings.growth,
@@ -228,4 +222,4 @@ def plan_training(
             batching.worst.describe() if profile and batching.worst is not None else "",
         )
     )
-    return reference, lr, growth
+    return lr, growth
