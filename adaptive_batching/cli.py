@@ -85,6 +85,12 @@ TINY_RUNS = (
     ("adaptive_knowledge_distillation", "tiny_kd"),
     ("adaptive_lora_finetune", "tiny_qat_lora"),
 )
+# The tiny Llama 3.2 Vision model's (written when torchvision, which torchtune's vision modules import, is installed).
+VISION_RUNS = (
+    ("adaptive_full_finetune", "tiny_vision_full"),
+    ("adaptive_lora_finetune", "tiny_vision_lora"),
+    ("adaptive_lora_finetune", "tiny_vision_qlora"),
+)
 
 # torchtune's configs that each recipe runs by name, a few of each kind (``ls`` prints them; a test checks each
 # against torchtune's registry and the recipe that runs it). Static text: ``ls`` does not import torchtune.
@@ -122,7 +128,16 @@ def cmd_tiny_assets(args: argparse.Namespace) -> int:
     where = (
         "" if Path(args.output_dir).resolve() == Path(DEFAULT_TINY_DIR).resolve() else f" assets_dir={tiny_paths.root}"
     )
-    for recipe, config in TINY_RUNS:
+    runs = list(TINY_RUNS)
+    from adaptive_batching.assets.tiny_vision import vision_available, write_tiny_vision_assets
+
+    if vision_available():
+        vision = write_tiny_vision_assets(args.output_dir, seed=args.seed)
+        print(f"vision: the tiny Llama 3.2 Vision model in {vision.model_dir}, images in {vision.image_dir}")
+        runs += VISION_RUNS
+    else:
+        print("vision: not written: torchtune's vision modules need torchvision (pip install torchvision)")
+    for recipe, config in runs:
         print(f"run: tune run {recipe} --config {config}{where}")
     return 0
 

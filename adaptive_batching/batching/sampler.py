@@ -321,15 +321,24 @@ class EmptyTolerantCollate:
     """
 
     def __init__(
-        self, collate_fn: Callable[[list[Any]], Batch], *, pad_id: int, ignore_index: int, packed: bool
+        self,
+        collate_fn: Callable[[list[Any]], Batch],
+        *,
+        pad_id: int,
+        ignore_index: int,
+        packed: bool,
+        empty: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self.collate_fn = collate_fn
         self.pad_id = pad_id
         self.ignore_index = ignore_index
         self.packed = packed
+        self.empty = empty
 
     def empty_sample(self) -> dict[str, Any]:
-        """The placeholder sample, in the dataset's own format."""
+        """The placeholder sample, in the dataset's own format (``empty``'s, when given: a vision sample's image)."""
+        if self.empty is not None:
+            return self.empty()
         if self.packed:
             return {
                 "tokens": torch.tensor([self.pad_id]),

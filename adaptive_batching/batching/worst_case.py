@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from adaptive_batching.batching.sequence_lengths import data_files_digest, sequence_lengths
+from adaptive_batching.batching.sequence_lengths import Measured, data_files_digest, measure_samples
 from adaptive_batching.core import logs
 from adaptive_batching.errors import ConfigError
 
@@ -27,9 +27,13 @@ class WorstCase:
 
     tokens: int
     source: str
+    images: int = 0
+    """The most images a sample holds (a vision data set's; 0 for text): the profiler gives each sample as many,
+    each of the most tiles the transform cuts."""
 
     def describe(self) -> str:
-        return f"{self.tokens} tokens, {self.source}"
+        images = f" and {self.images} image{'s' if self.images > 1 else ''}" if self.images else ""
+        return f"{self.tokens} tokens{images}, {self.source}"
 
 
 @dataclass(frozen=True)
@@ -63,21 +67,22 @@ def pack_size(dataset: Any, source: LengthSource) -> int:
     return int(source.max_seq_len)
 
 
-def sample_lengths(dataset: Any, source: LengthSource) -> list[int]:
-    """Every sample's token count after truncation, cached by a fingerprint of the data files, the dataset
-    config and the tokenizer config (``source.cache_dir=None``: measured, not stored)."""
+def sample_lengths(dataset: Any, source: LengthSource) -> Measured:
+    """Every sample's token count after truncation (and the most images a sample holds), cached by a fingerprint
+    of the data files, the dataset config and the tokenizer config (``source.cache_dir=None``: measured, not
+    stored)."""
     key_parts = {
         "dataset": source.dataset,
         "tokenizer": source.tokenizer,
         "data_files": data_files_digest(list(source.data_files)),
     }
-    return sequence_lengths(dataset, cache_dir=source.cache_dir, key_parts=key_parts)
+    return measure_samples(dataset, cache_dir=source.cache_dir, key_parts=key_parts)
 
 
-def from_lengths(lengths: list[int], source: LengthSource) -> WorstCase:
+def from_lengths(lengths: list[int], source: LengthSource, images: int = 0) -> WorstCase:
     if not lengths:
         raise ValueError("the data set has no samples")
-    return WorstCase(max(lengths), f"the longest of {len(lengths)} samples after {source.truncation}")
+    return WorstCase(max(lengths), f"the longest of {len(lengths)} samples after {source.truncation}", images)
 
 
 def measure(
@@ -89,8 +94,9 @@ def measure(
         size = pack_size(dataset, source)
         return WorstCase(size, f"the pack size ({source.truncation})"), None
     start = time.perf_counter()
-    lengths = sample_lengths(dataset, source)
-    worst = from_lengths(lengths, source)
+    measured = sample_lengths(dataset, source)
+    lengths = measured.lengths
+    worst = from_lengths(lengths, source, measured.most_images)
     cache_dir = source.cache_dir
     if not quiet:
         seconds = time.perf_counter() - start

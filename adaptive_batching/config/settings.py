@@ -34,7 +34,8 @@ from adaptive_batching.config.checks import (
 from adaptive_batching.config.components import check_components
 from adaptive_batching.config.keys import check_top_level_keys
 from adaptive_batching.config.memory_savers import check_activation_offloading, check_optimizer_in_bwd
-from adaptive_batching.config.training_kinds import check_training_kind
+from adaptive_batching.config.training_kinds import check_training_kind, recipe_for_model
+from adaptive_batching.config.vision import check_vision
 from adaptive_batching.core.nodes import plain
 from adaptive_batching.faults.settings import FaultSettings
 from adaptive_batching.growth.interval import GrowthInterval, parse_growth_interval
@@ -155,6 +156,7 @@ def validate_config(cfg: DictConfig, recipe: str | None = None) -> AdaptiveSetti
     parts = sections(knob_values(cfg, KNOBS), increase, lr_scaling)
     growth, batching = parts["growth"], parts["batching"]
     check_token_budget(cfg, batching, use_max)
+    check_vision(cfg, recipe or recipe_for_model(cfg), token_budget=batching.max_tokens is not None)
     check_elastic(parts["elastic"], growth, batching)
     check_keep_global_batch(growth, use_max, elastic=parts["elastic"], batching=batching)
     check_growth_interval(growth, batching)

@@ -87,9 +87,10 @@ class TrainingObjective(Protocol):
         The step divides the gradients by the count of all its micro batches and ranks."""
 
     def worst_case_batch(
-        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool, images: int = 0
     ) -> dict[str, torch.Tensor]:
-        """``micro_batch`` samples of ``seq_len`` tokens each, collated as training collates them."""
+        """``micro_batch`` samples of ``seq_len`` tokens each, collated as training collates them; ``images``: the
+        most images a sample of the data holds (a vision objective's; the others have none)."""
 
     def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
         """What a logged step adds to (or changes in) the loss and the batch's metrics, from its last micro batch;

@@ -46,8 +46,9 @@ def quantize_into(
     as the model's ``load_state_dict`` reports them missing (inside activation checkpointing's wrapper too)."""
     rest = dict(state_dict)
     quantized: set[str] = set()
+    fused = [prefix + "." for prefix, module in model.named_modules() if type(module).__name__ == "FusionLayer"]
     for name, param in list(model.named_parameters()):
-        key = name.replace(_WRAPPER, "")
+        key = _state_dict_key(name.replace(_WRAPPER, ""), fused)
         if not isinstance(param, NF4Tensor) or key not in rest:
             continue
         dense = rest.pop(key).to(device=device, dtype=param.dtype)
@@ -57,6 +58,15 @@ def quantize_into(
         setattr(module, attr, nn.Parameter(weight, requires_grad=False))
         quantized.add(name)
     return rest, quantized
+
+
+def _state_dict_key(name: str, fused: list[str]) -> str:
+    """A parameter's key in the model's state dict: a vision decoder's ``FusionLayer`` leaves out its ``layer.``
+    (torchtune's state-dict hooks), so that its weights keep the text decoder's names."""
+    for prefix in fused:
+        if name.startswith(prefix + "layer."):
+            return prefix + name[len(prefix) + len("layer.") :]
+    return name
 
 
 def _empty_like(template: NF4Tensor) -> NF4Tensor:

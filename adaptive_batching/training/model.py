@@ -98,6 +98,21 @@ def build_model(
     return model
 
 
+def decoder_of(model: nn.Module) -> TransformerDecoder:
+    """The text decoder: the model itself, or a vision model's (torchtune's ``DeepFusionModel``)."""
+    decoder = getattr(model, "decoder", model)
+    assert isinstance(decoder, TransformerDecoder), f"{type(model).__name__} has no text decoder"
+    return decoder
+
+
+def text_vocab_size(model: nn.Module) -> int:
+    """The ids of the text vocabulary (a vision decoder's ``FusionEmbedding`` adds a few of its own after them)."""
+    embeddings = decoder_of(model).tok_embeddings
+    return int(
+        embeddings.embedding.num_embeddings if hasattr(embeddings, "fusion_embedding") else embeddings.num_embeddings
+    )
+
+
 class FrozenWeights(FullFinetune):
     """The fine-tuning method of a model that never trains (full DPO's reference, a KD teacher): no parameter takes
     a gradient, every weight comes from the checkpoint of config key ``key`` for the model of config key ``node``,

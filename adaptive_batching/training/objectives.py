@@ -10,16 +10,20 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 from torchtune import rlhf
+from torchtune.config._utils import _get_component_from_path
 from torchtune.data import CROSS_ENTROPY_IGNORE_IDX, padded_collate_dpo
 from torchtune.modules import TransformerDecoder
 from torchtune.modules.peft import disable_adapter
 
 from adaptive_batching.batching.data import build_collate, worst_case_batch
+from adaptive_batching.batching.sampler import EmptyTolerantCollate
+from adaptive_batching.config.vision import TILED_COLLATE, ImageGeometry
 from adaptive_batching.core.loss import flat, shifted_labels, summed_token_loss
 from adaptive_batching.core.objective import FrozenModel
 
@@ -53,12 +57,81 @@ class SupervisedFinetune:
         return summed_token_loss(model, loss_fn, batch, activations)
 
     def worst_case_batch(
-        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool, images: int = 0
     ) -> dict[str, torch.Tensor]:
         return worst_case_batch(collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=packed)
 
     def step_metrics(self, seconds: float, padded_tokens: int) -> dict[str, float]:
         return {}
+
+
+class VisionFinetune(SupervisedFinetune):
+    """Supervised fine-tuning of a Llama 3.2 Vision model (torchtune's ``DeepFusionModel``): the loss is
+    :class:`SupervisedFinetune`'s, on a text whose images the encoder reads as tiles and the decoder's
+    cross-attention layers attend to. Samples are collated by ``padded_collate_tiled_images_and_mask``, as torchtune's
+    recipes collate them; the worst case gives every sample the most images a sample of the data holds (at least
+    one), each cut into the most tiles the transform makes (``geometry``)."""
+
+    name = "vision_finetune"
+
+    def __init__(self, geometry: ImageGeometry) -> None:
+        self.geometry = geometry
+
+    def describe_step(self, seq_len: int, frozen_bytes: int, frozen_layers: tuple[int, int]) -> str:
+        return (
+            f"vision: each sample an image of {self.geometry.max_num_tiles} tiles ({self.geometry.describe()}) "
+            f"through the encoder, and its {seq_len}-token text through the decoder, whose cross-attention layers "
+            f"attend to the image's tokens"
+        )
+
+    def collate(self, collate_path: str, packed: bool, pad_id: int, loss_fn: Any) -> Callable:
+        assert collate_path == TILED_COLLATE and not packed, "checked with the config (config.vision)"
+        collate = partial(_get_component_from_path(TILED_COLLATE), padding_idx=pad_id, ignore_idx=loss_fn.ignore_index)
+        return EmptyTolerantCollate(
+            collate, pad_id=pad_id, ignore_index=loss_fn.ignore_index, packed=False, empty=self._empty_sample(pad_id)
+        )
+
+    def _empty_sample(self, pad_id: int) -> Callable[[], dict[str, Any]]:
+        """A rank's empty micro batch: one ignored token and one blank tile that it does not attend to, so that
+        every rank runs the encoder (its sharded weights are gathered by all ranks together)."""
+        tile = self.geometry.tile_size
+
+        def sample() -> dict[str, Any]:
+            return {
+                "tokens": [pad_id],
+                "labels": [CROSS_ENTROPY_IGNORE_IDX],
+                "encoder_input": {
+                    "images": [torch.zeros(1, 3, tile, tile, dtype=torch.bfloat16)],
+                    "aspect_ratio": [torch.tensor([1, 1])],
+                },
+                "encoder_mask": [torch.zeros(1, self.geometry.tokens_per_tile, dtype=torch.bool)],
+            }
+
+        return sample
+
+    def worst_case_batch(
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool, images: int = 0
+    ) -> dict[str, torch.Tensor]:
+        """``micro_batch`` samples of ``seq_len`` tokens, each with ``images`` images (at least one) of the most
+        tiles, every token attending to every image (bf16 tiles, as torchtune's image transform makes them)."""
+        generator = torch.Generator().manual_seed(0)
+        geometry, count = self.geometry, max(images, 1)
+        tiles, tile = geometry.max_num_tiles, geometry.tile_size
+        samples = []
+        for row in torch.randint(0, vocab_size, (micro_batch, seq_len), generator=generator).tolist():
+            pixels = torch.rand(count, tiles, 3, tile, tile, generator=generator).to(torch.bfloat16)
+            samples.append(
+                {
+                    "tokens": row,
+                    "labels": row,
+                    "encoder_input": {
+                        "images": list(pixels),
+                        "aspect_ratio": [torch.tensor([1, tiles])] * count,
+                    },
+                    "encoder_mask": [torch.ones(seq_len, tiles * geometry.tokens_per_tile, dtype=torch.bool)] * count,
+                }
+            )
+        return collate(samples)
 
 
 class PairCollate:
@@ -161,7 +234,7 @@ class LoRADPO(SupervisedFinetune):
         return (losses * counts).sum(), counts.sum()
 
     def worst_case_batch(
-        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool
+        self, collate: Callable, *, micro_batch: int, seq_len: int, vocab_size: int, packed: bool, images: int = 0
     ) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         tokens = torch.randint(0, vocab_size, (micro_batch, 2, seq_len), generator=generator).tolist()

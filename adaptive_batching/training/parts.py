@@ -44,6 +44,7 @@ from adaptive_batching.runtime.launch import start_process
 from adaptive_batching.training.components import Data, build_components, build_data
 from adaptive_batching.training.feed import Feed
 from adaptive_batching.training.hooks import TrainerHooks, installed
+from adaptive_batching.training.model import decoder_of, text_vocab_size
 from adaptive_batching.training.optimizers import offloading
 from adaptive_batching.training.state import Progress, SavedState, check_resumable_on, resume_training
 from adaptive_batching.training.stepping import StepRunner
@@ -98,8 +99,9 @@ class Parts:
             seq_len=seq_len or self.seq_len,
             accumulation=self.feed.batch.accumulation,
             collate=self.collate,
-            vocab_size=self.model.tok_embeddings.num_embeddings,
+            vocab_size=text_vocab_size(self.model),
             packed=self.data.packed,
+            images=self.batching.worst.images if self.batching.worst is not None else 0,
         )
 
     def __enter__(self) -> Parts:
@@ -268,7 +270,7 @@ def build_parts(
         length_source(cfg, settings.profiler.cache_dir),
         profiles=settings.needs_profile,
     )
-    worst_case.check_fits(batching.worst, model.max_seq_len)
+    worst_case.check_fits(batching.worst, decoder_of(model).max_seq_len)
     profiler = StartupProfiler(
         ProfilerContext(
             setup=profiled_setup(cfg),

@@ -23,6 +23,7 @@ from adaptive_batching.config.training_kinds import (
     kd_ratio,
     recipe_for_model,
 )
+from adaptive_batching.config.vision import image_geometry, is_vision
 from adaptive_batching.core.defaults import DEFAULT_COMPILE
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
@@ -31,7 +32,13 @@ from adaptive_batching.errors import ConfigError
 from adaptive_batching.estimate.fake_steps import TraceInputs
 from adaptive_batching.training import compiling
 from adaptive_batching.training.methods import FullFinetune, LoRAFinetune
-from adaptive_batching.training.objectives import FullDPO, KnowledgeDistillation, LoRADPO, SupervisedFinetune
+from adaptive_batching.training.objectives import (
+    FullDPO,
+    KnowledgeDistillation,
+    LoRADPO,
+    SupervisedFinetune,
+    VisionFinetune,
+)
 from adaptive_batching.training.quantization import quantization_aware
 
 TEACHER = FrozenModel("teacher_model", "teacher_checkpointer")  # KD's teacher: its builder and weights, as torchtune's
@@ -53,7 +60,8 @@ def student(cfg: DictConfig) -> FinetuneMethod:
 
 
 def supervised(cfg: DictConfig) -> TrainingObjective:
-    return SupervisedFinetune()
+    """Fine-tuning; of a vision model, with its images cut into tiles as the config's transform cuts them."""
+    return VisionFinetune(image_geometry(cfg)) if is_vision(cfg) else SupervisedFinetune()
 
 
 def lora_dpo(cfg: DictConfig) -> TrainingObjective:

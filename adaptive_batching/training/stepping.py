@@ -203,7 +203,15 @@ class StepRunner:
             self.noise.update(small_sq * (self.parallel.world_size / first_total) ** 2, small_size, big_sq, big_size)
 
     def trial_step(
-        self, micro_batch: int, *, seq_len: int, accumulation: int, collate: Callable, vocab_size: int, packed: bool
+        self,
+        micro_batch: int,
+        *,
+        seq_len: int,
+        accumulation: int,
+        collate: Callable,
+        vocab_size: int,
+        packed: bool,
+        images: int = 0,
     ) -> StepMemory:
         """One full training step on a worst-case batch, measured; the LR schedule does not move.
 
@@ -222,7 +230,12 @@ class StepRunner:
                         param.grad = torch.zeros_like(param)
             with memory.PeakMeter(self.device, *meters) as forward_backward:
                 batch = self.objective.worst_case_batch(
-                    collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=packed
+                    collate,
+                    micro_batch=micro_batch,
+                    seq_len=seq_len,
+                    vocab_size=vocab_size,
+                    packed=packed,
+                    images=images,
                 )
                 _, tokens = self.forward_backward(batch)
                 del batch
