@@ -128,7 +128,7 @@ def main() -> None:
 
                         output.register_hook(fail)
 
-                parts.model.tok_embeddings.register_forward_hook(hook_embedding)
+                getattr(parts.model, "decoder", parts.model).tok_embeddings.register_forward_hook(hook_embedding)
             optimizer, guard = parts.optimizer, parts.guard
             optimizer_step = optimizer.step
 
@@ -252,7 +252,7 @@ def signal_in(fault: dict, preemption: Callable[[], Any], once_file: str) -> Cal
         return call
 
     if phase == "token_counts":
-        worst_case.sequence_lengths = sending(worst_case.sequence_lengths)
+        worst_case.measure_samples = sending(worst_case.measure_samples)
     elif phase == "compile":
         profiling_run._compile_first = sending(profiling_run._compile_first)
     return send if phase == "profile" else lambda: None

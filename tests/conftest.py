@@ -36,6 +36,14 @@ def assets(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_assets(tmp_path_factory.mktemp("assets")).root
 
 
+@pytest.fixture(scope="session")
+def vision_assets(assets: Path) -> Path:
+    """The tiny Llama 3.2 Vision model, images and data, written below the tiny assets (whose tokenizer they use)."""
+    from adaptive_batching.assets.tiny_vision import write_tiny_vision_assets
+
+    return write_tiny_vision_assets(assets).root
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A folder a test module's recipe runs share."""

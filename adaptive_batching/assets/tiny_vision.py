@@ -228,8 +228,8 @@ def _png(width: int, height: int, colour: tuple[int, int, int], seed: int) -> by
 
 
 def generate_conversations(num_samples: int, num_images: int, seed: int) -> list[dict[str, Any]]:
-    """ShareGPT-layout samples (``image``, ``conversations``), each about one of the images; the answers' lengths
-    have a long tail, as the text data set's do, so the longest sample is far above the typical one."""
+    """ShareGPT-layout samples (``image``, ``conversations``), each about one of the images, no two alike; the answers'
+    lengths have a long tail, as the text data set's do, so the longest sample is far above the typical one."""
     rng = random.Random(seed)
     samples = []
     for index in range(num_samples):
@@ -241,7 +241,7 @@ def generate_conversations(num_samples: int, num_images: int, seed: int) -> list
             {
                 "image": f"image_{image:02d}.png",
                 "conversations": [
-                    {"from": "human", "value": f"<image>\nWhat is in picture {image}?"},
+                    {"from": "human", "value": f"<image>\nQuestion {index}: what is in picture {image}?"},
                     {"from": "gpt", "value": f"A {colour} {shape}: {answer}."},
                 ],
             }
