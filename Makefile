@@ -1,10 +1,12 @@
 # Two entry points, both from a fresh clone: `make demo` and `make test`.
 # Each makes its own virtualenv in $(VENV) and installs the project into it (not editable).
-# TORCH: the torch to install first, from your pip index (TORCH_INDEX, if set, instead): on Linux PyPI gives the
-# CUDA build; `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu` gives the CPU one.
+# TORCH and VISION: the torch and torchvision to install first, from your pip index (TORCH_INDEX, if set, instead):
+# on Linux PyPI gives their CUDA builds, which run on a CPU too; `make test TORCH_INDEX=https://download.pytorch.org/whl/cpu`
+# gives the CPU ones. torchtune's Llama 3.2 Vision models import torchvision: the vision tests need it.
 
 VENV ?= .venv
-TORCH ?= torch==2.13.0
+TORCH ?= torch==2.14.0
+VISION ?= torchvision==0.29.1
 TORCH_INDEX ?=
 PYTHON ?= python3
 BIN := $(abspath $(VENV))/bin
@@ -14,7 +16,7 @@ BIN := $(abspath $(VENV))/bin
 install:
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)"
+	$(BIN)/python -m pip install -q $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX)) "$(TORCH)" "$(VISION)"
 	$(BIN)/python -m pip install -q ".[test,lint]"
 
 demo: install
