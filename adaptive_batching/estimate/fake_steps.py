@@ -50,7 +50,6 @@ from omegaconf import DictConfig
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torchtune import config, modules, training
-from torchtune.modules import TransformerDecoder
 
 from adaptive_batching.core.method import FinetuneMethod
 from adaptive_batching.core.nodes import building
@@ -65,6 +64,17 @@ from adaptive_batching.estimate.layer_timeline import (
     extrapolate_peak,
     layers_to_trace,
     repeats,
+)
+from adaptive_batching.estimate.model_stacks import (
+    StackTimeline,
+    describe_vision,
+    fsdp_units,
+    is_fusion,
+    keep_traced_units,
+    layer_count,
+    stacks,
+    text_vocab_size,
+    traceable,
 )
 from adaptive_batching.estimate.optimizer_state import fake_optimizer, paged_bytes, step_or_explain
 from adaptive_batching.estimate.traced_step import TracedStep, traced_step
@@ -103,6 +113,7 @@ class TraceInputs:
     collate_path: str  # config key ``collate_fn``
     savers: Savers = Savers()
     frozen_model: DictConfig | None = None  # the builder node of the objective's frozen model (reference, teacher)
+    images: int = 0  # a vision sample's images: the most a sample of the data holds (0: the data not read, one)
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,7 @@ class Traced:
     resident_bytes: int = 0  # models held besides the policy (full DPO's reference): weights and buffers, whole
     resident_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
     step: TracedStep | None = None  # the objective's step that was traced
+    vision: str = ""  # a vision model's stacks and images, in words ("" for a text model)
 
 
 def frozen_copy(node: DictConfig, key: str, dtype: torch.dtype, fake: FakeTensorMode) -> nn.Module:
@@ -242,19 +254,21 @@ def build_fake(
     *,
     uniform: bool = False,
     keep_layers: int | None = None,
-) -> tuple[TransformerDecoder, Any, int]:
-    """The model with fake storage, its loss and its number of layers (before ``keep_layers`` cuts them).
+) -> tuple[nn.Module, Any, int]:
+    """The model with fake storage, its loss and its number of layers (before ``keep_layers`` cuts them; a vision
+    model's: its encoder's and its decoder's, see ``model_stacks``).
 
     Built on the meta device and then given fake storage, as the recipes build it (Llama 3.1+'s
     scaled RoPE reads its frequencies, which fake tensors do not have). ``uniform`` checks that
-    the layers are identical, which extrapolating over them assumes.
+    the layers are identical (a vision decoder's: in periods), which extrapolating over them assumes.
     """
     with building("model"), training.set_default_dtype(dtype), torch.device("meta"), nf4.fast_on_meta():
         model = config.instantiate(inputs.model)
-    num_layers = len(getattr(model, "layers", ()))
+    num_layers = layer_count(stacks(model)) if is_fusion(model) else len(getattr(model, "layers", ()))
     method.configure(model)
+    traceable(model)
     if uniform:
-        decoder_layers(model)
+        stacks(model)
     if keep_layers is not None:
         model.layers = nn.ModuleList(list(model.layers)[:keep_layers])
     if inputs.savers.activation_checkpointing:
@@ -294,7 +308,7 @@ def _traced_step(
         assert inputs.frozen_model is not None, f"config key {model.model!r}: the trace's inputs lack its node"
         return frozen_copy(inputs.frozen_model, model.model, dtype, fake)
 
-    return traced_step(objective, inputs.collate_path, frozen)
+    return traced_step(objective, inputs.collate_path, frozen, inputs.images)
 
 
 def full_trace(
@@ -308,7 +322,7 @@ def full_trace(
     """Steps that trace every layer of the whole model: exact on one rank, and slow for deep models."""
     savers = inputs.savers
     model, loss_fn, num_layers = build_fake(inputs, method, dtype, fake)
-    vocab_size = model.tok_embeddings.num_embeddings
+    vocab_size = text_vocab_size(model)
     kind = _traced_step(inputs, objective, dtype, fake)
     with fake:
         optimizers = FakeOptimizers(inputs.optimizer, model, savers.optimizer_in_bwd)
@@ -348,6 +362,7 @@ def full_trace(
         _resident_bytes(kind),
         (depth, depth),
         kind,
+        describe_vision(stacks(model), inputs.images, traced=False) if is_fusion(model) else "",
     )
 
 
@@ -389,9 +404,8 @@ def _resident_bytes(step: TracedStep) -> int:
 
 def gathered_bytes(model: nn.Module) -> int:
     """What FSDP holds unsharded at once while it runs a layer: that layer and the next one, prefetched (the
-    largest of the layers, the embedding and the output projection, twice)."""
-    units = [*decoder_layers(model), getattr(model, "tok_embeddings", None), getattr(model, "output", None)]
-    return 2 * max(_bytes(unit) for unit in units if isinstance(unit, nn.Module))
+    largest of the layers, the embedding and the output projection, twice; a vision model's encoder layers too)."""
+    return 2 * max(_bytes(unit) for unit in fsdp_units(model))
 
 
 def extrapolated(
@@ -407,7 +421,7 @@ def extrapolated(
     ``fsdp_cpu_offload``), and FSDP's gathered layers are added."""
     savers = inputs.savers
     small, loss_fn, num_layers = build_fake(inputs, method, dtype, fake, uniform=True)
-    vocab_size = small.tok_embeddings.num_embeddings
+    vocab_size = text_vocab_size(small)
     kind = _traced_step(inputs, objective, dtype, fake)
     # FSDP gathers one model's layers at a time: the policy's, or the frozen model's while it runs
     gathered = max(gathered_bytes(model) for model in (small, *kind.resident))
@@ -419,7 +433,11 @@ def extrapolated(
     traced = layers_to_trace(num_layers)
     depths = [len(decoder_layers(model)) for model in kind.resident]  # KD's teacher: its own depth
     reference = (layers_to_trace(depths[0]), depths[0]) if depths else None
-    for model in (small, *kind.resident):  # the whole models' weights and optimizer state are gone with them
+    vision = stacks(small) if is_fusion(small) else []  # a vision model's stacks, of the whole model's depths
+    if vision:
+        traced = sum(stack.traced_units() * stack.period for stack in vision)
+        keep_traced_units(small)  # the whole model's weights and optimizer state are gone with the rest
+    for model in (*([] if vision else [small]), *kind.resident):  # the whole models' weights and optimizer state
         model.layers = nn.ModuleList(list(decoder_layers(model))[: layers_to_trace(len(decoder_layers(model)))])
     counts: dict[int, list[int]] = {}  # how often each segment runs: the forwards the step ran (DPO: two)
     segments: dict[int, list[PassStretch]] = {}
@@ -428,21 +446,27 @@ def extrapolated(
 
     def trace(micro_batch: int) -> None:
         batch = kind.batch(loss_fn, micro_batch, seq_len, vocab_size)
-        with (
-            fake,
-            LayerTimeline(
-                small.layers,
+        timeline = (
+            StackTimeline(vision, small, *optimizers.all)
+            if vision
+            else LayerTimeline(
+                decoder_layers(small),
                 small,
                 *kind.resident,
                 *optimizers.all,
                 reference_layers=[decoder_layers(model) for model in kind.resident],
-            ) as timeline,
-        ):
+            )
+        )
+        with fake, timeline:
             offload = FakeOffload(timeline.current_segment) if savers.activation_offloading else None
             _forward_backward(small, loss_fn, offload, savers.compile, kind, batch)
         small.zero_grad(set_to_none=True)
         segments[micro_batch] = timeline.segments()
-        counts[micro_batch] = repeats(traced, num_layers, timeline.forwards(), reference, timeline.reference_first())
+        counts[micro_batch] = (
+            timeline.repeats()
+            if isinstance(timeline, StackTimeline)
+            else repeats(traced, num_layers, timeline.forwards(), reference, timeline.reference_first())
+        )
         host[micro_batch] = offload.host_bytes(counts[micro_batch]) if offload is not None else 0
         stash[micro_batch] = offload.stash_bytes(counts[micro_batch]) if offload is not None else 0
 
@@ -461,4 +485,5 @@ def extrapolated(
             trace(micro_batch)
         return host[micro_batch]
 
-    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident, reference or (0, 0), kind)
+    words = describe_vision(vision, inputs.images, traced=True) if vision else ""
+    return Traced(step, num_layers, traced, host_bytes, paged, savers, resident, reference or (0, 0), kind, words)

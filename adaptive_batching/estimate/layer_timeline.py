@@ -57,9 +57,9 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
             f"{type(model).__name__} has no non-empty `layers` ModuleList to extrapolate over; "
             f"estimate it with --full-trace (exact=True)"
         )
-    first = _signature(layers[0])
+    first = layer_signature(layers[0])
     for i, layer in enumerate(layers):
-        if _signature(layer) != first:
+        if layer_signature(layer) != first:
             raise ValueError(
                 f"layer {i} of {type(model).__name__} differs from layer 0 (modules or parameter "
                 f"shapes), so layers cannot be extrapolated; estimate it with --full-trace (exact=True)"
@@ -67,7 +67,7 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def _signature(layer: nn.Module) -> tuple:
+def layer_signature(layer: nn.Module) -> tuple:
     modules = tuple((name, type(m).__name__) for name, m in layer.named_modules())
     params = tuple((name, tuple(p.shape), p.dtype, p.requires_grad) for name, p in layer.named_parameters())
     return modules, params

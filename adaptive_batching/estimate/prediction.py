@@ -106,9 +106,11 @@ class Estimate:
     reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
     sequences_per_sample: int = 1
     step: str = ""
+    vision: str = ""  # a vision model's stacks and images, in words
 
     def to_dict(self) -> dict[str, Any]:
-        return {key: value for key, value in asdict(self).items() if key not in ("sequences_per_sample", "step")}
+        words = ("sequences_per_sample", "step", "vision")
+        return {key: value for key, value in asdict(self).items() if key not in words}
 
     def _samples(self) -> str:
         if self.sequences_per_sample == 2:
@@ -180,6 +182,7 @@ class Estimate:
                     f"{verified}\n"
                     f"method: {how}"
                 ),
+                *([self.vision] if self.vision else []),
                 *self._objective_lines(),
                 *savers,
             ]
@@ -229,6 +232,7 @@ class StepTrace:
     quantization: str = ""  # QAT: what is fake-quantized ("" without a quantizer)
     reference_layers: tuple[int, int] = (0, 0)  # a separate frozen model's layers (KD's teacher): traced, total
     step: TracedStep | None = field(default=None, repr=False, compare=False)  # what was traced, to say it in words
+    vision: str = ""  # a vision model's stacks and images, in words
 
 
 def trace_steps(
@@ -282,6 +286,7 @@ def trace_steps(
         method.quantized(),
         steps.resident_layers,
         steps.step,
+        steps.vision,
     )
 
 
@@ -390,6 +395,7 @@ def predict(
         reference_layers=trace.reference_layers,
         sequences_per_sample=trace.step.objective.sequences_per_sample if trace.step else 1,
         step=step,
+        vision=trace.vision,
     )
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch._subclasses import fake_impls
+from torch.utils import _pytree as pytree
 
 from adaptive_batching.core.objective import FrozenModel, TrainingObjective
 
@@ -52,19 +53,20 @@ class TracedStep:
     objective: TrainingObjective
     collate_path: str
     resident: tuple[nn.Module, ...] = ()
+    images: int = 0  # a vision sample's images (the most a sample of the data holds; 0: not read, one)
 
     def batch(self, loss_fn: Any, micro_batch: int, seq_len: int, vocab_size: int) -> dict[str, Any]:
         """The objective's worst-case micro batch, real (its collate reads the values), made before a trace."""
         collate = self.objective.collate(self.collate_path, False, 0, loss_fn)
         return self.objective.worst_case_batch(
-            collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=False
+            collate, micro_batch=micro_batch, seq_len=seq_len, vocab_size=vocab_size, packed=False, images=self.images
         )
 
     def loss(self, model: nn.Module, loss_fn: Any, batch: dict[str, Any]) -> torch.Tensor:
         """The micro batch's summed loss, traced: its inputs are copied inside the trace, so they count as a real
         step's do."""
         self.objective.start_step()
-        inputs = {key: value.clone() for key, value in batch.items()}
+        inputs = pytree.tree_map_only(torch.Tensor, torch.Tensor.clone, batch)  # a vision batch nests its images
         with values_of_a_full_batch():
             return self.objective.micro_loss(model, loss_fn, inputs, contextlib.nullcontext())[0]
 
@@ -74,10 +76,14 @@ class TracedStep:
 
 
 def traced_step(
-    objective: TrainingObjective, collate_path: str, frozen_copy: Callable[[FrozenModel], nn.Module]
+    objective: TrainingObjective,
+    collate_path: str,
+    frozen_copy: Callable[[FrozenModel], nn.Module],
+    images: int = 0,
 ) -> TracedStep:
     """The step of ``objective``, the frozen model it holds (if any) built by ``frozen_copy`` (a fake, frozen model
-    of the builder it names; whichever checkpointer's weights it asks for, they are fake)."""
+    of the builder it names; whichever checkpointer's weights it asks for, they are fake); ``images``: a vision
+    sample's (0: one)."""
     if objective.frozen is not None:
         objective.hold(frozen_copy(objective.frozen))
-    return TracedStep(objective, collate_path, tuple(objective.resident))
+    return TracedStep(objective, collate_path, tuple(objective.resident), images)
