@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from adaptive_batching.assets.tiny import TinyAssetPaths
+from adaptive_batching.assets.tiny_vision import TinyVisionPaths
 from adaptive_batching.cli import main, recipe_for
 from adaptive_batching.config.loading import RECIPES, shipped_config_names, shipped_configs_dir
 
@@ -147,8 +148,12 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     ]
     for file in files:
         assert file.is_file() and file.stat().st_size > 0, file
+    vision = TinyVisionPaths(out)
+    images = sorted(vision.image_dir.glob("image_*.png"))
+    vision_files = [vision.model_dir / "config.json", vision.model_dir / "model.safetensors", vision.dataset_path]
+    assert len(images) == 10 and all(file.stat().st_size > 0 for file in [*vision_files, *images])
     assert sorted(str(p.relative_to(out)) for p in out.rglob("*") if p.is_file()) == sorted(
-        str(f.relative_to(out)) for f in files
+        str(f.relative_to(out)) for f in [*files, *vision_files, *images]
     )
     printed = capsys.readouterr().out
     assert f"tiny assets in {out}" in printed
@@ -159,6 +164,7 @@ def test_tiny_assets(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None
     # a run line for every recipe and QAT, each a shipped tiny config of that recipe, pointed at these assets
     runs = re.findall(r"^run: tune run (\S+) --config (\S+) assets_dir=(\S+)$", printed, flags=re.M)
     assert {recipe for recipe, _, _ in runs} == set(RECIPES) and "tiny_qat_lora" in {c for _, c, _ in runs}
+    assert {"tiny_vision_full", "tiny_vision_lora", "tiny_vision_qlora"} <= {c for _, c, _ in runs}
     assert all(
         recipe_for(shipped_configs_dir() / f"{config}.yaml") == recipe and root == str(out)
         for recipe, config, root in runs

@@ -24,6 +24,7 @@ from test_preemption import stopped
 
 from adaptive_batching.assets.tiny_vision import TILE, TinyVisionPaths, tiny_llama3_2_vision
 from adaptive_batching.batching.sequence_lengths import measure_samples
+from adaptive_batching.cli import main
 from adaptive_batching.config.loading import resolve_config
 from adaptive_batching.config.settings import validate_config
 from adaptive_batching.config.vision import TILED_COLLATE, ImageGeometry
@@ -108,6 +109,18 @@ def test_the_stock_vision_configs_train_with_the_vision_objective_by_name(name: 
     _, objective = method_and_objective(cfg, recipe, profiled=True)
     assert isinstance(objective, VisionFinetune)
     assert objective.geometry == ImageGeometry(tiles, 14, 4) and objective.geometry.tokens_per_tile == 1601
+
+
+@pytest.mark.parametrize(
+    "name, recipe",
+    [("llama3_2_vision/90B_full", "adaptive_full_finetune"), ("llama3_2_vision/11B_qlora", "adaptive_lora_finetune")],
+)
+def test_cp_copies_a_stock_vision_config_and_names_the_recipe_that_runs_it(
+    name: str, recipe: str, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    assert main(["cp", name, str(tmp_path / "my_vision.yaml")]) == 0
+    assert (tmp_path / "my_vision.yaml").read_text() == resolve_config(name).read_text()
+    assert f"Run it with: tune run {recipe} --config {tmp_path / 'my_vision.yaml'}" in capsys.readouterr().out
 
 
 # ------------------------------------------------------------------ the worst case and the empty micro batch
@@ -341,3 +354,30 @@ def test_a_stock_vision_config_by_name_trains_with_one_added_line(
     assert "Worst-case sample: 32 tokens and 1 image" in output
     chosen = int(re.search(r"chosen micro batch (\d+)", output).group(1))
     assert [r["micro_batch_size"] for r in read_metrics(out / "logs")] == [chosen]
+
+
+@pytest.mark.e2e
+@pytest.mark.parametrize("config", ["tiny_vision_lora", "tiny_vision_qlora"])
+def test_the_shipped_lora_and_qlora_vision_configs_profile_and_train(
+    config: str, vision_assets: Path, runs: Path
+) -> None:
+    out = runs / config
+    result = tune_run(
+        "adaptive_lora_finetune",
+        config,
+        [
+            f"assets_dir={vision_assets}",
+            f"output_dir={out}",
+            "tokenizer.max_seq_len=32",
+            "epochs=1",
+            "max_steps_per_epoch=1",
+            "adaptive_batching.memory_budget=24MiB",
+        ],
+        cwd=runs,
+    )
+    output = ok(result)
+    chosen = int(re.search(r"chosen micro batch (\d+)", output).group(1))
+    assert [r["micro_batch_size"] for r in read_metrics(out / "logs")] == [chosen]
+    adapter = torch.load(out / "epoch_0" / "adapter_model.pt", weights_only=True)
+    assert adapter and all("lora" in key for key in adapter)  # the adapters of the encoder and the fusion layers
+    assert {key.split(".")[0] for key in adapter} == {"encoder", "decoder"}

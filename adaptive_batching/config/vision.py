@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from omegaconf import DictConfig, OmegaConf
 
+from adaptive_batching.batching.data import DEFAULT_COLLATE
 from adaptive_batching.core.defaults import DEFAULT_DTYPE
 from adaptive_batching.core.nodes import plain
 from adaptive_batching.errors import ConfigError
@@ -51,7 +52,7 @@ def _component(cfg: DictConfig, key: str) -> str:
 
 def is_vision(cfg: DictConfig) -> bool:
     """Whether the config trains a Llama 3.2 Vision model: its model builder, its transform or its collate says so."""
-    collate = str(plain(cfg.get("collate_fn", "")) or "")
+    collate = plain(cfg.get("collate_fn", DEFAULT_COLLATE))
     transform = _component(cfg, "tokenizer").rsplit(".", 1)[-1]
     return VISION_MODEL in _component(cfg, "model") or transform in (BUILDER, CLASS) or collate == TILED_COLLATE
 
@@ -81,7 +82,7 @@ def check_vision(cfg: DictConfig, recipe: str, token_budget: bool) -> ImageGeome
             f"use {' or '.join(VISION_RECIPES)}"
         )
     geometry = image_geometry(cfg)
-    collate = plain(cfg.get("collate_fn", None))
+    collate = plain(cfg.get("collate_fn", DEFAULT_COLLATE))
     if collate != TILED_COLLATE:
         raise ConfigError(
             f"config key 'collate_fn' = {collate!r}: a vision model's samples carry image tiles: "
