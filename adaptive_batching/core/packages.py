@@ -10,9 +10,9 @@ from importlib import metadata
 
 from adaptive_batching.errors import ConfigError
 
-# The torch releases that have run: the whole suite on 2.13 (CPU build) and on 2.14.1 (PyPI's CUDA build, on a CPU;
-# 2268 passed on 2026-11-28), the GPU check on 2.11 (CUDA; compile there not yet rerun since its fix). pyproject.toml's
-# pin says the same (tests/test_torch_range.py).
+# The torch releases that have run: the whole suite on 2.13 (CPU build), on 2.14.1 and on 2.14.0 with torchvision 0.29.1
+# (PyPI's CUDA builds, on a CPU; 2.14.0 is what CI installs), the GPU check on 2.11 (CUDA; compile there not yet rerun
+# since its fix). pyproject.toml's pin says the same (tests/test_torch_range.py).
 TORCH_FIRST, TORCH_BELOW = (2, 11), (2, 15)
 TORCH_REQUIREMENT = f"torch>={TORCH_FIRST[0]}.{TORCH_FIRST[1]},<{TORCH_BELOW[0]}.{TORCH_BELOW[1]}"
 
