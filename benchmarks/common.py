@@ -144,6 +144,8 @@ def tune_child(
         lora._lora_a_init_params = lambda x: torch.nn.init.kaiming_uniform_(
             x.weight, a=math.sqrt(5), generator=generator
         )
+        if not tune_args[1].startswith("adaptive_"):
+            _adapters_in_module_order(generator)
     record: dict[str, Any] = {"train_start": None, "train_end": None}
 
     class TrainTimer(hooks.TrainerHooks):
@@ -162,6 +164,27 @@ def tune_child(
             record["threads"] = torch.get_num_threads()
             Path(stamps_path).write_text(json.dumps(record))
     return 0
+
+
+def _adapters_in_module_order(generator: Any) -> None:
+    """A stock recipe draws its LoRA A matrices as it builds the model; ours builds it on the meta device and draws
+    them in ``model.modules()`` order. For a model listed in another order than it is built (a ``DeepFusionModel``'s
+    encoder is built before its decoder and listed after it) the stock recipe's first ``get_adapter_params`` of the
+    built model draws them again, in ours' order, from the generator's start; a text model's are the same as before."""
+    import torchtune.modules.peft as peft
+
+    original, drawn = peft.get_adapter_params, set()
+
+    def in_module_order(model: Any) -> Any:
+        if id(model) not in drawn and not any(p.is_meta for p in model.parameters()):
+            drawn.add(id(model))
+            generator.manual_seed(0)
+            for module in model.modules():
+                if hasattr(module, "lora_a") and hasattr(module, "initialize_parameters"):
+                    module.initialize_parameters()
+        return original(model)
+
+    peft.get_adapter_params = in_module_order
 
 
 def tune_in_child(

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
-"""Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation) against torchtune's
+"""Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation; ``vision_full`` and
+``vision_lora``: a ``tune cp`` copy of a stock Llama 3.2 Vision config on the tiny vision assets) against torchtune's
 stock single-device one: optimizer steps per second, per-step losses, and the epoch switch's cost. What it runs and how
-to read it: docs/benchmarks.md."""
+to read it: docs/benchmarks.md (vision: docs/vision_parity.md)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import re
 import shlex
 import shutil
 import statistics
+import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -30,7 +32,15 @@ OBJECTIVES = {
     "finetune": ("adaptive_full_finetune", "full_finetune_single_device", "tiny_full"),
     "dpo": ("adaptive_lora_dpo", "lora_dpo_single_device", "tiny_lora_dpo"),
     "kd": ("adaptive_knowledge_distillation", "knowledge_distillation_single_device", "tiny_kd"),
+    # the config: torchtune's, copied by ``tune cp`` and pointed at the tiny vision assets (vision_overrides)
+    "vision_full": ("adaptive_full_finetune", "full_finetune_single_device", "llama3_2_vision/11B_full_single_device"),
+    "vision_lora": ("adaptive_lora_finetune", "lora_finetune_single_device", "llama3_2_vision/11B_lora_single_device"),
 }
+VISION_SEQ_LEN = 128  # the tiny vision configs' (the tiny model holds 512)
+# The tiny model is a fresh torchtune model: its tanh gates (cross-attention, the encoder's positional embeddings and
+# global layers) are 0, so the text ignores the images and the LoRA adapters, all behind a gate, get no gradient. The
+# benchmark's copy of the checkpoint opens every gate that is 0 to this value, as a trained model's are open.
+OPEN_GATE = 0.5
 # Where stock's updates differ from ours, the losses are compared at step 1 (before any update) only; the drift after
 # it is printed with its cause (docs/distillation.md).
 DRIFT = {
@@ -52,7 +62,7 @@ def figures(payload: Any, step: int) -> dict[str, Any]:
     """What a child records per step beside its time stamp."""
     return {
         key: None if (value := payload.get(logged)) is None else float(value)
-        for key, logged in (("loss", "loss"), ("lr", "lr"), ("batch", "micro_batch_size"))
+        for key, logged in (("loss", "loss"), ("lr", "lr"), ("batch", "micro_batch_size"), ("grad_norm", "grad_norm"))
     }
 
 
@@ -62,7 +72,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="optimizer steps run first and not measured (default 3)")
     p.add_argument("--repeats", type=int, default=3, help="runs of each recipe, alternating (default 3)")
     p.add_argument("--threads", type=int, default=1, help="intra-op threads of every child (default 1)")
-    p.add_argument("--objective", choices=OBJECTIVES, default="finetune", help="finetune (tiny_full), dpo or kd")
+    p.add_argument(
+        "--objective",
+        choices=OBJECTIVES,
+        default="finetune",
+        help="finetune (tiny_full), dpo, kd, vision_full or vision_lora (a stock Llama 3.2 Vision config, tiny assets)",
+    )
+    p.add_argument(
+        "--accumulation",
+        type=int,
+        default=None,
+        help="gradient accumulation steps (default: 1; vision: the stock config's)",
+    )
     p.add_argument("--no-switch", action="store_true", help="skip the epoch-switch run")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--together", action="store_true", help="each repeat's two runs at once, each on its own core")
@@ -71,15 +92,25 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="configs, runs and logs (default: a temporary folder)")
     p.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written to the workdir)")
     args = p.parse_args(argv)
-    if min(args.steps, args.warmup, args.repeats, args.threads) < 1:
-        p.error("--steps, --warmup, --repeats and --threads must be positive")
+    if min(args.steps, args.warmup, args.repeats, args.threads, args.accumulation or 1) < 1:
+        p.error("--steps, --warmup, --repeats, --threads and --accumulation must be positive")
     if args.together and len(os.sched_getaffinity(0)) < 2:
         p.error("--together needs 2 cores")
     args.ours, args.stock, args.config = OBJECTIVES[args.objective]
+    args.vision = args.objective.startswith("vision")
+    args.batch, args.seq_len, args.dtype = (None, VISION_SEQ_LEN, "bf16") if args.vision else (BATCH, SEQ_LEN, "fp32")
+    if not args.vision:
+        args.accumulation = args.accumulation or 1
     return args
 
 
 def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
+    """The config both recipes start from, with this benchmark's settings, fully resolved."""
+    make = vision_config if args.vision else text_config
+    return make(args, output_dir, epochs, steps_per_epoch)
+
+
+def text_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
     """``args.config`` as our recipe reads it, with this benchmark's settings, fully resolved."""
     from omegaconf import OmegaConf
 
@@ -92,7 +123,7 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
             f"output_dir={output_dir}",
             f"tokenizer.max_seq_len={SEQ_LEN}",
             f"batch_size={BATCH}",
-            "gradient_accumulation_steps=1",
+            f"gradient_accumulation_steps={args.accumulation}",
             f"epochs={epochs}",
             f"max_steps_per_epoch={steps_per_epoch}",
             f"seed={SEED}",
@@ -111,6 +142,87 @@ def ours_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_p
         "_component_": "torchtune.training.metric_logging.DiskLogger",
         "log_dir": str(output_dir / "logs"),
     }
+    return out
+
+
+def copy_stock_config(args: argparse.Namespace) -> Path:
+    """``tune cp`` of the stock vision config into the work directory, as a user starts from it."""
+    copy = args.workdir / "configs" / f"{Path(args.config).name}.yaml"
+    copy.parent.mkdir(parents=True, exist_ok=True)
+    copy.unlink(missing_ok=True)
+    tune = [sys.executable, "-c", "from torchtune._cli.tune import main; main()"]
+    subprocess.run([*tune, "cp", args.config, str(copy)], check=True, capture_output=True, text=True)
+    return copy
+
+
+def open_gates(assets: Path, work: Path) -> tuple[Path, list[str]]:
+    """A copy of the tiny vision checkpoint in ``work`` with every tanh gate that is 0 set to :data:`OPEN_GATE`;
+    the copy's folder and the gates opened."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    source, model_dir = assets / "vision" / "model", work / "vision_model"
+    model_dir.mkdir(parents=True, exist_ok=True)
+    weights = load_file(source / "model.safetensors")
+    opened = [
+        k for k, v in weights.items() if "gate" in k.rsplit(".", 1)[-1].split("_") and v.numel() == 1 and float(v) == 0
+    ]
+    weights.update({k: torch.full_like(weights[k], OPEN_GATE) for k in opened})
+    save_file(weights, model_dir / "model.safetensors")
+    shutil.copy(source / "config.json", model_dir / "config.json")
+    return model_dir, opened
+
+
+def vision_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """What the tiny vision assets change in the stock config (the rest of its keys stay as they are)."""
+    assets, lora = args.assets, args.objective == "vision_lora"
+    return {
+        "model._component_": "adaptive_batching.assets.tiny_vision."
+        + ("lora_tiny_llama3_2_vision" if lora else "tiny_llama3_2_vision"),
+        "model.image_size": 56,
+        "tokenizer.path": str(assets / "tokenizer" / "tokenizer.model"),
+        "tokenizer.special_tokens_path": str(assets / "tokenizer" / "special_tokens.json"),
+        "tokenizer.image_size": 56,
+        "tokenizer.max_seq_len": VISION_SEQ_LEN,
+        "checkpointer.checkpoint_dir": str(args.vision_model),
+        "checkpointer.checkpoint_files": ["model.safetensors"],
+        "dataset": {
+            "_component_": "torchtune.datasets.multimodal.multimodal_chat_dataset",
+            "packed": False,
+            "source": "json",
+            "data_files": str(assets / "vision" / "data" / "vision_tiny.json"),
+            "split": "train",
+            "image_tag": "<image>",
+            "image_dir": str(assets / "vision" / "images"),
+        },
+        # bitsandbytes' paged 8-bit AdamW needs CUDA: torch's AdamW at the stock LR (the LoRA config's fused one runs)
+        **({} if lora else {"optimizer": {"_component_": "torch.optim.AdamW", "lr": 2e-5}}),
+    }
+
+
+def vision_settings(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
+    """This benchmark's settings on the stock vision config (the text runs' in :func:`text_config`)."""
+    return {
+        "output_dir": str(output_dir),
+        "epochs": epochs,
+        "max_steps_per_epoch": steps_per_epoch,
+        "seed": SEED,
+        "device": "cpu",
+        "compile": args.compile,
+        **({} if args.accumulation is None else {"gradient_accumulation_steps": args.accumulation}),
+    }
+
+
+def vision_config(args: argparse.Namespace, output_dir: Path, epochs: int, steps_per_epoch: int) -> dict[str, Any]:
+    """The ``tune cp`` copy of the stock vision config with :func:`vision_overrides` and :func:`vision_settings`;
+    ours reads it with a fixed batch (stock_config leaves out the two keys only ours reads)."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.load(args.stock_copy)
+    for key, value in {**vision_overrides(args), **vision_settings(args, output_dir, epochs, steps_per_epoch)}.items():
+        OmegaConf.update(cfg, key, value, merge=False, force_add=True)
+    out = OmegaConf.to_container(cfg, resolve=True)
+    out.update(use_maximum_batch_size=False, batch_increase_function=None)
     return out
 
 
@@ -383,6 +495,65 @@ def print_switch(switch: dict[str, Any] | None) -> None:
         )
 
 
+def prepare_vision(args: argparse.Namespace) -> dict[str, Any]:
+    """The ``tune cp`` copy, the checkpoint with its gates open, and the stock config's batch (and accumulation,
+    unless given); what the tiny assets change in the stock config, for the report."""
+    from omegaconf import OmegaConf
+
+    if not (args.assets / "vision" / "model" / "model.safetensors").is_file():
+        from adaptive_batching.assets.tiny_vision import write_tiny_vision_assets
+
+        write_tiny_vision_assets(args.assets)
+    args.stock_copy = copy_stock_config(args)
+    args.vision_model, opened = open_gates(args.assets, args.workdir)
+    stock = OmegaConf.load(args.stock_copy)
+    args.batch = stock.batch_size
+    args.accumulation = args.accumulation or stock.gradient_accumulation_steps
+    changed = sorted(vision_overrides(args))
+    settings = sorted(vision_settings(args, args.workdir, 1, 1))
+    return {"copy": str(args.stock_copy), "changed_keys": changed, "settings_keys": settings, "opened_gates": opened}
+
+
+def per_step(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """The first runs' loss and gradient norm at each step both logged, ours beside stock."""
+    first = {name: next((r for r in runs[name] if r["stamps"]), None) for name in ("ours", "stock")}
+    if None in first.values():
+        return []
+    by_step = {name: {s["step"]: s for s in run["stamps"]} for name, run in first.items()}
+    return [
+        {
+            "step": step,
+            **{
+                f"{name}_{key}": by_step[name][step].get(key)
+                for name in ("ours", "stock")
+                for key in ("loss", "grad_norm")
+            },
+        }
+        for step in sorted(set(by_step["ours"]) & set(by_step["stock"]))
+    ]
+
+
+def print_vision(vision: dict[str, Any], steps: list[dict[str, Any]]) -> None:
+    print("| step | loss, ours | loss, stock | relative difference | grad norm, ours | grad norm, stock |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for row in steps:
+        ours, stock = row["ours_loss"], row["stock_loss"]
+        rel = None if ours is None or stock is None else abs(ours - stock) / max(abs(stock), 1e-12)
+        print(
+            f"| {row['step']} | {fmt(ours, '.7f')} | {fmt(stock, '.7f')} | {fmt(rel, '.1e')} | "
+            f"{fmt(row['ours_grad_norm'], '.6g')} | {fmt(row['stock_grad_norm'], '.6g')} |"
+        )
+    print(
+        f"both recipes read `tune cp`'s copy ({Path(vision['copy']).name}); keys the tiny assets change: "
+        f"{', '.join(vision['changed_keys'])}; the benchmark's settings: {', '.join(vision['settings_keys'])}; "
+        f"ours adds use_maximum_batch_size=False, batch_increase_function=null (a fixed batch)"
+    )
+    print(
+        f"the checkpoint's copy opens {len(vision['opened_gates'])} tanh gates that were 0 to {OPEN_GATE} "
+        "(closed, the text ignores the images and LoRA's adapters get no gradient)"
+    )
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--tune-child"]:
@@ -392,13 +563,16 @@ def main(argv: list[str] | None = None) -> int:
     with work_dir(args.workdir, "recipe_vs_torchtune_") as args.workdir:
         args.assets = tiny_assets(args.assets, args.workdir)
         log(f"work directory {args.workdir} (child logs in {args.workdir / 'logs'})")
+        vision = prepare_vision(args) if args.vision else None
         figures_ = {
             "settings": {
                 "steps": args.steps,
                 "warmup": args.warmup,
                 "repeats": args.repeats,
-                "batch_size": BATCH,
-                "seq_len": SEQ_LEN,
+                "batch_size": args.batch,
+                "gradient_accumulation_steps": args.accumulation,
+                "seq_len": args.seq_len,
+                "dtype": args.dtype,
                 "seed": SEED,
                 "threads": args.threads,
                 "config": args.config,
@@ -407,11 +581,13 @@ def main(argv: list[str] | None = None) -> int:
                 "together": args.together,
             },
             "bar_ratio": BAR_RATIO,
+            "vision": vision,
         }
         measured = throughput_runs(args)
         summary = summarise(args, measured)
         figures_.update(summary)
         runs = measured["runs"]
+        figures_["per_step"] = per_step(runs)
         figures_["window_overlaps"] = window_overlaps(runs, args.warmup, args.steps) if args.together else None
         figures_["pair_ratios"], figures_["pair_step_ratios"], figures_["pair_cpu_ratios"] = (
             pair_ratios(runs, key) for key in RATES
@@ -425,12 +601,15 @@ def main(argv: list[str] | None = None) -> int:
     )
     with report(name if args.publish else None):
         print(
-            f"{args.config}, batch {BATCH} x 1, seq {SEQ_LEN}, fp32, cpu, {args.threads} thread(s), seed {SEED}"
+            f"{args.config}, batch {args.batch} x {args.accumulation}, seq {args.seq_len}, {args.dtype}, cpu, "
+            f"{args.threads} thread(s), seed {SEED}"
             + (", compile=True" if args.compile else "")
             + (", each repeat's two runs at the same time on their own cores" if args.together else "")
             + f"; {args.warmup} warm-up + {args.steps} measured steps per run"
         )
         print_table(summary, DRIFT.get(args.objective))
+        if vision is not None:
+            print_vision(vision, figures_["per_step"])
         pairs, steps = figures_["pair_ratios"], figures_["pair_step_ratios"]
         if not args.together and pairs:
             print(

@@ -804,6 +804,14 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_dpo",
         "smallest size: 2 steps, 1 repeat, one run after the other (--together: test_recipe_vs_torchtune_together)",
     ),
+    **{
+        f"python benchmarks/recipe_vs_torchtune.py --objective {objective} --steps 8 --warmup 2 --repeats 1 "
+        "--no-switch": (
+            "tests/test_vision_parity.py::parity",
+            "smallest size: 2 steps of 2 x 2 samples, 1 repeat",
+        )
+        for objective in ("vision_full", "vision_lora")
+    },
     "python benchmarks/step_overhead.py --settings none,stop,default --repeats 5 --steps 60 --publish": (
         "tests/test_benchmarks.py::test_step_overhead",
         "smallest size: 1 timed step, settings none and stop",
