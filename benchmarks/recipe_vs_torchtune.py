@@ -2,7 +2,7 @@
 """Our full fine-tune recipe (``--objective dpo``: LoRA DPO; ``kd``: LoRA knowledge distillation; ``vision_full`` and
 ``vision_lora``: a ``tune cp`` copy of a stock Llama 3.2 Vision config on the tiny vision assets) against torchtune's
 stock single-device one: optimizer steps per second, per-step losses, and the epoch switch's cost. What it runs and how
-to read it: docs/benchmarks.md (vision: docs/vision_parity.md)."""
+to read it: docs/benchmarks.md (vision: docs/vision.md)."""
 
 from __future__ import annotations
 
@@ -37,10 +37,6 @@ OBJECTIVES = {
     "vision_lora": ("adaptive_lora_finetune", "lora_finetune_single_device", "llama3_2_vision/11B_lora_single_device"),
 }
 VISION_SEQ_LEN = 128  # the tiny vision configs' (the tiny model holds 512)
-# The tiny model is a fresh torchtune model: its tanh gates (cross-attention, the encoder's positional embeddings and
-# global layers) are 0, so the text ignores the images and the LoRA adapters, all behind a gate, get no gradient. The
-# benchmark's copy of the checkpoint opens every gate that is 0 to this value, as a trained model's are open.
-OPEN_GATE = 0.5
 # Where stock's updates differ from ours, the losses are compared at step 1 (before any update) only; the drift after
 # it is printed with its cause (docs/distillation.md).
 DRIFT = {
@@ -155,24 +151,6 @@ def copy_stock_config(args: argparse.Namespace) -> Path:
     return copy
 
 
-def open_gates(assets: Path, work: Path) -> tuple[Path, list[str]]:
-    """A copy of the tiny vision checkpoint in ``work`` with every tanh gate that is 0 set to :data:`OPEN_GATE`;
-    the copy's folder and the gates opened."""
-    import torch
-    from safetensors.torch import load_file, save_file
-
-    source, model_dir = assets / "vision" / "model", work / "vision_model"
-    model_dir.mkdir(parents=True, exist_ok=True)
-    weights = load_file(source / "model.safetensors")
-    opened = [
-        k for k, v in weights.items() if "gate" in k.rsplit(".", 1)[-1].split("_") and v.numel() == 1 and float(v) == 0
-    ]
-    weights.update({k: torch.full_like(weights[k], OPEN_GATE) for k in opened})
-    save_file(weights, model_dir / "model.safetensors")
-    shutil.copy(source / "config.json", model_dir / "config.json")
-    return model_dir, opened
-
-
 def vision_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """What the tiny vision assets change in the stock config (the rest of its keys stay as they are)."""
     assets, lora = args.assets, args.objective == "vision_lora"
@@ -184,7 +162,7 @@ def vision_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer.special_tokens_path": str(assets / "tokenizer" / "special_tokens.json"),
         "tokenizer.image_size": 56,
         "tokenizer.max_seq_len": VISION_SEQ_LEN,
-        "checkpointer.checkpoint_dir": str(args.vision_model),
+        "checkpointer.checkpoint_dir": str(args.assets / "vision" / "model"),
         "checkpointer.checkpoint_files": ["model.safetensors"],
         "dataset": {
             "_component_": "torchtune.datasets.multimodal.multimodal_chat_dataset",
@@ -496,7 +474,7 @@ def print_switch(switch: dict[str, Any] | None) -> None:
 
 
 def prepare_vision(args: argparse.Namespace) -> dict[str, Any]:
-    """The ``tune cp`` copy, the checkpoint with its gates open, and the stock config's batch (and accumulation,
+    """The ``tune cp`` copy and the stock config's batch (and accumulation,
     unless given); what the tiny assets change in the stock config, for the report."""
     from omegaconf import OmegaConf
 
@@ -505,13 +483,12 @@ def prepare_vision(args: argparse.Namespace) -> dict[str, Any]:
 
         write_tiny_vision_assets(args.assets)
     args.stock_copy = copy_stock_config(args)
-    args.vision_model, opened = open_gates(args.assets, args.workdir)
     stock = OmegaConf.load(args.stock_copy)
     args.batch = stock.batch_size
     args.accumulation = args.accumulation or stock.gradient_accumulation_steps
     changed = sorted(vision_overrides(args))
     settings = sorted(vision_settings(args, args.workdir, 1, 1))
-    return {"copy": str(args.stock_copy), "changed_keys": changed, "settings_keys": settings, "opened_gates": opened}
+    return {"copy": str(args.stock_copy), "changed_keys": changed, "settings_keys": settings}
 
 
 def per_step(runs: dict[str, list[dict[str, Any]]]) -> list[dict[str, Any]]:
@@ -547,10 +524,6 @@ def print_vision(vision: dict[str, Any], steps: list[dict[str, Any]]) -> None:
         f"both recipes read `tune cp`'s copy ({Path(vision['copy']).name}); keys the tiny assets change: "
         f"{', '.join(vision['changed_keys'])}; the benchmark's settings: {', '.join(vision['settings_keys'])}; "
         f"ours adds use_maximum_batch_size=False, batch_increase_function=null (a fixed batch)"
-    )
-    print(
-        f"the checkpoint's copy opens {len(vision['opened_gates'])} tanh gates that were 0 to {OPEN_GATE} "
-        "(closed, the text ignores the images and LoRA's adapters get no gradient)"
     )
 
 

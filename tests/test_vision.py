@@ -1,7 +1,7 @@
 """Llama 3.2 Vision: every promise of the text recipes holds for the tiny vision model (docs/vision.md).
 
 The checks of a vision config (one line each, before any model loads), the worst case (the longest text with the
-most images a sample holds, each of the most tiles), and real runs of ``configs/tiny_vision_*.yaml`` and of the stock
+most images a sample holds, each of the most tiles), and real runs of the shipped tiny vision configs and of the stock
 vision configs by name, pointed at the tiny assets: profile and growth with its LR scaling, an out-of-memory error
 mid-epoch, a preemption and its exact resume, two ranks. Texts are cut to 48 tokens: the model trains in bf16 (the
 transform's tiles are bf16), which a CPU runs slowly.

@@ -1,4 +1,4 @@
-"""Stock's losses at a fixed batch, for Llama 3.2 Vision (docs/vision_parity.md): ``benchmarks/recipe_vs_torchtune.py
+"""Stock's losses at a fixed batch, for Llama 3.2 Vision (docs/vision.md): ``benchmarks/recipe_vs_torchtune.py
 --objective vision_full`` and ``vision_lora`` run ours and torchtune's ``full_finetune_single_device`` and
 ``lora_finetune_single_device`` on a ``tune cp`` copy of the stock 11B single-device config, pointed at the tiny
 vision assets, at its batch of 2 with 2 micro batches a step (the token count of a step spans two micro batches).
@@ -70,5 +70,4 @@ def test_both_read_the_stock_config_with_only_the_assets_changed(
     assert {"model._component_", "dataset", "checkpointer.checkpoint_dir"} <= set(vision["changed_keys"])
     assert ("optimizer" in vision["changed_keys"]) == (objective == "vision_full")  # bitsandbytes' needs CUDA
     assert Path(vision["copy"]).name == f"11B_{objective.split('_')[1]}_single_device.yaml"
-    # the tiny model's gates, closed as torchtune builds them, are opened: the images count, LoRA's adapters learn
-    assert len(vision["opened_gates"]) == 9 and "opens 9 tanh gates" in out
+    assert "opened_gates" not in vision  # the tiny checkpoint's gates are open already (tiny_vision.open_gates)

@@ -4,7 +4,8 @@
   theirs (``llama3_2_vision_encoder`` and ``llama3_2_vision_decoder`` joined by ``DeepFusionModel``): a CLIP encoder
   of 2 layers of width 128 on 56-pixel tiles of 14-pixel patches, up to 4 tiles an image, and a decoder of 2 layers
   of width 128 with a cross-attention layer before each (128: torchao's NF4 needs 16384 elements a weight, QLoRA's);
-* its checkpoint in Hugging Face's Mllama layout (``config.json`` + ``model.safetensors``), which
+* its checkpoint in Hugging Face's Mllama layout (``config.json`` + ``model.safetensors``), its tanh gates open (a
+  trained model's are; torchtune builds them closed, where the images change nothing), which
   ``FullModelHFCheckpointer`` with ``model_type: LLAMA3_VISION`` loads, as it loads the stock configs' weights;
 * small generated images of 1 to 4 tiles and a multimodal data set of conversations about them, in the ShareGPT
   layout of torchtune's ``multimodal_chat_dataset`` (LLaVA's): each sample an image and a question and answer.
@@ -145,6 +146,23 @@ def qlora_tiny_llama3_2_vision(lora_attn_modules: list[str], **kwargs: Any) -> A
     return lora_tiny_llama3_2_vision(lora_attn_modules, quantize_base=True, **kwargs)
 
 
+OPEN_GATE = 0.5
+
+
+def open_gates(model: Any) -> int:
+    """Open the model's tanh gates (before each cross-attention layer and its MLP, and on the encoder's positional
+    embeddings) to :data:`OPEN_GATE`, as a trained model's are: torchtune builds them at 0, where the text ignores the
+    images and the LoRA adapters behind them get no gradient. Returns how many were opened."""
+    gates = [
+        module.scale if type(module).__name__ == "TanhGate" else module.gate
+        for module in model.modules()
+        if type(module).__name__ == "TanhGate" or isinstance(getattr(module, "gate", None), torch.nn.Parameter)
+    ]
+    for gate in gates:
+        torch.nn.init.constant_(gate, OPEN_GATE)
+    return len(gates)
+
+
 def hf_config() -> dict[str, Any]:
     """The Mllama ``config.json`` fields ``FullModelHFCheckpointer`` reads to convert the tiny model's weights."""
     layers = DECODER_ARGS["num_layers"]
@@ -263,6 +281,7 @@ def write_tiny_vision_assets(root: str | Path, seed: int = 0, num_samples: int =
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = tiny_llama3_2_vision()
+    open_gates(model)
     write_atomically(paths.model_dir / "model.safetensors", safetensors_save(hf_state_dict(model)))
     write_atomically(paths.model_dir / "config.json", (json.dumps(hf_config(), indent=2) + "\n").encode())
     return paths
