@@ -55,11 +55,6 @@ def savers(cfg: Any) -> list[str]:
     ]
 
 
-VISION_REASON = (
-    "multimodal: needs torchvision, and none for torch 2.13.0+cpu loads here (see above); estimate traces text decoders"
-)
-
-
 def traced(cfg: Any, seq_len: int, exact: bool = False) -> tuple[Any, Any]:
     """The config's method and its fake steps at ``seq_len`` tokens (``exact``: every layer traced)."""
     from adaptive_batching.estimate.prediction import trace_steps
@@ -99,7 +94,7 @@ def estimate_one(name: str, path: str, seq_len: int) -> dict[str, Any]:
         row.update(parameters(cfg, method))
     except BaseException as error:  # noqa: BLE001 - every failure becomes the row's reason
         reason = one_line(error).split(" Are you sure")[0][:200]
-        row["reason"] = VISION_REASON if "torchvision" in reason else reason
+        row["reason"] = reason
     return row
 
 
