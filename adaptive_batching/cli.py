@@ -4,6 +4,7 @@ the profiler, the batch plan and the estimate without training."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import shutil
@@ -245,6 +246,7 @@ def cmd_estimate(args: argparse.Namespace) -> int:
     inputs, method, objective = traced_parts(cfg)  # checked as the recipe checks them
     cache = OmegaConf.select(cfg, "adaptive_batching.cache_dir", default=None)
     worst = worst_case.WorstCase(args.seq_len, "--seq-len") if args.seq_len else worst_case_of(cfg, cache)
+    inputs = dataclasses.replace(inputs, images=worst.images)  # a vision data set's most images a sample (0: unread)
     try:
         estimate = estimate_max_micro_batch(
             inputs,
