@@ -555,10 +555,6 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
         "the suite itself; the target is checked to exist",
     ),
-    'make demo TORCH="torch==2.14.1"': (
-        "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
-        NO_NETWORK,
-    ),
     "make test TORCH_INDEX=https://download.pytorch.org/whl/cpu": (
         "tests/test_docs.py::test_the_two_readme_commands_are_makefile_targets",
         NO_NETWORK,
@@ -567,11 +563,11 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "tests/test_docs.py::test_the_readme_starts_with_the_two_commands_and_stays_short",
         "not run: the suite runs in the clone",
     ),
-    "pip install torch==2.13.0 --index-url https://download.pytorch.org/whl/cpu": (
+    "pip install torch==2.14.0 --index-url https://download.pytorch.org/whl/cpu": (
         "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
         NO_NETWORK,
     ),
-    "pip install torch==2.13.0": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
+    "pip install torch==2.14.0": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
     "pip install .": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
     "pip install wandb": ("tests/test_docs.py::test_every_pip_extra_a_page_installs_exists", NO_NETWORK),
     'pip install "adaptive-batching[bnb]"': (
@@ -589,6 +585,28 @@ RUN_BY: dict[str, tuple[str, str]] = {
         "use_maximum_batch_size and keep_global_batch",
     ),
     "adaptive-batching tiny-assets": ("tests/test_cli.py::test_tiny_assets", f"into {TINY}, 50 samples"),
+    # docs/vision.md
+    "tune run adaptive_lora_finetune --config llama3_2_vision/11B_lora_single_device use_maximum_batch_size=True": (
+        "tests/test_vision.py::test_a_stock_vision_config_by_name_trains_with_one_added_line",
+        "11B_full_single_device and 11B_qlora_single_device by name with that line, pointed at the tiny vision model "
+        "and assets by overrides (not run: the 11B weights; 32-token texts, one step)",
+    ),
+    'pip install "adaptive-batching[vision]"': (
+        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
+        NO_NETWORK,
+    ),
+    "cd /tmp && tune run adaptive_full_finetune --config tiny_vision_full": (
+        "tests/test_vision.py::grown",
+        "at its smallest size: 48-token texts, one step an epoch, a 32 MiB budget, in a temporary folder",
+    ),
+    "cd /tmp && tune run adaptive_lora_finetune --config tiny_vision_qlora": (
+        "tests/test_vision.py::test_the_shipped_lora_and_qlora_vision_configs_profile_and_train",
+        "at its smallest size: 32-token texts, one step, a 24 MiB budget",
+    ),
+    "adaptive-batching profile --config tiny_vision_full": (
+        "tests/test_vision.py::grown",
+        "the profile of that run (the recipe profiles before training), at its smallest size",
+    ),
     "cd /tmp && tune run adaptive_full_finetune --config tiny_full": (
         "tests/test_first_hour.py::demo",
         f"with {TINY} and a 96 MiB budget",
@@ -848,10 +866,6 @@ RUN_BY: dict[str, tuple[str, str]] = {
         f"with {TINY}: saved at 2 ranks, resumed at 1",
     ),
     # docs/estimates.md
-    "pip install --no-deps torchvision==0.28.0": (
-        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-        "not run: the page quotes it as the check that torchvision does not load here",
-    ),
     "python benchmarks/estimate_fidelity.py": (
         "tests/test_estimate_fidelity.py::test_every_row_names_each_key_once_and_a_real_source",
         "not run: it traces 15 published GPU set-ups (minutes each); its rows and the page section it writes are "
@@ -1127,10 +1141,6 @@ QUOTED_BY: dict[str, tuple[str, str]] = {
         "tests/test_docs.py::test_every_command_a_page_shows_is_run_by_a_named_test",
         "not produced: torchtune's message from an environment without this project; the recipes' module names are "
         "checked by test_every_command_in_the_docs_names_a_real_recipe_subcommand_and_config",
-    ),
-    "RuntimeError: operator torchvision::nms does not exist": (
-        "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
-        "not produced: torchvision is not installed here; the page quotes a manual check",
     ),
 }
 
