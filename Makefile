@@ -29,10 +29,10 @@ lint: install
 	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 
-# Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once; the 15
-# slowest tests are listed at the end.
+# Two workers, one test file each at a time: a file's shared recipe runs (module fixtures) run once; the longest
+# files first, in tests/conftest.py's order; the 15 slowest tests are listed at the end.
 test: install
-	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --durations=15
+	$(BIN)/pytest -q -p no:cacheprovider -n 2 --dist loadfile --no-loadscope-reorder --durations=15
 
 # Everything but the end-to-end and multi-process tests, for quick checks while developing.
 test-fast: install

@@ -80,6 +80,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="gradient accumulation steps (default: 1; vision: the stock config's)",
     )
+    p.add_argument(
+        "--vision-seq-len",
+        type=int,
+        default=VISION_SEQ_LEN,
+        help=f"vision objectives: the texts' tokenizer.max_seq_len (default {VISION_SEQ_LEN})",
+    )
     p.add_argument("--no-switch", action="store_true", help="skip the epoch-switch run")
     p.add_argument("--compile", action="store_true", help="both recipes with compile=True")
     p.add_argument("--together", action="store_true", help="each repeat's two runs at once, each on its own core")
@@ -88,13 +94,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=None, help="configs, runs and logs (default: a temporary folder)")
     p.add_argument("--assets", type=Path, default=None, help="tiny assets to use (default: written to the workdir)")
     args = p.parse_args(argv)
-    if min(args.steps, args.warmup, args.repeats, args.threads, args.accumulation or 1) < 1:
-        p.error("--steps, --warmup, --repeats, --threads and --accumulation must be positive")
+    if min(args.steps, args.warmup, args.repeats, args.threads, args.accumulation or 1, args.vision_seq_len) < 1:
+        p.error("--steps, --warmup, --repeats, --threads, --accumulation and --vision-seq-len must be positive")
     if args.together and len(os.sched_getaffinity(0)) < 2:
         p.error("--together needs 2 cores")
     args.ours, args.stock, args.config = OBJECTIVES[args.objective]
     args.vision = args.objective.startswith("vision")
-    args.batch, args.seq_len, args.dtype = (None, VISION_SEQ_LEN, "bf16") if args.vision else (BATCH, SEQ_LEN, "fp32")
+    args.batch, args.seq_len, args.dtype = (
+        (None, args.vision_seq_len, "bf16") if args.vision else (BATCH, SEQ_LEN, "fp32")
+    )
     if not args.vision:
         args.accumulation = args.accumulation or 1
     return args
@@ -161,7 +169,7 @@ def vision_overrides(args: argparse.Namespace) -> dict[str, Any]:
         "tokenizer.path": str(assets / "tokenizer" / "tokenizer.model"),
         "tokenizer.special_tokens_path": str(assets / "tokenizer" / "special_tokens.json"),
         "tokenizer.image_size": 56,
-        "tokenizer.max_seq_len": VISION_SEQ_LEN,
+        "tokenizer.max_seq_len": args.seq_len,
         "checkpointer.checkpoint_dir": str(args.assets / "vision" / "model"),
         "checkpointer.checkpoint_files": ["model.safetensors"],
         "dataset": {

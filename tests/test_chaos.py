@@ -155,13 +155,12 @@ def test_a_fault_then_resume_trains_every_step_once_with_the_uninterrupted_losse
         assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", first.stderr)
 
 
-# Each other objective once (LoRA DPO's kill and torchrun restart at 2 ranks: test_dpo_faults), on its tiny config as
+# Full DPO once more (LoRA DPO's kill and torchrun restart at 2 ranks: test_dpo_faults; KD's resume bit for bit against
+# stock: test_kd; QAT's across the switch of fake quantization: test_qat), on its tiny config as
 # the benchmark's --objective runs it, at 12 steps with a save
 # every 3: rank 0's optimizer step 5 runs out of memory (retried in place), then rank 0 is killed after step 5,
 # before it logs it; torchrun restarts both ranks from the save of step 3, and step 4 is trained and logged again.
-# QAT's fake quantization switches on after step 4 (a third of the steps), so the restart trains step 4 without it
-# and step 5 with it, as the uninterrupted run.
-OBJECTIVE_PLANS = {name: chaos.Plan(samples=48, save_every=3, objective=name) for name in ("full_dpo", "kd", "qat")}
+OBJECTIVE_PLANS = {name: chaos.Plan(samples=48, save_every=3, objective=name) for name in ("full_dpo",)}
 
 
 @pytest.mark.parametrize("objective", OBJECTIVE_PLANS)
@@ -180,12 +179,6 @@ def test_each_objective_resumes_a_kill_with_the_uninterrupted_losses(objective: 
     assert re.search(r"torchrun restart 1 of job \S+: resuming from \S+ \(optimizer step 3\)", piece)
     assert "Rank 0: finished at optimizer step 12" in piece and "Rank 1: finished at optimizer step 12" in piece
     samples_once_per_epoch(runs, objective, 3, plan.samples)
-    if objective == "qat":
-        assert plan.fake_quant_after == 4
-        whole = PIECES[f"reference-{objective}"][0]
-        for output in (whole.stdout + whole.stderr, piece):
-            assert "Step 4: fake quantization on" in output
-        assert "Step 3: fake quantization off, on from step 4" in piece  # the restart, at the save it resumed
 
 
 def running(stat: str) -> bool:

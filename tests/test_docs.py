@@ -588,8 +588,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
     # docs/vision.md
     "tune run adaptive_lora_finetune --config llama3_2_vision/11B_lora_single_device use_maximum_batch_size=True": (
         "tests/test_vision.py::test_a_stock_vision_config_by_name_trains_with_one_added_line",
-        "11B_full_single_device and 11B_qlora_single_device by name with that line, pointed at the tiny vision model "
-        "and assets by overrides (not run: the 11B weights; 32-token texts, one step)",
+        "11B_full_single_device by name with that line, pointed at the tiny vision model and assets by overrides (not "
+        "run: the 11B weights; 32-token texts, one step); test_the_profile_command_takes_a_stock_vision_config_by_name "
+        "profiles 11B_qlora_single_device so",
     ),
     'pip install "adaptive-batching[vision]"': (
         "tests/test_docs.py::test_every_pip_extra_a_page_installs_exists",
@@ -796,12 +797,13 @@ RUN_BY: dict[str, tuple[str, str]] = {
     "--publish": (
         "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
         "not run at --objective dpo (25 s of fresh processes the suite has no room for): the same script runs for "
-        "finetune and kd, and DPO's profile is test_dpo's",
+        "finetune, and DPO's profile is test_dpo's",
     ),
     "python benchmarks/profiler_whole_process_limit.py --objective kd --limit-gib 3.5 --start 64 --repeats 3 "
     "--publish": (
         "tests/test_benchmark_limit.py::test_profiler_whole_process_limit",
-        "smallest size: 1 repeat, no fresh process (--fresh-trials 0; the fresh process: the finetune case)",
+        "not run at --objective kd (23 s of fresh processes the suite has no room for since the vision tests): the "
+        "same script runs for finetune, and KD's profile with its teacher resident is test_kd's",
     ),
     "python benchmarks/recipe_vs_torchtune.py --objective kd --repeats 20 --steps 40 --no-switch --publish": (
         "tests/test_benchmarks.py::test_recipe_vs_torchtune_kd",
@@ -883,7 +885,8 @@ RUN_BY: dict[str, tuple[str, str]] = {
     **{
         f"python benchmarks/chaos.py --objective {objectives} --runs 20 --publish": (
             "tests/test_chaos.py::test_each_objective_resumes_a_kill_with_the_uninterrupted_losses",
-            "smallest size: each objective once, an OOM then a kill, two ranks",
+            "smallest size: full DPO once, an OOM then a kill, two ranks; the other objectives are the same script's, "
+            "their faults test_dpo_faults', test_kd's and test_qat's",
         )
         for objectives in ("lora_dpo,full_dpo,kd,qat", "kd,qat", "full_dpo", "qat")
     },

@@ -24,7 +24,7 @@ pytestmark = pytest.mark.e2e
 
 @pytest.fixture(scope="module")
 def parity(tmp_path_factory: pytest.TempPathFactory, vision_assets: Path) -> dict[str, tuple[dict, str]]:
-    """Each vision objective's figures and report: one run of each recipe, 2 steps of 2 x 2 samples."""
+    """Each vision objective's figures and report: one run of each recipe, 2 steps of 2 x 2 samples of 48 tokens."""
     out = {}
     for objective in OBJECTIVES:
         work = tmp_path_factory.mktemp(objective)
@@ -32,7 +32,8 @@ def parity(tmp_path_factory: pytest.TempPathFactory, vision_assets: Path) -> dic
         # fmt: off
         argv = [
             str(SCRIPT), "--objective", objective, "--steps", "1", "--warmup", "1", "--repeats", "1", "--no-switch",
-            "--accumulation", "2", "--assets", str(vision_assets), "--json", str(js), "--workdir", str(work / "work"),
+            "--accumulation", "2", "--vision-seq-len", "48", "--assets", str(vision_assets), "--json", str(js),
+            "--workdir", str(work / "work"),
         ]
         # fmt: on
         result = check(run_command("script", argv, cwd=work, timeout=300, fork_python=True))
