@@ -59,22 +59,6 @@ def test_estimate_stock_configs_full_trace(tmp_path: Path) -> None:
     assert f"| `{config}` | - | 3 of 4; 4 of 4 | {fast['micro_batch']} | {full['micro_batch']} |" in out
 
 
-def test_estimate_stock_configs(tmp_path: Path) -> None:
-    js = tmp_path / "estimates.json"
-    script(
-        "estimate_stock_configs.py",
-        "--only",
-        "llama3_2/1B_lora_single_device",
-        "--seq-len",
-        "256",
-        "--json",
-        str(js),
-        cwd=tmp_path,
-    )
-    (row,) = json.loads(js.read_text())["rows"]
-    assert row["config"] == "llama3_2/1B_lora_single_device" and row["micro_batch"]["80GiB/1"] >= 1
-
-
 @pytest.mark.parametrize(
     "args, says",
     [

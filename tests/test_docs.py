@@ -598,11 +598,11 @@ RUN_BY: dict[str, tuple[str, str]] = {
     ),
     "cd /tmp && tune run adaptive_full_finetune --config tiny_vision_full": (
         "tests/test_vision.py::grown",
-        "at its smallest size: 48-token texts, one step an epoch, a 32 MiB budget, in a temporary folder",
+        "at its smallest size: 48-token texts, one step an epoch, a 24 MiB budget, in a temporary folder",
     ),
     "cd /tmp && tune run adaptive_lora_finetune --config tiny_vision_qlora": (
         "tests/test_vision.py::test_the_shipped_lora_and_qlora_vision_configs_profile_and_train",
-        "at its smallest size: 32-token texts, one step, a 24 MiB budget",
+        "at its smallest size: 32-token texts, one step, a 16 MiB budget",
     ),
     "adaptive-batching profile --config tiny_vision_full": (
         "tests/test_vision.py::grown",
@@ -762,8 +762,9 @@ RUN_BY: dict[str, tuple[str, str]] = {
         PUBLISH + "; a 4-layer tiny config file in place of the two stock configs",
     ),
     "python benchmarks/estimate_stock_configs.py --seq-len 2048": (
-        "tests/test_benchmarks.py::test_estimate_stock_configs",
-        "smallest size: --only one config, 256 tokens",
+        "tests/test_benchmarks.py::test_estimate_stock_configs_full_trace",
+        "smallest size: --only a 4-layer tiny config file (its fast row beside the full trace's); the stock configs' "
+        "estimates: test_stock_configs and test_estimate_vision",
     ),
     "python benchmarks/growth_runs.py --assets /tmp/gb/assets --work /tmp/gb/full": (
         "tests/test_benchmarks.py::test_growth_runs",

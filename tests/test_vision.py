@@ -190,7 +190,7 @@ def grown(vision_assets: Path, runs: Path) -> subprocess.CompletedProcess:
             f"output_dir={runs / 'grown'}",
             *SHORT,
             "max_steps_per_epoch=1",
-            "adaptive_batching.memory_budget=32MiB",
+            "adaptive_batching.memory_budget=24MiB",
         ],
         cwd=runs,
     )
@@ -390,7 +390,7 @@ def test_the_shipped_lora_and_qlora_vision_configs_profile_and_train(
             "tokenizer.max_seq_len=32",
             "epochs=1",
             "max_steps_per_epoch=1",
-            "adaptive_batching.memory_budget=24MiB",
+            "adaptive_batching.memory_budget=16MiB",
         ],
         cwd=runs,
     )
