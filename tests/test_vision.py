@@ -300,10 +300,14 @@ def test_two_ranks_train_the_same_steps_as_one(reference: str, vision_assets: Pa
 
 
 # ------------------------------------------------------------------ the stock configs by name
-def stock_overrides(assets: Path, builder: str) -> list[str]:
-    """What points a stock vision config at the tiny assets: the model, the transform, the data, the weights."""
+def stock_overrides(assets: Path, builder: str, out: Path, budget: str) -> list[str]:
+    """What points a stock vision config at the tiny assets (the model, the transform, the data, the weights) and
+    its run at ``out``, profiled under ``budget``."""
     vision = TinyVisionPaths(assets)
     return [
+        f"output_dir={out}",
+        f"adaptive_batching.cache_dir={out}/cache",
+        f"adaptive_batching.memory_budget={budget}",
         f"model._component_=adaptive_batching.assets.tiny_vision.{builder}",
         f"model.image_size={TILE}",
         f"tokenizer.path={assets}/tokenizer/tokenizer.model",
@@ -334,10 +338,7 @@ def test_a_stock_vision_config_by_name_trains_with_one_added_line(vision_assets:
         "llama3_2_vision/11B_full_single_device",
         [
             "use_maximum_batch_size=True",
-            f"output_dir={out}",
-            f"adaptive_batching.cache_dir={out}/cache",
-            *stock_overrides(vision_assets, "tiny_llama3_2_vision"),
-            "adaptive_batching.memory_budget=14MiB",
+            *stock_overrides(vision_assets, "tiny_llama3_2_vision", out, "14MiB"),
         ],
         cwd=runs,
     )
@@ -358,10 +359,7 @@ def test_the_profile_command_takes_a_stock_vision_config_by_name(vision_assets: 
             "--config",
             "llama3_2_vision/11B_qlora_single_device",
             f"--json={out / 'profile.json'}",
-            f"output_dir={out}",
-            f"adaptive_batching.cache_dir={out}/cache",
-            *stock_overrides(vision_assets, "qlora_tiny_llama3_2_vision"),
-            "adaptive_batching.memory_budget=12MiB",
+            *stock_overrides(vision_assets, "qlora_tiny_llama3_2_vision", out, "12MiB"),
         ],
         cwd=runs,
     )

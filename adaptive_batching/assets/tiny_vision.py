@@ -153,10 +153,12 @@ def open_gates(model: Any) -> int:
     """Open the model's tanh gates (before each cross-attention layer and its MLP, and on the encoder's positional
     embeddings) to :data:`OPEN_GATE`, as a trained model's are: torchtune builds them at 0, where the text ignores the
     images and the LoRA adapters behind them get no gradient. Returns how many were opened."""
+    from torchtune.modules import TanhGate
+
     gates = [
-        module.scale if type(module).__name__ == "TanhGate" else module.gate
+        module.scale if isinstance(module, TanhGate) else module.gate
         for module in model.modules()
-        if type(module).__name__ == "TanhGate" or isinstance(getattr(module, "gate", None), torch.nn.Parameter)
+        if isinstance(module, TanhGate) or isinstance(getattr(module, "gate", None), torch.nn.Parameter)
     ]
     for gate in gates:
         torch.nn.init.constant_(gate, OPEN_GATE)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 from torchao.dtypes.nf4tensor import NF4Tensor, to_nf4
+from torchtune.modules.model_fusion import FusionLayer
 
 _WRAPPER = "_checkpoint_wrapped_module."  # torch's checkpoint_wrapper's submodule name
 
@@ -46,7 +47,7 @@ def quantize_into(
     as the model's ``load_state_dict`` reports them missing (inside activation checkpointing's wrapper too)."""
     rest = dict(state_dict)
     quantized: set[str] = set()
-    fused = [prefix + "." for prefix, module in model.named_modules() if type(module).__name__ == "FusionLayer"]
+    fused = [prefix + "." for prefix, module in model.named_modules() if isinstance(module, FusionLayer)]
     for name, param in list(model.named_parameters()):
         key = _state_dict_key(name.replace(_WRAPPER, ""), fused)
         if not isinstance(param, NF4Tensor) or key not in rest:
